@@ -1,0 +1,240 @@
+"""``EngineCore``: the scheduler and the backend, stepped together. No event loop, no sockets.
+
+A step is: schedule -> ``execute_model`` -> grammar bitmask -> ``sample_tokens`` -> apply aborts
+that arrived meanwhile -> ``update_from_output``. :meth:`EngineCore.step` runs it whole; the
+engine-core process runs :meth:`execute` in a worker thread so requests and aborts keep arriving
+while the model runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from engine_core._backends import load_backend
+from engine_core._protocol import EngineCoreOutputs, EngineCoreRequest, EngineStats, FinishedRequest
+from engine_core._request import Request, RequestStatus
+from engine_core._scheduler import Scheduler, SchedulerConfig
+from engine_core.abc import Backend, ModelRunnerOutput, SchedulerOutput
+from engine_core.config import EngineConfig
+from engine_core.errors import BackendError
+
+__all__ = ["EngineCore", "compute_num_kv_blocks"]
+
+logger = logging.getLogger(__name__)
+
+
+def compute_num_kv_blocks(config: EngineConfig, backend: Backend) -> int:
+    """Blocks that fit the backend's KV memory, checked against one ``max_model_len`` request."""
+    assert config.max_model_len is not None
+    bytes_per_block = backend.kv_cache_spec().bytes_per_block(config.block_size)
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    else:
+        memory = backend.available_kv_cache_memory()
+        if memory <= 0:
+            raise BackendError(
+                f"no memory is left for the KV cache ({memory} bytes available after the model)"
+            )
+        num_blocks = memory // bytes_per_block
+        needed = -(-config.max_model_len // config.block_size)
+        if num_blocks < needed:
+            feasible = num_blocks * config.block_size
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks ({feasible} tokens) but one request of "
+                f"max_model_len={config.max_model_len} needs {needed}; lower max_model_len to "
+                f"{feasible} or below, or give the KV cache more memory"
+            )
+    if num_blocks <= 0:
+        raise ValueError(f"num_kv_blocks must be > 0, got {num_blocks}")
+    return num_blocks
+
+
+class EngineCore:
+    """The engine: owns the backend and the scheduler and steps them."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        backend_cls: type[Backend] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.clock = clock
+        cls = backend_cls if backend_cls is not None else load_backend(config.backend)
+        backend = cls(config)
+        try:
+            config = config.resolved(model_max_len=backend.max_model_len())
+            self.num_kv_blocks = compute_num_kv_blocks(config, backend)
+            backend.initialize_kv_cache(self.num_kv_blocks)
+        except BaseException:
+            backend.close()
+            raise
+        self.backend = backend
+        self.config = config
+        assert config.max_model_len is not None and config.max_num_batched_tokens is not None
+        self.max_model_len: int = config.max_model_len
+        self.vocab_size = backend.vocab_size()
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len,
+                block_size=config.block_size,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                enable_prefix_caching=config.enable_prefix_caching,
+                scheduling_policy=config.scheduling_policy,
+            ),
+            self.num_kv_blocks,
+        )
+        self.num_steps = 0
+        self._rejected: list[FinishedRequest] = []
+        self._pending_aborts: list[str] = []
+        self._closed = False
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def validate_request(self, request: EngineCoreRequest) -> str | None:
+        """Why this engine cannot serve ``request``, or None."""
+        prompt = request.prompt_token_ids
+        if not prompt:
+            return "the prompt is empty"
+        if len(prompt) >= self.max_model_len:
+            return (
+                f"the prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len} "
+                "(at least one token must be generated)"
+            )
+        vocab = self.vocab_size
+        bad = [t for t in prompt if not (0 <= t < vocab)]
+        if bad:
+            return f"token ids {bad[:5]} are outside the vocabulary (size {vocab})"
+        bad_stop = [t for t in request.sampling_params.stop_token_ids or () if t >= vocab]
+        if bad_stop:
+            return f"stop_token_ids {bad_stop[:5]} are outside the vocabulary (size {vocab})"
+        return None
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue ``request``. A request this engine cannot serve ends at the next step with
+        finish_reason "error" and a message; a live duplicate id raises ``ValueError``."""
+        if not isinstance(request.request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request.request_id).__name__}")
+        problem = self.validate_request(request)
+        if problem is not None:
+            if request.request_id in self.scheduler.requests:
+                raise ValueError(f"request_id {request.request_id!r} is already in use")
+            self._rejected.append(FinishedRequest(request.request_id, "error", None, problem))
+            return
+        self.scheduler.add_request(
+            Request(
+                request.request_id,
+                request.prompt_token_ids,
+                request.sampling_params,
+                block_size=self.config.block_size,
+                arrival_time=request.arrival_time or self.clock(),
+                priority=request.priority,
+                eos_token_ids=tuple(request.eos_token_ids),
+                cache_salt=request.cache_salt,
+                hash_blocks=self.config.enable_prefix_caching,
+            )
+        )
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """End requests now; their blocks are freed at once. Unknown ids are ignored."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def defer_abort(self, request_id: str) -> None:
+        """Abort ``request_id`` once the step now executing has ended, before its outputs are
+        applied (the aborted request gets no more tokens)."""
+        self._pending_aborts.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._rejected)
+
+    # -- stepping -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput | None:
+        """First part of a step; None when there is nothing to run."""
+        if not self.scheduler.requests:
+            return None
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return None
+        return scheduler_output
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The blocking part of a step: forward pass, grammar bitmask, sampling."""
+        self.backend.execute_model(scheduler_output)
+        bitmask = self.grammar_bitmask(scheduler_output)
+        return self.backend.sample_tokens(bitmask)
+
+    def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> Any | None:
+        """The token bitmask of the batch's constrained requests (computed while the forward pass
+        runs); None when no request is constrained."""
+        return None
+
+    def finish_step(
+        self, scheduler_output: SchedulerOutput | None, runner_output: ModelRunnerOutput | None
+    ) -> EngineCoreOutputs:
+        """Last part of a step: deferred aborts, then the step's results."""
+        if self._pending_aborts:
+            aborts, self._pending_aborts = self._pending_aborts, []
+            self.abort_requests(aborts)
+        if scheduler_output is None or runner_output is None:
+            outputs = EngineCoreOutputs()
+        else:
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            self.num_steps += 1
+        if self._rejected:
+            outputs.finished.extend(self._rejected)
+            self._rejected = []
+        outputs.timestamp = self.clock()
+        return outputs
+
+    def step(self) -> EngineCoreOutputs:
+        """Run one whole step and return what it produced."""
+        scheduler_output = self.schedule()
+        runner_output = self.execute(scheduler_output) if scheduler_output is not None else None
+        return self.finish_step(scheduler_output, runner_output)
+
+    # -- control --------------------------------------------------------------------------------
+
+    def get_stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        kv = scheduler.kv
+        return EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            prefix_cache_hit_rate=kv.stats.hit_rate,
+            num_preemptions=scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            num_kv_blocks=kv.num_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
+        )
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
+
+    def profile(self, action: str) -> None:
+        if action not in ("start", "stop"):
+            raise ValueError(f"action must be 'start' or 'stop', got {action!r}")
+        self.backend.profile(action)  # type: ignore[arg-type]
+
+    def sleep(self, level: int = 1) -> None:
+        self.backend.sleep(level)
+
+    def wake_up(self) -> None:
+        self.backend.wake_up()
+
+    def close(self) -> None:
+        """Abort everything and close the backend (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.abort_requests(list(self.scheduler.requests))
+        self.backend.close()

@@ -1,0 +1,82 @@
+"""Messages between the front end and the engine core (msgspec structs; no pickle anywhere)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine_core.abc import TokenLogprobs
+from engine_core.sampling_params import SamplingParams
+
+__all__ = [
+    "EngineCoreOutputs",
+    "EngineCoreRequest",
+    "EngineInfo",
+    "EngineStats",
+    "FinishedRequest",
+]
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A tokenized request as the engine core receives it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0
+    eos_token_ids: list[int] = []
+    """EOS ids of the tokenizer and generation config; ignored with ``ignore_eos``."""
+    cache_salt: str | None = None
+
+
+class FinishedRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request that ended in this step (its last tokens, if any, are in the same message)."""
+
+    req_id: str
+    finish_reason: str
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Everything one step produced, in columns: one entry per request that got tokens."""
+
+    req_ids: list[str] = []
+    new_token_ids: list[list[int]] = []
+    finished: list[FinishedRequest] = []
+    logprobs: dict[str, list[TokenLogprobs]] = {}
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+    num_cached_tokens: dict[str, int] = {}
+    """Prefix-cache hit length of requests emitting their first tokens."""
+    timestamp: float = 0.0
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.req_ids or self.finished)
+
+
+class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of the engine's state and counters."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    """Fraction of KV blocks in use (0..1)."""
+    prefix_cache_hit_rate: float
+    """Hit tokens / queried tokens over all admitted requests."""
+    num_preemptions: int
+    num_steps: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What a started engine core reports to its client (the READY handshake)."""
+
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    backend: str

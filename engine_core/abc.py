@@ -1,0 +1,151 @@
+"""The backend contract: what a plugin author implements.
+
+A backend is a separately installed distribution that registers, in the entry-point group
+``engine_core.backends``, an object satisfying :class:`BackendProvider`. Discovery imports only
+that object, so it must be cheap (no torch import): it says whether the backend is usable here and
+loads the :class:`Backend` class on demand.
+
+The engine core drives a backend in this order:
+
+1. ``Backend(config)`` with the :class:`~engine_core.EngineConfig` (model, dtype,
+   ``backend_options``...);
+2. :meth:`Backend.kv_cache_spec` -> per-layer KV geometry, from which the core computes the bytes
+   of one block;
+3. :meth:`Backend.available_kv_cache_memory` -> bytes the backend can give to the KV cache;
+4. :meth:`Backend.initialize_kv_cache` with the number of blocks the core chose;
+5. each step, :meth:`Backend.execute_model` runs the forward pass of a
+   :class:`SchedulerOutput`, then :meth:`Backend.sample_tokens` (with the grammar bitmask when the
+   batch has constrained requests) returns a :class:`ModelRunnerOutput`; the split lets the core
+   compute the bitmask while the forward pass runs;
+6. control calls (:meth:`Backend.profile`, :meth:`Backend.sleep`, :meth:`Backend.wake_up`) and
+   finally :meth:`Backend.close`.
+
+``engine_core.testing`` holds a conformance suite any backend runs against itself.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+import msgspec
+
+from engine_core._scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine_core.config import EngineConfig
+
+__all__ = [
+    "Backend",
+    "BackendProvider",
+    "CachedRequestData",
+    "KVCacheSpec",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "SchedulerOutput",
+    "TokenLogprobs",
+]
+
+
+class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """KV geometry of the model: every layer is full attention with the same shape."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype_bytes: int
+
+    def page_size_bytes(self, block_size: int) -> int:
+        """Bytes of one block in one layer (K and V)."""
+        return 2 * block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """Bytes of one block across all layers."""
+        return self.num_layers * self.page_size_bytes(block_size)
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs at one position: the sampled (or prompt) token first, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    """1-based rank of each token in the distribution."""
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one step produced, in the batch order of its :class:`SchedulerOutput`."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    """Per request: the sampled token(s); an empty list for a partial prefill chunk."""
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+    """Per request, one entry per sampled token, for requests that asked for logprobs."""
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] | None = None
+    """Per request, one entry per prompt position computed this step (None for position 0)."""
+
+
+class Backend(abc.ABC):
+    """Runs the model. Implementations are synchronous; the core calls them from one thread at a
+    time (possibly not the main thread)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @abc.abstractmethod
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The KV geometry of the loaded model."""
+
+    @abc.abstractmethod
+    def available_kv_cache_memory(self) -> int:
+        """Bytes available for the KV cache after loading weights and a profiling pass."""
+
+    @abc.abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks of ``config.block_size`` tokens each."""
+
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Number of token ids the model accepts and produces."""
+
+    def max_model_len(self) -> int | None:
+        """The model's own context limit (None: unlimited)."""
+        return None
+
+    @abc.abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Run the forward pass of one step. Must be followed by :meth:`sample_tokens`."""
+
+    @abc.abstractmethod
+    def sample_tokens(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
+        """Sample from the last forward pass. ``grammar_bitmask`` (a numpy int32 array, one row
+        per constrained request of the batch) masks disallowed tokens when given."""
+
+    def profile(self, action: Literal["start", "stop"]) -> None:  # noqa: B027
+        """Start or stop a profiler; no-op by default."""
+
+    def sleep(self, level: int = 1) -> None:  # noqa: B027
+        """Release device memory while idle; no-op by default."""
+
+    def wake_up(self) -> None:  # noqa: B027
+        """Undo :meth:`sleep`; no-op by default."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release everything; called once."""
+
+
+@runtime_checkable
+class BackendProvider(Protocol):
+    """The cheap object an entry point names. Must not import heavy dependencies."""
+
+    name: str
+    install_hint: str
+    """What to install to make this backend usable, e.g. ``pip install engine-core-cuda``."""
+
+    def is_available(self) -> tuple[bool, str]:
+        """Whether the backend can run here, and why not (or a short description)."""
+        ...
+
+    def load(self) -> type[Backend]:
+        """Import and return the backend class."""
+        ...

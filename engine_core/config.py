@@ -1,0 +1,134 @@
+"""Engine configuration: one validated, serializable struct shared by every layer."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = ["EngineConfig"]
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def _positive(name: str, value: int | float | None, *, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Everything that configures one engine. All fields are keyword-only and validated.
+
+    ``max_model_len`` and ``max_num_batched_tokens`` left as None are resolved when the engine
+    starts (from the backend's model and ``max_model_len`` respectively).
+    """
+
+    model: str | None = None
+    """HF-format model directory, or None (the mock backend then uses a synthetic geometry)."""
+    tokenizer: str | None = None
+    """Tokenizer directory, ``"byte"`` for the built-in byte tokenizer, or None (= ``model``,
+    else ``"byte"``)."""
+    backend: str = "auto"
+    backend_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    """Override the number of KV blocks computed from the backend's free memory."""
+    kv_cache_memory_fraction: float = 0.9
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    multiprocess: bool | None = None
+    """Run the engine core in its own process. None: AsyncLLM does, LLM does not."""
+    engine_runtime: Literal["asyncio", "trio"] = "asyncio"
+    """Event loop of the engine-core process."""
+    step_timeout_s: float | None = None
+    """A step running longer than this is treated as the engine's death. None: no limit."""
+    startup_timeout_s: float = 300.0
+    max_queued_requests: int | None = None
+    seed: int = 0
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if self.engine_runtime not in ("asyncio", "trio"):
+            raise ValueError(
+                f"engine_runtime must be 'asyncio' or 'trio', got {self.engine_runtime!r}"
+            )
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"backend must be a non-empty name, got {self.backend!r}")
+        _positive("block_size", self.block_size, allow_none=False)
+        _positive("num_kv_blocks", self.num_kv_blocks)
+        _positive("max_model_len", self.max_model_len)
+        _positive("max_num_seqs", self.max_num_seqs, allow_none=False)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("step_timeout_s", self.step_timeout_s)
+        _positive("startup_timeout_s", self.startup_timeout_s, allow_none=False)
+        _positive("max_queued_requests", self.max_queued_requests)
+        _positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=False)
+        _positive("data_parallel_size", self.data_parallel_size, allow_none=False)
+        if not (0.0 < self.kv_cache_memory_fraction <= 1.0):
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}"
+            )
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0, "
+                f"got {self.long_prefill_token_threshold!r}"
+            )
+        if self.max_num_batched_tokens is not None:
+            if self.max_num_batched_tokens < self.max_num_seqs:
+                raise ValueError(
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                    f"max_num_seqs ({self.max_num_seqs})"
+                )
+            if (
+                not self.enable_chunked_prefill
+                and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len
+            ):
+                raise ValueError(
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                    f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is False"
+                )
+        if not isinstance(self.backend_options, dict):
+            raise TypeError(f"backend_options must be a dict, got {type(self.backend_options)}")
+
+    @property
+    def tokenizer_name(self) -> str:
+        """The tokenizer to load: ``tokenizer``, else ``model``, else ``"byte"``."""
+        return self.tokenizer or self.model or "byte"
+
+    def resolved(self, *, model_max_len: int | None) -> EngineConfig:
+        """A copy with ``max_model_len`` and ``max_num_batched_tokens`` filled in."""
+        max_model_len = self.max_model_len or model_max_len or DEFAULT_MAX_MODEL_LEN
+        if model_max_len is not None and max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the model's limit ({model_max_len})"
+            )
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = max(8192, self.max_num_seqs)
+            if not self.enable_chunked_prefill:
+                batched = max(batched, max_model_len)
+        return msgspec.structs.replace(
+            self, max_model_len=max_model_len, max_num_batched_tokens=batched
+        )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments, naming any unknown one."""
+        unknown = sorted(set(kwargs) - set(cls.__struct_fields__))
+        if unknown:
+            raise TypeError(f"unknown EngineConfig field(s): {', '.join(unknown)}")
+        return cls(**kwargs)
