@@ -250,6 +250,7 @@ class Scheduler:
                     num_hit_tokens,
                     num_new,
                     request.output_token_ids if resumed else [],
+                    list(request.eos_token_ids),
                 )
             )
             budget -= num_new

@@ -26,6 +26,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     num_scheduled_tokens: int
     output_token_ids: list[int] = []
     """Tokens generated before a preemption; the sequence is prompt + these."""
+    eos_token_ids: list[int] = []
+    """EOS ids that stop this request (empty with ``ignore_eos``). With
+    ``sampling_params.stop_token_ids`` they are masked until ``min_tokens`` tokens exist."""
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
