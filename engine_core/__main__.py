@@ -1,0 +1,5 @@
+import sys
+
+from engine_core.cli import main
+
+sys.exit(main())
