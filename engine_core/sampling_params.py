@@ -108,7 +108,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or ()))
         if self.seed == -1:
             self.seed = None
-        if self.logprobs is True:  # type: ignore[comparison-overlap]
+        if self.logprobs is True:
             self.logprobs = 1
         if isinstance(self.temperature, (int, float)) and (
             _GREEDY_EPS <= self.temperature < _MIN_TEMPERATURE

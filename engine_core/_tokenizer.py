@@ -1,0 +1,380 @@
+"""Tokenizers: the built-in byte tokenizer and HF ``tokenizer.json`` directories.
+
+A :class:`Tokenizer` turns text into token ids and back, and opens an :class:`IncrementalDecoder`
+per completion so generated text can be streamed one token at a time without re-decoding what
+came before and without splitting a multi-byte UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "ByteTokenizer",
+    "HFTokenizer",
+    "IncrementalDecoder",
+    "PromptInput",
+    "Tokenizer",
+    "load_tokenizer",
+    "parse_prompt",
+]
+
+PromptInput = str | Mapping[str, Any]
+"""A prompt: text, ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}`` (optionally both)."""
+
+
+class IncrementalDecoder(Protocol):
+    """Decodes one completion token by token; holds bytes of an unfinished UTF-8 character."""
+
+    def step(self, token_id: int) -> str:
+        """The text that ``token_id`` completes ("" when it completes nothing yet)."""
+        ...
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the front end needs from a tokenizer."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, special tokens included."""
+        ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Ids that end generation (tokenizer config and generation config merged)."""
+        ...
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def all_special_ids(self) -> frozenset[int]: ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, with the special tokens the tokenizer adds by itself."""
+        ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids``; unknown ids decode to nothing."""
+        ...
+
+    def decode_stream(
+        self, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> IncrementalDecoder:
+        """A decoder for the tokens generated after ``prompt_token_ids``."""
+        ...
+
+
+# -- byte tokenizer ----------------------------------------------------------------------------
+
+_ASCII = tuple(chr(b) for b in range(128))
+_BYTES = tuple(bytes((b,)) for b in range(256))
+
+
+class _ByteDecoder:
+    """Incremental UTF-8 decoding of byte tokens; ASCII bytes take a table lookup."""
+
+    __slots__ = ("_utf8", "_pending", "_skip_special")
+
+    def __init__(self, skip_special_tokens: bool) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._pending = False  # the UTF-8 decoder holds bytes of an unfinished character
+        self._skip_special = skip_special_tokens
+
+    def step(self, token_id: int) -> str:
+        if token_id < 128 and not self._pending:
+            return _ASCII[token_id] if token_id >= 0 else ""
+        if 0 <= token_id < 256:
+            text = self._utf8.decode(_BYTES[token_id])
+            self._pending = bool(self._utf8.getstate()[0])
+            return text
+        special = ByteTokenizer.SPECIAL_TEXT.get(token_id)
+        if special is None or self._skip_special:
+            return ""
+        # A special token ends any unfinished character: those bytes are invalid UTF-8.
+        text = self._utf8.decode(b"", final=True) + special if self._pending else special
+        self._utf8.reset()
+        self._pending = False
+        return text
+
+
+class ByteTokenizer:
+    """Ids 0-255 are the bytes of the UTF-8 text, 256 is BOS and 257 EOS.
+
+    ``encode`` adds no BOS: ``"abc"`` is ``[97, 98, 99]``.
+    """
+
+    BOS = 256
+    EOS = 257
+    SPECIAL_TEXT = {BOS: "<s>", EOS: "</s>"}
+
+    @property
+    def vocab_size(self) -> int:
+        return 258
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return (self.EOS,)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.BOS
+
+    @property
+    def all_special_ids(self) -> frozenset[int]:
+        return frozenset((self.BOS, self.EOS))
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        decoder = _ByteDecoder(skip_special_tokens)
+        text = "".join(decoder.step(t) for t in token_ids)
+        return text + decoder._utf8.decode(b"", final=True)
+
+    def decode_stream(
+        self, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> IncrementalDecoder:
+        # Byte tokens never merge across the prompt boundary, so the prompt is not needed.
+        return _ByteDecoder(skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+# -- HF tokenizers -----------------------------------------------------------------------------
+
+# Prompt tokens replayed into a fresh decoder so the first generated token decodes with the
+# right context (leading spaces, merges); a few are enough.
+_PRIME_TOKENS = 5
+# Tokens the window decoder keeps before dropping decoded history.
+_WINDOW_TRIM = 64
+
+
+class _StreamDecoder:
+    """``tokenizers.decoders.DecodeStream``: one native ``step`` per token."""
+
+    __slots__ = ("_tokenizer", "_skip_special", "_stream")
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip: bool) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip
+        self._stream = self._new_stream(list(prompt_token_ids[-_PRIME_TOKENS:]))
+
+    def _new_stream(self, prime: list[int]) -> Any:
+        from tokenizers.decoders import DecodeStream
+
+        try:
+            return DecodeStream(ids=prime, skip_special_tokens=self._skip_special)
+        except TypeError:  # tokenizers < 0.22: no priming argument
+            stream = DecodeStream(skip_special_tokens=self._skip_special)
+            for token_id in prime:
+                stream.step(self._tokenizer, token_id)
+            return stream
+
+    def step(self, token_id: int) -> str:
+        try:
+            text = self._stream.step(self._tokenizer, token_id)
+        except Exception:
+            # The stream rejects a prefix that no longer decodes the same way ("Invalid
+            # prefix"); start a fresh stream at this token.
+            self._stream = self._new_stream([])
+            try:
+                text = self._stream.step(self._tokenizer, token_id)
+            except Exception:
+                return ""
+        return text or ""
+
+
+class _WindowDecoder:
+    """Re-decodes a short window of trailing tokens (prefix/read offsets) for each new token."""
+
+    __slots__ = ("_tokenizer", "_skip_special", "_ids", "_prefix_offset", "_read_offset")
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip: bool) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip
+        self._ids = list(prompt_token_ids[-_PRIME_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def step(self, token_id: int) -> str:
+        ids = self._ids
+        ids.append(token_id)
+        decode = self._tokenizer.decode
+        skip = self._skip_special
+        prefix_text = decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+        new_text = decode(ids[self._prefix_offset :], skip_special_tokens=skip)
+        # A trailing U+FFFD means an unfinished UTF-8 character: wait for its next byte.
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(ids)
+        if self._prefix_offset > _WINDOW_TRIM:
+            del ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        return new_text[len(prefix_text) :]
+
+
+def _has_decode_stream() -> bool:
+    try:
+        from tokenizers.decoders import DecodeStream  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token from ``tokenizer_config.json``: a string or ``{"content": ...}``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (``tokenizers`` library) with its special tokens.
+
+    EOS ids merge ``tokenizer_config.json`` (``eos_token``) and ``generation_config.json``
+    (``eos_token_id``, an int or a list).
+    """
+
+    def __init__(self, directory: str | Path, *, use_decode_stream: bool | None = None) -> None:
+        path = Path(directory)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(
+                f"no tokenizer.json in {str(path)!r}: the tokenizer must be a directory holding "
+                "an HF tokenizer.json, or 'byte' for the built-in byte tokenizer"
+            )
+        try:
+            from tokenizers import Tokenizer as _HFTokenizer
+        except ImportError as exc:
+            raise ImportError(
+                f"loading the tokenizer in {str(path)!r} needs the 'tokenizers' library: "
+                "pip install 'engine-core[tokenizers]' (or pip install tokenizers)"
+            ) from exc
+        self.path = path
+        self._tokenizer = _HFTokenizer.from_file(str(tokenizer_file))
+        self._vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self._use_decode_stream = (
+            _has_decode_stream() if use_decode_stream is None else use_decode_stream
+        )
+        added = self._tokenizer.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        config = _read_json(path / "tokenizer_config.json")
+        generation = _read_json(path / "generation_config.json")
+        eos: list[int] = []
+        eos_text = _token_content(config.get("eos_token"))
+        if eos_text is not None and (eos_id := self._tokenizer.token_to_id(eos_text)) is not None:
+            eos.append(eos_id)
+        gen_eos = generation.get("eos_token_id")
+        for token_id in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
+            if isinstance(token_id, int) and token_id not in eos:
+                eos.append(token_id)
+        self._eos_token_ids = tuple(eos)
+        bos_text = _token_content(config.get("bos_token"))
+        bos = self._tokenizer.token_to_id(bos_text) if bos_text is not None else None
+        if bos is None and isinstance(generation.get("bos_token_id"), int):
+            bos = generation["bos_token_id"]
+        self._bos_token_id: int | None = bos
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_token_ids
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def all_special_ids(self) -> frozenset[int]:
+        return self._special_ids
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text).ids
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = [t for t in token_ids if 0 <= t < self._vocab_size]
+        text: str = self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+    def decode_stream(
+        self, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> IncrementalDecoder:
+        cls = _StreamDecoder if self._use_decode_stream else _WindowDecoder
+        return cls(self._tokenizer, prompt_token_ids, skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({str(self.path)!r})"
+
+
+def load_tokenizer(name: str) -> Tokenizer:
+    """``"byte"`` -> :class:`ByteTokenizer`; a directory -> :class:`HFTokenizer`.
+
+    Raises ``FileNotFoundError`` when the directory has no ``tokenizer.json`` and
+    ``ImportError`` (saying what to install) when the ``tokenizers`` library is missing.
+    """
+    if name == "byte":
+        return ByteTokenizer()
+    if not Path(name).is_dir():
+        raise FileNotFoundError(
+            f"tokenizer {name!r} is neither 'byte' nor a directory holding an HF tokenizer.json"
+        )
+    return HFTokenizer(name)
+
+
+def parse_prompt(prompt: PromptInput, tokenizer: Tokenizer | None) -> tuple[str | None, list[int]]:
+    """The text (if any) and token ids of one prompt.
+
+    Raises ``TypeError`` for anything but a string or a mapping with ``prompt`` and/or
+    ``prompt_token_ids``, and ``ValueError`` when text must be tokenized without a tokenizer.
+    """
+    if isinstance(prompt, str):
+        text: str | None = prompt
+        token_ids = None
+    elif isinstance(prompt, Mapping):
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        if unknown:
+            raise TypeError(f"unknown prompt key(s): {', '.join(map(str, unknown))}")
+        text = prompt.get("prompt")
+        token_ids = prompt.get("prompt_token_ids")
+        if text is None and token_ids is None:
+            raise TypeError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if text is not None and not isinstance(text, str):
+            raise TypeError(f"'prompt' must be a str, got {type(text).__name__}")
+    else:
+        raise TypeError(
+            "a prompt must be a str or a dict with 'prompt' or 'prompt_token_ids', "
+            f"got {type(prompt).__name__}"
+        )
+    if token_ids is not None:
+        if not isinstance(token_ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+        ):
+            raise TypeError("'prompt_token_ids' must be a list of ints")
+        return text, list(token_ids)
+    assert text is not None
+    if tokenizer is None:
+        raise ValueError("a text prompt needs a tokenizer; pass 'prompt_token_ids' instead")
+    return text, tokenizer.encode(text)
