@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import anyio
+import anyio.lowlevel
+
 from engine_core._client import UTILITY_METHODS, EngineCoreClient
 from engine_core._engine_core import EngineCore
 from engine_core._protocol import EngineCoreOutputs, EngineCoreRequest, EngineInfo
@@ -29,6 +32,11 @@ class InprocClient(EngineCoreClient):
             backend=config.backend,
         )
         self._closed = False
+        self._wakeup: anyio.Event | None = None
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -37,14 +45,27 @@ class InprocClient(EngineCoreClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         self._check_open()
         self.engine_core.add_request(request)
+        self._wake()
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self._check_open()
         self.engine_core.abort_requests(request_ids)
+        self._wake()
 
     def get_output(self) -> EngineCoreOutputs:
         self._check_open()
         return self.engine_core.step()
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """Wait until there is work, then run one step in the event loop's thread (steps of
+        the in-process engine are short; a checkpoint before each keeps the loop fair)."""
+        while not self.engine_core.has_work:
+            self._check_open()
+            self._wakeup = anyio.Event()
+            await self._wakeup.wait()
+        self._wakeup = None
+        await anyio.lowlevel.checkpoint()
+        return self.get_output()
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
@@ -55,9 +76,12 @@ class InprocClient(EngineCoreClient):
             raise ValueError(f"unknown utility method {method!r}")
         if method == "check_health":
             return None
-        return getattr(self.engine_core, method)(*args)
+        result = getattr(self.engine_core, method)(*args)
+        self._wake()
+        return result
 
     def shutdown(self) -> None:
         if not self._closed:
             self._closed = True
             self.engine_core.close()
+            self._wake()

@@ -179,6 +179,10 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def request_ids(self) -> list[str]:
+        """Internal ids of the requests in flight (parents once)."""
+        return list(self._requests)
+
     def add_request(
         self,
         request_id: str,

@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""End-to-end serving overhead through ``AsyncLLM``: zero-latency mock, byte tokenizer.
+
+- (a) throughput: 256 concurrent streams x 256 output tokens, DELTA, ``ignore_eos``;
+- (b) overhead: 1000 sequential requests of max_tokens 1, time from ``generate()`` to the first
+  output (p50, p99);
+- (c) under asyncio and trio, side by side; (d) engine core in its own process vs in-process.
+
+Usage: ``python bench/bench_serving.py [--json PATH] [--streams 256] [--tokens 256]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import anyio
+
+from engine_core import AsyncLLM, RequestOutputKind, SamplingParams
+from engine_core._machine import machine_line
+
+PROMPT = "The quick brown fox jumps"
+
+
+async def _throughput(engine: AsyncLLM, streams: int, tokens: int) -> float:
+    params = SamplingParams(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    counts = [0] * streams
+
+    async def one(i: int) -> None:
+        async for output in engine.generate(PROMPT, params):
+            counts[i] += len(output.outputs[0].token_ids)
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(streams):
+            tg.start_soon(one, i)
+    elapsed = time.perf_counter() - start
+    if sum(counts) != streams * tokens:
+        raise RuntimeError(f"expected {streams * tokens} tokens, got {sum(counts)}")
+    return sum(counts) / elapsed
+
+
+async def _first_output(engine: AsyncLLM, num: int) -> list[float]:
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []
+    for _ in range(num):
+        start = time.perf_counter()
+        async for _output in engine.generate(PROMPT, params):
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def run(runtime: str, multiprocess: bool, args: argparse.Namespace) -> dict[str, Any]:
+    async def main() -> dict[str, Any]:
+        async with AsyncLLM(
+            backend="mock", tokenizer="byte", multiprocess=multiprocess, max_num_seqs=args.streams
+        ) as engine:
+            await _first_output(engine, 20)  # warm up
+            tok_s = await _throughput(engine, args.streams, args.tokens)
+            first = await _first_output(engine, args.requests)
+        return {
+            "throughput_tok_s": tok_s,
+            "first_output_us": {
+                "p50": _pct(first, 0.5) * 1e6,
+                "p99": _pct(first, 0.99) * 1e6,
+                "mean": statistics.fmean(first) * 1e6,
+            },
+        }
+
+    result: dict[str, Any] = anyio.run(main, backend=runtime)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    print(machine_line(), flush=True)
+    print(
+        f"AsyncLLM, zero-latency mock, byte tokenizer: (a) {args.streams} streams x "
+        f"{args.tokens} tokens DELTA; (b) {args.requests} sequential max_tokens=1 requests"
+    )
+    results: dict[str, dict[str, Any]] = {}
+    for mode, multiprocess in (("multiprocess", True), ("in-process", False)):
+        for runtime in ("asyncio", "trio"):
+            results[f"{mode}/{runtime}"] = run(runtime, multiprocess, args)
+            r = results[f"{mode}/{runtime}"]
+            print(
+                f"{mode:<13} {runtime:<8} throughput {r['throughput_tok_s']:>10,.0f} tok/s   "
+                f"first output p50 {r['first_output_us']['p50']:>7.0f} us  "
+                f"p99 {r['first_output_us']['p99']:>7.0f} us",
+                flush=True,
+            )
+    if args.json:
+        mp = {k.split("/")[1]: v for k, v in results.items() if k.startswith("multiprocess")}
+        data = {
+            "machine": machine_line(),
+            "throughput_tok_s": {k: v["throughput_tok_s"] for k, v in mp.items()},
+            "first_output_us": {
+                k: {"p50": v["first_output_us"]["p50"], "p99": v["first_output_us"]["p99"]}
+                for k, v in mp.items()
+            },
+            "in_process": {k: v for k, v in results.items() if k.startswith("in-process")},
+        }
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=2)
+        print("wrote", args.json)
+
+
+if __name__ == "__main__":
+    main()
