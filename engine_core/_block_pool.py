@@ -138,12 +138,13 @@ class BlockPool:
         for _ in range(num_blocks):
             block = popleft()
             if block.key is not None:
-                self._evict(block)
+                self.uncache(block)
             block.ref_cnt = 1
             out.append(block)
         return out
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Take a registered block out of the prefix cache."""
         key = block.key
         assert key is not None
         if self.cached.get(key) is block:

@@ -55,9 +55,11 @@ class KVCacheManager:
         """The longest cached prefix of ``request`` (whole blocks) and its length in tokens.
 
         The last token is always recomputed, since its logits are needed: a fully cached 32-token
-        prompt with 16-token blocks hits 16 tokens, a 33-token one 32.
+        prompt with 16-token blocks hits 16 tokens, a 33-token one 32. A request that asks for
+        prompt logprobs gets no hits: cached positions would not be computed, so they would have
+        no logprobs.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_blocks = (len(request.all_token_ids) - 1) // self.block_size
         cached = self.pool.cached
@@ -116,6 +118,24 @@ class KVCacheManager:
             if blocks[i].key is None:
                 cache_block(blocks[i], keys[i])
         request.num_cached_blocks = num_full
+
+    def uncache_uncomputed(self, request: Request, num_computed_tokens: int) -> None:
+        """Take back the prefix-cache entries ``request`` registered for blocks that are not
+        full within its first ``num_computed_tokens`` tokens.
+
+        Blocks are registered when a step is scheduled, before the step computes them. A request
+        taken out of a step it was already scheduled in (preempted for another one) never
+        computes those tokens, so its blocks past that point must not serve prefix hits. They
+        are its own: hits only ever cover computed tokens, and nobody else holds them yet.
+        """
+        first = num_computed_tokens // self.block_size
+        if request.num_cached_blocks <= first:
+            return
+        uncache = self.pool.uncache
+        for block in request.blocks[first : request.num_cached_blocks]:
+            if block.key is not None:
+                uncache(block)
+        request.num_cached_blocks = first
 
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
         stats = self.stats

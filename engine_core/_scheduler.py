@@ -95,26 +95,33 @@ class Scheduler:
         self.waiting.add(request)
 
     def finish_requests(
-        self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+        self,
+        request_ids: str | Iterable[str],
+        status: RequestStatus = RequestStatus.FINISHED_ABORTED,
     ) -> list[Request]:
         """End live requests (an abort by default); unknown or finished ids are ignored."""
         if not status.is_finished:
             raise ValueError(f"status must be a finished status, got {status.name}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
         ended = []
         any_running = False
-        for request_id in request_ids:
-            request = self.requests.get(request_id)
-            if request is None:
-                continue
-            if request.status == _RUNNING:
-                any_running = True
-            else:
-                self.waiting.discard(request)
-            request.set_status(status)
-            self._free(request)
-            ended.append(request)
-        if any_running:
-            self.running = [r for r in self.running if r.status <= _PREEMPTED]
+        try:
+            for request_id in list(request_ids):  # a copy: may be a view of self.requests
+                request = self.requests.get(request_id)
+                if request is None:
+                    continue
+                was_running = request.status == _RUNNING
+                request.set_status(status)  # first: an invalid transition changes nothing
+                if was_running:
+                    any_running = True
+                else:
+                    self.waiting.discard(request)
+                self._free(request)
+                ended.append(request)
+        finally:
+            if any_running:
+                self.running = [r for r in self.running if r.status <= _PREEMPTED]
         return ended
 
     def _free(self, request: Request) -> None:
@@ -264,12 +271,15 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]  # the latest admitted
 
-    def _unschedule(self, victim: Request, scheduled: list[Request], cached: CachedRequestData) -> int:
+    def _unschedule(
+        self, victim: Request, scheduled: list[Request], cached: CachedRequestData
+    ) -> int:
         """Take back ``victim``'s place in this step's batch; returns its tokens to the budget."""
         if victim not in scheduled:
             return 0
         k = cached.req_ids.index(victim.request_id)
         num = cached.num_scheduled_tokens[k]
+        self.kv.uncache_uncomputed(victim, cached.num_computed_tokens[k])
         for column in (
             cached.req_ids,
             cached.new_block_ids,
@@ -340,8 +350,11 @@ class Scheduler:
             if status is not None:
                 request.set_status(status)
                 self._free(request)
-                out.finished.append(FinishedRequest(request_id, request.finish_reason or "stop",
-                                                    request.stop_reason))
+                out.finished.append(
+                    FinishedRequest(
+                        request_id, request.finish_reason or "stop", request.stop_reason
+                    )
+                )
                 any_finished = True
         if runner_output.prompt_logprobs:
             for request_id, entries in runner_output.prompt_logprobs.items():
@@ -357,8 +370,8 @@ class Scheduler:
         """Forget all cached prefixes. Fails (False) while requests hold blocks, unless
         ``reset_running_requests`` preempts them first (they resume from scratch, in order)."""
         if reset_running_requests:
-            for request in reversed(self.running):
+            for request in reversed(self.running):  # add_front: they end up in order
                 self._preempt(request)
-                self._preempted_req_ids.append(request.request_id)
+            self._preempted_req_ids.extend(r.request_id for r in self.running)
             self.running = []
         return self.kv.reset_prefix_cache()

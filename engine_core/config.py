@@ -11,11 +11,14 @@ __all__ = ["EngineConfig"]
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
-def _positive(name: str, value: int | float | None, *, allow_none: bool = True) -> None:
+def _positive(
+    name: str, value: int | float | None, *, allow_none: bool = True, integer: bool = False
+) -> None:
     if value is None and allow_none:
         return
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
+    kinds = int if integer else (int, float)
+    if not isinstance(value, kinds) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be {'an int ' if integer else ''}> 0, got {value!r}")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -67,16 +70,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             )
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"backend must be a non-empty name, got {self.backend!r}")
-        _positive("block_size", self.block_size, allow_none=False)
-        _positive("num_kv_blocks", self.num_kv_blocks)
-        _positive("max_model_len", self.max_model_len)
-        _positive("max_num_seqs", self.max_num_seqs, allow_none=False)
-        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("block_size", self.block_size, allow_none=False, integer=True)
+        _positive("num_kv_blocks", self.num_kv_blocks, integer=True)
+        _positive("max_model_len", self.max_model_len, integer=True)
+        _positive("max_num_seqs", self.max_num_seqs, allow_none=False, integer=True)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens, integer=True)
         _positive("step_timeout_s", self.step_timeout_s)
         _positive("startup_timeout_s", self.startup_timeout_s, allow_none=False)
-        _positive("max_queued_requests", self.max_queued_requests)
-        _positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=False)
-        _positive("data_parallel_size", self.data_parallel_size, allow_none=False)
+        _positive("max_queued_requests", self.max_queued_requests, integer=True)
+        _positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=False, integer=True)
+        _positive("data_parallel_size", self.data_parallel_size, allow_none=False, integer=True)
         if not (0.0 < self.kv_cache_memory_fraction <= 1.0):
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}"

@@ -61,6 +61,31 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError("structured_outputs.json must not be empty")
 
 
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_INT_FIELDS = ("n", "top_k", "min_tokens")
+_OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
+
+
+def _check_types(params: SamplingParams) -> None:
+    for name in _FLOAT_FIELDS:
+        value = getattr(params, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+    for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
+        value = getattr(params, name)
+        if value is None and name in _OPTIONAL_INT_FIELDS:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+
+
 def _check_range(name: str, value: float, lo: float, hi: float) -> None:
     if not (lo <= value <= hi):
         raise ValueError(f"{name} must be in [{lo}, {hi}], got {value!r}")
@@ -99,6 +124,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def __post_init__(self) -> None:
         self._normalize()
         self._validate()
+        if self.is_greedy:
+            # After validation, so an invalid top_p/top_k/min_p is reported even when greedy.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     def _normalize(self) -> None:
         if isinstance(self.stop, str):
@@ -108,17 +136,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or ()))
         if self.seed == -1:
             self.seed = None
-        if self.logprobs is True:
-            self.logprobs = 1
+        # A bool asks for the sampled token's logprob (True) or for none (False).
+        if isinstance(self.logprobs, bool):
+            self.logprobs = 1 if self.logprobs else None
+        if isinstance(self.prompt_logprobs, bool):
+            self.prompt_logprobs = 1 if self.prompt_logprobs else None
         if isinstance(self.temperature, (int, float)) and (
             _GREEDY_EPS <= self.temperature < _MIN_TEMPERATURE
         ):
             self.temperature = _MIN_TEMPERATURE
-        if isinstance(self.temperature, (int, float)) and self.temperature < _GREEDY_EPS:
-            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     def _validate(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
+        _check_types(self)
+        if self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if not math.isfinite(self.temperature):
             raise ValueError(f"temperature must be finite, got {self.temperature!r}")
@@ -127,7 +157,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(f"n must be 1 with greedy sampling (temperature=0), got n={self.n}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k!r}")
         _check_range("min_p", self.min_p, 0.0, 1.0)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)

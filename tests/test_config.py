@@ -1,0 +1,175 @@
+"""EngineConfig: defaults, validation naming the parameter, resolution, wire format."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from engine_core.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+
+
+def test_defaults() -> None:
+    c = EngineConfig()
+    assert c.model is None
+    assert c.tokenizer is None
+    assert c.backend == "auto"
+    assert c.backend_options == {}
+    assert c.block_size == 16
+    assert c.num_kv_blocks is None
+    assert c.kv_cache_memory_fraction == 0.9
+    assert c.max_model_len is None
+    assert c.max_num_seqs == 256
+    assert c.max_num_batched_tokens is None
+    assert c.enable_chunked_prefill is True
+    assert c.long_prefill_token_threshold == 0
+    assert c.enable_prefix_caching is True
+    assert c.scheduling_policy == "fcfs"
+    assert c.multiprocess is None
+    assert c.engine_runtime == "asyncio"
+    assert c.step_timeout_s is None
+    assert c.startup_timeout_s == 300.0
+    assert c.max_queued_requests is None
+    assert c.seed == 0
+    assert c.dtype == "auto"
+    assert c.tensor_parallel_size == 1
+    assert c.data_parallel_size == 1
+    assert c.tokenizer_name == "byte"
+
+
+def test_backend_options_are_not_shared() -> None:
+    a = EngineConfig()
+    a.backend_options["x"] = 1
+    assert EngineConfig().backend_options == {}
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("scheduling_policy", "lifo"),
+        ("engine_runtime", "uvloop"),
+        ("backend", ""),
+        ("block_size", 0),
+        ("block_size", -16),
+        ("block_size", True),
+        ("block_size", 16.5),
+        ("num_kv_blocks", 0),
+        ("max_model_len", 0),
+        ("max_model_len", -1),
+        ("max_num_seqs", 0),
+        ("max_num_batched_tokens", 0),
+        ("step_timeout_s", 0.0),
+        ("step_timeout_s", -1.0),
+        ("startup_timeout_s", 0),
+        ("max_queued_requests", 0),
+        ("tensor_parallel_size", 0),
+        ("data_parallel_size", 0),
+        ("kv_cache_memory_fraction", 0.0),
+        ("kv_cache_memory_fraction", 1.01),
+        ("long_prefill_token_threshold", -1),
+    ],
+)
+def test_invalid_value_names_the_parameter(name: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=rf"^{name} must"):
+        EngineConfig(**{name: value})
+
+
+def test_batched_tokens_must_cover_max_num_seqs() -> None:
+    with pytest.raises(
+        ValueError, match=r"^max_num_batched_tokens \(8\) must be >= max_num_seqs \(16\)"
+    ):
+        EngineConfig(max_num_seqs=16, max_num_batched_tokens=8)
+    assert EngineConfig(max_num_seqs=16, max_num_batched_tokens=16).max_num_batched_tokens == 16
+
+
+def test_without_chunked_prefill_a_whole_prompt_must_fit_a_step() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"^max_num_batched_tokens \(1024\) must be >= max_model_len \(2048\) when "
+        "enable_chunked_prefill is False",
+    ):
+        EngineConfig(enable_chunked_prefill=False, max_model_len=2048, max_num_batched_tokens=1024)
+    EngineConfig(enable_chunked_prefill=True, max_model_len=2048, max_num_batched_tokens=1024)
+    EngineConfig(enable_chunked_prefill=False, max_model_len=1024, max_num_batched_tokens=1024)
+
+
+def test_backend_options_must_be_a_dict() -> None:
+    with pytest.raises(TypeError, match="^backend_options must be a dict"):
+        EngineConfig(backend_options=[("a", 1)])  # type: ignore[arg-type]
+
+
+def test_tokenizer_name() -> None:
+    assert EngineConfig(model="/m").tokenizer_name == "/m"
+    assert EngineConfig(model="/m", tokenizer="/t").tokenizer_name == "/t"
+    assert EngineConfig(tokenizer="byte").tokenizer_name == "byte"
+
+
+def test_resolved_fills_in_lengths() -> None:
+    c = EngineConfig().resolved(model_max_len=None)
+    assert (c.max_model_len, c.max_num_batched_tokens) == (DEFAULT_MAX_MODEL_LEN, 8192)
+    c = EngineConfig().resolved(model_max_len=4096)
+    assert (c.max_model_len, c.max_num_batched_tokens) == (4096, 8192)
+    c = EngineConfig(max_num_seqs=10000).resolved(model_max_len=4096)
+    assert c.max_num_batched_tokens == 10000
+    c = EngineConfig(enable_chunked_prefill=False).resolved(model_max_len=32768)
+    assert (c.max_model_len, c.max_num_batched_tokens) == (32768, 32768)
+    c = EngineConfig(max_model_len=1000, max_num_batched_tokens=512).resolved(model_max_len=4096)
+    assert (c.max_model_len, c.max_num_batched_tokens) == (1000, 512)
+
+
+def test_resolved_rejects_what_the_model_cannot_do() -> None:
+    with pytest.raises(
+        ValueError, match=r"max_model_len \(8192\) exceeds the model's limit \(2048"
+    ):
+        EngineConfig(max_model_len=8192).resolved(model_max_len=2048)
+    # Resolution validates again: an explicit budget below the resolved length is rejected.
+    with pytest.raises(ValueError, match="^max_num_batched_tokens .* when enable_chunked_prefill"):
+        EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=1024).resolved(
+            model_max_len=None
+        )
+
+
+def test_from_kwargs() -> None:
+    assert EngineConfig.from_kwargs(max_num_seqs=8).max_num_seqs == 8
+    with pytest.raises(TypeError, match="unknown EngineConfig field.*: max_seqs, tp"):
+        EngineConfig.from_kwargs(max_seqs=8, tp=2)
+
+
+def test_msgpack_round_trip() -> None:
+    c = EngineConfig(
+        model="/models/m",
+        tokenizer="byte",
+        backend="mock",
+        backend_options={"latency": {"per_step_s": 0.001}, "vocab_size": 512},
+        block_size=32,
+        num_kv_blocks=100,
+        kv_cache_memory_fraction=0.5,
+        max_model_len=4096,
+        max_num_seqs=8,
+        max_num_batched_tokens=4096,
+        enable_chunked_prefill=False,
+        long_prefill_token_threshold=64,
+        enable_prefix_caching=False,
+        scheduling_policy="priority",
+        multiprocess=True,
+        engine_runtime="trio",
+        step_timeout_s=30.0,
+        max_queued_requests=1000,
+        seed=7,
+        dtype="bfloat16",
+    )
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(c), type=EngineConfig)
+    assert decoded == c
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(EngineConfig()), type=EngineConfig) == (
+        EngineConfig()
+    )
+
+
+def test_decoding_validates() -> None:
+    with pytest.raises(msgspec.ValidationError, match="scheduling_policy"):
+        msgspec.msgpack.decode(
+            msgspec.msgpack.encode({"scheduling_policy": "lifo"}), type=EngineConfig
+        )
+    with pytest.raises(msgspec.ValidationError, match="max_num_seqs must be an int > 0"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"max_num_seqs": 0}), type=EngineConfig)

@@ -1,0 +1,256 @@
+"""The layering table of DESIGN.md, checked on the source (imports parsed, nothing imported).
+
+- The pure engine logic (request, block pool, block keys, KV cache manager, queues, scheduler,
+  scheduler output) imports no event loop, socket or tensor library, directly or through the
+  engine_core modules it imports.
+- Nothing in engine_core imports torch, triton or cupy; numpy only lazily inside a function and
+  guarded against its absence.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "engine_core"
+
+PURE_MODULES = [
+    "engine_core._request",
+    "engine_core._block_pool",
+    "engine_core._block_hash",
+    "engine_core._kv_cache_manager",
+    "engine_core._request_queue",
+    "engine_core._scheduler",
+    "engine_core._scheduler_output",
+]
+PURE_FORBIDDEN = {"anyio", "zmq", "torch", "trio", "asyncio", "sniffio", "triton", "cupy"}
+NEVER_IMPORTED = {"torch", "triton", "cupy"}
+LAZY_ONLY = {"numpy"}
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str
+    """The absolute dotted name imported (for ``from a import b``: ``a`` and ``a.b``)."""
+    line: int
+    in_function: bool
+    guarded: bool
+    """Inside a ``try`` whose handlers catch ImportError (or broader)."""
+    type_checking_only: bool
+
+
+def _module_path(module: str) -> Path | None:
+    parts = module.split(".")
+    if parts[0] != "engine_core":
+        return None
+    base = PACKAGE.joinpath(*parts[1:])
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _catches_import_error(node: ast.Try) -> bool:
+    for handler in node.handlers:
+        if handler.type is None:
+            return True
+        names = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+        for name in names:
+            if isinstance(name, ast.Name) and name.id in (
+                "ImportError",
+                "ModuleNotFoundError",
+                "Exception",
+                "BaseException",
+            ):
+                return True
+    return False
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    if node.level == 0:
+        return node.module or ""
+    parts = module.split(".")
+    if not is_package:
+        parts = parts[:-1]
+    parts = parts[: len(parts) - (node.level - 1)]
+    return ".".join(parts + ([node.module] if node.module else []))
+
+
+def imports_of(module: str, path: Path | None = None) -> list[Import]:
+    """The imports in ``module``'s source (read from ``path`` when given)."""
+    path = path or _module_path(module)
+    assert path is not None, module
+    tree = ast.parse(path.read_text(), str(path))
+    found: list[Import] = []
+
+    def visit(node: ast.AST, in_function: bool, guarded: bool, type_checking: bool) -> None:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.append(Import(alias.name, node.lineno, in_function, guarded, type_checking))
+            return
+        if isinstance(node, ast.ImportFrom):
+            base = _resolve(node, module, path.name == "__init__.py")
+            found.append(Import(base, node.lineno, in_function, guarded, type_checking))
+            for alias in node.names:
+                found.append(
+                    Import(f"{base}.{alias.name}", node.lineno, in_function, guarded, type_checking)
+                )
+            return
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            in_function = True
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, in_function, guarded, True)
+            for child in node.orelse:
+                visit(child, in_function, guarded, type_checking)
+            return
+        if isinstance(node, ast.Try) and _catches_import_error(node):
+            for child in node.body:
+                visit(child, in_function, True, type_checking)
+            for child in node.handlers + node.orelse + node.finalbody:
+                visit(child, in_function, guarded, type_checking)
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_function, guarded, type_checking)
+
+    visit(tree, False, False, False)
+    return found
+
+
+def runtime_closure(module: str) -> dict[str, list[str]]:
+    """Every module imported when ``module`` runs its top level (engine_core modules followed
+    transitively), mapped to one import chain that reaches it.
+
+    The package's ``__init__`` (the public surface, a higher layer) is not followed; importing
+    the whole package is checked at run time by the subprocess test below.
+    """
+    chains: dict[str, list[str]] = {module: [module]}
+    todo = [module]
+    while todo:
+        current = todo.pop()
+        for imp in imports_of(current):
+            if imp.in_function or imp.type_checking_only:
+                continue
+            name = imp.module
+            if name.split(".")[0] == "engine_core" and _module_path(name) is None:
+                continue  # ``from engine_core.x import name`` where name is not a module
+            if name in chains:
+                continue
+            chains[name] = chains[current] + [name]
+            if _module_path(name) is not None:
+                todo.append(name)
+    return chains
+
+
+def all_package_modules() -> list[str]:
+    modules = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules.append(".".join(parts))
+    return modules
+
+
+# -- the checker itself --------------------------------------------------------------------------
+
+
+def test_checker_sees_imports_the_way_python_runs_them(tmp_path: Path) -> None:
+    source = """
+from __future__ import annotations
+import json
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:
+    import anyio
+try:
+    import numpy as np
+except ImportError:
+    np = None
+def f():
+    import torch
+    try:
+        import numpy
+    except ModuleNotFoundError:
+        pass
+"""
+    probe = tmp_path / "probe.py"
+    probe.write_text(source)
+    found = {
+        (i.module, i.in_function, i.guarded, i.type_checking_only)
+        for i in imports_of("engine_core.probe", probe)
+    }
+    assert ("json", False, False, False) in found
+    assert ("anyio", False, False, True) in found
+    assert ("numpy", False, True, False) in found
+    assert ("torch", True, False, False) in found
+    assert ("numpy", True, True, False) in found
+
+
+def test_closure_follows_engine_core_imports() -> None:
+    chains = runtime_closure("engine_core._scheduler")
+    # The scheduler reaches the sampling parameters through the scheduler output.
+    assert "engine_core.sampling_params" in chains
+    assert "engine_core._block_pool" in chains
+    assert "msgspec" in chains
+    assert "xxhash" in chains
+    # Imports only under TYPE_CHECKING are not followed.
+    assert "engine_core.config" not in chains
+
+
+# -- the rules ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_pure_engine_logic_imports_no_event_loop_sockets_or_tensors(module: str) -> None:
+    bad = {
+        name: chain
+        for name, chain in runtime_closure(module).items()
+        if name.split(".")[0] in PURE_FORBIDDEN
+    }
+    assert bad == {}, "forbidden imports (with the chain reaching them): " + "; ".join(
+        " -> ".join(chain) for chain in bad.values()
+    )
+
+
+def test_package_never_imports_torch_triton_or_cupy() -> None:
+    offenders = [
+        f"{module}:{imp.line} imports {imp.module}"
+        for module in all_package_modules()
+        for imp in imports_of(module)
+        if imp.module.split(".")[0] in NEVER_IMPORTED
+    ]
+    assert offenders == []
+
+
+def test_numpy_only_lazily_and_guarded() -> None:
+    offenders = [
+        f"{module}:{imp.line} imports {imp.module}"
+        for module in all_package_modules()
+        for imp in imports_of(module)
+        if imp.module.split(".")[0] in LAZY_ONLY
+        and not imp.type_checking_only
+        and not (imp.in_function and imp.guarded)
+    ]
+    assert offenders == []
+
+
+def test_importing_the_package_and_the_scheduler_loads_no_torch_or_zmq() -> None:
+    code = (
+        "import engine_core, engine_core._scheduler, sys; "
+        "bad = [m for m in ('torch', 'zmq', 'triton', 'cupy') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
