@@ -216,10 +216,9 @@ class AsyncLLM:
             return
         engine_ids = processor.abort_request(request_id)
         if engine_ids and self._dead is None and not self._closed:
-            try:
+            # A dead or closed engine holds no requests.
+            with contextlib.suppress(EngineError):
                 client.abort_requests(engine_ids)
-            except EngineError:
-                pass  # a dead or closed engine holds no requests
 
     async def abort(self, request_id: str) -> None:
         """Abort every request with this id (all ``n`` completions of it)."""

@@ -28,7 +28,9 @@ def _engine(multiprocess: bool = True, **kwargs: Any) -> AsyncLLM:
     return AsyncLLM(backend="mock", tokenizer="byte", multiprocess=multiprocess, **kwargs)
 
 
-async def _collect(engine: AsyncLLM, prompt: str, params: SamplingParams, **kw: Any) -> list[RequestOutput]:
+async def _collect(
+    engine: AsyncLLM, prompt: str, params: SamplingParams, **kw: Any
+) -> list[RequestOutput]:
     return [out async for out in engine.generate(prompt, params, **kw)]
 
 
@@ -89,9 +91,7 @@ async def test_100_concurrent_with_10_cancelled() -> None:
 async def test_delta_concatenates_to_cumulative_and_slow_consumer_sees_everything() -> None:
     async with _engine(backend_options={"latency": {"step_s": 0.001}}) as engine:
         cumulative = await _collect(engine, "A", SamplingParams(max_tokens=40, **GREEDY))
-        delta_params = SamplingParams(
-            max_tokens=40, output_kind=RequestOutputKind.DELTA, **GREEDY
-        )
+        delta_params = SamplingParams(max_tokens=40, output_kind=RequestOutputKind.DELTA, **GREEDY)
         deltas = await _collect(engine, "A", delta_params)
         slow: list[RequestOutput] = []
         async for out in engine.generate("A", delta_params):
@@ -139,7 +139,9 @@ async def test_abort_by_user_id_reaches_all_children_and_ids_can_be_reused() -> 
         assert outs[-1].finished
         assert {c.finish_reason for c in outs[-1].outputs} == {"abort"}
         assert await _wait_idle(engine)
-        again = await _collect(engine, "abc", SamplingParams(max_tokens=2, **GREEDY), request_id="same")
+        again = await _collect(
+            engine, "abc", SamplingParams(max_tokens=2, **GREEDY), request_id="same"
+        )
         assert again[-1].request_id == "same" and again[-1].outputs[0].text == "de"
 
 
@@ -194,7 +196,9 @@ async def test_pause_keep_freezes_and_queues() -> None:
         late: list[RequestOutput] = []
 
         async def consume(sink: list[RequestOutput], max_tokens: int) -> None:
-            async for out in engine.generate("abc", SamplingParams(max_tokens=max_tokens, **GREEDY)):
+            async for out in engine.generate(
+                "abc", SamplingParams(max_tokens=max_tokens, **GREEDY)
+            ):
                 sink.append(out)
 
         async with anyio.create_task_group() as tg:
@@ -284,10 +288,12 @@ async def test_closing_aborts_in_flight_streams() -> None:
         async for out in engine.generate("abc", SamplingParams(max_tokens=5000, **GREEDY)):
             outs.append(out)
 
-    async with anyio.create_task_group() as tg:
-        async with _engine(backend_options={"latency": {"step_s": 0.001}}) as engine:
-            tg.start_soon(consume, engine)
-            with anyio.fail_after(5):
-                while not outs:
-                    await anyio.sleep(0.005)
+    async with (
+        anyio.create_task_group() as tg,
+        _engine(backend_options={"latency": {"step_s": 0.001}}) as engine,
+    ):
+        tg.start_soon(consume, engine)
+        with anyio.fail_after(5):
+            while not outs:
+                await anyio.sleep(0.005)
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
