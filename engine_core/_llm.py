@@ -10,7 +10,7 @@ from typing import Any
 
 from engine_core._inproc_client import InprocClient
 from engine_core._output_processor import OutputProcessor
-from engine_core._protocol import EngineStats
+from engine_core._protocol import EngineInfo, EngineStats
 from engine_core._tokenizer import PromptInput, Tokenizer, load_tokenizer, parse_prompt
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineClosedError, EngineError
@@ -131,6 +131,15 @@ class LLM:
             # The error being raised matters more than a failure to clean up after it.
             with contextlib.suppress(EngineError):
                 self._client.abort_requests(engine_ids)
+
+    @property
+    def info(self) -> EngineInfo:
+        """What the engine core reported at startup (blocks, block size, max_model_len...)."""
+        return self._client.info
+
+    @property
+    def vocab_size(self) -> int:
+        return self._client.info.vocab_size
 
     def get_tokenizer(self) -> Tokenizer:
         """The tokenizer prompts are encoded and outputs decoded with."""
