@@ -100,6 +100,7 @@ class Request:
         "num_cached_blocks",
         "num_cached_tokens",
         "num_preemptions",
+        "num_prompt_logprobs_sent",
         "_first_block_extra",
         "_block_size",
         "_hash_blocks",
@@ -140,6 +141,7 @@ class Request:
         self.num_cached_blocks = 0
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        self.num_prompt_logprobs_sent = 0
         self._block_size = block_size
         self._hash_blocks = hash_blocks
         self._first_block_extra = extra_key_bytes(cache_salt)

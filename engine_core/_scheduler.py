@@ -18,7 +18,7 @@ from engine_core._protocol import EngineCoreOutputs, FinishedRequest
 from engine_core._request import Request, RequestStatus
 from engine_core._request_queue import make_queue
 from engine_core._scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from engine_core.abc import ModelRunnerOutput
+from engine_core.abc import ModelRunnerOutput, TokenLogprobs
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
@@ -207,11 +207,14 @@ class Scheduler:
 
         total = config.max_num_batched_tokens - budget
         self._scheduled = scheduled
+        self._preempted_req_ids.extend(r.request_id for r in preempted)
+        if total == 0:
+            # Nothing runs this step: the backend hears of the ended and preempted requests with
+            # the next step that does.
+            return SchedulerOutput(new_reqs, cached, 0)
         finished_ids, self._finished_req_ids = self._finished_req_ids, []
         preempted_ids, self._preempted_req_ids = self._preempted_req_ids, []
-        return SchedulerOutput(
-            new_reqs, cached, total, finished_ids, preempted_ids + [r.request_id for r in preempted]
-        )
+        return SchedulerOutput(new_reqs, cached, total, finished_ids, preempted_ids)
 
     def _schedule_waiting(
         self, budget: int, scheduled: list[Request], new_reqs: list[NewRequestData]
@@ -357,12 +360,32 @@ class Scheduler:
                 )
                 any_finished = True
         if runner_output.prompt_logprobs:
-            for request_id, entries in runner_output.prompt_logprobs.items():
-                if request_id in self.requests or request_id in out.num_cached_tokens:
-                    out.prompt_logprobs[request_id] = entries
+            self._add_prompt_logprobs(scheduled, runner_output.prompt_logprobs, out)
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return out
+
+    @staticmethod
+    def _add_prompt_logprobs(
+        scheduled: list[Request],
+        prompt_logprobs: dict[str, list[TokenLogprobs | None]],
+        out: EngineCoreOutputs,
+    ) -> None:
+        """Forward prompt logprobs once per position: a request preempted during its prefill
+        recomputes positions whose logprobs were already sent."""
+        by_id = {r.request_id: r for r in scheduled if r.status != RequestStatus.FINISHED_ABORTED}
+        for request_id, entries in prompt_logprobs.items():
+            request = by_id.get(request_id)
+            if request is None or not entries:
+                continue
+            end = min(request.num_computed_tokens, request.num_prompt_tokens)
+            start = end - len(entries)
+            skip = request.num_prompt_logprobs_sent - start
+            if skip > 0:
+                entries = entries[skip:]
+            if entries:
+                out.prompt_logprobs[request_id] = entries
+                request.num_prompt_logprobs_sent = end
 
     # -- control --------------------------------------------------------------------------------
 

@@ -659,9 +659,18 @@ def test_abort_is_idempotent_and_ignores_unknown_ids() -> None:
     assert scheduler.finish_requests(["a"]) == []
     assert scheduler.finish_requests(["nope"]) == []
     assert scheduler.finish_requests("a") == []
+    # A step that runs nothing holds the ended ids back for the next step that runs.
+    output = scheduler.schedule()
+    assert output.total_num_scheduled_tokens == 0 and output.finished_req_ids == []
+    add(scheduler, make_request("b"))
     output = scheduler.schedule()
     assert output.finished_req_ids == ["a"]
+    assert [r.req_id for r in output.new_reqs] == ["b"]
+    scheduler.finish_requests(["b"])
     assert scheduler.schedule().finished_req_ids == []
+    add(scheduler, make_request("c"))
+    assert scheduler.schedule().finished_req_ids == ["b"]
+    scheduler.finish_requests(["c"])
     assert_no_leak(scheduler)
 
 
@@ -796,8 +805,12 @@ def test_memory_leak() -> None:
     assert scheduler.requests == {}
     assert scheduler.num_waiting == 0
     assert scheduler.running == []
-    assert scheduler.schedule().finished_req_ids == [str(i) for i in range(5)]
+    assert_no_leak(scheduler)
+    # The last step's ended ids reach the backend with the next step that runs.
     assert scheduler.schedule().finished_req_ids == []
+    add(scheduler, make_request("next", 10))
+    assert scheduler.schedule().finished_req_ids == [str(i) for i in range(5)]
+    scheduler.finish_requests(["next"])
     assert_no_leak(scheduler)
 
 
@@ -816,3 +829,33 @@ def test_wire_types_round_trip() -> None:
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(outputs), type=EngineCoreOutputs) == (
         outputs
     )
+
+
+def test_prompt_logprobs_reach_the_front_end_once_per_position_across_a_preemption() -> None:
+    """A request preempted in the middle of its prefill recomputes positions whose prompt
+    logprobs were already delivered; the scheduler forwards each position once."""
+    scheduler = make_scheduler(max_num_batched_tokens=32, num_blocks=100)
+    a = make_request("a", 48, prompt_logprobs=1)
+    add(scheduler, a)
+    delivered: list[int] = []
+
+    def entries(output: SchedulerOutput) -> ModelRunnerOutput:
+        counts = num_scheduled(output)
+        start = a.num_computed_tokens - counts["a"]  # schedule() advanced it already
+        end = min(a.num_computed_tokens, a.num_prompt_tokens)
+        lps = [TokenLogprobs([p], [-float(p)], [1]) for p in range(start, end)]
+        mro = runner_output(scheduler, output)
+        mro.prompt_logprobs = {"a": lps}
+        return mro
+
+    output = scheduler.schedule()
+    assert num_scheduled(output) == {"a": 32}
+    out = scheduler.update_from_output(output, entries(output))
+    delivered += [e.token_ids[0] for e in out.prompt_logprobs["a"]]
+    scheduler.reset_prefix_cache(reset_running_requests=True)  # preempts "a"
+    while a.num_computed_tokens < a.num_prompt_tokens or not a.output_token_ids:
+        output = scheduler.schedule()
+        out = scheduler.update_from_output(output, entries(output))
+        delivered += [e.token_ids[0] for e in out.prompt_logprobs.get("a", [])]
+    assert delivered == list(range(48))
+    assert a.num_preemptions == 1

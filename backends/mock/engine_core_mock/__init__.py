@@ -1,0 +1,51 @@
+"""engine-core-mock: a deterministic CPU backend for engine-core.
+
+For CI, scheduler benchmarks, fault-injection tests and capacity planning. Use it with
+``EngineConfig(backend="mock")``; the entry point ``mock`` in the group ``engine_core.backends``
+names :data:`engine_core_mock._provider.provider`, which imports nothing heavy.
+
+Tokens (``vocab_size`` V):
+
+- greedy (``temperature`` < 1e-5): the next token is ``(previous token + 1) % V``, counting up
+  from the last token of the sequence (with the byte tokenizer ``"abc"`` continues ``"defg"``);
+- otherwise: ``xxh3_64(seed, token history) % V``, where the seed is ``SamplingParams.seed`` or
+  is derived from ``EngineConfig.seed`` and the request id; identical across runs, processes and
+  batch compositions. ``top_p``, ``top_k``, ``min_p`` and penalties are ignored;
+- while a request has fewer than ``min_tokens`` outputs its EOS and ``stop_token_ids`` are
+  masked, and a grammar bitmask masks what it disallows: the mock then takes the first allowed
+  token at or after the rule's token, wrapping around;
+- logprobs come from a synthetic distribution centred on the greedy token ``g``:
+  rank ``((t - g) % V) + 1`` and logprob ``-rank * ln 2``.
+
+``backend_options`` (unknown names raise ``ValueError``):
+
+- ``vocab_size``, ``num_layers``, ``num_kv_heads``, ``head_size``, ``dtype_bytes``,
+  ``device_memory_bytes``, ``weight_bytes``, ``max_model_len``: override the geometry, which is
+  otherwise read from ``config.json`` of ``EngineConfig.model`` or synthetic (32 layers, 8 KV
+  heads of 128, 2-byte dtype, 16 GiB of device memory, no weights). The vocabulary defaults to
+  the model's, else 258 with the byte tokenizer, else 32000;
+- ``latency``: ``{"step_s", "per_token_s", "per_context_token_s"}``, each step then lasts
+  ``step_s + per_token_s * scheduled tokens + per_context_token_s * context tokens``;
+- ``fault``: ``{"kind": "raise" | "exit" | "hang", "at_step": N}``, at the N-th
+  ``execute_model`` call: raise ``RuntimeError``, exit the process with status 13, or block
+  forever.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine_core_mock._backend import FAULT_EXIT_CODE, MockBackend
+
+__version__ = "0.1.0"
+__all__ = ["FAULT_EXIT_CODE", "MockBackend"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that importing the package (as discovery does) stays cheap.
+    if name in __all__:
+        from engine_core_mock import _backend
+
+        return getattr(_backend, name)
+    raise AttributeError(f"module 'engine_core_mock' has no attribute {name!r}")

@@ -1,0 +1,371 @@
+"""``MockBackend``: a deterministic CPU backend that holds real per-request state.
+
+Token rules (see the package docstring): greedy counts up from the last token, random sampling
+hashes (seed, token history), stop ids are masked below ``min_tokens`` and a grammar bitmask
+moves the choice to the next allowed token. Like a real backend it keeps each request's tokens,
+block table and ``num_computed_tokens`` from the scheduler's diffs, and it checks them: a
+scheduler that breaks the contract gets a ``RuntimeError`` instead of silently wrong tokens.
+After such an error the backend's state is undefined.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+from engine_core.abc import (
+    Backend,
+    CachedRequestData,
+    KVCacheSpec,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from engine_core.config import EngineConfig
+from engine_core_mock._blocks import BlockLedger
+from engine_core_mock._options import Fault, parse_options
+from engine_core_mock._sampling import bitmask_words, next_allowed, synthetic_logprobs
+from engine_core_mock._state import RequestState, request_seed
+
+__all__ = ["FAULT_EXIT_CODE", "MockBackend"]
+
+FAULT_EXIT_CODE = 13
+"""Exit status of the process when the ``exit`` fault fires."""
+
+
+class MockBackend(Backend):
+    """A deterministic backend with a synthetic (or HF-config) KV geometry, a latency model and
+    fault injection; see ``engine_core_mock`` for the options. ``sleep`` is the function the
+    latency model waits with."""
+
+    def __init__(
+        self, config: EngineConfig, *, sleep: Callable[[float], None] = time.sleep
+    ) -> None:
+        super().__init__(config)
+        options = parse_options(config)
+        self.geometry = options.geometry
+        self.latency = options.latency
+        self.fault = options.fault
+        self._sleep = sleep
+        self._vocab_size = self.geometry.vocab_size
+        self._block_size = config.block_size
+        self._engine_seed = config.seed
+        self._requests: dict[str, RequestState] = {}
+        self._blocks: BlockLedger | None = None
+        self._batch: list[RequestState] | None = None
+        self._batch_ids: list[str] = []
+        self.num_steps = 0
+        """Calls of :meth:`execute_model` so far."""
+        self.is_sleeping = False
+        self.is_profiling = False
+        self.is_closed = False
+
+    # -- startup --------------------------------------------------------------------------------
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        g = self.geometry
+        return KVCacheSpec(
+            num_layers=g.num_layers,
+            num_kv_heads=g.num_kv_heads,
+            head_size=g.head_size,
+            dtype_bytes=g.dtype_bytes,
+        )
+
+    def available_kv_cache_memory(self) -> int:
+        """``device_memory_bytes * kv_cache_memory_fraction`` minus the weights (the size of the
+        model's ``*.safetensors`` files, or ``weight_bytes``)."""
+        g = self.geometry
+        return int(g.device_memory_bytes * self.config.kv_cache_memory_fraction) - g.weight_bytes
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be an int > 0, got {num_blocks!r}")
+        if self._requests:
+            raise RuntimeError("initialize_kv_cache called while requests are live")
+        self._blocks = BlockLedger(num_blocks, self._block_size, self._holders)
+
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def max_model_len(self) -> int | None:
+        return self.geometry.max_model_len
+
+    # -- introspection --------------------------------------------------------------------------
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks allocated by :meth:`initialize_kv_cache` (0 before)."""
+        return self._blocks.num_blocks if self._blocks is not None else 0
+
+    @property
+    def live_request_ids(self) -> list[str]:
+        """Requests whose state the backend holds, in arrival order."""
+        return list(self._requests)
+
+    def num_computed_tokens(self, req_id: str) -> int:
+        """The backend's own count of computed tokens of a live request."""
+        return self._requests[req_id].num_computed_tokens
+
+    # -- stepping -------------------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        if self.is_closed:
+            raise RuntimeError("execute_model called after close()")
+        if self.is_sleeping:
+            raise RuntimeError("execute_model called while the backend sleeps (call wake_up())")
+        blocks = self._blocks
+        if blocks is None:
+            raise RuntimeError("execute_model called before initialize_kv_cache()")
+        if self._batch is not None:
+            raise RuntimeError("execute_model called twice without sample_tokens in between")
+        self.num_steps += 1
+        if self.fault is not None and self.num_steps == self.fault.at_step:
+            self._inject(self.fault)
+        for req_id in scheduler_output.finished_req_ids:
+            self._drop(req_id)
+        for req_id in scheduler_output.preempted_req_ids:
+            self._drop(req_id)
+        batch: list[RequestState] = []
+        total = self._apply_cached(scheduler_output.cached, batch, blocks)
+        total += self._add_new(scheduler_output.new_reqs, batch, blocks)
+        if total != scheduler_output.total_num_scheduled_tokens:
+            raise RuntimeError(
+                f"total_num_scheduled_tokens is {scheduler_output.total_num_scheduled_tokens} "
+                f"but the batch schedules {total} tokens"
+            )
+        if self.latency is not None:
+            context = sum(r.num_computed_tokens for r in batch)
+            self._sleep(self.latency.duration(total, context))
+        self._batch = batch
+        self._batch_ids = scheduler_output.req_ids
+
+    def _inject(self, fault: Fault) -> None:
+        if fault.kind == "raise":
+            raise RuntimeError(f"mock fault injected: raise at step {fault.at_step}")
+        if fault.kind == "exit":
+            os._exit(FAULT_EXIT_CODE)
+        threading.Event().wait()  # hang: nothing ever sets this event
+
+    def _drop(self, req_id: str) -> None:
+        state = self._requests.pop(req_id, None)
+        if state is not None and self._blocks is not None:
+            self._blocks.release(state)
+
+    def _apply_cached(
+        self, cached: CachedRequestData, batch: list[RequestState], blocks: BlockLedger
+    ) -> int:
+        req_ids = cached.req_ids
+        n = len(req_ids)
+        if not (
+            len(cached.new_block_ids)
+            == len(cached.num_computed_tokens)
+            == len(cached.num_scheduled_tokens)
+            == n
+        ):
+            raise RuntimeError("CachedRequestData columns have different lengths")
+        requests = self._requests
+        block_size = self._block_size
+        total = 0
+        for req_id, new_block_ids, computed, num in zip(
+            req_ids,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+            cached.num_scheduled_tokens,
+            strict=True,
+        ):
+            state = requests.get(req_id)
+            if state is None:
+                raise RuntimeError(f"cached request {req_id!r} is unknown to the backend")
+            if computed != state.num_computed_tokens:
+                raise RuntimeError(
+                    f"request {req_id!r}: the scheduler says {computed} tokens are computed, "
+                    f"the backend computed {state.num_computed_tokens}"
+                )
+            end = computed + num
+            if num <= 0 or end > len(state.tokens):
+                raise RuntimeError(
+                    f"request {req_id!r}: cannot schedule {num} tokens after {computed} computed "
+                    f"ones; the backend knows {len(state.tokens)} tokens"
+                )
+            if new_block_ids is not None:
+                blocks.append(state, new_block_ids, computed)
+            if end > len(state.block_ids) * block_size:
+                raise RuntimeError(
+                    f"request {req_id!r}: a block table of {len(state.block_ids)} blocks cannot "
+                    f"hold {end} tokens (block_size {block_size})"
+                )
+            if end // block_size != computed // block_size:
+                blocks.record_written(state, computed, end)
+            state.num_computed_tokens = end
+            if state.num_prompt_logprobs is not None:
+                state.step_start = computed
+            batch.append(state)
+            total += num
+        return total
+
+    def _add_new(
+        self, new_reqs: list[NewRequestData], batch: list[RequestState], blocks: BlockLedger
+    ) -> int:
+        requests = self._requests
+        block_size = self._block_size
+        vocab_size = self._vocab_size
+        total = 0
+        for new in new_reqs:
+            req_id = new.req_id
+            if req_id in requests:
+                raise RuntimeError(
+                    f"new request {req_id!r} is already live in the backend (it was not listed "
+                    "in finished_req_ids or preempted_req_ids)"
+                )
+            if not new.prompt_token_ids:
+                raise RuntimeError(f"new request {req_id!r} has an empty prompt")
+            state = RequestState(
+                new, request_seed(req_id, new.sampling_params.seed, self._engine_seed)
+            )
+            tokens = state.tokens
+            if min(tokens) < 0 or max(tokens) >= vocab_size:
+                raise RuntimeError(
+                    f"new request {req_id!r} has token ids outside the vocabulary "
+                    f"(size {vocab_size})"
+                )
+            computed, num = new.num_computed_tokens, new.num_scheduled_tokens
+            end = computed + num
+            if computed < 0 or num <= 0 or end > len(tokens):
+                raise RuntimeError(
+                    f"new request {req_id!r}: cannot schedule {num} tokens after {computed} "
+                    f"computed ones of {len(tokens)}"
+                )
+            if end > len(new.block_ids) * block_size:
+                raise RuntimeError(
+                    f"new request {req_id!r}: a block table of {len(new.block_ids)} blocks cannot "
+                    f"hold {end} tokens (block_size {block_size})"
+                )
+            blocks.append(state, new.block_ids, computed)
+            requests[req_id] = state
+            if end // block_size != computed // block_size:
+                blocks.record_written(state, computed, end)
+            state.num_computed_tokens = end
+            batch.append(state)
+            total += num
+        return total
+
+    def _holders(self, block_id: int) -> list[str]:
+        return [r.req_id for r in self._requests.values() if block_id in r.block_ids]
+
+    def sample_tokens(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
+        batch = self._batch
+        if batch is None:
+            raise RuntimeError("sample_tokens called without a preceding execute_model")
+        self._batch = None
+        vocab_size = self._vocab_size
+        rows = self._bitmask_rows(batch, grammar_bitmask) if grammar_bitmask is not None else None
+        sampled: list[list[int]] = []
+        logprobs: list[list[TokenLogprobs] | None] | None = None
+        prompt_logprobs: dict[str, list[TokenLogprobs | None]] | None = None
+        for index, state in enumerate(batch):
+            tokens = state.tokens
+            if state.num_computed_tokens != len(tokens):  # a partial prefill chunk
+                if state.num_prompt_logprobs is not None:
+                    prompt_logprobs = self._add_prompt_logprobs(state, prompt_logprobs)
+                sampled.append([])
+                continue
+            centre = tokens[-1] + 1
+            if centre == vocab_size:
+                centre = 0
+            if state.plain:  # the hot path: greedy, nothing else asked
+                tokens.append(centre)
+                sampled.append([centre])
+                continue
+            if state.num_prompt_logprobs is not None:
+                prompt_logprobs = self._add_prompt_logprobs(state, prompt_logprobs)
+            token = centre if state.greedy else state.random_token(vocab_size)
+            words = rows.get(index) if rows is not None else None
+            masked = state.masked()
+            if masked is not None or words is not None:
+                allowed = next_allowed(token, vocab_size, masked, words)
+                if allowed is None:
+                    raise RuntimeError(f"request {state.req_id!r}: every token is masked")
+                token = allowed
+            tokens.append(token)
+            sampled.append([token])
+            if state.num_logprobs is not None:
+                if logprobs is None:
+                    logprobs = [None] * len(batch)
+                logprobs[index] = [
+                    synthetic_logprobs(token, centre, state.num_logprobs, vocab_size)
+                ]
+        return ModelRunnerOutput(self._batch_ids, sampled, logprobs, prompt_logprobs)
+
+    def _add_prompt_logprobs(
+        self,
+        state: RequestState,
+        found: dict[str, list[TokenLogprobs | None]] | None,
+    ) -> dict[str, list[TokenLogprobs | None]] | None:
+        """Prompt logprobs of the prompt positions computed this step."""
+        num_top = state.num_prompt_logprobs
+        assert num_top is not None
+        end = min(state.num_computed_tokens, state.num_prompt_tokens)
+        if state.step_start >= end:
+            return found
+        vocab_size = self._vocab_size
+        tokens = state.tokens
+        entries: list[TokenLogprobs | None] = [
+            None
+            if p == 0
+            else synthetic_logprobs(
+                tokens[p], (tokens[p - 1] + 1) % vocab_size, num_top, vocab_size
+            )
+            for p in range(state.step_start, end)
+        ]
+        if found is None:
+            found = {}
+        found[state.req_id] = entries
+        return found
+
+    def _bitmask_rows(self, batch: list[RequestState], bitmask: Any) -> dict[int, list[int]]:
+        """Batch index -> bitmask words. Rows follow the batch's constrained requests in order;
+        rows for constrained requests on a partial prefill chunk may be present or left out."""
+        constrained = [i for i, r in enumerate(batch) if r.constrained]
+        num_rows = len(bitmask)
+        if num_rows != len(constrained):
+            constrained = [
+                i for i in constrained if batch[i].num_computed_tokens == len(batch[i].tokens)
+            ]
+            if num_rows != len(constrained):
+                raise RuntimeError(
+                    f"grammar bitmask has {num_rows} rows but the batch has {len(constrained)} "
+                    "constrained requests to sample"
+                )
+        vocab_size = self._vocab_size
+        return {
+            i: bitmask_words(bitmask[row], vocab_size, batch[i].req_id)
+            for row, i in enumerate(constrained)
+        }
+
+    # -- control --------------------------------------------------------------------------------
+
+    def profile(self, action: Literal["start", "stop"]) -> None:
+        if action not in ("start", "stop"):
+            raise ValueError(f"action must be 'start' or 'stop', got {action!r}")
+        self.is_profiling = action == "start"
+
+    def sleep(self, level: int = 1) -> None:
+        """Stop serving until :meth:`wake_up`; the KV contents are discarded (cached prefixes
+        must not be reused afterwards)."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        self.is_sleeping = True
+        if self._blocks is not None:
+            self._blocks.discard_contents()
+
+    def wake_up(self) -> None:
+        self.is_sleeping = False
+
+    def close(self) -> None:
+        self.is_closed = True
+        self._requests.clear()
+        self._batch = None

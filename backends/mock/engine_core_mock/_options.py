@@ -1,0 +1,240 @@
+"""The mock's ``backend_options`` and model geometry, validated once at construction."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from engine_core.config import EngineConfig
+
+__all__ = ["Fault", "Latency", "MockOptions", "ModelGeometry", "parse_options"]
+
+OPTION_NAMES = frozenset(
+    {
+        "vocab_size",
+        "num_layers",
+        "num_kv_heads",
+        "head_size",
+        "dtype_bytes",
+        "device_memory_bytes",
+        "weight_bytes",
+        "max_model_len",
+        "latency",
+        "fault",
+    }
+)
+_LATENCY_KEYS = ("step_s", "per_token_s", "per_context_token_s")
+_FAULT_KINDS = ("raise", "exit", "hang")
+
+# The synthetic model: a Llama-8B-like KV geometry on a 16 GiB device.
+SYNTHETIC_NUM_LAYERS = 32
+SYNTHETIC_NUM_KV_HEADS = 8
+SYNTHETIC_HEAD_SIZE = 128
+SYNTHETIC_DTYPE_BYTES = 2
+SYNTHETIC_DEVICE_MEMORY_BYTES = 16 << 30
+DEFAULT_VOCAB_SIZE = 32000
+BYTE_VOCAB_SIZE = 258
+"""Byte tokenizer: ids 0-255 are bytes, 256 is BOS, 257 is EOS."""
+
+_DTYPE_BYTES = {
+    "float32": 4,
+    "float": 4,
+    "fp32": 4,
+    "float16": 2,
+    "half": 2,
+    "fp16": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Latency:
+    """Simulated duration of one forward pass:
+    ``step_s + per_token_s * scheduled tokens + per_context_token_s * context tokens``, where the
+    context tokens of a step are the sum over its batch of computed + scheduled tokens."""
+
+    step_s: float = 0.0
+    per_token_s: float = 0.0
+    per_context_token_s: float = 0.0
+
+    def duration(self, num_scheduled_tokens: int, num_context_tokens: int) -> float:
+        """Seconds one step with these token counts takes."""
+        return (
+            self.step_s
+            + self.per_token_s * num_scheduled_tokens
+            + self.per_context_token_s * num_context_tokens
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """A fault injected at the ``at_step``-th call of ``execute_model`` (1-based)."""
+
+    kind: Literal["raise", "exit", "hang"]
+    at_step: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelGeometry:
+    """What the mock pretends to load: KV shape, vocabulary, memory and context limit."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype_bytes: int
+    vocab_size: int
+    device_memory_bytes: int
+    weight_bytes: int
+    max_model_len: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class MockOptions:
+    """The parsed ``backend_options`` of a mock backend."""
+
+    geometry: ModelGeometry
+    latency: Latency | None
+    fault: Fault | None
+
+
+def _int_option(name: str, value: Any, *, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"backend_options[{name!r}] must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _parse_latency(value: Any) -> Latency | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"backend_options['latency'] must be a dict, got {value!r}")
+    unknown = sorted(set(value) - set(_LATENCY_KEYS))
+    if unknown:
+        raise ValueError(
+            f"backend_options['latency'] has unknown key(s) {unknown}; "
+            f"known: {', '.join(_LATENCY_KEYS)}"
+        )
+    for key, seconds in value.items():
+        if (
+            not isinstance(seconds, (int, float))
+            or isinstance(seconds, bool)
+            or not seconds >= 0
+            or seconds == float("inf")
+        ):
+            raise ValueError(
+                f"backend_options['latency'][{key!r}] must be a finite number >= 0, got {seconds!r}"
+            )
+    latency = Latency(**{k: float(v) for k, v in value.items()})
+    return latency if latency != Latency() else None
+
+
+def _parse_fault(value: Any) -> Fault | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"kind", "at_step"}:
+        raise ValueError(
+            "backend_options['fault'] must be a dict with exactly the keys 'kind' and "
+            f"'at_step', got {value!r}"
+        )
+    kind = value["kind"]
+    if kind not in _FAULT_KINDS:
+        raise ValueError(
+            f"backend_options['fault']['kind'] must be one of {', '.join(_FAULT_KINDS)}, "
+            f"got {kind!r}"
+        )
+    at_step = value["at_step"]
+    if not isinstance(at_step, int) or isinstance(at_step, bool) or at_step < 1:
+        raise ValueError(
+            f"backend_options['fault']['at_step'] must be an int >= 1, got {at_step!r}"
+        )
+    return Fault(kind, at_step)
+
+
+def dtype_bytes(dtype: str, name: str) -> int:
+    """Bytes of one element of ``dtype`` (``name`` says where the value came from)."""
+    normalized = dtype.lower().removeprefix("torch.")
+    if normalized.startswith(("float8", "fp8")):
+        return 1
+    if normalized not in _DTYPE_BYTES:
+        raise ValueError(f"{name} {dtype!r} is not a known dtype ({', '.join(_DTYPE_BYTES)})")
+    return _DTYPE_BYTES[normalized]
+
+
+def _read_hf_config(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model: cannot read the model config {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"model: {path} does not hold a JSON object")
+    # Multimodal configs keep the language model's geometry under text_config.
+    text_config = data.get("text_config")
+    if "num_hidden_layers" not in data and isinstance(text_config, dict):
+        data = {**data, **text_config}
+    return data
+
+
+def _hf_geometry(path: Path) -> dict[str, Any]:
+    """Geometry fields of the HF config at ``path`` (optional ones absent when missing)."""
+    hf = _read_hf_config(path)
+
+    def need(key: str) -> int:
+        value = hf.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"model: {path} has no valid {key!r} (got {value!r})")
+        return value
+
+    found: dict[str, Any] = {"num_layers": need("num_hidden_layers")}
+    num_heads = need("num_attention_heads")
+    found["num_kv_heads"] = hf.get("num_key_value_heads") or num_heads
+    found["head_size"] = hf.get("head_dim") or need("hidden_size") // num_heads
+    dtype = hf.get("torch_dtype") or hf.get("dtype")
+    if isinstance(dtype, str):
+        found["dtype_bytes"] = dtype_bytes(dtype, f"model: torch_dtype in {path}")
+    if isinstance(hf.get("vocab_size"), int):
+        found["vocab_size"] = hf["vocab_size"]
+    if isinstance(hf.get("max_position_embeddings"), int):
+        found["max_model_len"] = hf["max_position_embeddings"]
+    return found
+
+
+def parse_options(config: EngineConfig) -> MockOptions:
+    """Validate ``config.backend_options`` and resolve the model geometry: options, else the
+    model's ``config.json`` when ``config.model`` is set, else the synthetic model."""
+    options = dict(config.backend_options)
+    unknown = sorted(set(options) - OPTION_NAMES)
+    if unknown:
+        raise ValueError(
+            f"unknown mock backend_options {unknown}; known: {', '.join(sorted(OPTION_NAMES))}"
+        )
+    values: dict[str, Any] = {
+        "num_layers": SYNTHETIC_NUM_LAYERS,
+        "num_kv_heads": SYNTHETIC_NUM_KV_HEADS,
+        "head_size": SYNTHETIC_HEAD_SIZE,
+        "dtype_bytes": SYNTHETIC_DTYPE_BYTES,
+        "vocab_size": BYTE_VOCAB_SIZE if config.tokenizer_name == "byte" else DEFAULT_VOCAB_SIZE,
+        "device_memory_bytes": SYNTHETIC_DEVICE_MEMORY_BYTES,
+        "weight_bytes": 0,
+        "max_model_len": None,
+    }
+    if config.model is not None:
+        model_dir = Path(config.model)
+        values.update(_hf_geometry(model_dir / "config.json"))
+        values["weight_bytes"] = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    if config.dtype != "auto":
+        values["dtype_bytes"] = dtype_bytes(config.dtype, "dtype")
+    for name in values:
+        if options.get(name) is not None:
+            values[name] = _int_option(
+                name, options[name], minimum=0 if name == "weight_bytes" else 1
+            )
+    return MockOptions(
+        ModelGeometry(**values),
+        _parse_latency(options.get("latency")),
+        _parse_fault(options.get("fault")),
+    )

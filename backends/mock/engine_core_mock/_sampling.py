@@ -1,0 +1,75 @@
+"""The mock's token rules: masks, grammar bitmask rows and the synthetic logprob distribution.
+
+The synthetic distribution at a position is centred on the greedy token ``g`` (the previous token
+plus one): token ``t`` has rank ``((t - g) % vocab_size) + 1`` and logprob ``-rank * ln 2``, so
+probabilities halve from one rank to the next and sum to ``1 - 2**-vocab_size``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from engine_core.abc import TokenLogprobs
+
+__all__ = ["LN2", "bitmask_words", "next_allowed", "synthetic_logprobs"]
+
+LN2 = math.log(2.0)
+
+
+def synthetic_logprobs(token: int, centre: int, num_top: int, vocab_size: int) -> TokenLogprobs:
+    """``token`` first, then the ``num_top`` most likely tokens of the distribution centred on
+    ``centre``."""
+    rank = (token - centre) % vocab_size + 1
+    token_ids = [token]
+    logprobs = [-rank * LN2]
+    ranks = [rank]
+    for r in range(1, min(num_top, vocab_size) + 1):
+        token_ids.append((centre + r - 1) % vocab_size)
+        logprobs.append(-r * LN2)
+        ranks.append(r)
+    return TokenLogprobs(token_ids, logprobs, ranks)
+
+
+def bitmask_words(row: Any, vocab_size: int, req_id: str) -> list[int]:
+    """One bitmask row (a numpy int32 row or any sequence of ints) as Python ints; bit ``j`` of
+    word ``j // 32`` set means token ``j`` is allowed."""
+    words = row.tolist() if hasattr(row, "tolist") else list(row)
+    if len(words) * 32 < vocab_size:
+        raise RuntimeError(
+            f"grammar bitmask row of request {req_id!r} has {len(words)} words; "
+            f"{-(-vocab_size // 32)} are needed for a vocabulary of {vocab_size}"
+        )
+    return [int(w) for w in words]
+
+
+def next_allowed(
+    start: int,
+    vocab_size: int,
+    banned: Collection[int] | None,
+    words: Sequence[int] | None,
+) -> int | None:
+    """The first token at or after ``start`` (wrapping) that is not ``banned`` and is allowed by
+    the bitmask ``words``; None when every token is excluded."""
+    token = start
+    remaining = vocab_size
+    while remaining > 0:
+        if words is not None:
+            word = words[token >> 5]
+            if word == 0:  # skip a whole word of disallowed tokens
+                skip = min(32 - (token & 31), remaining, vocab_size - token)
+                remaining -= skip
+                token = (token + skip) % vocab_size
+                continue
+            # Python ints shift as infinite two's complement, so int32 words with bit 31 set work.
+            allowed = (word >> (token & 31)) & 1
+        else:
+            allowed = 1
+        if allowed and (banned is None or token not in banned):
+            return token
+        remaining -= 1
+        token += 1
+        if token == vocab_size:
+            token = 0
+    return None

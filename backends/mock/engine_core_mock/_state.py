@@ -1,0 +1,101 @@
+"""What the mock holds per live request."""
+
+from __future__ import annotations
+
+from array import array
+
+from xxhash import xxh3_64, xxh3_64_intdigest
+
+from engine_core.abc import NewRequestData
+
+__all__ = ["RequestState", "request_seed"]
+_ROOT_FINGERPRINT = xxh3_64_intdigest(b"engine-core-mock/kv/v1")
+_U64 = (1 << 64) - 1
+
+
+def request_seed(req_id: str, sampling_seed: int | None, engine_seed: int) -> int:
+    """The seed of a request's random stream: its own seed, else one derived from the engine's
+    seed and the request id (stable across processes: no salted ``hash()``)."""
+    if sampling_seed is not None:
+        return sampling_seed & _U64
+    return xxh3_64_intdigest(req_id.encode(), seed=engine_seed & _U64)
+
+
+class RequestState:
+    """A live request as the mock sees it: its tokens, KV progress and block table."""
+
+    __slots__ = (
+        "req_id",
+        "tokens",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "block_ids",
+        "block_fingerprints",
+        "plain",
+        "greedy",
+        "min_tokens",
+        "masked_ids",
+        "num_logprobs",
+        "num_prompt_logprobs",
+        "constrained",
+        "step_start",
+        "hasher",
+        "num_hashed",
+    )
+
+    def __init__(self, new: NewRequestData, seed: int) -> None:
+        params = new.sampling_params
+        self.req_id = new.req_id
+        self.tokens = new.prompt_token_ids + new.output_token_ids
+        self.num_prompt_tokens = len(new.prompt_token_ids)
+        self.num_computed_tokens = new.num_computed_tokens
+        self.block_ids: list[int] = []
+        self.block_fingerprints: list[int] = []
+        self.greedy = params.is_greedy
+        self.min_tokens = params.min_tokens
+        self.masked_ids = frozenset(new.eos_token_ids) | frozenset(params.stop_token_ids or ())
+        self.num_logprobs = params.logprobs
+        # A resumed request already delivered its prompt logprobs before the preemption.
+        self.num_prompt_logprobs = None if new.output_token_ids else params.prompt_logprobs
+        self.constrained = params.structured_outputs is not None
+        self.plain = (
+            self.greedy
+            and not (self.min_tokens and self.masked_ids)
+            and self.num_logprobs is None
+            and self.num_prompt_logprobs is None
+            and not self.constrained
+        )
+        self.step_start = new.num_computed_tokens
+        self.hasher = None if self.greedy else xxh3_64(seed=seed)
+        self.num_hashed = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+    def masked(self) -> frozenset[int] | None:
+        """Token ids excluded now (stop ids while fewer than ``min_tokens`` outputs exist)."""
+        if self.masked_ids and self.num_output_tokens < self.min_tokens:
+            return self.masked_ids
+        return None
+
+    def random_token(self, vocab_size: int) -> int:
+        """The token drawn from the stable hash of (seed, token history)."""
+        hasher = self.hasher
+        assert hasher is not None
+        tokens = self.tokens
+        if self.num_hashed < len(tokens):
+            hasher.update(array("I", tokens[self.num_hashed :]).tobytes())
+            self.num_hashed = len(tokens)
+        return hasher.intdigest() % vocab_size
+
+    def block_fingerprint(self, index: int, block_size: int) -> int:
+        """Fingerprint of the token prefix that ends with full block ``index``."""
+        fingerprints = self.block_fingerprints
+        tokens = self.tokens
+        while len(fingerprints) <= index:
+            i = len(fingerprints)
+            parent = fingerprints[-1] if fingerprints else _ROOT_FINGERPRINT
+            chunk = array("I", tokens[i * block_size : (i + 1) * block_size]).tobytes()
+            fingerprints.append(xxh3_64_intdigest(chunk, seed=parent))
+        return fingerprints[index]
