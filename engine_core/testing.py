@@ -22,16 +22,21 @@ chunked, its prefix came from the prefix cache, or it was preempted and resumed.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from itertools import pairwise
-from typing import Any
 
-from engine_core._request import Request
-from engine_core._scheduler import Scheduler, SchedulerConfig
-from engine_core.abc import Backend, KVCacheSpec, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from engine_core._backend_harness import (
+    MAX_BLOCKS,
+    BackendFactory,
+    Harness,
+    assert_same,
+    default_config,
+    make_prompt,
+    num_blocks_for,
+    opened,
+)
+from engine_core.abc import Backend, KVCacheSpec, TokenLogprobs
 from engine_core.config import EngineConfig
-from engine_core.sampling_params import SamplingParams
 
 __all__ = [
     "BACKEND_CHECKS",
@@ -49,167 +54,10 @@ __all__ = [
     "check_startup",
 ]
 
-BackendFactory = Callable[[EngineConfig], Backend]
-"""Builds a backend from an engine config (a :class:`~engine_core.abc.Backend` subclass is one)."""
-
-_MAX_BLOCKS = 128
-_MIN_BLOCKS = 24
-_MAX_STEPS = 1000
-
-
-def _default_config() -> EngineConfig:
-    return EngineConfig(tokenizer="byte", max_model_len=512)
-
-
-def _prompt(seed: int, length: int) -> list[int]:
-    """A prompt of small token ids (valid in any vocabulary of 256 or more)."""
-    return [(seed * 37 + i * 11) % 256 for i in range(length)]
-
-
-def _num_blocks(backend: Backend, config: EngineConfig) -> int:
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    bytes_per_block = backend.kv_cache_spec().bytes_per_block(config.block_size)
-    return min(backend.available_kv_cache_memory() // bytes_per_block, _MAX_BLOCKS)
-
-
-@contextmanager
-def _opened(make_backend: BackendFactory, config: EngineConfig) -> Iterator[_Harness]:
-    """A started backend (KV cache allocated) in a harness; closed on exit."""
-    backend = make_backend(config)
-    try:
-        num_blocks = _num_blocks(backend, config)
-        assert num_blocks >= _MIN_BLOCKS, (
-            f"the checks need {_MIN_BLOCKS} KV blocks; the backend offers {num_blocks}"
-        )
-        backend.initialize_kv_cache(num_blocks)
-        yield _Harness(backend, config, num_blocks)
-    finally:
-        backend.close()
-
-
-class _Harness:
-    """Drives one backend like ``EngineCore`` does, checking every output's shape."""
-
-    def __init__(self, backend: Backend, config: EngineConfig, num_blocks: int) -> None:
-        self.backend = backend
-        self.vocab_size = backend.vocab_size()
-        self.block_size = config.block_size
-        max_model_len = config.max_model_len or backend.max_model_len() or 8192
-        assert max_model_len >= 8 * self.block_size, (
-            f"the checks need max_model_len >= {8 * self.block_size}, got {max_model_len}"
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=16,
-                max_num_batched_tokens=4096,
-                max_model_len=max_model_len,
-                block_size=self.block_size,
-            ),
-            num_blocks,
-        )
-        self.outputs: dict[str, list[int]] = {}
-        self.logprobs: dict[str, list[TokenLogprobs]] = {}
-        self.prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
-
-    def set_token_budget(self, num_tokens: int) -> None:
-        """Tokens per step; a prompt longer than this is prefilled in chunks."""
-        self.scheduler.config.max_num_batched_tokens = num_tokens
-
-    def add(
-        self, req_id: str, prompt: list[int], max_tokens: int, *, cold: bool = True, **params: Any
-    ) -> None:
-        """Queue a greedy request; ``cold`` ones never hit the prefix cache."""
-        sampling_params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
-        request = Request(
-            req_id,
-            prompt,
-            sampling_params,
-            block_size=self.block_size,
-            cache_salt=req_id if cold else None,
-        )
-        self.scheduler.add_request(request)
-        self.outputs[req_id] = []
-
-    def abort(self, req_id: str) -> None:
-        self.scheduler.finish_requests([req_id])
-
-    def step(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
-        """One engine step; returns what the backend was given and what it answered."""
-        scheduler_output = self.scheduler.schedule()
-        assert scheduler_output.total_num_scheduled_tokens > 0, "nothing was scheduled"
-        requests = self.scheduler.requests
-        # After schedule(), a request whose computed tokens reach its length samples this step.
-        completes = [
-            requests[r].num_computed_tokens == requests[r].num_tokens
-            for r in scheduler_output.req_ids
-        ]
-        self.backend.execute_model(scheduler_output)
-        runner_output = self.backend.sample_tokens(None)
-        self._check_output(scheduler_output, runner_output, completes)
-        for index, req_id in enumerate(runner_output.req_ids):
-            self.outputs[req_id] += runner_output.sampled_token_ids[index]
-            if runner_output.logprobs is not None and runner_output.logprobs[index]:
-                self.logprobs.setdefault(req_id, []).extend(runner_output.logprobs[index] or [])
-        for req_id, entries in (runner_output.prompt_logprobs or {}).items():
-            self.prompt_logprobs.setdefault(req_id, []).extend(entries)
-        self.scheduler.update_from_output(scheduler_output, runner_output)
-        return scheduler_output, runner_output
-
-    def _check_output(
-        self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput, completes: list[bool]
-    ) -> None:
-        assert isinstance(output, ModelRunnerOutput), (
-            f"sample_tokens returned {type(output).__name__}, not a ModelRunnerOutput"
-        )
-        batch = scheduler_output.req_ids
-        assert output.req_ids == batch, (
-            f"sample_tokens returned req_ids {output.req_ids}; the batch order is {batch}"
-        )
-        assert len(output.sampled_token_ids) == len(batch), (
-            f"sample_tokens returned {len(output.sampled_token_ids)} results for {len(batch)} "
-            "requests"
-        )
-        for req_id, tokens, complete in zip(
-            batch, output.sampled_token_ids, completes, strict=True
-        ):
-            if not complete:
-                assert tokens == [], (
-                    f"request {req_id!r} ran a partial prefill chunk but got tokens {tokens}"
-                )
-                continue
-            assert len(tokens) == 1, f"request {req_id!r} should get one token, got {tokens}"
-            token = tokens[0]
-            assert isinstance(token, int) and 0 <= token < self.vocab_size, (
-                f"request {req_id!r} got token {token!r}, outside the vocabulary "
-                f"(size {self.vocab_size})"
-            )
-        if output.logprobs is not None:
-            assert len(output.logprobs) == len(batch), (
-                f"logprobs has {len(output.logprobs)} entries for {len(batch)} requests"
-            )
-
-    def run(self) -> dict[str, list[int]]:
-        """Step until every request has finished; the tokens of every request added so far."""
-        for _ in range(_MAX_STEPS):
-            if not self.scheduler.has_unfinished_requests():
-                return self.outputs
-            self.step()
-        raise AssertionError(f"requests did not finish within {_MAX_STEPS} steps")
-
-    def generate(self, req_id: str, prompt: list[int], max_tokens: int) -> list[int]:
-        """Run one cold request alone to completion (a reference result)."""
-        self.add(req_id, prompt, max_tokens)
-        return self.run()[req_id]
-
-
-def _same(label: str, got: list[int], expected: list[int]) -> None:
-    assert got == expected, f"{label}: got tokens {got}, expected {expected} (as when run alone)"
-
 
 def check_startup(make_backend: BackendFactory, config: EngineConfig | None = None) -> None:
     """Construction, the KV geometry, the vocabulary, the memory report and KV allocation."""
-    config = config or _default_config()
+    config = config or default_config()
     backend = make_backend(config)
     try:
         assert isinstance(backend, Backend), f"{backend!r} is not an engine_core.abc.Backend"
@@ -234,7 +82,7 @@ def check_startup(make_backend: BackendFactory, config: EngineConfig | None = No
             f"available_kv_cache_memory() must be an int of at least one block "
             f"({bytes_per_block} bytes), got {memory!r}"
         )
-        num_blocks = min(memory // bytes_per_block, _MAX_BLOCKS)
+        num_blocks = min(memory // bytes_per_block, MAX_BLOCKS)
         backend.initialize_kv_cache(num_blocks)
     finally:
         backend.close()
@@ -243,10 +91,10 @@ def check_startup(make_backend: BackendFactory, config: EngineConfig | None = No
 def check_prefill_chunks(make_backend: BackendFactory, config: EngineConfig | None = None) -> None:
     """A prompt prefilled over several steps gets no token until its last chunk, then one; the
     tokens equal those of an unchunked prefill."""
-    config = config or _default_config()
-    with _opened(make_backend, config) as h:
+    config = config or default_config()
+    with opened(make_backend, config) as h:
         bs = h.block_size
-        prompt = _prompt(1, 3 * bs + bs // 2 + 1)  # four chunks of at most bs tokens
+        prompt = make_prompt(1, 3 * bs + bs // 2 + 1)  # four chunks of at most bs tokens
         expected = h.generate("whole", prompt, 4)
         h.set_token_budget(bs)
         h.add("chunked", prompt, 4)
@@ -259,14 +107,14 @@ def check_prefill_chunks(make_backend: BackendFactory, config: EngineConfig | No
             )
         _, output = h.step()
         assert len(output.sampled_token_ids[0]) == 1, "the last prefill chunk gives one token"
-        _same("chunked prefill", h.run()["chunked"], expected)
+        assert_same("chunked prefill", h.run()["chunked"], expected)
 
 
 def check_decode(make_backend: BackendFactory, config: EngineConfig | None = None) -> None:
     """After the prefill, each step schedules one token of the request and gets one token."""
-    config = config or _default_config()
-    with _opened(make_backend, config) as h:
-        h.add("decode", _prompt(2, 10), 8)
+    config = config or default_config()
+    with opened(make_backend, config) as h:
+        h.add("decode", make_prompt(2, 10), 8)
         scheduler_output, _ = h.step()
         assert [r.req_id for r in scheduler_output.new_reqs] == ["decode"]
         for step in range(2, 9):
@@ -280,10 +128,10 @@ def check_decode(make_backend: BackendFactory, config: EngineConfig | None = Non
 
 def check_mixed_batch(make_backend: BackendFactory, config: EngineConfig | None = None) -> None:
     """A batch holding a decode and a prefill chunk gives each request its own tokens."""
-    config = config or _default_config()
-    with _opened(make_backend, config) as h:
+    config = config or default_config()
+    with opened(make_backend, config) as h:
         bs = h.block_size
-        decoding, prefilling = _prompt(3, 5), _prompt(4, 2 * bs + 3)
+        decoding, prefilling = make_prompt(3, 5), make_prompt(4, 2 * bs + 3)
         expected_decoding = h.generate("decoding-alone", decoding, 12)
         expected_prefilling = h.generate("prefilling-alone", prefilling, 3)
         h.set_token_budget(bs)
@@ -296,21 +144,21 @@ def check_mixed_batch(make_backend: BackendFactory, config: EngineConfig | None 
             f"a decode + prefill-chunk batch gave {output.sampled_token_ids}"
         )
         outputs = h.run()
-        _same("decode in a mixed batch", outputs["decoding"], expected_decoding)
-        _same("prefill in a mixed batch", outputs["prefilling"], expected_prefilling)
+        assert_same("decode in a mixed batch", outputs["decoding"], expected_decoding)
+        assert_same("prefill in a mixed batch", outputs["prefilling"], expected_prefilling)
 
 
 def check_abort(make_backend: BackendFactory, config: EngineConfig | None = None) -> None:
     """Requests ended through ``finished_req_ids`` (mid-prefill and mid-decode) lose their state:
     the same id can come back as a new request."""
-    config = config or _default_config()
-    with _opened(make_backend, config) as h:
+    config = config or default_config()
+    with opened(make_backend, config) as h:
         bs = h.block_size
-        second, third = _prompt(6, bs + 2), _prompt(7, 4)
+        second, third = make_prompt(6, bs + 2), make_prompt(7, 4)
         expected_second = h.generate("second-alone", second, 5)
         expected_third = h.generate("third-alone", third, 5)
         h.set_token_budget(bs)
-        h.add("r", _prompt(5, 2 * bs + 3), 20)
+        h.add("r", make_prompt(5, 2 * bs + 3), 20)
         h.step()  # a partial prefill chunk
         h.abort("r")
         h.add("r", second, 5)
@@ -319,19 +167,23 @@ def check_abort(make_backend: BackendFactory, config: EngineConfig | None = None
         assert [r.req_id for r in scheduler_output.new_reqs] == ["r"]
         while len(h.outputs["r"]) < 2:
             h.step()
-        _same("an id reused after an abort mid-prefill", h.outputs["r"], expected_second[:2])
+        assert_same("an id reused after an abort mid-prefill", h.outputs["r"], expected_second[:2])
         h.abort("r")
         h.add("r", third, 5)
-        _same("an id reused after an abort mid-decode", h.run()["r"], expected_third)
+        assert_same("an id reused after an abort mid-decode", h.run()["r"], expected_third)
 
 
 def check_preemption(make_backend: BackendFactory, config: EngineConfig | None = None) -> None:
     """Requests dropped through ``preempted_req_ids`` and resumed as new requests carrying
     their ``output_token_ids`` continue exactly where they were."""
-    config = config or _default_config()
-    with _opened(make_backend, config) as h:
+    config = config or default_config()
+    with opened(make_backend, config) as h:
         bs = h.block_size
-        prompts = {"a": _prompt(8, 7), "b": _prompt(9, bs + 1), "c": _prompt(10, 2 * bs + 3)}
+        prompts = {
+            "a": make_prompt(8, 7),
+            "b": make_prompt(9, bs + 1),
+            "c": make_prompt(10, 2 * bs + 3),
+        }
         expected = {k: h.generate(f"{k}-alone", p, 10) for k, p in prompts.items()}
         h.set_token_budget(bs)
         h.add("a", prompts["a"], 10)
@@ -349,16 +201,18 @@ def check_preemption(make_backend: BackendFactory, config: EngineConfig | None =
             assert output_token_ids == before[req_id]
         outputs = h.run()
         for req_id in prompts:
-            _same(f"request {req_id!r} resumed after preemption", outputs[req_id], expected[req_id])
+            assert_same(
+                f"request {req_id!r} resumed after preemption", outputs[req_id], expected[req_id]
+            )
 
 
 def check_prefix_caching(make_backend: BackendFactory, config: EngineConfig | None = None) -> None:
     """Requests whose prompt starts with cached blocks (``num_computed_tokens`` > 0 on arrival)
     give the tokens of a cold run, alone and while sharing blocks with live requests."""
-    config = config or _default_config()
-    with _opened(make_backend, config) as h:
+    config = config or default_config()
+    with opened(make_backend, config) as h:
         bs = h.block_size
-        shared = _prompt(11, 3 * bs)
+        shared = make_prompt(11, 3 * bs)
         x, y = [*shared, 1, 2], [*shared, 3]
         expected_x = h.generate("x-cold", x, 6)
         expected_y = h.generate("y-cold", y, 6)
@@ -370,33 +224,33 @@ def check_prefix_caching(make_backend: BackendFactory, config: EngineConfig | No
         hits = [r.num_computed_tokens for r in scheduler_output.new_reqs]
         assert hits == [3 * bs, 3 * bs], f"expected prefix-cache hits, the scheduler gave {hits}"
         outputs = h.run()
-        _same("a warm prefix", outputs["x-warm-1"], expected_x)
-        _same("a prefix-cache hit", outputs["x-warm-2"], expected_x)
-        _same("a shared prefix with another suffix", outputs["y-warm"], expected_y)
+        assert_same("a warm prefix", outputs["x-warm-1"], expected_x)
+        assert_same("a prefix-cache hit", outputs["x-warm-2"], expected_x)
+        assert_same("a shared prefix with another suffix", outputs["y-warm"], expected_y)
 
 
 def check_greedy_determinism(
     make_backend: BackendFactory, config: EngineConfig | None = None
 ) -> None:
     """The same greedy prompt gives the same tokens alone, again, and in a batch."""
-    config = config or _default_config()
-    with _opened(make_backend, config) as h:
-        prompt = _prompt(12, 9)
+    config = config or default_config()
+    with opened(make_backend, config) as h:
+        prompt = make_prompt(12, 9)
         alone = h.generate("alone", prompt, 10)
-        _same("the same prompt run again", h.generate("again", prompt, 10), alone)
-        h.add("other-1", _prompt(13, 30), 6)
+        assert_same("the same prompt run again", h.generate("again", prompt, 10), alone)
+        h.add("other-1", make_prompt(13, 30), 6)
         h.add("batched", prompt, 10)
-        h.add("other-2", _prompt(14, 3), 14)
-        _same("the same prompt in a batch", h.run()["batched"], alone)
+        h.add("other-2", make_prompt(14, 3), 14)
+        assert_same("the same prompt in a batch", h.run()["batched"], alone)
 
 
 def check_logprobs(make_backend: BackendFactory, config: EngineConfig | None = None) -> None:
     """Sample and prompt logprobs: the token first, then the top-k by rank, only when asked."""
-    config = config or _default_config()
-    with _opened(make_backend, config) as h:
-        prompt = _prompt(15, h.block_size + 4)
+    config = config or default_config()
+    with opened(make_backend, config) as h:
+        prompt = make_prompt(15, h.block_size + 4)
         h.set_token_budget(h.block_size)
-        h.add("plain", _prompt(16, 3), 4)
+        h.add("plain", make_prompt(16, 3), 4)
         h.add("asked", prompt, 4, logprobs=3, prompt_logprobs=2)
         outputs = h.run()
         assert "plain" not in h.logprobs and "plain" not in h.prompt_logprobs, (
@@ -441,14 +295,14 @@ def _check_token_logprobs(entry: TokenLogprobs, token: int, num_top: int, where:
 
 def check_close(make_backend: BackendFactory, config: EngineConfig | None = None) -> None:
     """``close()`` succeeds while requests are still live."""
-    config = config or _default_config()
+    config = config or default_config()
     backend = make_backend(config)
     try:
-        num_blocks = _num_blocks(backend, config)
+        num_blocks = num_blocks_for(backend, config)
         backend.initialize_kv_cache(num_blocks)
-        h = _Harness(backend, config, num_blocks)
-        h.add("open-1", _prompt(17, 5), 10)
-        h.add("open-2", _prompt(18, 6), 10)
+        h = Harness(backend, config, num_blocks)
+        h.add("open-1", make_prompt(17, 5), 10)
+        h.add("open-2", make_prompt(18, 6), 10)
         h.step()
         h.step()
     except BaseException:
