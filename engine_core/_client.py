@@ -12,7 +12,17 @@ __all__ = ["EngineCoreClient", "UTILITY_METHODS"]
 
 # Control calls a client forwards to the engine core by name (see EngineCore).
 UTILITY_METHODS = frozenset(
-    {"get_stats", "reset_prefix_cache", "profile", "sleep", "wake_up", "check_health"}
+    {
+        "get_stats",
+        "reset_prefix_cache",
+        "profile",
+        "sleep",
+        "wake_up",
+        "check_health",
+        "pause_generation",
+        "resume_generation",
+        "is_paused",
+    }
 )
 
 

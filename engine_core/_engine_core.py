@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 from engine_core._backends import load_backend
 from engine_core._protocol import EngineCoreOutputs, EngineCoreRequest, EngineStats, FinishedRequest
@@ -21,7 +21,10 @@ from engine_core.abc import Backend, ModelRunnerOutput, SchedulerOutput
 from engine_core.config import EngineConfig
 from engine_core.errors import BackendError
 
-__all__ = ["EngineCore", "compute_num_kv_blocks"]
+__all__ = ["PAUSE_MODES", "EngineCore", "PauseMode", "compute_num_kv_blocks"]
+
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +97,8 @@ class EngineCore:
         self._rejected: list[FinishedRequest] = []
         self._pending_aborts: list[str] = []
         self._closed = False
+        self.pause_mode: PauseMode | None = None
+        """None while generating; else the mode of the last :meth:`pause_generation`."""
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -121,6 +126,17 @@ class EngineCore:
         finish_reason "error" and a message; a live duplicate id raises ``ValueError``."""
         if not isinstance(request.request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request.request_id).__name__}")
+        if self.pause_mode in ("abort", "wait"):
+            self._rejected.append(
+                FinishedRequest(
+                    request.request_id,
+                    "error",
+                    None,
+                    f"the engine is paused (mode {self.pause_mode!r}); retry after it resumes",
+                    retryable=True,
+                )
+            )
+            return
         problem = self.validate_request(request)
         if problem is not None:
             if request.request_id in self.scheduler.requests:
@@ -150,14 +166,28 @@ class EngineCore:
         applied (the aborted request gets no more tokens)."""
         self._pending_aborts.append(request_id)
 
+    def abort_all(self) -> None:
+        """End every live request as aborted and report each one with finish_reason "abort" in
+        the next outputs (unlike :meth:`abort_requests`, whose caller already knows)."""
+        ended = self.scheduler.finish_requests(list(self.scheduler.requests))
+        self._rejected.extend(FinishedRequest(r.request_id, "abort") for r in ended)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._rejected)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a step would do anything: requests to run (and not frozen by a "keep" pause)
+        or ended requests to report."""
+        if self._rejected:
+            return True
+        return self.pause_mode != "keep" and self.scheduler.has_unfinished_requests()
 
     # -- stepping -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput | None:
         """First part of a step; None when there is nothing to run."""
-        if not self.scheduler.requests:
+        if not self.scheduler.requests or self.pause_mode == "keep":
             return None
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
@@ -216,6 +246,24 @@ class EngineCore:
             prefix_cache_queries=kv.stats.queries,
             prefix_cache_hits=kv.stats.hits,
         )
+
+    def pause_generation(self, mode: PauseMode = "abort") -> None:
+        """Stop generating. ``"abort"``: in-flight requests end as aborted; ``"wait"``: they run
+        to completion; ``"keep"``: they freeze in place until :meth:`resume_generation`. In the
+        "abort" and "wait" modes new requests are rejected with a retryable error until then; in
+        "keep" mode they queue. Pausing again changes the mode."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        self.pause_mode = mode
+        if mode == "abort":
+            self.abort_all()
+
+    def resume_generation(self) -> None:
+        """Undo :meth:`pause_generation` (no-op when not paused)."""
+        self.pause_mode = None
+
+    def is_paused(self) -> bool:
+        return self.pause_mode is not None
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         return self.scheduler.reset_prefix_cache(reset_running_requests)

@@ -16,8 +16,8 @@ __all__ = [
 ]
 
 
-class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
-    """A tokenized request as the engine core receives it."""
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag="add"):
+    """A tokenized request as the engine core receives it (tagged ``"add"`` on the wire)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -36,10 +36,13 @@ class FinishedRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str
     stop_reason: int | str | None = None
     error: str | None = None
+    retryable: bool = False
+    """The request was rejected for now (the engine is paused); sending it again later may work."""
 
 
-class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Everything one step produced, in columns: one entry per request that got tokens."""
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag="out"):
+    """Everything one step produced, in columns: one entry per request that got tokens (tagged
+    ``"out"`` on the wire)."""
 
     req_ids: list[str] = []
     new_token_ids: list[list[int]] = []

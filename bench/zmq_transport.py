@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""Round-trip latency of the ways an anyio program can wait on a ZMQ socket, and of the engine.
+
+Part 1, transport. An echo process (blocking PULL -> PUSH over ``ipc://``) sends back every
+message; the client sends a small message and waits for the echo, one at a time. Variants:
+
+- ``sync``: blocking ``send``/``recv`` in plain Python: the floor;
+- ``fd-wait``: non-blocking ``recv`` and ``anyio.wait_readable`` on the socket's ``zmq.FD``
+  (edge-triggered: try ``recv`` first, wait only on ``EAGAIN``), under asyncio and trio: what
+  ``engine_core._zmq`` does;
+- ``to-thread``: a blocking ``recv`` in ``anyio.to_thread.run_sync`` per message;
+- ``reader-thread``: one thread blocks in ``recv`` and hands each message to the event loop with
+  ``anyio.from_thread.run_sync`` into a memory stream;
+- ``to_thread hop``: ``anyio.to_thread.run_sync`` of a no-op, which the engine pays per step.
+
+Part 2, engine. ``MPClient`` with the zero-latency mock backend: ``add_request`` of a
+``max_tokens=1`` request until its output arrives, for each engine runtime and client kind.
+
+The variants run interleaved over ``--rounds`` rounds; each line reports the median over rounds
+of the per-round p50, and the p99 of all samples, in microseconds.
+
+Usage: ``python bench/zmq_transport.py [--n 5000] [--rounds 3] [--size 64] [--no-engine]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import itertools
+import multiprocessing
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import anyio.to_thread
+import zmq
+
+from engine_core._machine import machine_line
+from engine_core._mp_client import MPClient
+from engine_core._protocol import EngineCoreRequest
+from engine_core._zmq import recv_async
+from engine_core.config import EngineConfig
+from engine_core.sampling_params import SamplingParams
+
+_STOP = b"stop"
+Samples = list[float]
+
+
+def _echo(down: str, up: str) -> None:
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(down)
+    push = ctx.socket(zmq.PUSH)
+    push.bind(up)
+    while (msg := pull.recv()) != _STOP:
+        push.send(msg)
+    pull.close(0)
+    push.close(0)
+    ctx.term()
+
+
+class Transport:
+    """The client's two sockets to the echo process, and the variants measured on them."""
+
+    def __init__(self, down: str, up: str, payload: bytes, n: int) -> None:
+        self.ctx = zmq.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(down)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.connect(up)
+        self.down, self.up, self.payload, self.n = down, up, payload, n
+
+    def close(self) -> None:
+        self.push.send(_STOP)
+        self.push.close()
+        self.pull.close(0)
+        self.ctx.term()
+
+    def sync(self) -> Samples:
+        out = []
+        for _ in range(self.n):
+            t0 = time.perf_counter()
+            self.push.send(self.payload)
+            self.pull.recv()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    async def _timed(self, recv: Callable[[], Awaitable[bytes]]) -> Samples:
+        out = []
+        for _ in range(self.n):
+            t0 = time.perf_counter()
+            self.push.send(self.payload)
+            await recv()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    async def fd_wait(self) -> Samples:
+        return await self._timed(lambda: recv_async(self.pull))
+
+    async def to_thread(self) -> Samples:
+        return await self._timed(lambda: anyio.to_thread.run_sync(self.pull.recv))
+
+    async def reader_thread(self) -> Samples:
+        send, receive = anyio.create_memory_object_stream[bytes](self.n)
+        token = anyio.lowlevel.current_token()
+
+        def reader() -> None:
+            for _ in range(self.n):
+                anyio.from_thread.run_sync(send.send_nowait, self.pull.recv(), token=token)
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        try:
+            return await self._timed(receive.receive)
+        finally:
+            thread.join()
+
+    async def hop(self) -> Samples:
+        out = []
+        for _ in range(self.n):
+            t0 = time.perf_counter()
+            await anyio.to_thread.run_sync(int)
+            out.append(time.perf_counter() - t0)
+        return out
+
+
+class Engine:
+    """``add_request`` -> first output through ``MPClient`` and the mock backend."""
+
+    def __init__(self, runtime: str, n: int) -> None:
+        self.client = MPClient(
+            EngineConfig(backend="mock", num_kv_blocks=256, engine_runtime=runtime)  # type: ignore[arg-type]
+        )
+        self.params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        self.ids = itertools.count()
+        self.n = n
+
+    def _request(self) -> EngineCoreRequest:
+        return EngineCoreRequest(f"r{next(self.ids)}", [1, 2, 3], self.params)
+
+    def sync(self) -> Samples:
+        out = []
+        for _ in range(self.n):
+            t0 = time.perf_counter()
+            self.client.add_request(self._request())
+            self.client.get_output()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    async def run_async(self) -> Samples:
+        out = []
+        for _ in range(self.n):
+            t0 = time.perf_counter()
+            self.client.add_request(self._request())
+            await self.client.get_output_async()
+            out.append(time.perf_counter() - t0)
+        return out
+
+
+def _measure(variants: dict[str, Callable[[], Samples]], rounds: int) -> list[str]:
+    p50s: dict[str, list[float]] = {name: [] for name in variants}
+    pooled: dict[str, Samples] = {name: [] for name in variants}
+    for run in variants.values():  # warm-up
+        run()
+    for _ in range(rounds):
+        for name, run in variants.items():
+            samples = run()
+            p50s[name].append(statistics.median(samples))
+            pooled[name] += samples
+    lines = []
+    for name in variants:
+        pooled[name].sort()
+        p99 = pooled[name][int(len(pooled[name]) * 0.99)]
+        lines.append(
+            f"{name:<34} p50 {statistics.median(p50s[name]) * 1e6:7.1f} us   "
+            f"p99 {p99 * 1e6:7.1f} us"
+        )
+    return lines
+
+
+def _in(runtime: str, fn: Callable[[], Awaitable[Samples]]) -> Callable[[], Samples]:
+    return lambda: anyio.run(fn, backend=runtime)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=5000, help="round trips per variant and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--size", type=int, default=64, help="message size in bytes")
+    parser.add_argument("--no-engine", action="store_true", help="skip part 2")
+    args = parser.parse_args()
+    versions = ", ".join(
+        f"{name} {importlib.metadata.version(name)}" for name in ("pyzmq", "anyio", "trio")
+    )
+    print(machine_line())
+    print(
+        f"config: {args.n} round trips x {args.rounds} rounds per variant, {args.size}-byte "
+        f"messages, ipc://, libzmq {zmq.zmq_version()}, {versions}"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        down, up = f"ipc://{tmp}/down", f"ipc://{tmp}/up"
+        echo = multiprocessing.get_context("spawn").Process(target=_echo, args=(down, up))
+        echo.start()
+        t = Transport(down, up, os.urandom(args.size), args.n)
+        variants: dict[str, Callable[[], Samples]] = {"sync (floor)": t.sync}
+        for runtime in ("asyncio", "trio"):
+            variants[f"fd-wait [{runtime}]"] = _in(runtime, t.fd_wait)
+            variants[f"to-thread [{runtime}]"] = _in(runtime, t.to_thread)
+            variants[f"reader-thread [{runtime}]"] = _in(runtime, t.reader_thread)
+        for runtime in ("asyncio", "trio"):
+            variants[f"to_thread no-op hop [{runtime}]"] = _in(runtime, t.hop)
+        print("part 1: transport round trip")
+        for line in _measure(variants, args.rounds):
+            print("  " + line)
+        t.close()
+        echo.join()
+    if args.no_engine:
+        return
+    print("part 2: MPClient add_request -> first output (mock backend, max_tokens=1)")
+    engines = [Engine(runtime, args.n) for runtime in ("asyncio", "trio")]
+    try:
+        variants = {}
+        for engine in engines:
+            runtime = engine.client.config.engine_runtime
+            variants[f"engine {runtime}, sync client"] = engine.sync
+            for client_runtime in ("asyncio", "trio"):
+                variants[f"engine {runtime}, {client_runtime} client"] = _in(
+                    client_runtime, engine.run_async
+                )
+        for line in _measure(variants, args.rounds):
+            print("  " + line)
+    finally:
+        for engine in engines:
+            engine.client.shutdown()
+
+
+if __name__ == "__main__":
+    main()
