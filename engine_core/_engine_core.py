@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
+import msgspec
+
 from engine_core._backends import load_backend
 from engine_core._protocol import EngineCoreOutputs, EngineCoreRequest, EngineStats, FinishedRequest
 from engine_core._request import Request, RequestStatus
@@ -21,7 +23,14 @@ from engine_core.abc import Backend, ModelRunnerOutput, SchedulerOutput
 from engine_core.config import EngineConfig
 from engine_core.errors import BackendError
 
-__all__ = ["PAUSE_MODES", "EngineCore", "PauseMode", "compute_num_kv_blocks"]
+__all__ = [
+    "PAUSE_MODES",
+    "EngineCore",
+    "PauseMode",
+    "check_kv_capacity",
+    "compute_num_kv_blocks",
+    "size_kv_cache",
+]
 
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
@@ -29,30 +38,55 @@ PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
 logger = logging.getLogger(__name__)
 
 
-def compute_num_kv_blocks(config: EngineConfig, backend: Backend) -> int:
-    """Blocks that fit the backend's KV memory, checked against one ``max_model_len`` request."""
-    assert config.max_model_len is not None
-    bytes_per_block = backend.kv_cache_spec().bytes_per_block(config.block_size)
+def kv_blocks_for_memory(config: EngineConfig, backend: Backend) -> int:
+    """``num_kv_blocks`` when set, else the blocks that fit the backend's KV memory."""
     if config.num_kv_blocks is not None:
-        num_blocks = config.num_kv_blocks
-    else:
-        memory = backend.available_kv_cache_memory()
-        if memory <= 0:
-            raise BackendError(
-                f"no memory is left for the KV cache ({memory} bytes available after the model)"
-            )
-        num_blocks = memory // bytes_per_block
-        needed = -(-config.max_model_len // config.block_size)
-        if num_blocks < needed:
-            feasible = num_blocks * config.block_size
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks ({feasible} tokens) but one request of "
-                f"max_model_len={config.max_model_len} needs {needed}; lower max_model_len to "
-                f"{feasible} or below, or give the KV cache more memory"
-            )
+        return config.num_kv_blocks
+    memory = backend.available_kv_cache_memory()
+    if memory <= 0:
+        raise BackendError(
+            f"no memory is left for the KV cache ({memory} bytes available after the model)"
+        )
+    num_blocks = memory // backend.kv_cache_spec().bytes_per_block(config.block_size)
     if num_blocks <= 0:
-        raise ValueError(f"num_kv_blocks must be > 0, got {num_blocks}")
+        raise BackendError(f"the KV cache memory ({memory} bytes) does not hold one block")
     return num_blocks
+
+
+def check_kv_capacity(config: EngineConfig, num_blocks: int) -> None:
+    """Raise ``ValueError`` unless one request of ``max_model_len`` tokens fits."""
+    if config.max_model_len is None:
+        raise ValueError("max_model_len must be resolved before sizing the KV cache")
+    needed = -(-config.max_model_len // config.block_size)
+    if num_blocks < needed:
+        feasible = num_blocks * config.block_size
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks ({feasible} tokens) but one request of "
+            f"max_model_len={config.max_model_len} needs {needed}; lower max_model_len to "
+            f"{feasible} or below, or give the KV cache more blocks"
+        )
+
+
+def compute_num_kv_blocks(config: EngineConfig, backend: Backend) -> int:
+    """Blocks that fit the backend's KV memory (or ``num_kv_blocks``), checked against one
+    ``max_model_len`` request."""
+    num_blocks = kv_blocks_for_memory(config, backend)
+    check_kv_capacity(config, num_blocks)
+    return num_blocks
+
+
+def size_kv_cache(config: EngineConfig, backend: Backend) -> tuple[int, EngineConfig]:
+    """The number of KV blocks and the resolved config. A ``max_model_len`` left unset is
+    lowered to what the KV cache holds; one set explicitly must fit."""
+    resolved = config.resolved(model_max_len=backend.max_model_len())
+    num_blocks = kv_blocks_for_memory(resolved, backend)
+    capacity = num_blocks * resolved.block_size
+    assert resolved.max_model_len is not None
+    if config.max_model_len is None and capacity < resolved.max_model_len:
+        logger.info("max_model_len lowered to %d: the KV cache holds no more", capacity)
+        resolved = msgspec.structs.replace(resolved, max_model_len=capacity)
+    check_kv_capacity(resolved, num_blocks)
+    return num_blocks, resolved
 
 
 class EngineCore:
@@ -69,8 +103,7 @@ class EngineCore:
         cls = backend_cls if backend_cls is not None else load_backend(config.backend)
         backend = cls(config)
         try:
-            config = config.resolved(model_max_len=backend.max_model_len())
-            self.num_kv_blocks = compute_num_kv_blocks(config, backend)
+            self.num_kv_blocks, config = size_kv_cache(config, backend)
             backend.initialize_kv_cache(self.num_kv_blocks)
         except BaseException:
             backend.close()

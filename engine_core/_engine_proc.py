@@ -94,6 +94,7 @@ class EngineCoreProc:
         self._decoder = client_message_decoder()
         self._encoder = msgspec.msgpack.Encoder()
         self._executing = False
+        self._output_busy = False
         self._calls: deque[UtilityCall] = deque()
         self._waiting_pauses: list[int] = []
         self._wake = anyio.Event()
@@ -142,7 +143,7 @@ class EngineCoreProc:
             outputs = core.finish_step(scheduler_output, runner_output)
             produced = _has_content(outputs)
             if produced:
-                out.send_nowait(outputs)
+                self._send(out, outputs)
             self._answer_pauses(out)
             if scheduler_output is None and not produced:
                 await self._wait_for_input()  # nothing can run until something arrives
@@ -155,6 +156,8 @@ class EngineCoreProc:
         await self._wake.wait()
 
     async def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if not self.core.backend.step_in_thread:
+            return self.core.execute(scheduler_output)
         self._executing = True
         try:
             with anyio.move_on_after(self._step_timeout_s) as scope:
@@ -166,10 +169,20 @@ class EngineCoreProc:
         assert scope.cancelled_caught
         raise TimeoutError(f"a step ran longer than step_timeout_s ({self._step_timeout_s} s)")
 
-    @staticmethod
-    def _emit(out: MemoryObjectSendStream[EngineMessage], outputs: EngineCoreOutputs) -> None:
+    def _send(self, out: MemoryObjectSendStream[EngineMessage], message: EngineMessage) -> None:
+        """Send ``message`` right away when nothing is queued before it and the socket takes it;
+        else queue it for the output task (which waits while the socket is full)."""
+        if not self._output_busy and out.statistics().current_buffer_used == 0:
+            try:
+                self._output.send(self._encoder.encode(message), zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+        out.send_nowait(message)
+
+    def _emit(self, out: MemoryObjectSendStream[EngineMessage], outputs: EngineCoreOutputs) -> None:
         if _has_content(outputs):
-            out.send_nowait(outputs)
+            self._send(out, outputs)
 
     # -- control calls --------------------------------------------------------------------------
 
@@ -180,7 +193,7 @@ class EngineCoreProc:
             # Requests a call ended (pause "abort") are reported before its reply.
             self._emit(out, self.core.finish_step(None, None))
             if reply is not None:
-                out.send_nowait(reply)
+                self._send(out, reply)
 
     async def _call(self, call: UtilityCall) -> UtilityReply | None:
         method, args = call.method, call.args
@@ -209,7 +222,7 @@ class EngineCoreProc:
         core = self.core
         if drained or core.pause_mode != "wait" or not core.scheduler.has_unfinished_requests():
             for call_id in self._waiting_pauses:
-                out.send_nowait(UtilityReply(call_id))
+                self._send(out, UtilityReply(call_id))
             self._waiting_pauses = []
 
     # -- input and output -----------------------------------------------------------------------
@@ -258,7 +271,11 @@ class EngineCoreProc:
         sock = self._output
         async with receive:
             async for message in receive:
-                await send_async(sock, encode(message))
+                self._output_busy = True
+                try:
+                    await send_async(sock, encode(message))
+                finally:
+                    self._output_busy = False
 
 
 # -- the process ------------------------------------------------------------------------------

@@ -89,6 +89,12 @@ class Backend(abc.ABC):
     """Runs the model. Implementations are synchronous; the core calls them from one thread at a
     time (possibly not the main thread)."""
 
+    step_in_thread: bool = True
+    """Whether the core runs :meth:`execute_model` and :meth:`sample_tokens` in a worker thread,
+    so requests and aborts keep arriving while they run. Right for any backend whose step waits
+    on a device or releases the GIL; a backend whose step is brief pure-Python work gains no
+    concurrency from a thread (it holds the GIL) and may set this False to save the hand-off."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
 

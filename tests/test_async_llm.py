@@ -63,7 +63,9 @@ async def test_100_concurrent_with_10_cancelled() -> None:
         async def consume(i: int) -> None:
             if i in cancelled:
                 n = 3 if i % 20 == 0 else 1
-                params = SamplingParams(max_tokens=5000, n=n, temperature=0.8 if n > 1 else 0.0)
+                params = SamplingParams(
+                    max_tokens=5000, n=n, temperature=0.8 if n > 1 else 0.0, ignore_eos=True
+                )
                 with anyio.CancelScope() as scope:
                     seen = 0
                     async for _ in engine.generate("xyz", params, request_id=f"c{i}"):

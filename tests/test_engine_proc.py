@@ -46,6 +46,7 @@ class GatedMock(MockBackend):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
+        self.step_in_thread = True  # its steps block on the test's gate
         self.started = threading.Semaphore(0)
         self._gate = threading.Semaphore(0)
         self._open = False

@@ -77,7 +77,7 @@ def engine() -> Iterator[MPClient]:
 
 def test_ready_reports_the_engine(engine: MPClient) -> None:
     assert engine.info == EngineInfo(
-        num_kv_blocks=64, block_size=16, max_model_len=8192, vocab_size=258, backend="mock"
+        num_kv_blocks=64, block_size=16, max_model_len=1024, vocab_size=258, backend="mock"
     )
 
 

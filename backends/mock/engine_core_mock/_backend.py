@@ -50,6 +50,9 @@ class MockBackend(Backend):
         self.geometry = options.geometry
         self.latency = options.latency
         self.fault = options.fault
+        # Without a latency model or a fault a step is a few microseconds of Python holding the
+        # GIL: a worker thread would add its hand-off and no concurrency.
+        self.step_in_thread = self.latency is not None or self.fault is not None
         self._sleep = sleep
         self._vocab_size = self.geometry.vocab_size
         self._block_size = config.block_size

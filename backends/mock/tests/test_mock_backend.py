@@ -361,7 +361,7 @@ def test_engine_core_with_prefix_caching_and_preemption_keeps_exact_tokens() -> 
         tokenizer="byte",
         block_size=4,
         num_kv_blocks=8,
-        max_model_len=64,
+        max_model_len=32,
         max_num_batched_tokens=32,
         max_num_seqs=4,
     )
@@ -387,3 +387,15 @@ def test_a_decoded_scheduler_output_works() -> None:
     output = d.backend.sample_tokens(None)
     assert output.sampled_token_ids == [[3]]
     assert output.logprobs == [[TokenLogprobs([3, 3], [-LN2, -LN2], [1, 1])]]
+
+
+def test_steps_run_in_a_thread_only_when_they_block() -> None:
+    from engine_core.config import EngineConfig
+    from engine_core_mock import MockBackend
+
+    def make(**options: object) -> MockBackend:
+        return MockBackend(EngineConfig(tokenizer="byte", backend_options=options))
+
+    assert make().step_in_thread is False
+    assert make(latency={"step_s": 0.001}).step_in_thread is True
+    assert make(fault={"kind": "hang", "at_step": 3}).step_in_thread is True
