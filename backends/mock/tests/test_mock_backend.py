@@ -390,8 +390,9 @@ def test_a_decoded_scheduler_output_works() -> None:
 
 
 def test_steps_run_in_a_thread_only_when_they_block() -> None:
-    from engine_core.config import EngineConfig
     from engine_core_mock import MockBackend
+
+    from engine_core.config import EngineConfig
 
     def make(**options: object) -> MockBackend:
         return MockBackend(EngineConfig(tokenizer="byte", backend_options=options))
