@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from engine_core._collector import RequestOutputCollector
 from engine_core._detokenizer import Detokenizer, LogprobsDecoder
 from engine_core._protocol import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
+from engine_core._request_state import CompletionState, RequestState
 from engine_core._tokenizer import Tokenizer
 from engine_core.abc import TokenLogprobs
 from engine_core.errors import InvalidRequestError, RetryableRequestError
 from engine_core.outputs import (
     CompletionOutput,
-    FinishReason,
     PositionLogprobs,
     RequestMetrics,
     RequestOutput,
@@ -50,102 +50,6 @@ class ProcessedOutputs:
     """Engine request ids the front end finished (stop strings); the engine must abort them."""
 
 
-class _RequestState:
-    """One request as the caller sees it: one completion, or the parent of ``n``."""
-
-    __slots__ = (
-        "request_id",
-        "external_id",
-        "prompt",
-        "prompt_token_ids",
-        "kind",
-        "n",
-        "completions",
-        "num_finished",
-        "final_outputs",
-        "metrics",
-        "collector",
-        "num_cached_tokens",
-        "prompt_logprobs",
-        "prompt_logprobs_sent",
-        "error",
-    )
-
-    def __init__(
-        self,
-        request_id: str,
-        external_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float,
-        collector: RequestOutputCollector | None,
-    ) -> None:
-        self.request_id = request_id
-        self.external_id = external_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.kind = int(params.output_kind)
-        self.n = params.n
-        self.completions: list[_CompletionState] = []
-        self.num_finished = 0
-        self.final_outputs: list[CompletionOutput | None] = []
-        """FINAL_ONLY with n > 1: the finished completions by index."""
-        self.metrics = RequestMetrics(arrival_time)
-        self.collector = collector
-        self.num_cached_tokens: int | None = None
-        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
-            [] if params.prompt_logprobs is not None else None
-        )
-        self.prompt_logprobs_sent = False
-        self.error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.num_finished == self.n
-
-
-class _CompletionState:
-    """One engine request: one completion of a request."""
-
-    __slots__ = (
-        "request_id",
-        "index",
-        "request",
-        "detokenizer",
-        "token_ids",
-        "text",
-        "text_parts",
-        "logprobs",
-        "cumulative_logprob",
-        "finish_reason",
-        "stop_reason",
-    )
-
-    def __init__(
-        self,
-        request_id: str,
-        index: int,
-        request: _RequestState,
-        detokenizer: Detokenizer,
-        logprobs: bool,
-    ) -> None:
-        self.request_id = request_id
-        self.index = index
-        self.request = request
-        self.detokenizer = detokenizer
-        self.token_ids: list[int] = []
-        """All output tokens (CUMULATIVE and FINAL_ONLY; DELTA keeps none)."""
-        self.text = ""
-        """All output text (CUMULATIVE)."""
-        self.text_parts: list[str] = []
-        """Output text pieces, joined when finished (FINAL_ONLY)."""
-        self.logprobs: list[PositionLogprobs] | None = [] if logprobs else None
-        self.cumulative_logprob: float | None = 0.0 if logprobs else None
-        self.finish_reason: FinishReason | None = None
-        self.stop_reason: int | str | None = None
-
-
 class OutputProcessor:
     """Front-end state of in-flight requests; see the module docstring.
 
@@ -163,8 +67,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.clock = clock
-        self._requests: dict[str, _RequestState] = {}
-        self._completions: dict[str, _CompletionState] = {}
+        self._requests: dict[str, RequestState] = {}
+        self._completions: dict[str, CompletionState] = {}
         self._by_external: dict[str, list[str]] = {}
         self._logprob_decoder = LogprobsDecoder(tokenizer)
         self._eos_token_ids = list(tokenizer.eos_token_ids) if tokenizer is not None else []
@@ -211,7 +115,7 @@ class OutputProcessor:
         if arrival_time is None:
             arrival_time = self.clock()
         external_id = request_id if external_id is None else external_id
-        state = _RequestState(
+        state = RequestState(
             request_id, external_id, prompt, prompt_token_ids, params, arrival_time, collector
         )
         if params.n == 1:
@@ -234,7 +138,7 @@ class OutputProcessor:
         for index, (child_id, child_params) in enumerate(children):
             if child_id in self._completions:
                 raise ValueError(f"request_id {child_id!r} is already in flight")
-            completion = _CompletionState(
+            completion = CompletionState(
                 child_id,
                 index,
                 state,
@@ -293,7 +197,7 @@ class OutputProcessor:
             if state.collector is not None:
                 state.collector.put(exc)
 
-    def _forget(self, state: _RequestState) -> None:
+    def _forget(self, state: RequestState) -> None:
         for completion in state.completions:
             self._completions.pop(completion.request_id, None)
         self._requests.pop(state.request_id, None)
@@ -321,7 +225,7 @@ class OutputProcessor:
         finished = {f.req_id: f for f in outputs.finished} if outputs.finished else None
         cached = outputs.num_cached_tokens or None
         logprobs = outputs.logprobs or None
-        parents: dict[str, tuple[_RequestState, list[CompletionOutput]]] = {}
+        parents: dict[str, tuple[RequestState, list[CompletionOutput]]] = {}
         for request_id, token_ids in zip(outputs.req_ids, outputs.new_token_ids, strict=True):
             completion = completions.get(request_id)
             if completion is None:
@@ -348,13 +252,13 @@ class OutputProcessor:
 
     def _update(
         self,
-        completion: _CompletionState,
+        completion: CompletionState,
         token_ids: list[int],
         fin: FinishedRequest | None,
         entries: list[TokenLogprobs] | None,
         now: float,
         result: ProcessedOutputs,
-        parents: dict[str, tuple[_RequestState, list[CompletionOutput]]],
+        parents: dict[str, tuple[RequestState, list[CompletionOutput]]],
     ) -> None:
         """Apply one step's tokens (and finish) to one completion and emit its output."""
         if token_ids:
@@ -409,7 +313,7 @@ class OutputProcessor:
                 pending[1].append(output)
 
     def _fail(
-        self, completion: _CompletionState, fin: FinishedRequest, result: ProcessedOutputs
+        self, completion: CompletionState, fin: FinishedRequest, result: ProcessedOutputs
     ) -> None:
         """An engine-reported error of a request with a collector: the collector gets the
         exception and the whole request ends (running siblings are aborted in the engine)."""
@@ -427,7 +331,7 @@ class OutputProcessor:
 
     def _completion_output(
         self,
-        completion: _CompletionState,
+        completion: CompletionState,
         token_ids: list[int],
         step_logprobs: list[PositionLogprobs] | None,
         finished: bool,
@@ -468,7 +372,7 @@ class OutputProcessor:
         return self._final_completion(completion)
 
     @staticmethod
-    def _final_completion(completion: _CompletionState) -> CompletionOutput:
+    def _final_completion(completion: CompletionState) -> CompletionOutput:
         """Everything a finished (or aborted) completion produced; its state is done."""
         parts = completion.text_parts
         return CompletionOutput(
@@ -482,7 +386,7 @@ class OutputProcessor:
         )
 
     def _request_output(
-        self, state: _RequestState, outputs: list[CompletionOutput]
+        self, state: RequestState, outputs: list[CompletionOutput]
     ) -> RequestOutput:
         prompt_logprobs = state.prompt_logprobs
         if state.kind == _DELTA and prompt_logprobs is not None:
@@ -509,13 +413,13 @@ class OutputProcessor:
         )
 
     @staticmethod
-    def _emit(state: _RequestState, output: RequestOutput, result: ProcessedOutputs) -> None:
+    def _emit(state: RequestState, output: RequestOutput, result: ProcessedOutputs) -> None:
         if state.collector is not None:
             state.collector.put(output)
         else:
             result.request_outputs.append(output)
 
-    def _abort_output(self, state: _RequestState, aborted: list[_CompletionState]) -> RequestOutput:
+    def _abort_output(self, state: RequestState, aborted: list[CompletionState]) -> RequestOutput:
         """The last output of an aborted request: its unfinished completions, ended "abort"
         (FINAL_ONLY: every completion)."""
         if state.kind == _DELTA:
@@ -548,7 +452,7 @@ class OutputProcessor:
     # -- logprobs -------------------------------------------------------------------------------
 
     def _logprobs(
-        self, completion: _CompletionState, entries: list[TokenLogprobs], count: int
+        self, completion: CompletionState, entries: list[TokenLogprobs], count: int
     ) -> list[PositionLogprobs]:
         """Positions of one step (the first ``count``: tokens after a stop string are dropped);
         adds the sampled tokens' logprobs to ``cumulative_logprob``."""
