@@ -6,10 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup run test lint typecheck bench clean
 
-$(STAMP): pyproject.toml backends/mock/pyproject.toml
+# torch first, and its CPU build: anything that pulls torch in before it would fetch a CUDA build.
+$(STAMP): pyproject.toml backends/mock/pyproject.toml backends/cuda/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[all,dev]' -e backends/mock
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q numpy
+	$(PY) -m pip install -q -e '.[all,dev]' -e backends/mock -e 'backends/cuda[test]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -31,4 +34,4 @@ bench: $(STAMP)
 	$(PY) bench/bench_scheduler.py --workload all
 
 clean:
-	rm -rf $(VENV) build *.egg-info backends/mock/*.egg-info
+	rm -rf $(VENV) build *.egg-info backends/mock/*.egg-info backends/cuda/*.egg-info

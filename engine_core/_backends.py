@@ -5,9 +5,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
 
 from engine_core.abc import Backend, BackendProvider
 from engine_core.errors import BackendError
+
+if TYPE_CHECKING:
+    from engine_core.config import EngineConfig
 
 __all__ = ["BackendInfo", "ENTRY_POINT_GROUP", "list_backends", "load_backend", "resolve_backend"]
 
@@ -28,15 +32,18 @@ class BackendInfo:
     provider: BackendProvider | None
 
 
-def list_backends() -> dict[str, BackendInfo]:
-    """Every backend registered in the entry-point group, by name. Imports only the providers."""
+def list_backends(config: EngineConfig | None = None) -> dict[str, BackendInfo]:
+    """Every backend registered in the entry-point group, by name, and whether it is usable here
+    (for ``config``, when given). Imports only the providers."""
     found: dict[str, BackendInfo] = {}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
             provider = ep.load()
             if not isinstance(provider, BackendProvider):
                 raise TypeError(f"{ep.value} is not a BackendProvider")
-            usable, detail = provider.is_available()
+            usable, detail = (
+                provider.is_available() if config is None else provider.is_available(config)
+            )
             found[ep.name] = BackendInfo(ep.name, usable, detail, provider.install_hint, provider)
         except Exception as exc:  # a broken plugin must not break discovery
             logger.warning("backend %r failed to load: %s", ep.name, exc)
@@ -52,10 +59,10 @@ def _describe(found: dict[str, BackendInfo]) -> str:
     )
 
 
-def resolve_backend(name: str) -> BackendInfo:
+def resolve_backend(name: str, config: EngineConfig | None = None) -> BackendInfo:
     """The usable backend called ``name``; ``"auto"`` picks the usable non-mock backend, else
     the mock. Raises :class:`BackendError` saying what is installed and what to install."""
-    found = list_backends()
+    found = list_backends(None if name == "auto" else config)
     if name == "auto":
         real = [i for i in found.values() if i.usable and i.name != _MOCK]
         if real:
@@ -75,9 +82,9 @@ def resolve_backend(name: str) -> BackendInfo:
     return info
 
 
-def load_backend(name: str) -> type[Backend]:
-    """Resolve ``name`` and import its backend class."""
-    info = resolve_backend(name)
+def load_backend(name: str, config: EngineConfig | None = None) -> type[Backend]:
+    """Resolve ``name`` (for ``config``) and import its backend class."""
+    info = resolve_backend(name, config)
     assert info.provider is not None
     cls = info.provider.load()
     if not (isinstance(cls, type) and issubclass(cls, Backend)):

@@ -124,8 +124,24 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def sample_tokens(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
-        """Sample from the last forward pass. ``grammar_bitmask`` (a numpy int32 array, one row
-        per constrained request of the batch) masks disallowed tokens when given."""
+        """Sample from the last forward pass.
+
+        ``grammar_bitmask`` is None when no request of the batch samples under a grammar.
+        Otherwise it is a C-contiguous numpy ``int32`` array of shape ``(rows, words)``:
+
+        - one row per *constrained* request (``sampling_params.structured_outputs`` set) that
+          samples a token this step, in batch order (cached requests, then new ones); a request
+          on a partial prefill chunk samples nothing and has no row, nor does an unconstrained
+          one;
+        - ``words >= ceil(vocab_size / 32)``; bit ``j % 32`` of word ``j // 32`` (an int32,
+          so bit 31 is the sign bit) is set when token ``j`` is allowed; words past the
+          vocabulary are ignored.
+
+        Disallowed tokens must not be sampled (mask their logits to -inf before sampling,
+        before or after the other masks such as ``min_tokens``). A row always allows at least
+        one token; when the grammar is complete it allows EOS. The array is the backend's to
+        read during this call only.
+        """
 
     def profile(self, action: Literal["start", "stop"]) -> None:  # noqa: B027
         """Start or stop a profiler; no-op by default."""
@@ -148,8 +164,11 @@ class BackendProvider(Protocol):
     install_hint: str
     """What to install to make this backend usable, e.g. ``pip install engine-core-cuda``."""
 
-    def is_available(self) -> tuple[bool, str]:
-        """Whether the backend can run here, and why not (or a short description)."""
+    def is_available(self, config: EngineConfig | None = None) -> tuple[bool, str]:
+        """Whether the backend can run here, and why not (or a short description).
+
+        ``config`` is given when the backend is asked for by name (it may, say, request a CPU
+        device); it is None for discovery and for ``backend="auto"``."""
         ...
 
     def load(self) -> type[Backend]:

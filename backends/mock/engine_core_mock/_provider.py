@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine_core.abc import Backend
+    from engine_core.config import EngineConfig
 
 __all__ = ["MockProvider", "provider"]
 
@@ -16,7 +17,7 @@ class MockProvider:
     name = "mock"
     install_hint = "pip install engine-core-mock"
 
-    def is_available(self) -> tuple[bool, str]:
+    def is_available(self, config: EngineConfig | None = None) -> tuple[bool, str]:
         """Always usable: the mock needs nothing but the CPU."""
         return True, "deterministic CPU mock"
 

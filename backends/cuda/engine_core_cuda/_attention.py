@@ -1,0 +1,56 @@
+"""What the layers need to know about one step: the batch geometry over the paged KV cache and
+the kernels to run it with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_core_cuda._kernel_ops import KernelOps
+
+__all__ = ["AttentionContext", "KVCache"]
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+"""One layer's (key_cache, value_cache), each ``[num_blocks, block_size, num_kv_heads,
+head_size]``."""
+
+
+@dataclass(slots=True)
+class AttentionContext:
+    """The step's batch geometry, shared by every layer (tensors on the device).
+
+    ``seq_rows`` selects each sequence's row of the persistent ``block_table``; ``slot_mapping``
+    gives each token's cache slot (negative: padding, not written).
+    """
+
+    ops: KernelOps
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    seq_rows: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    max_query_len: int
+    num_segments: int = 1
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: KVCache) -> None:
+        """Store this step's keys and values (``[tokens, kv_heads, head_size]``)."""
+        self.ops.write_kv(key, value, cache[0], cache[1], self.slot_mapping)
+
+    def attend(self, q: torch.Tensor, cache: KVCache, scale: float) -> torch.Tensor:
+        """Causal attention of ``q`` (``[tokens, heads, head_size]``) over the cache; returns a
+        new contiguous tensor of ``q``'s shape."""
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return self.ops.paged_attention(
+            q,
+            cache[0],
+            cache[1],
+            self.block_table,
+            self.seq_rows,
+            self.query_start_loc,
+            self.seq_lens,
+            scale=scale,
+            max_query_len=self.max_query_len,
+            num_segments=self.num_segments,
+            out=out,
+        )

@@ -1,0 +1,221 @@
+"""``CudaBackend``: the engine core's view of the model runner.
+
+Startup follows the core's handshake: the constructor loads the model (weights, tokenizer files
+checked); :meth:`CudaBackend.kv_cache_spec` reports the KV geometry;
+:meth:`CudaBackend.available_kv_cache_memory` runs the profiling pass and reports the bytes the
+KV cache may take; :meth:`CudaBackend.initialize_kv_cache` allocates it and captures the decode
+CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from engine_core.abc import Backend, KVCacheSpec, ModelRunnerOutput, SchedulerOutput
+from engine_core.config import EngineConfig
+from engine_core_cuda._cuda_graphs import DecodeGraphs, graph_batch_sizes
+from engine_core_cuda._hf_config import load_model_config
+from engine_core_cuda._memory import available_kv_cache_memory
+from engine_core_cuda._model_runner import ModelRunner
+from engine_core_cuda._options import parse_options
+
+__all__ = ["CudaBackend"]
+
+logger = logging.getLogger(__name__)
+
+
+def _check_model_dir(config: EngineConfig, load_format: str) -> Path:
+    """The model directory, checked for the files startup needs (``FileNotFoundError`` naming
+    the missing one): ``config.json``, and ``tokenizer.json`` when the tokenizer comes from the
+    model directory. Weights are checked by the loader."""
+    if config.model is None:
+        raise ValueError("the cuda backend needs EngineConfig.model: an HF model directory")
+    directory = Path(config.model)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"model: {config.model!r} is not a directory")
+    required = ["config.json"]
+    if load_format == "safetensors" and config.tokenizer is None:
+        required.append("tokenizer.json")
+    missing = [name for name in required if not (directory / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"model: {directory} has no {', '.join(missing)}")
+    return directory
+
+
+class CudaBackend(Backend):
+    """Runs an HF Llama/Mistral/Qwen2/Qwen3 checkpoint with torch, Triton paged attention and
+    on-device sampling; see ``engine_core_cuda`` for the ``backend_options``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.options = parse_options(config)
+        model_dir = _check_model_dir(config, self.options.load_format)
+        self.model_config = load_model_config(model_dir)
+        started = time.perf_counter()
+        self.runner = ModelRunner(config, self.options, self.model_config)
+        logger.info(
+            "loaded %s (%s) on %s in %.1f s", model_dir, self.model_config.architecture,
+            self.runner.device, time.perf_counter() - started,
+        )  # fmt: skip
+        self._profiler: Any = None
+        self.is_sleeping = False
+        self._sleep_level = 0
+        self._param_shapes: list[torch.Size] = []
+        self._closed = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
+    # -- startup --------------------------------------------------------------------------------
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        c = self.model_config
+        return KVCacheSpec(
+            num_layers=c.num_layers,
+            num_kv_heads=c.num_kv_heads,
+            head_size=c.head_size,
+            dtype_bytes=self.runner.dtype.itemsize,
+        )
+
+    def available_kv_cache_memory(self) -> int:
+        return available_kv_cache_memory(self.runner, self.config.kv_cache_memory_fraction)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be an int > 0, got {num_blocks!r}")
+        self.runner.graphs = None  # they would point at the old cache
+        self.runner.allocate_kv_cache(num_blocks)
+        self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        runner = self.runner
+        options = self.options
+        if not (options.cuda_graphs and runner.device.type == "cuda"):
+            return
+        if not runner.ops.graph_capturable:
+            logger.warning("CUDA graphs need kernels='triton'; running without them")
+            return
+        started = time.perf_counter()
+        max_batch = min(options.max_graph_batch_size, self.config.max_num_seqs)
+        graphs = DecodeGraphs(runner, graph_batch_sizes(max_batch))
+        with torch.inference_mode():
+            graphs.capture()
+        runner.graphs = graphs
+        logger.info("CUDA graphs captured in %.1f s", time.perf_counter() - started)
+
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def max_model_len(self) -> int | None:
+        return self.model_config.max_model_len
+
+    # -- stepping -------------------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        if self._closed:
+            raise RuntimeError("execute_model called after close()")
+        if self.is_sleeping:
+            raise RuntimeError("execute_model called while the backend sleeps (call wake_up())")
+        with torch.inference_mode():
+            self.runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
+        with torch.inference_mode():
+            return self.runner.sample_tokens(grammar_bitmask)
+
+    # -- control --------------------------------------------------------------------------------
+
+    def profile(self, action: Literal["start", "stop"]) -> None:
+        """Start or stop the torch profiler; ``stop`` writes a Chrome trace into
+        ``backend_options["profile_dir"]``."""
+        if action == "start":
+            if self._profiler is not None:
+                return
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+            self._profiler.start()
+        elif action == "stop":
+            profiler, self._profiler = self._profiler, None
+            if profiler is None:
+                return
+            profiler.stop()
+            directory = Path(self.options.profile_dir)
+            directory.mkdir(parents=True, exist_ok=True)
+            path = directory / f"trace-{time.strftime('%Y%m%d-%H%M%S')}-{id(profiler):x}.json"
+            profiler.export_chrome_trace(str(path))
+            logger.info("profiler trace written to %s", path)
+        else:
+            raise ValueError(f"action must be 'start' or 'stop', got {action!r}")
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device: the KV cache is discarded (cached prefixes must not be reused
+        afterwards) and the weights are moved to host memory (level 1) or dropped (level 2, they
+        are reloaded from disk by :meth:`wake_up`)."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        if self.is_sleeping:
+            return
+        runner = self.runner
+        runner.graphs = None
+        runner.drop_requests()
+        runner.release_kv_cache()
+        self._param_shapes = [p.shape for p in runner.model.parameters()]
+        with torch.no_grad():
+            for param in runner.model.parameters():
+                param.data = (
+                    param.data.to("cpu")
+                    if level == 1
+                    else torch.empty(0, dtype=param.dtype, device=param.device)
+                )
+        if runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.is_sleeping = True
+        self._sleep_level = level
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep`: weights back, an empty KV cache of the same size, graphs
+        recaptured."""
+        if not self.is_sleeping:
+            return
+        runner = self.runner
+        with torch.no_grad():
+            for param, shape in zip(runner.model.parameters(), self._param_shapes, strict=True):
+                if self._sleep_level == 1:
+                    param.data = param.data.to(runner.device)
+                else:
+                    param.data = torch.empty(shape, dtype=param.dtype, device=runner.device)
+        if self._sleep_level == 2:
+            runner.load_weights()
+        if runner.num_blocks:
+            runner.allocate_kv_cache(runner.num_blocks)
+            self._capture_graphs()
+        self.is_sleeping = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._profiler is not None:
+            self._profiler.stop()
+            self._profiler = None
+        runner = self.runner
+        runner.graphs = None
+        runner.drop_requests()
+        runner.release_kv_cache()
+        with torch.no_grad():
+            for param in runner.model.parameters():
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        if runner.device.type == "cuda":
+            torch.cuda.empty_cache()

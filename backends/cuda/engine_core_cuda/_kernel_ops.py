@@ -1,0 +1,62 @@
+"""The custom operations of the model, from one implementation chosen once per backend: the
+Triton kernels (``"triton"``) or their pure-torch references (``"torch"``).
+
+Importing the Triton modules fixes their compile mode, so on the CPU call
+:func:`engine_core_cuda._device.prepare_triton` before creating ``KernelOps("triton")``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from engine_core_cuda.kernels import reference
+
+__all__ = ["KERNEL_IMPLS", "KernelOps"]
+
+KERNEL_IMPLS = ("triton", "torch")
+
+
+def _attention_reference(
+    *args: torch.Tensor, scale: float, out: torch.Tensor | None = None, **_: Any
+) -> torch.Tensor:
+    # The tile shape and split-KV arguments of the kernel mean nothing here.
+    return reference.paged_attention_reference(*args, scale=scale, out=out)
+
+
+class KernelOps:
+    """``write_kv``, ``paged_attention``, ``rms_norm``, ``add_rms_norm``,
+    ``rotary_embedding`` and ``silu_and_mul`` with the contracts of
+    :mod:`engine_core_cuda.kernels`."""
+
+    def __init__(self, impl: Literal["triton", "torch"]) -> None:
+        if impl not in KERNEL_IMPLS:
+            raise ValueError(f"impl must be one of {', '.join(KERNEL_IMPLS)}, got {impl!r}")
+        self.impl = impl
+        if impl == "triton":
+            from engine_core_cuda.kernels.activation import silu_and_mul
+            from engine_core_cuda.kernels.kv_write import write_kv
+            from engine_core_cuda.kernels.paged_attention import paged_attention
+            from engine_core_cuda.kernels.rms_norm import add_rms_norm, rms_norm
+            from engine_core_cuda.kernels.rotary import rotary_embedding
+
+            self.write_kv = write_kv
+            self.paged_attention: Any = paged_attention
+            self.rms_norm = rms_norm
+            self.add_rms_norm = add_rms_norm
+            self.rotary_embedding = rotary_embedding
+            self.silu_and_mul = silu_and_mul
+        else:
+            self.write_kv = reference.write_kv_reference
+            self.paged_attention = _attention_reference
+            self.rms_norm = reference.rms_norm_reference
+            self.add_rms_norm = reference.add_rms_norm_reference
+            self.rotary_embedding = reference.rotary_embedding_reference
+            self.silu_and_mul = reference.silu_and_mul_reference
+
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether the ops run without host synchronization (the attention reference reads the
+        sequence lengths back to the host)."""
+        return self.impl == "triton"

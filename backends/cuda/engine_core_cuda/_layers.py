@@ -1,0 +1,177 @@
+"""The building blocks of a Llama-family decoder layer: RMSNorm, attention with fused QKV
+projection (optional bias and per-head q/k norm), and the fused gate/up SwiGLU MLP.
+
+Parameters are created empty on the target device; :mod:`engine_core_cuda._loader` fills them.
+Fused weights are loaded shard by shard (``q``, ``k``, ``v`` into ``qkv_proj``; ``gate``, ``up``
+into ``gate_up_proj``), so one matrix multiplication replaces three (or two). The elementwise
+work (norms, rotary embedding, activation) runs through the step's
+:class:`~engine_core_cuda._kernel_ops.KernelOps`.
+
+The residual stream is carried beside the hidden states, as in vLLM: each norm first adds the
+previous block's output to the residual (``x + block(norm(x))`` of HF, reassociated without
+changing the arithmetic), which lets one kernel do the add and the norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_core_cuda._attention import AttentionContext, KVCache
+from engine_core_cuda._hf_config import ModelConfig
+from engine_core_cuda._kernel_ops import KernelOps
+from engine_core_cuda._rope import RotaryTables
+
+__all__ = ["Attention", "DecoderLayer", "Linear", "MLP", "RMSNorm"]
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)`` with ``W`` made of named row shards (e.g. ``q``, ``k``, ``v``)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        shards: dict[str, int],
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        out_features = sum(shards.values())
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+        self.shards: dict[str, tuple[int, int]] = {}
+        """Shard name -> (first row, number of rows)."""
+        start = 0
+        for name, size in shards.items():
+            self.shards[name] = (start, size)
+            start += size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32 and rounded as HF Llama does."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, ops: KernelOps, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``; without a residual, ``(norm(x), x)``. The
+        residual is updated in place."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps), x
+        return ops.add_rms_norm(x, residual, self.weight, self.eps), residual
+
+
+class Attention(nn.Module):
+    """Self-attention over the paged KV cache."""
+
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryTables, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_size = config.head_size
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = config.head_size**-0.5
+        self.rotary = rotary
+        self.qkv_proj = Linear(
+            config.hidden_size,
+            {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+            bias=config.qkv_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.o_proj = Linear(
+            self.q_size, {"o": config.hidden_size}, bias=config.o_bias, dtype=dtype, device=device
+        )
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_size, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(config.head_size, config.rms_norm_eps, dtype, device)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, cache: KVCache, ctx: AttentionContext
+    ) -> torch.Tensor:
+        ops = ctx.ops
+        num_tokens = x.shape[0]
+        # Views into the projection: the kernels take strided heads, nothing is copied.
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_size)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_size)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_size), ops)[0].view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_size), ops)[0].view(k.shape)
+        ops.rotary_embedding(positions, q, k, self.rotary.cos, self.rotary.sin)
+        ctx.write_kv(k, v, cache)
+        out = ctx.attend(q, cache, self.scale)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up in one matrix."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = Linear(
+            config.hidden_size,
+            {"gate": size, "up": size},
+            bias=config.mlp_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.down_proj = Linear(
+            size, {"down": config.hidden_size}, bias=config.mlp_bias, dtype=dtype, device=device
+        )
+
+    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks on the residual stream."""
+
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryTables, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(config, rotary, dtype, device)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype, device
+        )
+        self.mlp = MLP(config, dtype, device)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cache: KVCache,
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual stream)``: the layer's output is their sum."""
+        h, residual = self.input_layernorm(x, ctx.ops, residual)
+        h = self.self_attn(positions, h, cache, ctx)
+        h, residual = self.post_attention_layernorm(h, ctx.ops, residual)
+        return self.mlp(h, ctx.ops), residual

@@ -1,0 +1,75 @@
+"""The decoder-only causal LM of the Llama family (Llama, Mistral, Qwen2, Qwen3).
+
+The differences between the architectures are flags of :class:`ModelConfig`: QKV bias (Qwen2),
+per-head q/k RMSNorm (Qwen3), tied embeddings, RoPE scaling. Parameter names follow the HF
+checkpoints except for the fused ``qkv_proj`` and ``gate_up_proj``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine_core_cuda._attention import AttentionContext, KVCache
+from engine_core_cuda._hf_config import ModelConfig
+from engine_core_cuda._layers import DecoderLayer, RMSNorm
+from engine_core_cuda._rope import RotaryTables
+
+__all__ = ["CausalLM"]
+
+
+class _Decoder(nn.Module):
+    def __init__(
+        self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+        )
+        self.embed_tokens.weight.requires_grad_(False)
+        rotary = RotaryTables(config.rope, config.head_size, max_positions, dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary, dtype, device) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+
+class CausalLM(nn.Module):
+    """``forward`` maps a step's tokens to final hidden states (writing their keys and values
+    into the cache on the way); ``compute_logits`` maps chosen hidden states to float32 logits."""
+
+    def __init__(
+        self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model = _Decoder(config, max_positions, dtype, device)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(
+                config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device
+            )
+            self.lm_head.weight.requires_grad_(False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output projection (the embedding matrix when the embeddings are tied)."""
+        return (self.lm_head or self.model.embed_tokens).weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
+        """Hidden states ``[tokens, hidden_size]`` after the final norm."""
+        x = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, cache, ctx)
+        return self.model.norm(x, ctx.ops, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[rows, vocab_size]`` of hidden states ``[rows, hidden_size]``."""
+        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()

@@ -1,0 +1,276 @@
+"""``ModelRunner``: the model, its paged KV cache and the persistent batch, stepped together.
+
+``execute_model`` applies the scheduler's diffs, runs the forward pass (through a CUDA graph for
+decode batches when captured) and keeps the last position's logits of every request;
+``sample_tokens`` samples on the device, writes the tokens back into the persistent batch and
+returns them. No host synchronization happens between the two, so the forward pass runs while
+the engine core computes the grammar bitmask.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from engine_core.abc import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from engine_core.config import EngineConfig
+from engine_core_cuda._attention import AttentionContext, KVCache
+from engine_core_cuda._device import prepare_triton, resolve_device, resolve_dtype
+from engine_core_cuda._hf_config import ModelConfig
+from engine_core_cuda._input_batch import InputBatch
+from engine_core_cuda._kernel_ops import KernelOps
+from engine_core_cuda._loader import init_random_weights, load_weights
+from engine_core_cuda._logprobs import prompt_logprobs, to_token_logprobs
+from engine_core_cuda._model import CausalLM
+from engine_core_cuda._options import CudaOptions
+from engine_core_cuda._sampler import compute_logprobs, sample
+from engine_core_cuda._sampling_inputs import build_sampling_batch
+from engine_core_cuda._step_inputs import StepInputs, apply_scheduler_output, build_step_inputs
+
+if TYPE_CHECKING:
+    from engine_core_cuda._cuda_graphs import DecodeGraphs
+
+__all__ = ["ModelRunner"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Forward:
+    """What ``execute_model`` leaves for ``sample_tokens``."""
+
+    req_ids: list[str]
+    step: StepInputs | None
+    logits: torch.Tensor | None
+    """``[requests, vocab]`` float32 logits of each request's last scheduled position."""
+    hidden: torch.Tensor | None
+    """Every token's final hidden state, kept only when prompt logprobs are due."""
+
+
+class ModelRunner:
+    """Runs one model on one device for the :class:`~engine_core_cuda.CudaBackend`."""
+
+    def __init__(
+        self, config: EngineConfig, options: CudaOptions, model_config: ModelConfig
+    ) -> None:
+        self.config = config
+        self.options = options
+        self.model_config = model_config
+        self.device = resolve_device(options.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if options.kernels == "triton":
+            prepare_triton(self.device)
+        self.ops = KernelOps(options.kernels)
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len or model_config.max_model_len
+        self.model = CausalLM(model_config, self.max_model_len, self.dtype, self.device)
+        self.load_weights()
+        self.batch = InputBatch(
+            max_num_reqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            vocab_size=model_config.vocab_size,
+            engine_seed=config.seed,
+            device=self.device,
+        )
+        self.num_blocks = 0
+        self.kv_caches: list[KVCache] = []
+        self._kv_tensor: torch.Tensor | None = None
+        self._forward: _Forward | None = None
+        self.graphs: DecodeGraphs | None = None
+        self._sm_count = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.device.type == "cuda"
+            else 0
+        )
+
+    # -- weights and KV cache -------------------------------------------------------------------
+
+    def load_weights(self) -> None:
+        """Fill the model from the checkpoint (or with random weights for ``load_format`` dummy)."""
+        model_dir = self.config.model
+        if model_dir is None:
+            raise ValueError("the cuda backend needs a model directory (EngineConfig.model)")
+        if self.options.load_format == "dummy":
+            init_random_weights(self.model, self.config.seed)
+        else:
+            load_weights(self.model, Path(model_dir))
+
+    @property
+    def kv_cache_shape(self) -> tuple[int, ...]:
+        """``[layers, 2, blocks, block_size, kv_heads, head_size]`` of the one KV tensor."""
+        c = self.model_config
+        return (c.num_layers, 2, self.num_blocks, self.block_size, c.num_kv_heads, c.head_size)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate one tensor for every layer's keys and values, and its per-layer views."""
+        self.release_kv_cache()
+        self.num_blocks = num_blocks
+        self._kv_tensor = torch.zeros(self.kv_cache_shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(layer[0], layer[1]) for layer in self._kv_tensor.unbind(0)]
+
+    def release_kv_cache(self) -> None:
+        self.kv_caches = []
+        self._kv_tensor = None
+
+    # -- stepping -------------------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        if self._forward is not None:
+            raise RuntimeError("execute_model called twice without sample_tokens in between")
+        if self._kv_tensor is None:
+            raise RuntimeError("execute_model called without a KV cache (initialize_kv_cache)")
+        states, starts, counts = apply_scheduler_output(self.batch, scheduler_output)
+        total = sum(counts)
+        if total != scheduler_output.total_num_scheduled_tokens:
+            raise RuntimeError(
+                f"total_num_scheduled_tokens is {scheduler_output.total_num_scheduled_tokens} "
+                f"but the batch schedules {total} tokens"
+            )
+        self.batch.flush()
+        req_ids = scheduler_output.req_ids
+        if not states:
+            self._forward = _Forward(req_ids, None, None, None)
+            return
+        step = build_step_inputs(self.batch, states, starts, counts)
+        wants_prompt = any(
+            s.num_prompt_logprobs is not None and start < s.num_prompt_tokens
+            for s, start in zip(states, starts, strict=True)
+        )
+        if self.graphs is not None and self.graphs.can_run(step) and not wants_prompt:
+            logits = self.graphs.run(step)
+            hidden = None
+        else:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.context(step))
+            last = step.query_start_loc[1:].long() - 1
+            logits = self.model.compute_logits(hidden[last])
+        self._forward = _Forward(req_ids, step, logits, hidden if wants_prompt else None)
+
+    def context(self, step: StepInputs) -> AttentionContext:
+        """The attention context of a step run outside CUDA graphs."""
+        return AttentionContext(
+            ops=self.ops,
+            slot_mapping=step.slot_mapping,
+            block_table=self.batch.block_table,
+            seq_rows=step.seq_rows,
+            query_start_loc=step.query_start_loc,
+            seq_lens=step.seq_lens,
+            max_query_len=step.max_query_len,
+            num_segments=self.num_segments(len(step.states), step.max_query_len),
+        )
+
+    def num_segments(self, num_seqs: int, max_query_len: int) -> int:
+        """Split-KV segments: only for decode batches too small to fill the GPU."""
+        if self._sm_count == 0 or max_query_len > 1:
+            return 1
+        programs = num_seqs * self.model_config.num_kv_heads
+        target = 2 * self._sm_count
+        if programs >= target:
+            return 1
+        return min(16, 1 << (-(-target // programs) - 1).bit_length())
+
+    def sample_tokens(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
+        forward = self._forward
+        if forward is None:
+            raise RuntimeError("sample_tokens called without a preceding execute_model")
+        self._forward = None
+        step = forward.step
+        if step is None or forward.logits is None:
+            return ModelRunnerOutput(forward.req_ids, [[] for _ in forward.req_ids])
+        states = step.states
+        sampled: list[list[int]] = [[] for _ in states]
+        logprobs: list[list[TokenLogprobs] | None] | None = None
+        picks = [i for i, s in enumerate(step.samples) if s]
+        if picks:
+            tokens = self._sample(step, forward.logits, picks, grammar_bitmask)
+            token_list = tokens.tolist()
+            for i, token in zip(picks, token_list, strict=True):
+                sampled[i] = [token]
+                states[i].num_tokens += 1
+            logprobs = self._sample_logprobs(step, forward.logits, picks, tokens, token_list)
+        prompt = None
+        if forward.hidden is not None:
+            offsets = step.query_start_loc_host.tolist()
+            entries = [
+                (s, start, offsets[i + 1] - offsets[i], offsets[i])
+                for i, (s, start) in enumerate(zip(states, step.starts, strict=True))
+                if s.num_prompt_logprobs is not None and start < s.num_prompt_tokens
+            ]
+            prompt = prompt_logprobs(self.batch, forward.hidden, self.model.compute_logits, entries)
+        return ModelRunnerOutput(forward.req_ids, sampled, logprobs, prompt)
+
+    def _sample(
+        self, step: StepInputs, logits: torch.Tensor, picks: list[int], bitmask: Any | None
+    ) -> torch.Tensor:
+        all_pick = len(picks) == len(step.states)
+        index = None if all_pick else torch.tensor(picks, dtype=torch.int64).to(self.device)
+        rows = step.seq_rows.long() if index is None else step.seq_rows[index].long()
+        positions = step.seq_lens.long() if index is None else step.seq_lens[index].long()
+        picked_logits = logits if index is None else logits[index]
+        picked = [step.states[i] for i in picks]
+        batch = build_sampling_batch(
+            self.batch, picked, rows, positions, self._bitmask_rows(step, picks, bitmask)
+        )
+        tokens = sample(picked_logits, batch)
+        self.batch.record_sampled(rows, positions, tokens)
+        return tokens
+
+    def _bitmask_rows(
+        self, step: StepInputs, picks: list[int], bitmask: Any | None
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """(indices among the picked rows, their bitmask rows on the device). Bitmask rows follow
+        the batch's constrained requests; rows of requests on a partial prefill chunk may be
+        present or left out."""
+        if bitmask is None:
+            return None
+        states = step.states
+        constrained = [i for i, s in enumerate(states) if s.constrained]
+        words = np.asarray(bitmask, dtype=np.int32)
+        if words.ndim != 2:
+            raise RuntimeError(f"grammar bitmask must be 2-D, got shape {words.shape}")
+        if len(words) != len(constrained):
+            constrained = [i for i in constrained if step.samples[i]]
+            if len(words) != len(constrained):
+                raise RuntimeError(
+                    f"grammar bitmask has {len(words)} rows but the batch has "
+                    f"{len(constrained)} constrained requests to sample"
+                )
+        position = {batch_index: k for k, batch_index in enumerate(picks)}
+        chosen = [(position[i], row) for row, i in enumerate(constrained) if i in position]
+        if not chosen:
+            return None
+        selected = words[[row for _, row in chosen]]
+        return [k for k, _ in chosen], torch.from_numpy(selected).to(self.device)
+
+    def _sample_logprobs(
+        self,
+        step: StepInputs,
+        logits: torch.Tensor,
+        picks: list[int],
+        tokens: torch.Tensor,
+        token_list: list[int],
+    ) -> list[list[TokenLogprobs] | None] | None:
+        asked = [k for k, i in enumerate(picks) if step.states[i].params.logprobs is not None]
+        if not asked:
+            return None
+        num_tops = [step.states[picks[k]].params.logprobs or 0 for k in asked]
+        index = torch.tensor([picks[k] for k in asked], dtype=torch.int64).to(self.device)
+        token_index = torch.tensor(asked, dtype=torch.int64).to(self.device)
+        tensors = compute_logprobs(logits[index], tokens[token_index], max(num_tops))
+        entries = to_token_logprobs(tensors, [token_list[k] for k in asked], num_tops)
+        result: list[list[TokenLogprobs] | None] = [None] * len(step.states)
+        for k, entry in zip(asked, entries, strict=True):
+            result[picks[k]] = [entry]
+        return result
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def drop_requests(self) -> None:
+        """Forget every request (their KV contents are gone)."""
+        self.batch.clear_device_state()
+        self._forward = None

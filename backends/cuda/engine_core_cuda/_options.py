@@ -1,0 +1,129 @@
+"""The CUDA backend's ``backend_options``, validated once at construction (no torch import)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from engine_core.config import EngineConfig
+from engine_core_cuda._provider import requested_device
+
+__all__ = [
+    "KERNEL_IMPLS",
+    "CPU_DEFAULT_KV_CACHE_BYTES",
+    "LOAD_FORMATS",
+    "CudaOptions",
+    "parse_options",
+]
+
+KERNEL_IMPLS = ("triton", "torch")
+LOAD_FORMATS = ("safetensors", "dummy")
+CPU_DEFAULT_KV_CACHE_BYTES = 512 << 20
+"""KV cache size on the CPU when ``kv_cache_bytes`` is not given (the CPU path is for tests and
+debugging, so it does not claim the machine's memory)."""
+DEFAULT_MAX_GRAPH_BATCH_SIZE = 512
+
+OPTION_NAMES = frozenset(
+    {
+        "device",
+        "kernels",
+        "cuda_graphs",
+        "max_graph_batch_size",
+        "kv_cache_bytes",
+        "profile_dir",
+        "load_format",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CudaOptions:
+    """Parsed ``backend_options``.
+
+    - ``device``: ``"cuda"``, ``"cuda:N"`` or ``"cpu"`` (default: the ``ENGINE_CORE_CUDA_DEVICE``
+      environment variable, else ``"cuda"``);
+    - ``kernels``: ``"triton"`` (the Triton kernels: paged attention, KV write, norms, rotary
+      embedding, activation; default) or ``"torch"`` (their pure-torch references: simple, and
+      fast on the CPU where Triton is interpreted);
+    - ``cuda_graphs``: capture decode steps in CUDA graphs (default True; GPU and Triton kernels
+      only);
+    - ``max_graph_batch_size``: largest decode batch captured (default ``min(max_num_seqs, 512)``);
+    - ``kv_cache_bytes``: bytes to give the KV cache instead of measuring free memory;
+    - ``profile_dir``: where :meth:`~engine_core_cuda.CudaBackend.profile` writes traces (default
+      ``./engine_core_profiles``);
+    - ``load_format``: ``"safetensors"`` (default) or ``"dummy"`` (random weights of the
+      ``config.json`` geometry, for benchmarks; no weight files needed).
+    """
+
+    device: str
+    kernels: Literal["triton", "torch"]
+    cuda_graphs: bool
+    max_graph_batch_size: int
+    kv_cache_bytes: int | None
+    profile_dir: str
+    load_format: Literal["safetensors", "dummy"] = "safetensors"
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device.startswith("cpu")
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"backend_options[{name!r}] must be an int > 0, got {value!r}")
+    return value
+
+
+def parse_options(config: EngineConfig) -> CudaOptions:
+    """Validate ``config.backend_options`` (unknown names raise ``ValueError``)."""
+    options = dict(config.backend_options)
+    unknown = sorted(set(options) - OPTION_NAMES)
+    if unknown:
+        raise ValueError(
+            f"unknown cuda backend_options {unknown}; known: {', '.join(sorted(OPTION_NAMES))}"
+        )
+    device = requested_device(config)
+    if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
+        raise ValueError(
+            f"backend_options['device'] must be 'cuda', 'cuda:N' or 'cpu', got {device!r}"
+        )
+    kernels = options.get("kernels", "triton")
+    if kernels not in KERNEL_IMPLS:
+        raise ValueError(
+            f"backend_options['kernels'] must be one of {', '.join(KERNEL_IMPLS)}, got {kernels!r}"
+        )
+    cuda_graphs = options.get("cuda_graphs", True)
+    if not isinstance(cuda_graphs, bool):
+        raise ValueError(f"backend_options['cuda_graphs'] must be a bool, got {cuda_graphs!r}")
+    max_graph = options.get("max_graph_batch_size")
+    max_graph = (
+        min(config.max_num_seqs, DEFAULT_MAX_GRAPH_BATCH_SIZE)
+        if max_graph is None
+        else _positive_int("max_graph_batch_size", max_graph)
+    )
+    kv_bytes = options.get("kv_cache_bytes")
+    if kv_bytes is not None:
+        kv_bytes = _positive_int("kv_cache_bytes", kv_bytes)
+    profile_dir = options.get("profile_dir", "engine_core_profiles")
+    if not isinstance(profile_dir, str) or not profile_dir:
+        raise ValueError(f"backend_options['profile_dir'] must be a path, got {profile_dir!r}")
+    load_format = options.get("load_format", "safetensors")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"backend_options['load_format'] must be one of {', '.join(LOAD_FORMATS)}, "
+            f"got {load_format!r}"
+        )
+    if config.tensor_parallel_size != 1:
+        raise ValueError(
+            f"the cuda backend runs on one device; tensor_parallel_size must be 1, "
+            f"got {config.tensor_parallel_size}"
+        )
+    return CudaOptions(
+        device=device,
+        kernels=kernels,
+        cuda_graphs=cuda_graphs,
+        max_graph_batch_size=max_graph,
+        kv_cache_bytes=kv_bytes,
+        profile_dir=profile_dir,
+        load_format=load_format,
+    )

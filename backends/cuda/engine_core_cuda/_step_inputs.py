@@ -1,0 +1,148 @@
+"""Turning a :class:`SchedulerOutput` into the device inputs of one forward pass.
+
+The host applies the scheduler's diffs to its :class:`RequestState` records (O(requests)), builds
+per-token positions and row indices (O(scheduled tokens)) and sends them in one transfer; input
+ids and cache slots are gathered on the device from the persistent tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine_core.abc import SchedulerOutput
+from engine_core_cuda._input_batch import InputBatch, RequestState
+
+__all__ = ["StepInputs", "apply_scheduler_output", "build_step_inputs"]
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's batch: host bookkeeping and device tensors."""
+
+    states: list[RequestState]
+    """Batch order: cached requests, then new ones."""
+    starts: list[int]
+    """Per request, ``num_computed_tokens`` before this step."""
+    query_start_loc_host: np.ndarray
+    samples: list[bool]
+    """Per request, whether it samples a token this step (its prompt is complete)."""
+    num_tokens: int
+    max_query_len: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_rows: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+def apply_scheduler_output(
+    batch: InputBatch, scheduler_output: SchedulerOutput
+) -> tuple[list[RequestState], list[int], list[int]]:
+    """Apply the step's diffs: drop finished and preempted requests, extend block tables, add new
+    requests. Returns the batch's states, computed-token counts before the step and scheduled
+    token counts; raises ``RuntimeError`` when the scheduler's view disagrees with the backend's."""
+    for req_id in scheduler_output.finished_req_ids:
+        batch.remove(req_id)
+    for req_id in scheduler_output.preempted_req_ids:
+        batch.remove(req_id)
+    cached = scheduler_output.cached
+    states: list[RequestState] = []
+    starts: list[int] = []
+    counts: list[int] = []
+    for req_id, new_blocks, computed, num in zip(
+        cached.req_ids,
+        cached.new_block_ids,
+        cached.num_computed_tokens,
+        cached.num_scheduled_tokens,
+        strict=True,
+    ):
+        state = batch.requests.get(req_id)
+        if state is None:
+            raise RuntimeError(f"cached request {req_id!r} is unknown to the backend")
+        if computed != state.num_computed_tokens:
+            raise RuntimeError(
+                f"request {req_id!r}: the scheduler says {computed} tokens are computed, "
+                f"the backend computed {state.num_computed_tokens}"
+            )
+        if new_blocks:
+            batch.append_blocks(state, new_blocks)
+        states.append(state)
+        starts.append(computed)
+        counts.append(num)
+    for new in scheduler_output.new_reqs:
+        if new.req_id in batch.requests:
+            raise RuntimeError(f"new request {new.req_id!r} is already live in the backend")
+        states.append(batch.add(new))
+        starts.append(new.num_computed_tokens)
+        counts.append(new.num_scheduled_tokens)
+    block_size = batch.block_size
+    for state, start, num in zip(states, starts, counts, strict=True):
+        end = start + num
+        if num <= 0 or end > state.num_tokens or end > state.num_blocks * block_size:
+            raise RuntimeError(
+                f"request {state.req_id!r}: cannot compute tokens [{start}, {end}) of "
+                f"{state.num_tokens} with {state.num_blocks} blocks of {block_size}"
+            )
+        state.num_computed_tokens = end
+    return states, starts, counts
+
+
+def build_step_inputs(
+    batch: InputBatch,
+    states: list[RequestState],
+    starts: list[int],
+    counts: list[int],
+) -> StepInputs:
+    """The device inputs of a batch whose diffs were applied."""
+    device = batch.device
+    num_reqs = len(states)
+    num_scheduled = np.asarray(counts, dtype=np.int32)
+    start_arr = np.asarray(starts, dtype=np.int32)
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+    np.cumsum(num_scheduled, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    rows = np.fromiter((s.row for s in states), dtype=np.int32, count=num_reqs)
+    token_req = np.repeat(np.arange(num_reqs, dtype=np.int32), num_scheduled)
+    positions = (
+        np.arange(num_tokens, dtype=np.int32) - query_start_loc[token_req] + start_arr[token_req]
+    )
+    packed = np.concatenate(
+        [rows, start_arr + num_scheduled, query_start_loc, positions, rows[token_req]]
+    )
+    host = torch.from_numpy(packed)
+    dev = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    seq_rows = dev[:num_reqs]
+    seq_lens = dev[num_reqs : 2 * num_reqs]
+    qsl = dev[2 * num_reqs : 3 * num_reqs + 1]
+    positions_dev = dev[3 * num_reqs + 1 : 3 * num_reqs + 1 + num_tokens].long()
+    token_rows = dev[3 * num_reqs + 1 + num_tokens :].long()
+    block_size = batch.block_size
+    input_ids = batch.token_ids[token_rows, positions_dev].long()
+    block_ids = batch.block_table[token_rows, positions_dev // block_size].long()
+    slot_mapping = block_ids * block_size + positions_dev % block_size
+    samples = [
+        start + num == state.num_tokens
+        for state, start, num in zip(states, starts, counts, strict=True)
+    ]
+    return StepInputs(
+        states=states,
+        starts=starts,
+        query_start_loc_host=query_start_loc,
+        samples=samples,
+        num_tokens=num_tokens,
+        max_query_len=int(num_scheduled.max()),
+        input_ids=input_ids,
+        positions=positions_dev,
+        slot_mapping=slot_mapping,
+        seq_rows=seq_rows,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+    )

@@ -1,0 +1,89 @@
+"""Triton kernel: write the keys and values of a step's tokens into their KV-cache slots."""
+
+# mypy: disable-error-code="no-untyped-def"
+# (Triton reads the parameters of jit functions: they stay unannotated.)
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["INTERPRETED", "write_kv"]
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Whether the kernels of this module run in Triton's interpreter (fixed at import)."""
+
+_MAX_TILE_ELEMENTS = 4096
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    num_tokens,
+    stride_key_token,
+    stride_value_token,
+    stride_cache_slot,
+    ROW_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    # One program copies BLOCK_T tokens; a token's row (num_kv_heads * head_size elements) is
+    # contiguous both in the projection output and in its cache slot.
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, BLOCK_E)
+    in_batch = offs_t < num_tokens
+    slots = tl.load(slot_mapping_ptr + offs_t, mask=in_batch, other=-1).to(tl.int64)
+    # A negative slot marks a padding token (CUDA-graph batches, profiling): nothing is written.
+    mask = (in_batch & (slots >= 0))[:, None] & (offs_e < ROW_SIZE)[None, :]
+    rows = offs_t.to(tl.int64)[:, None]
+    cache_offsets = slots[:, None] * stride_cache_slot + offs_e[None, :]
+    key = tl.load(key_ptr + rows * stride_key_token + offs_e[None, :], mask=mask)
+    tl.store(key_cache_ptr + cache_offsets, key, mask=mask)
+    value = tl.load(value_ptr + rows * stride_value_token + offs_e[None, :], mask=mask)
+    tl.store(value_cache_ptr + cache_offsets, value, mask=mask)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store ``key``/``value`` (``[num_tokens, num_kv_heads, head_size]``, each token's heads
+    contiguous) at ``slot_mapping`` (``[num_tokens]``; slot ``block_id * block_size + offset``,
+    negative: skip) of ``key_cache``/``value_cache`` (``[num_blocks, block_size, num_kv_heads,
+    head_size]``, contiguous)."""
+    num_tokens, num_heads, head_size = key.shape
+    row_size = num_heads * head_size
+    for name, t in (("key", key), ("value", value)):
+        if t.stride(2) != 1 or t.stride(1) != head_size:
+            raise ValueError(f"{name} must have contiguous heads, got strides {t.stride()}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key_cache and value_cache must be contiguous")
+    if num_tokens == 0:
+        return
+    block_e = triton.next_power_of_2(row_size)
+    block_t = max(1, _MAX_TILE_ELEMENTS // block_e)  # fixed per model: one compiled variant
+    grid = (triton.cdiv(num_tokens, block_t),)
+    _write_kv_kernel[grid](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        num_tokens,
+        key.stride(0),
+        value.stride(0),
+        row_size,
+        ROW_SIZE=row_size,
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+    )

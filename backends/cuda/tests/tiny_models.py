@@ -1,0 +1,184 @@
+"""Tiny random Llama, Qwen2 and Qwen3 checkpoints with a trained BPE tokenizer, written as HF
+directories at test time (no download)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine_core import LLM
+
+VOCAB_SIZE = 384
+BOS, EOS = "<s>", "</s>"
+
+_WORDS = [
+    "the",
+    "a",
+    "engine",
+    "token",
+    "block",
+    "cache",
+    "model",
+    "batch",
+    "step",
+    "chunk",
+    "prefix",
+    "decode",
+    "prefill",
+    "sample",
+    "seed",
+    "graph",
+    "kernel",
+    "tensor",
+    "layer",
+    "head",
+    "query",
+    "key",
+    "value",
+    "rotary",
+    "norm",
+    "weight",
+    "paged",
+    "memory",
+    "device",
+    "request",
+    "stream",
+    "output",
+    "prompt",
+    "greedy",
+    "random",
+    "attention",
+    "scheduler",
+    "queue",
+    "slot",
+    "table",
+]
+
+
+def corpus(num_lines: int = 400) -> list[str]:
+    """Deterministic pseudo-sentences to train the tokenizer on."""
+    lines = []
+    for i in range(num_lines):
+        words = [_WORDS[(i * 7 + j * j * 3 + j) % len(_WORDS)] for j in range(5 + i % 9)]
+        lines.append(" ".join(words) + (". " if i % 3 else "? ") + str(i))
+    return lines
+
+
+def write_tokenizer(directory: Path) -> None:
+    """A byte-level BPE tokenizer trained on :func:`corpus`, with ``<s>``/``</s>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus(), trainer=trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast"}
+        )
+    )
+
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+KINDS: dict[str, dict[str, Any]] = {
+    # Tied embeddings and llama3 RoPE scaling that matters within 512 positions.
+    "llama": {
+        "tie_word_embeddings": True,
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
+    # QKV bias; its config.json is rewritten in the published rope_theta/torch_dtype form.
+    "qwen2": {"tie_word_embeddings": False, "rope_theta": 1000.0},
+    # q/k norm, head_dim (32) != hidden_size / heads, sharded safetensors.
+    "qwen3": {"tie_word_embeddings": False, "head_dim": 32, "rope_theta": 1000000.0},
+}
+
+
+def _hf_model(kind: str) -> torch.nn.Module:
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }
+    config_cls, model_cls = classes[kind]
+    config = config_cls(**_COMMON, **KINDS[kind])
+    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3}[kind])
+    model = model_cls(config).eval()
+    # Larger than HF's init (std 0.02), so that next-token distributions are far from uniform
+    # and greedy choices are not near-ties; norms and biases random too, to test their loading.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.25 if name.endswith("bias") else 0.12)
+    return model
+
+
+def _to_published_config(path: Path) -> None:
+    """Rewrite config.json the way published checkpoints spell it (rope_theta, torch_dtype)."""
+    config = json.loads(path.read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    if rope.get("rope_type", "default") != "default":
+        config["rope_scaling"] = rope
+    config["torch_dtype"] = config.pop("dtype", "float32")
+    path.write_text(json.dumps(config, indent=2))
+
+
+def build(kind: str, directory: Path) -> torch.nn.Module:
+    """Write the tiny ``kind`` checkpoint into ``directory``; returns the HF model (float32)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    model = _hf_model(kind)
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(directory, max_shard_size="40KB" if kind == "qwen3" else "50GB")
+    if kind == "qwen2":
+        _to_published_config(directory / "config.json")
+    write_tokenizer(directory)
+    return model
+
+
+class TinyModel:
+    """A tiny checkpoint on disk and the transformers model it was saved from."""
+
+    def __init__(self, kind: str, directory: Path) -> None:
+        self.kind = kind
+        self.path = directory
+        self.hf = build(kind, directory)
+
+    def llm(self, **fields: Any) -> LLM:
+        """An offline engine running this model with the cuda backend on the CPU."""
+        options = {"device": "cpu", "kernels": "torch", **fields.pop("backend_options", {})}
+        fields.setdefault("max_model_len", 256)
+        fields.setdefault("num_kv_blocks", 96)
+        return LLM(model=str(self.path), backend="cuda", backend_options=options, **fields)
