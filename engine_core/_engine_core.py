@@ -3,11 +3,14 @@
 A step is: schedule -> ``execute_model`` -> grammar bitmask -> ``sample_tokens`` -> apply aborts
 that arrived meanwhile -> ``update_from_output``. :meth:`EngineCore.step` runs it whole; the
 engine-core process runs :meth:`execute` in a worker thread so requests and aborts keep arriving
-while the model runs.
+while the model runs. When the batch has constrained requests and the backend's step blocks
+(``step_in_thread``), the grammar bitmask is filled on a helper thread while ``execute_model``
+runs, and handed to ``sample_tokens``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -19,6 +22,7 @@ from engine_core._backends import load_backend
 from engine_core._protocol import EngineCoreOutputs, EngineCoreRequest, EngineStats, FinishedRequest
 from engine_core._request import Request, RequestStatus
 from engine_core._scheduler import Scheduler, SchedulerConfig
+from engine_core._structured_output import StructuredOutputManager
 from engine_core.abc import Backend, ModelRunnerOutput, SchedulerOutput
 from engine_core.config import EngineConfig
 from engine_core.errors import BackendError
@@ -100,7 +104,7 @@ class EngineCore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.clock = clock
-        cls = backend_cls if backend_cls is not None else load_backend(config.backend)
+        cls = backend_cls if backend_cls is not None else load_backend(config.backend, config)
         backend = cls(config)
         try:
             self.num_kv_blocks, config = size_kv_cache(config, backend)
@@ -129,6 +133,8 @@ class EngineCore:
         self.num_steps = 0
         self._rejected: list[FinishedRequest] = []
         self._pending_aborts: list[str] = []
+        self._structured: StructuredOutputManager | None = None
+        self._grammar_waker: Callable[[], None] | None = None
         self._closed = False
         self.pause_mode: PauseMode | None = None
         """None while generating; else the mode of the last :meth:`pause_generation`."""
@@ -176,19 +182,64 @@ class EngineCore:
                 raise ValueError(f"request_id {request.request_id!r} is already in use")
             self._rejected.append(FinishedRequest(request.request_id, "error", None, problem))
             return
-        self.scheduler.add_request(
-            Request(
-                request.request_id,
-                request.prompt_token_ids,
-                request.sampling_params,
-                block_size=self.config.block_size,
-                arrival_time=request.arrival_time or self.clock(),
-                priority=request.priority,
-                eos_token_ids=tuple(request.eos_token_ids),
-                cache_salt=request.cache_salt,
-                hash_blocks=self.config.enable_prefix_caching,
-            )
+        new = Request(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            block_size=self.config.block_size,
+            arrival_time=request.arrival_time or self.clock(),
+            priority=request.priority,
+            eos_token_ids=tuple(request.eos_token_ids),
+            cache_salt=request.cache_salt,
+            hash_blocks=self.config.enable_prefix_caching,
         )
+        self.scheduler.add_request(new)
+        if new.use_structured_output:
+            error = self.structured_output.add(new)
+            if error is not None:
+                self._fail(new, error)
+            elif new.grammar is not None:
+                new.set_status(RequestStatus.WAITING)
+
+    # -- structured outputs ---------------------------------------------------------------------
+
+    @property
+    def structured_output(self) -> StructuredOutputManager:
+        """Grammar compilation, cache and bitmask; created with the first constrained request
+        (plain serving never loads llguidance or the tokenizer)."""
+        if self._structured is None:
+            self._structured = StructuredOutputManager(
+                self.config.tokenizer_name, self.vocab_size, clock=self.clock
+            )
+            self._structured.on_compiled = self._grammar_waker
+        return self._structured
+
+    def set_grammar_waker(self, waker: Callable[[], None] | None) -> None:
+        """Call ``waker`` (from a compile thread; it must not block) whenever a grammar
+        compilation ends, so a loop idle but for pending grammars can wake up."""
+        self._grammar_waker = waker
+        if self._structured is not None:
+            self._structured.on_compiled = waker
+
+    def grammar_wait_s(self) -> float | None:
+        """How long an idle engine may sleep before a pending grammar times out (None: no
+        grammar is pending, or a "keep" pause freezes them)."""
+        structured = self._structured
+        if structured is None or self.pause_mode == "keep":
+            return None
+        return structured.seconds_to_deadline()
+
+    def _update_grammars(self, structured: StructuredOutputManager) -> None:
+        ready, failed = structured.poll()
+        for request in ready:
+            request.set_status(RequestStatus.WAITING)
+        for request, error in failed:
+            self._fail(request, error)
+
+    def _fail(self, request: Request, error: str) -> None:
+        """End a queued request with finish_reason "error", reported with the next outputs."""
+        self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+        self._rejected.append(FinishedRequest(request.request_id, "error", None, error))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """End requests now; their blocks are freed at once. Unknown ids are ignored."""
@@ -222,21 +273,45 @@ class EngineCore:
         """First part of a step; None when there is nothing to run."""
         if not self.scheduler.requests or self.pause_mode == "keep":
             return None
+        structured = self._structured
+        if structured is not None and structured.num_pending:
+            self._update_grammars(structured)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
             return None
         return scheduler_output
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """The blocking part of a step: forward pass, grammar bitmask, sampling."""
-        self.backend.execute_model(scheduler_output)
-        bitmask = self.grammar_bitmask(scheduler_output)
-        return self.backend.sample_tokens(bitmask)
+        """The blocking part of a step: forward pass, grammar bitmask, sampling. The bitmask
+        is filled on a helper thread while ``execute_model`` runs when the backend's step
+        blocks (``step_in_thread``); after it otherwise (a step that holds the GIL throughout
+        leaves nothing to overlap)."""
+        backend = self.backend
+        matchers = self._bitmask_matchers() if self.scheduler.num_constrained else None
+        if not matchers:
+            backend.execute_model(scheduler_output)
+            return backend.sample_tokens(None)
+        structured = self.structured_output
+        if not backend.step_in_thread:
+            backend.execute_model(scheduler_output)
+            return backend.sample_tokens(structured.fill_bitmask(matchers))
+        bitmask = structured.submit_bitmask(matchers)
+        try:
+            backend.execute_model(scheduler_output)
+        except BaseException:
+            # Never leave the helper touching matchers after a failed step.
+            concurrent.futures.wait((bitmask,))
+            raise
+        return backend.sample_tokens(bitmask.result())
+
+    def _bitmask_matchers(self) -> list[Any]:
+        return StructuredOutputManager.bitmask_matchers(self.scheduler.scheduled)
 
     def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> Any | None:
-        """The token bitmask of the batch's constrained requests (computed while the forward pass
-        runs); None when no request is constrained."""
-        return None
+        """The token bitmask of the constrained requests of the batch just scheduled (see
+        :meth:`engine_core.abc.Backend.sample_tokens`); None when none of them samples."""
+        matchers = self._bitmask_matchers() if self.scheduler.num_constrained else None
+        return self.structured_output.fill_bitmask(matchers) if matchers else None
 
     def finish_step(
         self, scheduler_output: SchedulerOutput | None, runner_output: ModelRunnerOutput | None
@@ -257,8 +332,14 @@ class EngineCore:
         return outputs
 
     def step(self) -> EngineCoreOutputs:
-        """Run one whole step and return what it produced."""
+        """Run one whole step and return what it produced. When nothing can run but grammars
+        are compiling, it first waits for one of them (at most until one times out)."""
         scheduler_output = self.schedule()
+        if scheduler_output is None and not self._rejected:
+            wait_s = self.grammar_wait_s()
+            if wait_s is not None:
+                self.structured_output.wait(wait_s)
+                scheduler_output = self.schedule()
         runner_output = self.execute(scheduler_output) if scheduler_output is not None else None
         return self.finish_step(scheduler_output, runner_output)
 
@@ -318,4 +399,6 @@ class EngineCore:
             return
         self._closed = True
         self.abort_requests(list(self.scheduler.requests))
+        if self._structured is not None:
+            self._structured.close()
         self.backend.close()

@@ -19,6 +19,7 @@ before exiting with status 1.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import multiprocessing
@@ -26,6 +27,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import traceback
 from collections import deque
 
@@ -72,6 +74,42 @@ def _has_content(outputs: EngineCoreOutputs) -> bool:
     return bool(outputs.req_ids or outputs.finished or outputs.prompt_logprobs)
 
 
+class _Doorbell:
+    """A pipe that other threads ring without blocking and the event loop waits on (under
+    asyncio and trio alike): how a finished grammar compilation wakes an idle engine."""
+
+    def __init__(self) -> None:
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        os.set_blocking(self._write_fd, False)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def ring(self) -> None:
+        """Thread-safe; a full pipe means a wake-up is pending already."""
+        with self._lock:  # so a ring never writes to a closed (maybe reused) descriptor
+            if not self._closed:
+                with contextlib.suppress(BlockingIOError):
+                    os.write(self._write_fd, b"\0")
+
+    async def wait(self) -> None:
+        """Until rung at least once since the last wait."""
+        while True:
+            try:
+                if os.read(self._read_fd, 4096):
+                    return
+            except BlockingIOError:
+                pass
+            await anyio.wait_readable(self._read_fd)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self._read_fd)
+                os.close(self._write_fd)
+
+
 class EngineCoreProc:
     """Serves one :class:`EngineCore` over an input (PULL) and an output (PUSH) socket.
 
@@ -112,13 +150,20 @@ class EngineCoreProc:
         """Serve until a shutdown is requested (returns once everything is sent), or until a
         step fails or exceeds the step timeout (raises that error, in an exception group)."""
         send, receive = anyio.create_memory_object_stream[EngineMessage](math.inf)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._output_loop, receive)
-            with send:  # closing it lets the output task drain and end
-                async with anyio.create_task_group() as inner:
-                    inner.start_soon(self._input_loop)
-                    await self._step_loop(send)
-                    inner.cancel_scope.cancel()
+        doorbell = _Doorbell()
+        self.core.set_grammar_waker(doorbell.ring)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._output_loop, receive)
+                with send:  # closing it lets the output task drain and end
+                    async with anyio.create_task_group() as inner:
+                        inner.start_soon(self._input_loop)
+                        inner.start_soon(self._grammar_loop, doorbell)
+                        await self._step_loop(send)
+                        inner.cancel_scope.cancel()
+        finally:
+            self.core.set_grammar_waker(None)
+            doorbell.close()
 
     # -- stepping -------------------------------------------------------------------------------
 
@@ -151,9 +196,16 @@ class EngineCoreProc:
                 await anyio.lowlevel.checkpoint()  # let the output and input tasks run
 
     async def _wait_for_input(self) -> None:
-        # No await between the caller's check and this wait, so no wake-up is lost.
+        # No await between the caller's check and this wait, so no wake-up is lost. A request
+        # waiting for its grammar ends at its deadline if no compilation wakes the loop first.
         self._wake = anyio.Event()
-        await self._wake.wait()
+        with anyio.move_on_after(self.core.grammar_wait_s()):
+            await self._wake.wait()
+
+    async def _grammar_loop(self, doorbell: _Doorbell) -> None:
+        while True:
+            await doorbell.wait()
+            self._wake.set()
 
     async def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if not self.core.backend.step_in_thread:

@@ -17,7 +17,7 @@ Glossary:
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine_core._block_hash import block_keys, extra_key_bytes
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from engine_core._block_pool import KVCacheBlock
     from engine_core.sampling_params import SamplingParams
 
-__all__ = ["InvalidTransition", "Request", "RequestStatus"]
+__all__ = ["GrammarMatcher", "InvalidTransition", "Request", "RequestStatus"]
 
 
 class RequestStatus(enum.IntEnum):
@@ -68,6 +68,25 @@ ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
 }
 
 
+class GrammarMatcher(Protocol):
+    """The grammar state of a constrained request, as the scheduler advances it (the engine's
+    structured-output module implements it; the scheduler imports nothing of llguidance)."""
+
+    eos_token_ids: frozenset[int]
+    """The tokens that end the grammar's output once it is complete."""
+    terminated: bool
+    """Whether the grammar has accepted the EOS token that ends it."""
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token; False when the grammar does not allow it (the request
+        then ends: the grammar is not used again)."""
+        ...
+
+    def is_stopped(self) -> bool:
+        """Whether the grammar is complete: it allows no token but EOS any more."""
+        ...
+
+
 class InvalidTransition(RuntimeError):
     """A request was moved between states the state machine does not connect (a bug)."""
 
@@ -101,6 +120,8 @@ class Request:
         "num_cached_tokens",
         "num_preemptions",
         "num_prompt_logprobs_sent",
+        "use_structured_output",
+        "grammar",
         "_first_block_extra",
         "_block_size",
         "_hash_blocks",
@@ -128,7 +149,15 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.status = RequestStatus.WAITING
+        # A constrained request waits for its grammar before it can be scheduled.
+        self.use_structured_output = sampling_params.structured_outputs is not None
+        self.status = (
+            RequestStatus.WAITING_FOR_GRAMMAR
+            if self.use_structured_output
+            else RequestStatus.WAITING
+        )
+        self.grammar: GrammarMatcher | None = None
+        """The matcher of a constrained request, once its grammar is compiled."""
         limit = sampling_params.max_tokens if max_tokens is None else max_tokens
         self.max_tokens = limit if limit is not None else 1 << 62
         self.min_tokens = sampling_params.min_tokens

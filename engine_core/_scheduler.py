@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from engine_core._kv_cache_manager import KVCacheManager
 from engine_core._protocol import EngineCoreOutputs, FinishedRequest
-from engine_core._request import Request, RequestStatus
+from engine_core._request import GrammarMatcher, Request, RequestStatus
 from engine_core._request_queue import make_queue
 from engine_core._scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.abc import ModelRunnerOutput, TokenLogprobs
@@ -25,6 +25,9 @@ __all__ = ["Scheduler", "SchedulerConfig"]
 _PREEMPTED = RequestStatus.PREEMPTED
 _RUNNING = RequestStatus.RUNNING
 _WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_GRAMMAR
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+_ERROR = RequestStatus.FINISHED_ERROR
 
 
 class SchedulerConfig:
@@ -76,6 +79,8 @@ class Scheduler:
         self.waiting = make_queue(config.scheduling_policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_constrained = 0
+        """Live requests with structured outputs (0: no step needs a grammar bitmask)."""
         self._priority = config.scheduling_policy == "priority"
         # Batch order of the last schedule(), zipped with the backend's output in update.
         self._scheduled: list[Request] = []
@@ -86,13 +91,23 @@ class Scheduler:
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request. Raises ``ValueError`` if a live request has the same id."""
+        """Queue a new request (WAITING, or WAITING_FOR_GRAMMAR until its grammar is set and
+        it moves to WAITING). Raises ``ValueError`` if a live request has the same id."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if request.status is not RequestStatus.WAITING:
-            raise ValueError(f"a new request must be WAITING, got {request.status.name}")
+        status = request.status
+        if not (
+            status is RequestStatus.WAITING
+            or (status is _WAITING_FOR_GRAMMAR and request.use_structured_output)
+        ):
+            expected = (
+                "WAITING_FOR_GRAMMAR or WAITING" if request.use_structured_output else "WAITING"
+            )
+            raise ValueError(f"a new request must be {expected}, got {status.name}")
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if request.use_structured_output:
+            self.num_constrained += 1
 
     def finish_requests(
         self,
@@ -128,6 +143,15 @@ class Scheduler:
         self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
+        if request.use_structured_output:
+            self.num_constrained -= 1
+            request.grammar = None
+
+    @property
+    def scheduled(self) -> list[Request]:
+        """The requests of the last :meth:`schedule`, in batch order (until its output is
+        applied)."""
+        return self._scheduled
 
     @property
     def num_running(self) -> int:
@@ -327,35 +351,44 @@ class Scheduler:
             if not tokens:
                 continue  # partial prefill chunk
             first = len(request.all_token_ids) == request.num_prompt_tokens
-            kept = 0
-            status = None
-            for token in tokens:
-                request.append_output_token(token)
-                kept += 1
-                num_output = len(request.all_token_ids) - request.num_prompt_tokens
-                if token in request.stop_token_ids and num_output > request.min_tokens:
-                    status = RequestStatus.FINISHED_STOPPED
-                    if token not in request.eos_token_ids:
-                        request.stop_reason = token
-                    break
-                if num_output >= request.max_tokens or len(request.all_token_ids) >= max_model_len:
-                    status = RequestStatus.FINISHED_LENGTH_CAPPED
-                    break
+            grammar = request.grammar
+            if grammar is not None:
+                kept, status = self._append_constrained(request, tokens, grammar)
+            else:
+                kept = 0
+                status = None
+                for token in tokens:
+                    request.append_output_token(token)
+                    kept += 1
+                    num_tokens = len(request.all_token_ids)
+                    num_output = num_tokens - request.num_prompt_tokens
+                    if token in request.stop_token_ids and num_output > request.min_tokens:
+                        status = _STOPPED
+                        if token not in request.eos_token_ids:
+                            request.stop_reason = token
+                        break
+                    if num_output >= request.max_tokens or num_tokens >= max_model_len:
+                        status = _LENGTH_CAPPED
+                        break
             if kept != len(tokens):
                 tokens = tokens[:kept]
             request_id = request.request_id
-            out_ids.append(request_id)
-            out_tokens.append(tokens)
-            if first:
-                out.num_cached_tokens[request_id] = request.num_cached_tokens
-            if logprobs is not None and logprobs[index]:
-                out.logprobs[request_id] = logprobs[index][:kept]  # type: ignore[index]
+            if kept:
+                out_ids.append(request_id)
+                out_tokens.append(tokens)
+                if first:
+                    out.num_cached_tokens[request_id] = request.num_cached_tokens
+                if logprobs is not None and logprobs[index]:
+                    out.logprobs[request_id] = logprobs[index][:kept]  # type: ignore[index]
             if status is not None:
                 request.set_status(status)
                 self._free(request)
                 out.finished.append(
                     FinishedRequest(
-                        request_id, request.finish_reason or "stop", request.stop_reason
+                        request_id,
+                        request.finish_reason or "stop",
+                        request.stop_reason,
+                        request.error,
                     )
                 )
                 any_finished = True
@@ -364,6 +397,50 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return out
+
+    def _append_constrained(
+        self, request: Request, tokens: list[int], grammar: GrammarMatcher
+    ) -> tuple[int, RequestStatus | None]:
+        """Append sampled tokens that the request's grammar accepts, one at a time, checking
+        stops; returns (tokens kept, finished status or None).
+
+        A token the grammar rejects is dropped and ends the request as an error. A complete
+        grammar allows only EOS, so it ends the request as stopped on that EOS (also with
+        ``ignore_eos``). A grammar complete before ``min_tokens``, whose EOS the backend then
+        masks, ends the request as an error (nothing could be sampled next).
+        """
+        max_model_len = self.config.max_model_len
+        kept = 0
+        for token in tokens:
+            if not grammar.accept_token(token):
+                request.error = (
+                    f"the backend sampled token {token}, which the structured_outputs grammar "
+                    "does not allow here"
+                )
+                return kept, _ERROR
+            request.append_output_token(token)
+            kept += 1
+            num_tokens = len(request.all_token_ids)
+            num_output = num_tokens - request.num_prompt_tokens
+            if token in request.stop_token_ids and num_output > request.min_tokens:
+                if token not in request.eos_token_ids:
+                    request.stop_reason = token
+                return kept, _STOPPED
+            if grammar.terminated:
+                return kept, _STOPPED
+            if num_output >= request.max_tokens or num_tokens >= max_model_len:
+                return kept, _LENGTH_CAPPED
+            if (
+                num_output < request.min_tokens
+                and grammar.is_stopped()
+                and grammar.eos_token_ids <= request.stop_token_ids
+            ):
+                request.error = (
+                    f"the structured_outputs grammar is complete after {num_output} tokens, "
+                    f"fewer than min_tokens ({request.min_tokens})"
+                )
+                return kept, _ERROR
+        return kept, None
 
     @staticmethod
     def _add_prompt_logprobs(

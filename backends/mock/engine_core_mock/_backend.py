@@ -28,7 +28,7 @@ from engine_core.abc import (
 from engine_core.config import EngineConfig
 from engine_core_mock._blocks import BlockLedger
 from engine_core_mock._options import Fault, parse_options
-from engine_core_mock._sampling import bitmask_words, next_allowed, synthetic_logprobs
+from engine_core_mock._sampling import bitmask_rows, next_allowed, synthetic_logprobs
 from engine_core_mock._state import RequestState, request_seed
 
 __all__ = ["FAULT_EXIT_CODE", "MockBackend"]
@@ -330,24 +330,20 @@ class MockBackend(Backend):
         return found
 
     def _bitmask_rows(self, batch: list[RequestState], bitmask: Any) -> dict[int, list[int]]:
-        """Batch index -> bitmask words. Rows follow the batch's constrained requests in order;
-        rows for constrained requests on a partial prefill chunk may be present or left out."""
-        constrained = [i for i, r in enumerate(batch) if r.constrained]
-        num_rows = len(bitmask)
-        if num_rows != len(constrained):
-            constrained = [
-                i for i in constrained if batch[i].num_computed_tokens == len(batch[i].tokens)
-            ]
-            if num_rows != len(constrained):
-                raise RuntimeError(
-                    f"grammar bitmask has {num_rows} rows but the batch has {len(constrained)} "
-                    "constrained requests to sample"
-                )
-        vocab_size = self._vocab_size
-        return {
-            i: bitmask_words(bitmask[row], vocab_size, batch[i].req_id)
-            for row, i in enumerate(constrained)
-        }
+        """Batch index -> bitmask words. One row per constrained request that samples a token
+        this step (not on a partial prefill chunk), in batch order."""
+        constrained = [
+            i
+            for i, r in enumerate(batch)
+            if r.constrained and r.num_computed_tokens == len(r.tokens)
+        ]
+        if len(bitmask) != len(constrained):
+            raise RuntimeError(
+                f"grammar bitmask has {len(bitmask)} rows but the batch has {len(constrained)} "
+                "constrained requests to sample"
+            )
+        rows = bitmask_rows(bitmask, self._vocab_size, [batch[i].req_id for i in constrained])
+        return dict(zip(constrained, rows, strict=True))
 
     # -- control --------------------------------------------------------------------------------
 

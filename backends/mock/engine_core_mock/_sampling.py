@@ -13,7 +13,7 @@ from typing import Any
 
 from engine_core.abc import TokenLogprobs
 
-__all__ = ["LN2", "bitmask_words", "next_allowed", "synthetic_logprobs"]
+__all__ = ["LN2", "bitmask_rows", "next_allowed", "synthetic_logprobs"]
 
 LN2 = math.log(2.0)
 
@@ -32,16 +32,21 @@ def synthetic_logprobs(token: int, centre: int, num_top: int, vocab_size: int) -
     return TokenLogprobs(token_ids, logprobs, ranks)
 
 
-def bitmask_words(row: Any, vocab_size: int, req_id: str) -> list[int]:
-    """One bitmask row (a numpy int32 row or any sequence of ints) as Python ints; bit ``j`` of
-    word ``j // 32`` set means token ``j`` is allowed."""
-    words = row.tolist() if hasattr(row, "tolist") else list(row)
-    if len(words) * 32 < vocab_size:
-        raise RuntimeError(
-            f"grammar bitmask row of request {req_id!r} has {len(words)} words; "
-            f"{-(-vocab_size // 32)} are needed for a vocabulary of {vocab_size}"
-        )
-    return [int(w) for w in words]
+def bitmask_rows(bitmask: Any, vocab_size: int, req_ids: Sequence[str]) -> list[list[int]]:
+    """A grammar bitmask (a 2-D numpy int32 array, or a sequence of rows of ints) as lists of
+    Python ints, one per request of ``req_ids``; bit ``j`` of word ``j // 32`` set means token
+    ``j`` is allowed."""
+    rows = (
+        bitmask.tolist() if hasattr(bitmask, "tolist") else [[int(w) for w in r] for r in bitmask]
+    )
+    needed = -(-vocab_size // 32)
+    for words, req_id in zip(rows, req_ids, strict=True):
+        if len(words) < needed:
+            raise RuntimeError(
+                f"grammar bitmask row of request {req_id!r} has {len(words)} words; "
+                f"{needed} are needed for a vocabulary of {vocab_size}"
+            )
+    return rows
 
 
 def next_allowed(

@@ -225,7 +225,8 @@ def test_bitmask_rows_follow_the_constrained_requests_of_the_batch() -> None:
         d.new("partial", [1, 2, 3], scheduled=1, structured_outputs=CONSTRAINED),
         d.new("c2", [1], structured_outputs=CONSTRAINED),
     ]
-    with_partial = d.step(new=requests[:3], bitmask=[_words(40), _words(50)])
+    # The partial prefill chunk samples nothing and has no row.
+    with_partial = d.step(new=requests[:3], bitmask=[_words(40)])
     without_partial = d.step(
         new=[requests[3]],
         cached=[("free", 1, 1, None), ("c1", 1, 1, None), ("partial", 1, 1, None)],
@@ -233,6 +234,16 @@ def test_bitmask_rows_follow_the_constrained_requests_of_the_batch() -> None:
     )
     assert with_partial.sampled_token_ids == [[2], [40], []]
     assert without_partial.sampled_token_ids == [[3], [60], [], [70]]
+
+
+def test_a_bitmask_row_for_a_partial_prefill_chunk_raises() -> None:
+    d = Driver()
+    requests = [
+        d.new("c1", [1], structured_outputs=CONSTRAINED),
+        d.new("partial", [1, 2, 3], scheduled=1, structured_outputs=CONSTRAINED),
+    ]
+    with pytest.raises(RuntimeError, match="grammar bitmask has 2 rows but the batch has 1"):
+        d.step(new=requests, bitmask=[_words(40), _words(50)])
 
 
 def test_bitmask_and_min_tokens_mask_together() -> None:
