@@ -209,7 +209,10 @@ class EngineCore:
         (plain serving never loads llguidance or the tokenizer)."""
         if self._structured is None:
             self._structured = StructuredOutputManager(
-                self.config.tokenizer_name, self.vocab_size, clock=self.clock
+                self.config.tokenizer_name,
+                self.vocab_size,
+                clock=self.clock,
+                compile_timeout_s=self.config.grammar_compile_timeout_s,
             )
             self._structured.on_compiled = self._grammar_waker
         return self._structured

@@ -53,6 +53,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     step_timeout_s: float | None = None
     """A step running longer than this is treated as the engine's death. None: no limit."""
     startup_timeout_s: float = 300.0
+    grammar_compile_timeout_s: float = 10.0
+    """A structured-output grammar that takes longer to compile fails its request."""
     max_queued_requests: int | None = None
     seed: int = 0
     dtype: str = "auto"
@@ -77,6 +79,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, integer=True)
         _positive("step_timeout_s", self.step_timeout_s)
         _positive("startup_timeout_s", self.startup_timeout_s, allow_none=False)
+        _positive("grammar_compile_timeout_s", self.grammar_compile_timeout_s, allow_none=False)
         _positive("max_queued_requests", self.max_queued_requests, integer=True)
         _positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=False, integer=True)
         _positive("data_parallel_size", self.data_parallel_size, allow_none=False, integer=True)

@@ -540,3 +540,13 @@ def test_plain_serving_loads_no_grammar_library() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_compile_timeout_comes_from_the_engine_config() -> None:
+    from engine_core._engine_core import EngineCore
+    from engine_core.config import EngineConfig
+
+    core = EngineCore(EngineConfig(backend="mock", tokenizer="byte", grammar_compile_timeout_s=2.5))
+    assert core.structured_output.compile_timeout_s == 2.5
+    with pytest.raises(ValueError, match="grammar_compile_timeout_s must be > 0"):
+        EngineConfig(grammar_compile_timeout_s=0)
