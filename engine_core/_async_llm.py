@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any
@@ -26,7 +27,12 @@ from engine_core._output_processor import OutputProcessor
 from engine_core._protocol import EngineCoreOutputs, EngineStats, FinishedRequest
 from engine_core._tokenizer import PromptInput, Tokenizer, load_tokenizer, parse_prompt
 from engine_core.config import EngineConfig
-from engine_core.errors import EngineClosedError, EngineDeadError, EngineError
+from engine_core.errors import (
+    EngineClosedError,
+    EngineDeadError,
+    EngineError,
+    RetryableRequestError,
+)
 from engine_core.outputs import RequestOutput
 from engine_core.sampling_params import SamplingParams
 
@@ -35,7 +41,12 @@ __all__ = ["AsyncLLM"]
 logger = logging.getLogger(__name__)
 
 OUTPUT_CHUNK_SIZE = 128
-"""Requests processed between two checkpoints of the output handler."""
+"""Requests processed at most between two looks at the clock of the output handler."""
+OUTPUT_YIELD_INTERVAL_S = 0.01
+"""While engine outputs are already waiting, the output handler goes on processing them for up
+to this long before it lets other tasks run. Consumers that fall behind the engine then take
+several steps merged into one output instead of one output per step (far less work per token
+for a server streaming them), and the event loop still runs every task within this interval."""
 
 
 def split_outputs(outputs: EngineCoreOutputs, size: int) -> list[EngineCoreOutputs]:
@@ -75,6 +86,10 @@ class AsyncLLM:
     ``async with AsyncLLM(**config_fields) as engine:`` (or :meth:`from_config`) starts the
     engine; leaving the block aborts what is in flight (those streams end with finish_reason
     "abort") and stops it.
+
+    With ``max_queued_requests`` set, at most ``max_num_seqs + max_queued_requests`` sequences
+    (a request counts its ``n`` completions) are in flight; :meth:`generate` rejects one more
+    with :class:`RetryableRequestError` before sending anything.
     """
 
     def __init__(self, **config_fields: Any) -> None:
@@ -96,6 +111,8 @@ class AsyncLLM:
         self._closed = False
         self._ids = itertools.count()
         self._prefix = os.urandom(4).hex()
+        self._num_in_flight = 0
+        """Sequences (``n`` per request) of the requests that are in flight."""
         self.tokenizer: Tokenizer | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -183,6 +200,7 @@ class AsyncLLM:
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         text, token_ids = parse_prompt(prompt, self.tokenizer)
         external_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        self._admit(params.n, external_id)
         # Unique even when a caller reuses an id: outputs carry external_id.
         internal_id = f"{external_id}-{self._prefix}{next(self._ids)}"
         collector = RequestOutputCollector(params.output_kind)
@@ -197,6 +215,7 @@ class AsyncLLM:
             collector=collector,
         )
         finished = False
+        self._num_in_flight += params.n
         try:
             for request in requests:
                 client.add_request(request)
@@ -205,8 +224,24 @@ class AsyncLLM:
                 finished = output.finished
                 yield output
         finally:
+            self._num_in_flight -= params.n
             if not finished:
                 self._abort_now(internal_id)
+
+    def _admit(self, num_seqs: int, request_id: str) -> None:
+        """Raise :class:`RetryableRequestError` when ``max_queued_requests`` is set and
+        ``num_seqs`` more sequences would not fit the running batch and the queue."""
+        limit = self.config.max_queued_requests
+        if limit is None:
+            return
+        capacity = self.config.max_num_seqs + limit
+        if self._num_in_flight + num_seqs > capacity:
+            raise RetryableRequestError(
+                f"the engine's queue is full ({self._num_in_flight} sequences in flight, "
+                f"max_num_seqs {self.config.max_num_seqs} + max_queued_requests {limit}); "
+                "retry later",
+                request_id,
+            )
 
     def _abort_now(self, request_id: str) -> None:
         """Forget ``request_id`` here and tell the engine, without awaiting (usable while
@@ -230,14 +265,19 @@ class AsyncLLM:
     async def _output_handler(self) -> None:
         client, processor = self._client, self._processor
         assert client is not None and processor is not None
+        clock = time.perf_counter
         try:
+            last_yield = clock()
             while True:
+                # Returns without yielding when outputs are waiting (the engine ran ahead).
                 outputs = await client.get_output_async()
                 for chunk in split_outputs(outputs, OUTPUT_CHUNK_SIZE):
                     processed = processor.process_outputs(chunk)
                     if processed.reqs_to_abort:
                         client.abort_requests(processed.reqs_to_abort)
-                    await anyio.lowlevel.checkpoint()
+                    if clock() - last_yield >= OUTPUT_YIELD_INTERVAL_S:
+                        await anyio.lowlevel.checkpoint()
+                        last_yield = clock()
         except EngineDeadError as exc:
             self._dead = exc
             processor.propagate_error(exc)

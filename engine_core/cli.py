@@ -1,7 +1,8 @@
 """The ``engine-core`` command line.
 
 ``engine-core backends`` lists installed backends; ``engine-core generate "PROMPT"`` streams a
-completion; ``engine-core bench throughput`` runs an offline throughput benchmark.
+completion to stdout; ``engine-core serve`` runs the OpenAI-compatible HTTP server;
+``engine-core bench throughput|latency|serve`` run benchmarks (see ``_bench_cli``).
 Every :class:`~engine_core.EngineConfig` field is a flag (``--max-num-seqs 64``).
 """
 
@@ -9,19 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import statistics
+import os
 import sys
-import time
 import typing
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
-
 from engine_core.config import EngineConfig
 
-__all__ = ["add_engine_config_flags", "engine_config_from_args", "main"]
+__all__ = ["API_KEY_ENV", "add_engine_config_flags", "engine_config_from_args", "main"]
+
+API_KEY_ENV = "ENGINE_CORE_API_KEY"
+"""Environment variable holding the server's API key when ``--api-key`` is not given."""
+NO_UVLOOP_ENV = "ENGINE_CORE_NO_UVLOOP"
+"""Set (non-empty) to run asyncio on its own event loop even where uvloop is installed."""
 
 
 def _flag_type(annotation: Any) -> tuple[Any, dict[str, Any]]:
@@ -84,7 +86,10 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine_core import LLM, SamplingParams
+    """Stream one completion to stdout as it is generated."""
+    import anyio
+
+    from engine_core import AsyncLLM, RequestOutputKind, SamplingParams
 
     params = SamplingParams(
         temperature=args.temperature,
@@ -92,96 +97,126 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         stop=args.stop or None,
+        output_kind=RequestOutputKind.DELTA,
     )
-    with LLM.from_config(engine_config_from_args(args)) as llm:
-        output = llm.generate(args.prompt, params, use_tqdm=False)[0]
-    completion = output.outputs[0]
-    if completion.finish_reason == "error":
-        print(f"error: {output.error}", file=sys.stderr)
-        return 1
-    print(completion.text)
+    # One prompt needs no process boundary unless asked for one.
+    overrides = {} if args.cfg_multiprocess is not None else {"multiprocess": False}
+    config = engine_config_from_args(args, **overrides)
+
+    async def run() -> None:
+        async with AsyncLLM.from_config(config) as engine:
+            async for output in engine.generate(args.prompt, params):
+                sys.stdout.write(output.outputs[0].text)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+
+    anyio.run(run, **run_options(args.runtime))
     return 0
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the OpenAI-compatible server until SIGINT or SIGTERM."""
+    import functools
+    import logging
 
+    import anyio
 
-def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from engine_core import LLM, SamplingParams
-    from engine_core._machine import machine_line
-
+    try:
+        from engine_core.server import ServerSettings, run_server
+    except ImportError as exc:
+        print(
+            f"engine-core serve needs the server extra ({exc.name} is missing): "
+            "pip install 'engine-core[server]'",
+            file=sys.stderr,
+        )
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_key=api_key,
+        served_model_names=tuple(args.served_model_name or ()),
+        chat_template=args.chat_template,
+        max_request_body_bytes=args.max_request_body_bytes,
+        access_log=args.access_log,
+        http_server=args.http_server,
+    )
     config = engine_config_from_args(args)
-    rng = random.Random(args.cfg_seed or 0)
-    with LLM.from_config(config) as llm:
-        vocab = llm.vocab_size
-        low = 3 if vocab > 300 else 0
-        high = min(vocab, 256) if vocab <= 300 else vocab
-        prompts = [
-            {"prompt_token_ids": [rng.randrange(low, high) for _ in range(args.input_len)]}
-            for _ in range(args.num_prompts)
-        ]
-        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
-        elapsed = time.perf_counter() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    latencies = [
-        o.metrics.finished_time - o.metrics.arrival_time
-        for o in outputs
-        if o.metrics is not None and o.metrics.finished_time is not None
-    ]
-    print(machine_line())
-    print(
-        f"backend={config.backend} prompts={args.num_prompts} input_len={args.input_len} "
-        f"output_len={args.output_len} max_num_seqs={config.max_num_seqs}"
-    )
-    rows = [
-        ("requests/s", f"{len(outputs) / elapsed:,.1f}"),
-        ("output tokens/s", f"{out_tokens / elapsed:,.0f}"),
-        ("total tokens/s", f"{(out_tokens + args.input_len * len(outputs)) / elapsed:,.0f}"),
-        ("mean latency (s)", f"{statistics.fmean(latencies):.3f}" if latencies else "-"),
-        ("p99 latency (s)", f"{_percentile(latencies, 0.99):.3f}" if latencies else "-"),
-        ("elapsed (s)", f"{elapsed:.2f}"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    print("-" * (width + 16))
-    for key, value in rows:
-        print(f"{key:<{width}}  {value:>14}")
-    print("-" * (width + 16))
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(msgspec.json.encode(dict(rows) | {"machine": machine_line()}).decode())
+
+    async def run() -> None:
+        print(f"engine-core: starting the engine (backend {config.backend})...", file=sys.stderr)
+        async with anyio.create_task_group() as task_group:
+            url = await task_group.start(functools.partial(run_server, config, settings))
+            print(f"engine-core: serving on {url} (Ctrl+C to stop)", file=sys.stderr, flush=True)
+
+    anyio.run(run, **run_options(args.runtime))
     return 0
+
+
+def run_options(runtime: str) -> dict[str, Any]:
+    """``anyio.run`` keyword arguments for ``runtime``: asyncio runs on uvloop where it is
+    installed (the ``server`` extra brings it on Linux and macOS) unless
+    ``ENGINE_CORE_NO_UVLOOP`` is set."""
+    if runtime == "asyncio" and not os.environ.get(NO_UVLOOP_ENV):
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            return {"backend": "asyncio", "backend_options": {"use_uvloop": True}}
+    return {"backend": runtime}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from engine_core._bench_cli import add_bench_parsers
+
     parser = argparse.ArgumentParser(prog="engine-core", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("backends", help="list installed backends and whether each is usable")
     p.set_defaults(func=cmd_backends)
 
-    p = sub.add_parser("generate", help="generate a completion for one prompt")
+    p = sub.add_parser("generate", help="stream a completion of one prompt to stdout")
     p.add_argument("prompt")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--sampling-seed", dest="seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--runtime", choices=["asyncio", "trio"], default="asyncio")
     add_engine_config_flags(p)
     p.set_defaults(func=cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    p = bench.add_parser("throughput", help="offline throughput with random prompts")
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", default=None, help="also write the results to this path")
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
+    p.add_argument("--runtime", choices=["asyncio", "trio"], default="asyncio")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients use (default: --model, else 'engine-core')",
+    )
+    p.add_argument("--chat-template", default=None, help="chat template file or text")
+    p.add_argument("--max-request-body-bytes", type=int, default=16 << 20)
+    p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument(
+        "--http-server",
+        choices=["auto", "uvicorn", "hypercorn"],
+        default="auto",
+        help="auto: uvicorn under asyncio where installed, else hypercorn (trio: hypercorn)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_config_flags(p)
-    p.set_defaults(func=cmd_bench_throughput)
+    p.set_defaults(func=cmd_serve)
+
+    add_bench_parsers(sub, add_engine_config_flags, engine_config_from_args)
     return parser
 
 

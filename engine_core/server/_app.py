@@ -1,0 +1,242 @@
+"""The ASGI application: routes, API-key check and error responses in OpenAI's shape."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from engine_core._async_llm import AsyncLLM
+from engine_core.errors import EngineError
+from engine_core.server._chat import create_chat_completion
+from engine_core.server._chat_template import load_chat_template
+from engine_core.server._completions import create_completion
+from engine_core.server._errors import APIError, error_json
+from engine_core.server._protocol import ModelCard, ModelList
+from engine_core.server._serving import ServerState
+from engine_core.server._sse import EventStreamResponse
+
+__all__ = ["ServerSettings", "create_app"]
+
+logger = logging.getLogger("engine_core.server")
+
+_ENCODER = msgspec.json.Encoder()
+_BEARER = "bearer "
+_STATUS_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+Handler = Callable[[ServerState, Request], Awaitable[Response | EventStreamResponse]]
+Endpoint = Callable[[Request], Awaitable[Response | EventStreamResponse]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerSettings:
+    """How the HTTP server runs (the engine is configured by :class:`EngineConfig`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    """0 picks a free port."""
+    api_key: str | None = None
+    """When set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>``."""
+    served_model_names: tuple[str, ...] = ()
+    """Names clients may ask for; empty: the model directory, else ``"engine-core"``."""
+    chat_template: str | None = None
+    """A chat template file or text, overriding the tokenizer's."""
+    max_request_body_bytes: int = 16 << 20
+    health_timeout_s: float = 5.0
+    """``/health`` answers 503 when the engine does not answer within this time."""
+    graceful_timeout_s: float = 5.0
+    """On shutdown, how long in-flight responses may take to finish."""
+    access_log: bool = False
+    http_server: Literal["auto", "uvicorn", "hypercorn"] = "auto"
+    """``"auto"``: uvicorn under asyncio where it is installed, else hypercorn (trio: always)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        if self.max_request_body_bytes <= 0:
+            raise ValueError(
+                f"max_request_body_bytes must be > 0, got {self.max_request_body_bytes!r}"
+            )
+        if self.http_server not in ("auto", "uvicorn", "hypercorn"):
+            raise ValueError(
+                f"http_server must be 'auto', 'uvicorn' or 'hypercorn', got {self.http_server!r}"
+            )
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty when given")
+        for name in ("health_timeout_s", "graceful_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(_ENCODER.encode(data), status_code=status, media_type="application/json")
+
+
+def _error_response(exc: APIError) -> Response:
+    headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
+    return Response(exc.body(), exc.status, headers=headers, media_type="application/json")
+
+
+def _authorized(state: ServerState, request: Request) -> None:
+    expected = state.api_key
+    if expected is None:
+        return
+    header = request.headers.get("authorization", "")
+    given = header[len(_BEARER) :] if header[: len(_BEARER)].lower() == _BEARER else ""
+    # Digests compared in constant time: neither how much of a guess was right nor the key's
+    # length shows in the response time.
+    if not hmac.compare_digest(hashlib.sha256(given.encode()).digest(), expected):
+        raise APIError(
+            401,
+            "missing or incorrect API key; send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+        )
+
+
+def _api_endpoint(state: ServerState, handler: Handler) -> Endpoint:
+    """A ``/v1`` endpoint: the API key checked, :class:`APIError` answered in OpenAI's shape."""
+
+    async def endpoint(request: Request) -> Response | EventStreamResponse:
+        try:
+            _authorized(state, request)
+            return await handler(state, request)
+        except APIError as exc:
+            return _error_response(exc)
+
+    return endpoint
+
+
+class _App:
+    """The ASGI app: ``POST`` to the completion endpoints goes straight to its handler, the rest
+    through Starlette. Those two carry nearly all the traffic, and Starlette's middleware and
+    routing would cost a request more than the handler's own work."""
+
+    def __init__(self, starlette: Starlette, hot: dict[str, Endpoint]) -> None:
+        self.starlette = starlette
+        self.hot = hot
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = self.hot.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None or scope["method"] != "POST":
+            await self.starlette(scope, receive, send)
+            return
+        try:
+            response = await endpoint(Request(scope, receive, send))
+        except Exception:
+            logger.exception("%s failed", scope["path"])
+            response = Response(error_json("internal server error", "server_error"), 500)
+        await response(scope, receive, send)
+
+
+async def _models(state: ServerState, request: Request) -> Response:
+    root = state.engine.config.model
+    cards = [
+        ModelCard(
+            id=name,
+            created=state.created,
+            owned_by="engine-core",
+            root=root,
+            max_model_len=state.max_model_len,
+        )
+        for name in state.model_names
+    ]
+    return _json(ModelList(data=cards))
+
+
+async def _health(state: ServerState, request: Request) -> Response:
+    try:
+        with anyio.fail_after(state.health_timeout_s):
+            await state.engine.check_health()
+    except (EngineError, TimeoutError) as exc:
+        reason = "it did not answer" if isinstance(exc, TimeoutError) else str(exc)
+        body = error_json(f"the engine is unhealthy: {reason}", "service_unavailable")
+        return Response(body, 503, media_type="application/json")
+    return Response(b"", 200)
+
+
+async def _version(state: ServerState, request: Request) -> Response:
+    from engine_core import __version__
+
+    return _json({"version": __version__})
+
+
+async def _metrics(state: ServerState, request: Request) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    try:
+        with anyio.fail_after(state.health_timeout_s):
+            stats = await state.engine.get_stats()
+    except (EngineError, TimeoutError):
+        stats = None  # a dead engine: the server's own metrics still count
+    return Response(state.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = _STATUS_CODES.get(exc.status_code)
+    return _error_response(APIError(exc.status_code, str(exc.detail), code=code))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return Response(error_json("internal server error", "server_error"), 500)
+
+
+def _open_endpoint(state: ServerState, handler: Handler) -> Endpoint:
+    """An endpoint that needs no API key (health checks and scrapes come without one)."""
+
+    async def endpoint(request: Request) -> Response | EventStreamResponse:
+        return await handler(state, request)
+
+    return endpoint
+
+
+def _server_state(engine: AsyncLLM, settings: ServerSettings) -> ServerState:
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise RuntimeError("create_app needs a started AsyncLLM (use it inside 'async with')")
+    config = engine.config
+    return ServerState(
+        engine=engine,
+        tokenizer=tokenizer,
+        chat_template=load_chat_template(config.tokenizer_name, settings.chat_template),
+        model_names=settings.served_model_names or (config.model or "engine-core",),
+        max_model_len=engine.info.max_model_len,
+        api_key=(
+            hashlib.sha256(settings.api_key.encode()).digest()
+            if settings.api_key is not None
+            else None
+        ),
+        max_body_bytes=settings.max_request_body_bytes,
+        health_timeout_s=settings.health_timeout_s,
+    )
+
+
+def create_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> ASGIApp:
+    """The OpenAI-compatible ASGI app over a started ``engine`` (inside its ``async with``)."""
+    state = _server_state(engine, settings or ServerSettings())
+    hot = {
+        "/v1/completions": _api_endpoint(state, create_completion),
+        "/v1/chat/completions": _api_endpoint(state, create_chat_completion),
+    }
+    routes = [
+        *(Route(path, endpoint, methods=["POST"]) for path, endpoint in hot.items()),
+        Route("/v1/models", _api_endpoint(state, _models), methods=["GET"]),
+        Route("/health", _open_endpoint(state, _health), methods=["GET"]),
+        Route("/version", _open_endpoint(state, _version), methods=["GET"]),
+        Route("/metrics", _open_endpoint(state, _metrics), methods=["GET"]),
+    ]
+    exception_handlers = {HTTPException: _http_error, Exception: _server_error}
+    starlette = Starlette(routes=routes, exception_handlers=exception_handlers)
+    return _App(starlette, hot)

@@ -1,0 +1,321 @@
+"""``POST /v1/chat/completions``: messages rendered with the chat template, then generated."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from engine_core.outputs import PositionLogprobs, RequestOutput
+from engine_core.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+from engine_core.server._chat_template import ChatTemplateError
+from engine_core.server._errors import APIError
+from engine_core.server._protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatLogprobs,
+    Delta,
+    TokenLogprob,
+    TopLogprob,
+)
+from engine_core.server._serving import (
+    Fields,
+    PreparedPrompt,
+    ServerState,
+    check_prompt_length,
+    new_id,
+    read_body,
+    run_prompts,
+    sampling_params,
+    usage,
+)
+from engine_core.server._sse import Emit, EventStreamResponse, cancel_on_disconnect, sse_event
+
+__all__ = ["create_chat_completion", "render_messages"]
+
+_ENCODER = msgspec.json.Encoder()
+
+
+def _message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as templates expect them: content flattened to a string."""
+    if not body.messages:
+        raise APIError(400, "messages must not be empty", param="messages")
+    messages: list[dict[str, Any]] = []
+    for message in body.messages:
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(
+                        400,
+                        f"only text content parts are supported, got {part.get('type')!r}",
+                        param="messages",
+                    )
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        messages.append(entry)
+    return messages
+
+
+def render_messages(state: ServerState, body: ChatCompletionRequest) -> PreparedPrompt:
+    """The prompt of a chat request: the rendered template and its token ids."""
+    if body.tools:
+        raise APIError(400, "tools are not supported", param="tools")
+    try:
+        text = state.chat_template.render(
+            _message_dicts(body),
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            **(body.chat_template_kwargs or {}),
+        )
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    token_ids = state.tokenizer.encode(text)
+    bos = state.tokenizer.bos_token_id
+    if bos is not None and len(token_ids) > 1 and token_ids[0] == token_ids[1] == bos:
+        # The template wrote the BOS token and the tokenizer added another one.
+        del token_ids[0]
+    check_prompt_length(state, len(token_ids), "messages")
+    return PreparedPrompt({"prompt": text, "prompt_token_ids": token_ids}, len(token_ids))
+
+
+def _chat_logprobs(positions: list[PositionLogprobs], top: int) -> ChatLogprobs:
+    content = []
+    for position in positions:
+        sampled = next(iter(position.values()))
+        ranked = sorted(
+            (lp for lp in position.values() if lp.rank is not None and lp.rank <= top),
+            key=lambda lp: lp.rank or 0,
+        )
+        token = sampled.decoded_token or ""
+        content.append(
+            TokenLogprob(
+                token=token,
+                logprob=sampled.logprob,
+                bytes=list(token.encode()),
+                top_logprobs=[
+                    TopLogprob(
+                        token=lp.decoded_token or "",
+                        logprob=lp.logprob,
+                        bytes=list((lp.decoded_token or "").encode()),
+                    )
+                    for lp in ranked
+                ],
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+def _response_format(body: ChatCompletionRequest) -> StructuredOutputsParams | None:
+    """The constraint ``response_format`` asks for (None for plain text)."""
+    response_format = body.response_format
+    if response_format is None or response_format.type == "text":
+        return None
+    if body.structured_outputs is not None:
+        raise APIError(
+            400,
+            "give either response_format or structured_outputs, not both",
+            param="response_format",
+        )
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if response_format.type == "json_schema":
+        spec = response_format.json_schema
+        if spec is None or not spec.schema:
+            raise APIError(
+                400, "response_format.json_schema.schema is required", param="response_format"
+            )
+        return StructuredOutputsParams(json=spec.schema)
+    raise APIError(
+        400,
+        f"response_format.type must be 'text', 'json_object' or 'json_schema', "
+        f"got {response_format.type!r}",
+        param="response_format",
+    )
+
+
+def _chat_params(body: ChatCompletionRequest, kind: RequestOutputKind) -> SamplingParams:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+    max_tokens = body.max_completion_tokens
+    renames = {"max_tokens": "max_completion_tokens"}
+    if max_tokens is None:
+        max_tokens = body.max_tokens
+        renames = {}
+    renames["logprobs"] = "top_logprobs"
+    return sampling_params(
+        body,
+        max_tokens=max_tokens,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        output_kind=kind,
+        renames=renames,
+        structured_outputs=_response_format(body),
+    )
+
+
+def _fields(body: ChatCompletionRequest) -> Fields:
+    grammar = "response_format" if body.structured_outputs is None else "structured_outputs"
+    return Fields(prompt="messages", grammar=grammar)
+
+
+async def create_chat_completion(
+    state: ServerState, request: Request
+) -> Response | EventStreamResponse:
+    body = await read_body(request, ChatCompletionRequest, state.max_body_bytes)
+    model = state.model_name(body.model)
+    kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
+    params = _chat_params(body, kind)
+    prompt = render_messages(state, body)
+    request_id = new_id("chatcmpl")
+    created = int(time.time())
+    if body.stream:
+        stream = _ChatStream(state, body, prompt, params, request_id, created, model)
+        return EventStreamResponse(stream.run)
+    return await cancel_on_disconnect(
+        request.receive, lambda: _complete(state, body, prompt, params, request_id, created, model)
+    )
+
+
+async def _complete(
+    state: ServerState,
+    body: ChatCompletionRequest,
+    prompt: PreparedPrompt,
+    params: SamplingParams,
+    request_id: str,
+    created: int,
+    model: str,
+) -> Response:
+    finals: list[RequestOutput] = []
+
+    async def handle(index: int, output: RequestOutput) -> None:
+        finals.append(output)
+
+    await run_prompts(
+        state,
+        [prompt],
+        params,
+        request_id,
+        handle,
+        priority=body.priority,
+        fields=_fields(body),
+    )
+    output = finals[-1]
+    choices = []
+    completion_tokens = 0
+    for completion in sorted(output.outputs, key=lambda c: c.index):
+        completion_tokens += len(completion.token_ids)
+        logprobs = None
+        if body.logprobs and completion.logprobs is not None:
+            logprobs = _chat_logprobs(completion.logprobs, body.top_logprobs or 0)
+        choices.append(
+            ChatChoice(
+                index=completion.index,
+                message=AssistantMessage(content=completion.text),
+                logprobs=logprobs,
+                finish_reason=completion.finish_reason,
+            )
+        )
+    result = ChatCompletion(
+        id=request_id,
+        created=created,
+        model=model,
+        choices=choices,
+        usage=usage(len(output.prompt_token_ids), completion_tokens),
+    )
+    return Response(_ENCODER.encode(result), media_type="application/json")
+
+
+class _ChatStream:
+    """One streamed chat response: a role chunk per choice, then content chunks, then (when
+    asked) a usage chunk. Each output is one write; the last output's chunks are returned to go
+    out with ``[DONE]``."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        body: ChatCompletionRequest,
+        prompt: PreparedPrompt,
+        params: SamplingParams,
+        request_id: str,
+        created: int,
+        model: str,
+    ) -> None:
+        self.state = state
+        self.body = body
+        self.prompt = prompt
+        self.params = params
+        self.request_id = request_id
+        self.created = created
+        self.model = model
+        self.completion_tokens = 0
+        self.started = False
+        self.tail = b""
+        self.emit: Emit | None = None
+
+    def _event(self, choices: list[ChatChunkChoice], **extra: Any) -> bytes:
+        chunk = ChatCompletionChunk(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, **extra
+        )
+        return sse_event(_ENCODER.encode(chunk))
+
+    async def run(self, emit: Emit) -> bytes:
+        self.emit = emit
+        await run_prompts(
+            self.state,
+            [self.prompt],
+            self.params,
+            self.request_id,
+            self._handle,
+            priority=self.body.priority,
+            fields=_fields(self.body),
+        )
+        options = self.body.stream_options
+        if options is not None and options.include_usage:
+            self.tail += self._event(
+                [], usage=usage(self.prompt.num_tokens, self.completion_tokens)
+            )
+        return self.tail
+
+    async def _handle(self, prompt_index: int, output: RequestOutput) -> None:
+        events = []
+        if not self.started:
+            self.started = True
+            for index in range(self.body.n):
+                role = ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))
+                events.append(self._event([role]))
+        top = self.body.top_logprobs or 0
+        for completion in output.outputs:
+            self.completion_tokens += len(completion.token_ids)
+            logprobs = None
+            if completion.logprobs:
+                logprobs = _chat_logprobs(completion.logprobs, top)
+            if not completion.text and logprobs is None and completion.finish_reason is None:
+                continue
+            choice = ChatChunkChoice(
+                index=completion.index,
+                delta=Delta(content=completion.text) if completion.text else Delta(),
+                logprobs=logprobs,
+                finish_reason=completion.finish_reason,
+            )
+            events.append(self._event([choice]))
+        data = b"".join(events)
+        if output.finished:
+            self.tail = data
+        elif data:
+            assert self.emit is not None
+            await self.emit(data)

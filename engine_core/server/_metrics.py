@@ -1,0 +1,239 @@
+"""Prometheus metrics of the server and its engine (``GET /metrics``, text format).
+
+Each server has its own registry, so several servers can live in one process (tests).
+
+Engine state, read from :meth:`AsyncLLM.get_stats` at each scrape:
+
+- ``engine_core_num_requests_running`` / ``engine_core_num_requests_waiting`` (gauges)
+- ``engine_core_kv_cache_usage_perc`` (gauge, 0..1)
+- ``engine_core_prefix_cache_hit_rate`` (gauge, 0..1), ``engine_core_prefix_cache_queries_total``
+  and ``engine_core_prefix_cache_hits_total`` (counters, tokens)
+- ``engine_core_num_preemptions_total`` (counter)
+
+Requests served by this server, recorded as their outputs stream:
+
+- ``engine_core_prompt_tokens_total`` / ``engine_core_generation_tokens_total`` (counters)
+- ``engine_core_request_success_total{finished_reason}`` (counter, one per completion: ``stop``,
+  ``length`` or ``abort``, the last for requests whose client went away or that were aborted)
+- ``engine_core_time_to_first_token_seconds``, ``engine_core_inter_token_latency_seconds`` and
+  ``engine_core_e2e_request_latency_seconds`` (histograms; times from the engine front end's
+  clock: arrival, first token, each token, finish). Tokens that reach the server together (the
+  engine ran ahead of the stream) share the interval since the previous ones evenly.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from engine_core._protocol import EngineStats
+from engine_core.outputs import RequestOutput
+
+__all__ = ["Histogram", "RequestRecorder", "ServerMetrics"]
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+)  # fmt: skip
+
+
+class Histogram:
+    """A histogram kept as plain numbers: updated only from the event loop's thread, so it
+    needs none of prometheus_client's locks, and ``count`` equal observations cost one update
+    (a stream that delivers several tokens at once observes their gaps in one call)."""
+
+    __slots__ = ("bounds", "counts", "sum", "count")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.sum += value * count
+        self.count += count
+
+    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
+        cumulative = []
+        total = 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += count
+            cumulative.append((_bound_label(bound), total))
+        return HistogramMetricFamily(name, documentation, buckets=cumulative, sum_value=self.sum)
+
+
+def _bound_label(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+class ServerMetrics:
+    """The metrics of one server, in a registry of its own; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.request_success: dict[str, int] = {}
+        self.time_to_first_token = Histogram(_LATENCY_BUCKETS)
+        self.inter_token_latency = Histogram(_ITL_BUCKETS)
+        self.e2e_latency = Histogram(_LATENCY_BUCKETS)
+        self.stats: EngineStats | None = None
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_Collector(self))
+
+    def render(self, stats: EngineStats | None) -> bytes:
+        """The text exposition; ``stats`` None leaves the engine state out (engine dead)."""
+        self.stats = stats
+        return generate_latest(self.registry)
+
+    def recorder(self) -> RequestRecorder:
+        """A recorder for one request (one prompt, all its completions)."""
+        return RequestRecorder(self)
+
+    def finished(self, reason: str, count: int = 1) -> None:
+        self.request_success[reason] = self.request_success.get(reason, 0) + count
+
+
+class _Collector(Collector):
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.metrics
+        if m.stats is not None:
+            yield from _engine_state(m.stats)
+        yield CounterMetricFamily(
+            "engine_core_prompt_tokens", "Prompt tokens of admitted requests.", m.prompt_tokens
+        )
+        yield CounterMetricFamily(
+            "engine_core_generation_tokens", "Generated tokens.", m.generation_tokens
+        )
+        success = CounterMetricFamily(
+            "engine_core_request_success",
+            "Completions that ended, by finish reason.",
+            labels=["finished_reason"],
+        )
+        for reason, count in sorted(m.request_success.items()):
+            success.add_metric([reason], count)
+        yield success
+        yield m.time_to_first_token.family(
+            "engine_core_time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+        )
+        yield m.inter_token_latency.family(
+            "engine_core_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request.",
+        )
+        yield m.e2e_latency.family(
+            "engine_core_e2e_request_latency_seconds", "Time from arrival to the end of a request."
+        )
+
+
+def _engine_state(stats: EngineStats) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        "engine_core_num_requests_running",
+        "Requests in the engine's running batch.",
+        value=stats.num_running,
+    )
+    yield GaugeMetricFamily(
+        "engine_core_num_requests_waiting",
+        "Requests waiting to be scheduled.",
+        value=stats.num_waiting,
+    )
+    yield GaugeMetricFamily(
+        "engine_core_kv_cache_usage_perc",
+        "Fraction of KV-cache blocks in use (0..1).",
+        value=stats.kv_cache_usage,
+    )
+    yield GaugeMetricFamily(
+        "engine_core_prefix_cache_hit_rate",
+        "Prefix-cache hit tokens over queried tokens since start (0..1).",
+        value=stats.prefix_cache_hit_rate,
+    )
+    yield CounterMetricFamily(
+        "engine_core_prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+        value=stats.prefix_cache_queries,
+    )
+    yield CounterMetricFamily(
+        "engine_core_prefix_cache_hits",
+        "Prompt tokens found in the prefix cache.",
+        value=stats.prefix_cache_hits,
+    )
+    yield CounterMetricFamily(
+        "engine_core_num_preemptions",
+        "Requests preempted to free KV-cache blocks.",
+        value=stats.num_preemptions,
+    )
+
+
+class RequestRecorder:
+    """Feeds the metrics from the outputs (DELTA or FINAL_ONLY) of one request as they are
+    consumed; :meth:`close` when the request's stream ends, however it ends."""
+
+    __slots__ = ("_metrics", "_last_time", "_admitted", "_closed", "_finished")
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self._last_time: float | None = None
+        self._admitted = False
+        self._closed = False
+        self._finished: set[int] = set()
+
+    def observe(self, output: RequestOutput) -> None:
+        """Record one output of the request."""
+        metrics = self._metrics
+        timing = output.metrics
+        if not self._admitted:
+            self._admitted = True
+            metrics.prompt_tokens += len(output.prompt_token_ids)
+            if timing is not None and timing.time_to_first_token is not None:
+                metrics.time_to_first_token.observe(timing.time_to_first_token)
+        new_tokens = 0
+        for completion in output.outputs:
+            count = len(completion.token_ids)
+            metrics.generation_tokens += count
+            if count > new_tokens:
+                new_tokens = count
+            reason = completion.finish_reason
+            if reason is not None and completion.index not in self._finished:
+                self._finished.add(completion.index)
+                metrics.finished(reason)
+        if timing is None:
+            return
+        if output.finished and timing.finished_time is not None:
+            metrics.e2e_latency.observe(timing.finished_time - timing.arrival_time)
+        last = timing.last_token_time
+        if new_tokens == 0 or last is None:
+            return
+        previous = self._last_time
+        if previous is None:
+            # The first of these tokens came at first_token_time, the others after it.
+            previous = timing.first_token_time or last
+            new_tokens -= 1
+        if new_tokens > 0:
+            metrics.inter_token_latency.observe((last - previous) / new_tokens, new_tokens)
+        self._last_time = last
+
+    def close(self, num_completions: int) -> None:
+        """The request's stream ended: completions that never finished count as aborted."""
+        if self._closed or not self._admitted:
+            return
+        self._closed = True
+        unfinished = num_completions - len(self._finished)
+        if unfinished > 0:
+            self._metrics.finished("abort", unfinished)

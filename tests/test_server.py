@@ -1,0 +1,591 @@
+"""The OpenAI-compatible server, in this process's event loop, under asyncio and trio.
+
+One server (in-process mock engine, byte tokenizer) is shared per runtime and HTTP server
+(uvicorn and hypercorn under asyncio, hypercorn under trio); the official
+``openai`` client drives it from a worker thread (its sync client works under both runtimes).
+With the byte tokenizer, greedy decoding counts up from the last prompt byte: "abc" continues
+"def...", and the chat template "user: hi\\nassistant:" continues ";<=>..." (":" is 58).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import engine_core
+from engine_core import AsyncLLM
+from engine_core.server import ServerSettings, serve
+
+pytestmark = pytest.mark.anyio
+
+T = TypeVar("T")
+API_KEY = "test-key"
+MODEL = "mock-model"
+CHAT_HI = "user: hi\nassistant:"
+LN2 = math.log(2)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("asyncio", "uvicorn"), ("asyncio", "hypercorn"), ("trio", "hypercorn")],
+    ids=lambda stack: "-".join(stack),
+)
+def stack(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """(runtime, HTTP server): one server per stack for the whole module."""
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def anyio_backend(stack: tuple[str, str]) -> str:
+    return stack[0]
+
+
+@dataclass
+class Server:
+    url: str
+    engine: AsyncLLM
+
+    def client(self, api_key: str = API_KEY) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=10.0
+        )
+
+
+@pytest.fixture(scope="module")
+async def server(stack: tuple[str, str]) -> AsyncIterator[Server]:
+    settings = ServerSettings(
+        port=0,
+        api_key=API_KEY,
+        served_model_names=(MODEL,),
+        max_request_body_bytes=4096,
+        http_server=stack[1],  # type: ignore[arg-type]
+    )
+    stop = anyio.Event()
+    async with (
+        AsyncLLM(
+            backend="mock",
+            tokenizer="byte",
+            multiprocess=False,
+            max_model_len=1024,
+            backend_options={"latency": {"step_s": 0.001}},
+        ) as engine,
+        anyio.create_task_group() as task_group,
+    ):
+        url = await task_group.start(
+            functools.partial(serve, engine, settings, shutdown_trigger=stop.wait)
+        )
+        yield Server(url, engine)
+        stop.set()
+
+
+async def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run a blocking client call without blocking the server's event loop."""
+    with anyio.fail_after(20):
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+
+async def wait_idle(engine: AsyncLLM) -> None:
+    """Until the engine holds no request (an abort reaches it between two steps)."""
+    with anyio.fail_after(5):
+        while (stats := await engine.get_stats()).num_running or stats.num_waiting:
+            await anyio.sleep(0.005)
+
+
+def metric_values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+# -- completions ---------------------------------------------------------------------------------
+
+
+async def test_completion(server: Server) -> None:
+    client = server.client()
+    result = await in_thread(
+        client.completions.create, model=MODEL, prompt="abc", max_tokens=5, temperature=0
+    )
+    assert [c.text for c in result.choices] == ["defgh"]
+    assert result.choices[0].finish_reason == "length"
+    assert result.model == MODEL and result.object == "text_completion"
+    assert result.usage is not None
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (3, 5)
+    assert result.usage.total_tokens == 8
+
+
+async def test_completion_stream_with_usage(server: Server) -> None:
+    def run() -> list[Any]:
+        stream = server.client().completions.create(
+            model=MODEL,
+            prompt="abc",
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        return list(stream)
+
+    chunks = await in_thread(run)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "defghi"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) <= {None}
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (3, 6, 9)
+
+
+async def test_completion_batch_token_ids_and_echo(server: Server) -> None:
+    client = server.client()
+    batch = await in_thread(
+        client.completions.create, model=MODEL, prompt=["abc", "xyz"], max_tokens=3, temperature=0
+    )
+    assert [(c.index, c.text) for c in batch.choices] == [(0, "def"), (1, "{|}")]
+    assert batch.usage is not None and batch.usage.prompt_tokens == 6
+    ids = await in_thread(
+        client.completions.create, model=MODEL, prompt=[97, 98, 99], max_tokens=2, temperature=0
+    )
+    assert ids.choices[0].text == "de"
+    echo = await in_thread(
+        client.completions.create, model=MODEL, prompt="abc", max_tokens=2, temperature=0, echo=True
+    )
+    assert echo.choices[0].text == "abcde"
+
+
+async def test_completion_stop_string(server: Server) -> None:
+    result = await in_thread(
+        server.client().completions.create,
+        model=MODEL,
+        prompt="abc",
+        max_tokens=10,
+        temperature=0,
+        stop=["g"],
+    )
+    assert result.choices[0].text == "def"
+    assert result.choices[0].finish_reason == "stop"
+    # "g" was generated (it completed the stop string) and is counted; it is not shown.
+    assert result.usage is not None and result.usage.completion_tokens == 4
+
+
+async def test_completion_logprobs(server: Server) -> None:
+    result = await in_thread(
+        server.client().completions.create,
+        model=MODEL,
+        prompt="abc",
+        max_tokens=3,
+        temperature=0,
+        logprobs=2,
+    )
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None
+    assert logprobs.tokens == ["d", "e", "f"]
+    assert logprobs.token_logprobs == pytest.approx([-LN2] * 3)
+    # The mock's synthetic distribution: rank r has logprob -r * ln 2, the greedy token rank 1.
+    assert logprobs.top_logprobs == [
+        pytest.approx({"d": -LN2, "e": -2 * LN2}),
+        pytest.approx({"e": -LN2, "f": -2 * LN2}),
+        pytest.approx({"f": -LN2, "g": -2 * LN2}),
+    ]
+    assert logprobs.text_offset == [0, 1, 2]
+
+    def stream() -> tuple[list[str], list[int]]:
+        chunks = server.client().completions.create(
+            model=MODEL, prompt="abc", max_tokens=3, temperature=0, logprobs=2, stream=True
+        )
+        tokens: list[str] = []
+        offsets: list[int] = []
+        for chunk in chunks:
+            streamed = chunk.choices[0].logprobs
+            if streamed is not None:
+                tokens += streamed.tokens or []
+                offsets += streamed.text_offset or []
+        return tokens, offsets
+
+    assert await in_thread(stream) == (["d", "e", "f"], [0, 1, 2])
+
+
+async def test_completion_n2_sampled(server: Server) -> None:
+    result = await in_thread(
+        server.client().completions.create,
+        model=MODEL,
+        prompt="abc",
+        max_tokens=6,
+        temperature=1.0,
+        seed=7,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in result.choices) == [0, 1]
+    assert result.usage is not None and result.usage.completion_tokens == 12
+    # Each completion has its own seed (7 and 8), so they differ.
+    assert result.choices[0].text != result.choices[1].text
+    again = await in_thread(
+        server.client().completions.create,
+        model=MODEL,
+        prompt="abc",
+        max_tokens=6,
+        temperature=1.0,
+        seed=7,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.text for c in again.choices] == [c.text for c in result.choices]
+
+
+# -- chat ----------------------------------------------------------------------------------------
+
+
+async def test_chat(server: Server) -> None:
+    result = await in_thread(
+        server.client().chat.completions.create,
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=4,
+        temperature=0,
+    )
+    choice = result.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == ";<=>"
+    assert choice.finish_reason == "length" and result.object == "chat.completion"
+    assert result.usage is not None
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (len(CHAT_HI), 4)
+
+
+async def test_chat_stream_n2_with_usage(server: Server) -> None:
+    def run() -> list[Any]:
+        stream = server.client().chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            max_tokens=5,
+            temperature=0.7,
+            seed=3,
+            n=2,
+            extra_body={"ignore_eos": True},
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        return list(stream)
+
+    chunks = await in_thread(run)
+    texts = {0: "", 1: ""}
+    roles = []
+    finishes = {}
+    for chunk in chunks:
+        assert chunk.object == "chat.completion.chunk"
+        for choice in chunk.choices:
+            if choice.delta.role is not None:
+                roles.append((choice.index, choice.delta.role))
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason is not None:
+                finishes[choice.index] = choice.finish_reason
+    assert roles == [(0, "assistant"), (1, "assistant")]
+    assert finishes == {0: "length", 1: "length"}
+    assert len(texts[0]) == len(texts[1]) == 5  # the byte tokenizer: one character a token
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(CHAT_HI), 10)
+
+
+async def test_chat_logprobs(server: Server) -> None:
+    result = await in_thread(
+        server.client().chat.completions.create,
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = result.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None
+    assert [(t.token, t.bytes) for t in content] == [(";", [59]), ("<", [60])]
+    assert [t.logprob for t in content] == pytest.approx([-LN2, -LN2])
+    assert [[(x.token, round(x.logprob, 6)) for x in t.top_logprobs] for t in content] == [
+        [(";", round(-LN2, 6)), ("<", round(-2 * LN2, 6))],
+        [("<", round(-LN2, 6)), ("=", round(-2 * LN2, 6))],
+    ]
+
+
+async def test_chat_stream_stop(server: Server) -> None:
+    def run() -> tuple[str, str | None]:
+        stream = server.client().chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=20,
+            temperature=0,
+            stop=">?",
+            stream=True,
+        )
+        text, reason = "", None
+        for chunk in stream:
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                reason = choice.finish_reason or reason
+        return text, reason
+
+    assert await in_thread(run) == (";<=", "stop")
+
+
+async def test_async_client_stream(server: Server, anyio_backend: str) -> None:
+    """The openai async client, where it runs."""
+    if anyio_backend != "asyncio":
+        pytest.skip("the openai async client runs on asyncio only")
+    async with openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=10.0
+    ) as client:
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert text == ";<="
+
+
+async def test_structured_outputs(server: Server) -> None:
+    client = server.client()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    chat = await in_thread(
+        client.chat.completions.create,
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )
+    content = chat.choices[0].message.content
+    assert content is not None and isinstance(json.loads(content)["a"], int)
+    assert chat.choices[0].finish_reason == "stop"
+    digits = await in_thread(
+        client.completions.create,
+        model=MODEL,
+        prompt="abc",
+        max_tokens=10,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}"}},
+    )
+    assert re.fullmatch("[0-9]{3}", digits.choices[0].text)
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("structured_outputs", {"structured_outputs": {"regex": "[0-9"}}),  # fails in the engine
+        ("structured_outputs", {"structured_outputs": {"regex": "a", "choice": ["b"]}}),
+        ("response_format", {"response_format": {"type": "xml"}}),
+        (
+            "response_format",
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+        ),
+    ]
+    for param, extra in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            await in_thread(
+                client.chat.completions.create,
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                extra_body=extra,
+            )
+        assert isinstance(info.value.body, dict) and info.value.body["param"] == param, extra
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+async def test_bad_parameter_is_400_naming_it(server: Server) -> None:
+    client = server.client()
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("temperature", {"temperature": 3.5}),
+        ("temperature", {"temperature": "hot"}),
+        ("n", {"n": 0}),
+        ("top_p", {"top_p": 0}),
+        ("max_tokens", {"max_tokens": 0}),
+        ("logprobs", {"logprobs": 50}),
+    ]
+    for param, extra in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            await in_thread(
+                client.completions.create,
+                model=MODEL,
+                prompt="abc",
+                extra_body=extra,  # bypasses the client's own type checks
+            )
+        assert info.value.status_code == 400
+        body = info.value.body
+        assert isinstance(body, dict) and body["param"] == param, (param, body)
+        assert param in body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        await in_thread(
+            client.chat.completions.create,
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_completion_tokens=0,
+        )
+    assert isinstance(info.value.body, dict)
+    assert info.value.body["param"] == "max_completion_tokens"
+
+
+async def test_prompt_too_long_and_bad_json(server: Server) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        await in_thread(
+            server.client().completions.create,
+            model=MODEL,
+            prompt="x" * 1024,
+            max_tokens=1,
+        )
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "prompt"
+    headers = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    response = await in_thread(
+        httpx.post, f"{server.url}/v1/completions", content=b"{not json", headers=headers
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_api_key_is_required_on_v1(server: Server) -> None:
+    with pytest.raises(openai.AuthenticationError) as info:
+        await in_thread(server.client(api_key="wrong").completions.create, model=MODEL, prompt="a")
+    assert info.value.status_code == 401
+    assert isinstance(info.value.body, dict) and info.value.body["code"] == "invalid_api_key"
+    missing = await in_thread(httpx.get, f"{server.url}/v1/models")
+    assert missing.status_code == 401
+    assert (await in_thread(httpx.get, f"{server.url}/health")).status_code == 200
+
+
+async def test_unknown_model_is_404(server: Server) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        await in_thread(server.client().completions.create, model="nope", prompt="a")
+    assert isinstance(info.value.body, dict) and info.value.body["code"] == "model_not_found"
+
+
+async def test_body_over_limit_is_413(server: Server) -> None:
+    response = await in_thread(
+        httpx.post,
+        f"{server.url}/v1/completions",
+        json={"model": MODEL, "prompt": "x" * 5000},
+        headers={"authorization": f"Bearer {API_KEY}"},
+    )
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+
+
+async def test_paused_engine_is_503(server: Server) -> None:
+    await server.engine.pause_generation(mode="abort")
+    try:
+        with pytest.raises(openai.InternalServerError) as info:
+            await in_thread(server.client().completions.create, model=MODEL, prompt="abc")
+        assert info.value.status_code == 503
+        assert isinstance(info.value.body, dict) and info.value.body["code"] == "retry_later"
+        with pytest.raises(openai.InternalServerError) as info:  # a batch: every prompt fails
+            await in_thread(server.client().completions.create, model=MODEL, prompt=["a", "b"])
+        assert info.value.status_code == 503
+    finally:
+        await server.engine.resume_generation()
+    done = await in_thread(
+        server.client().completions.create, model=MODEL, prompt="abc", max_tokens=1, temperature=0
+    )
+    assert done.choices[0].text == "d"
+
+
+# -- other endpoints -----------------------------------------------------------------------------
+
+
+async def test_models_version_health(server: Server) -> None:
+    models = await in_thread(server.client().models.list)
+    assert [m.id for m in models.data] == [MODEL]
+    version = await in_thread(httpx.get, f"{server.url}/version")
+    assert version.json() == {"version": engine_core.__version__}
+    missing = await in_thread(httpx.get, f"{server.url}/nothing-here")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    wrong_method = await in_thread(httpx.get, f"{server.url}/v1/completions")
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["code"] == "method_not_allowed"
+
+
+async def test_closing_a_stream_aborts_the_request(server: Server) -> None:
+    before = metric_values((await in_thread(httpx.get, f"{server.url}/metrics")).text)
+
+    def read_two_chunks_and_close() -> int:
+        stream = server.client().chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=900,
+            temperature=0,
+            stream=True,
+        )
+        seen = 0
+        for _ in stream:
+            seen += 1
+            if seen == 2:
+                break
+        stream.close()
+        return seen
+
+    assert await in_thread(read_two_chunks_and_close) == 2
+    await wait_idle(server.engine)
+    stats = await server.engine.get_stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_free_kv_blocks) == (
+        0,
+        0,
+        stats.num_kv_blocks,
+    )
+    after = metric_values((await in_thread(httpx.get, f"{server.url}/metrics")).text)
+    key = ("engine_core_request_success_total", (("finished_reason", "abort"),))
+    assert after[key] - before.get(key, 0.0) == 1
+    generated = ("engine_core_generation_tokens_total", ())
+    assert 2 <= after[generated] - before[generated] < 900
+
+
+async def test_metrics_count_the_requests_made(server: Server) -> None:
+    before = metric_values((await in_thread(httpx.get, f"{server.url}/metrics")).text)
+    client = server.client()
+    await in_thread(
+        client.completions.create, model=MODEL, prompt="abc", max_tokens=4, temperature=0
+    )
+    await in_thread(
+        client.completions.create, model=MODEL, prompt="abcd", max_tokens=9, temperature=0, stop="g"
+    )
+    await in_thread(
+        client.chat.completions.create,
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        stream=True,
+    )
+    response = await in_thread(httpx.get, f"{server.url}/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    after = metric_values(response.text)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    assert delta("engine_core_prompt_tokens_total") == 3 + 4 + len(CHAT_HI)
+    # "abcd" stops at "g": e, f, g were generated.
+    assert delta("engine_core_generation_tokens_total") == 4 + 3 + 3
+    assert delta("engine_core_request_success_total", finished_reason="length") == 2
+    assert delta("engine_core_request_success_total", finished_reason="stop") == 1
+    for histogram in ("time_to_first_token", "e2e_request_latency"):
+        assert delta(f"engine_core_{histogram}_seconds_count") == 3
+    # 4 + 3 + 3 tokens: one gap fewer than tokens per request.
+    assert delta("engine_core_inter_token_latency_seconds_count") == 3 + 2 + 2
+    assert after[("engine_core_num_requests_running", ())] == 0
+    assert after[("engine_core_kv_cache_usage_perc", ())] == 0
+    for name in (
+        "engine_core_num_requests_waiting",
+        "engine_core_prefix_cache_hit_rate",
+        "engine_core_num_preemptions_total",
+        "engine_core_prefix_cache_queries_total",
+    ):
+        assert (name, ()) in after
