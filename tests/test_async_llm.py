@@ -125,7 +125,7 @@ async def test_leaving_the_loop_early_aborts_the_request() -> None:
 
 async def test_abort_by_user_id_reaches_all_children_and_ids_can_be_reused() -> None:
     async with _engine(backend_options={"latency": {"step_s": 0.001}}) as engine:
-        params = SamplingParams(max_tokens=5000, n=3, temperature=1.0, seed=7)
+        params = SamplingParams(max_tokens=5000, n=3, temperature=1.0, seed=7, ignore_eos=True)
         outs: list[RequestOutput] = []
 
         async def consume() -> None:
