@@ -198,9 +198,13 @@ class EngineCoreProc:
     async def _wait_for_input(self) -> None:
         # No await between the caller's check and this wait, so no wake-up is lost. A request
         # waiting for its grammar ends at its deadline if no compilation wakes the loop first.
-        self._wake = anyio.Event()
-        with anyio.move_on_after(self.core.grammar_wait_s()):
-            await self._wake.wait()
+        self._wake = wake = anyio.Event()
+        deadline = self.core.grammar_wait_s()
+        if deadline is None:
+            await wake.wait()
+            return
+        with anyio.move_on_after(deadline):
+            await wake.wait()
 
     async def _grammar_loop(self, doorbell: _Doorbell) -> None:
         while True:
