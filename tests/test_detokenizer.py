@@ -4,6 +4,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from tiny_tokenizer import save_tiny_bpe
 
 from engine_core._detokenizer import Detokenizer
 from engine_core._tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder
@@ -14,21 +15,8 @@ BYTES = ByteTokenizer()
 
 def build_bpe_dir(path: Path) -> Path:
     """A tiny byte-level BPE tokenizer (specials <s>=0, </s>=1) saved as an HF directory."""
-    from tokenizers import Tokenizer as HFTok
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = HFTok(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(["hello world", "the quick brown fox jumps over the lazy dog"], trainer)
-    path.mkdir(parents=True)
-    tok.save(str(path / "tokenizer.json"))
+    corpus = ["hello world", "the quick brown fox jumps over the lazy dog"]
+    save_tiny_bpe(path, corpus, ["<s>", "</s>"])
     return path
 
 

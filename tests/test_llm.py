@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tiny_tokenizer import save_tiny_bpe
 
 from engine_core import LLM, EngineConfig, SamplingParams
 from engine_core.errors import EngineClosedError
@@ -176,20 +177,8 @@ def test_bad_prompt_type_sends_nothing(llm: LLM) -> None:
 
 
 def test_hf_tokenizer_end_to_end(tmp_path: Path) -> None:
-    from tokenizers import Tokenizer as HFTok
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = HFTok(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(["hello world", "the quick brown fox jumps over the lazy dog"], trainer)
-    tok.save(str(tmp_path / "tokenizer.json"))
+    corpus = ["hello world", "the quick brown fox jumps over the lazy dog"]
+    save_tiny_bpe(tmp_path, corpus, ["<s>", "</s>"])
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     with LLM(
         backend="mock", tokenizer=str(tmp_path), backend_options={"vocab_size": 300}
@@ -200,7 +189,8 @@ def test_hf_tokenizer_end_to_end(tmp_path: Path) -> None:
     assert (first.outputs[0].token_ids, first.outputs[0].text) == ([68, 69, 70], "cde")
     # 299 wraps to <s> (0), then </s> (1): the tokenizer's EOS ends the request.
     c = wrapped.outputs[0]
-    assert (c.token_ids, c.text, c.finish_reason) == ([299, 0, 1], tok.decode([299]), "stop")
+    expected_text = engine.get_tokenizer().decode([299])
+    assert (c.token_ids, c.text, c.finish_reason) == ([299, 0, 1], expected_text, "stop")
 
 
 def test_interrupted_generate_aborts_its_requests(monkeypatch: pytest.MonkeyPatch) -> None:

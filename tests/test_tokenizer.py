@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_tokenizer import save_tiny_bpe
 
 from engine_core._tokenizer import (
     ByteTokenizer,
@@ -24,21 +25,7 @@ CORPUS = [
 
 def build_bpe_dir(path: Path, *, generation_eos: object = None) -> Path:
     """A tiny byte-level BPE tokenizer trained offline, saved as an HF directory."""
-    from tokenizers import Tokenizer as HFTok
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = HFTok(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<s>", "</s>", "<|end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    path.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path / "tokenizer.json"))
+    save_tiny_bpe(path, CORPUS, ["<s>", "</s>", "<|end|>"])
     config = {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     if generation_eos is not None:
