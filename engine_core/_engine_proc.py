@@ -299,8 +299,9 @@ class EngineCoreProc:
                 except zmq.Again:
                     break
             self._wake.set()
-            if num_handled == _MAX_MESSAGES_PER_WAKE:
-                await anyio.lowlevel.checkpoint()
+            # Let the step task act on what arrived before re-arming the wait on the socket:
+            # the re-arm is then off the path from a request's arrival to its step.
+            await anyio.lowlevel.checkpoint()
 
     def _handle(self, frame: bytes) -> None:
         message = decode(self._decoder, frame)
