@@ -391,7 +391,14 @@ class EngineCore:
         self.backend.profile(action)  # type: ignore[arg-type]
 
     def sleep(self, level: int = 1) -> None:
+        """Let the backend release device memory. The KV cache's contents are gone afterwards,
+        so the prefix cache is reset; refused (``RuntimeError``) while requests are in flight."""
+        if self.scheduler.has_unfinished_requests():
+            raise RuntimeError(
+                "cannot sleep while requests are in flight; pause generation or let them finish"
+            )
         self.backend.sleep(level)
+        self.scheduler.reset_prefix_cache()
 
     def wake_up(self) -> None:
         self.backend.wake_up()

@@ -48,3 +48,23 @@ def test_bad_requests_fail_alone() -> None:
     }
     with pytest.raises(TypeError, match="request_id must be a str"):
         core.add_request(EngineCoreRequest(7, [1], params))  # type: ignore[arg-type]
+
+
+def test_sleep_forgets_the_prefix_cache_and_is_refused_while_requests_run() -> None:
+    core = EngineCore(EngineConfig(backend="mock", tokenizer="byte", max_model_len=128))
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    prompt = list(range(40))
+    core.add_request(EngineCoreRequest("a", prompt, params))
+    core.step()
+    with pytest.raises(RuntimeError, match="cannot sleep while requests are in flight"):
+        core.sleep()
+    while core.has_unfinished_requests():
+        core.step()
+    assert core.scheduler.kv.pool.cached  # the prompt's full blocks are cached
+    core.sleep()
+    assert core.scheduler.kv.pool.cached == {}
+    core.wake_up()
+    core.add_request(EngineCoreRequest("b", prompt, params))
+    while core.has_unfinished_requests():
+        core.step()
+    assert core.get_stats().prefix_cache_hits == 0
