@@ -70,10 +70,6 @@ PARENT_GONE_EXIT_CODE = 3
 """Exit status of an engine-core process whose parent died."""
 
 
-def _has_content(outputs: EngineCoreOutputs) -> bool:
-    return bool(outputs.req_ids or outputs.finished or outputs.prompt_logprobs)
-
-
 class _Doorbell:
     """A pipe that other threads ring without blocking and the event loop waits on (under
     asyncio and trio alike): how a finished grammar compilation wakes an idle engine."""
@@ -186,7 +182,7 @@ class EngineCoreProc:
             if scheduler_output is not None:
                 runner_output = await self._execute(scheduler_output)
             outputs = core.finish_step(scheduler_output, runner_output)
-            produced = _has_content(outputs)
+            produced = not outputs.is_empty
             if produced:
                 self._send(out, outputs)
             self._answer_pauses(out)
@@ -237,7 +233,7 @@ class EngineCoreProc:
         out.send_nowait(message)
 
     def _emit(self, out: MemoryObjectSendStream[EngineMessage], outputs: EngineCoreOutputs) -> None:
-        if _has_content(outputs):
+        if not outputs.is_empty:
             self._send(out, outputs)
 
     # -- control calls --------------------------------------------------------------------------

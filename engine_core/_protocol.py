@@ -55,7 +55,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag
 
     @property
     def is_empty(self) -> bool:
-        return not (self.req_ids or self.finished)
+        """Whether the step produced nothing to report (no tokens, endings or prompt
+        logprobs)."""
+        return not (self.req_ids or self.finished or self.prompt_logprobs)
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
