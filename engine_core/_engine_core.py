@@ -104,6 +104,11 @@ class EngineCore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.clock = clock
+        if config.data_parallel_size != 1:
+            raise NotImplementedError(
+                f"data_parallel_size={config.data_parallel_size}: one engine core serves one "
+                "replica so far; run several engines behind a load balancer"
+            )
         cls = backend_cls if backend_cls is not None else load_backend(config.backend, config)
         backend = cls(config)
         try:

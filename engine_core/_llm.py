@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
+import msgspec
+
+from engine_core._client import EngineCoreClient
 from engine_core._inproc_client import InprocClient
 from engine_core._output_processor import OutputProcessor
 from engine_core._protocol import EngineInfo, EngineStats
@@ -39,15 +42,20 @@ class LLM:
         return llm
 
     def _start(self, config: EngineConfig) -> None:
-        if config.multiprocess:
-            raise NotImplementedError(
-                "LLM(multiprocess=True) is not supported yet: the offline LLM runs the engine "
-                "core in this process (leave multiprocess unset or False)"
-            )
         self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer_name)
-        self._client = InprocClient(config)
-        self.config = self._client.engine_core.config
-        """The config with ``max_model_len`` and ``max_num_batched_tokens`` resolved."""
+        self._client: EngineCoreClient
+        if config.multiprocess:
+            from engine_core._mp_client import MPClient
+
+            self._client = MPClient(config)
+            info = self._client.info
+            self.config = msgspec.structs.replace(config, max_model_len=info.max_model_len)
+        else:
+            inproc = InprocClient(config)
+            self._client = inproc
+            self.config = inproc.engine_core.config
+        """The config with ``max_model_len`` (and, in process, ``max_num_batched_tokens``)
+        resolved."""
         self._processor = OutputProcessor(
             self.tokenizer, max_model_len=self._client.info.max_model_len
         )
@@ -114,7 +122,7 @@ class LLM:
                         remaining -= 1
                         if progress is not None:
                             progress.update(1)
-                if outputs.is_empty and not client.has_unfinished_requests():
+                if outputs.is_empty and not _has_work(client):
                     raise RuntimeError(
                         f"the engine has no work left but {remaining} request(s) did not finish"
                     )
@@ -171,6 +179,12 @@ class LLM:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _has_work(client: EngineCoreClient) -> bool:
+    """Whether an in-process engine still has something to do (an engine process only sends
+    non-empty outputs, so this question does not arise there)."""
+    return not isinstance(client, InprocClient) or client.has_unfinished_requests()
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

@@ -68,3 +68,8 @@ def test_sleep_forgets_the_prefix_cache_and_is_refused_while_requests_run() -> N
     while core.has_unfinished_requests():
         core.step()
     assert core.get_stats().prefix_cache_hits == 0
+
+
+def test_data_parallelism_is_refused_with_a_clear_error() -> None:
+    with pytest.raises(NotImplementedError, match="data_parallel_size=2"):
+        EngineCore(EngineConfig(backend="mock", tokenizer="byte", data_parallel_size=2))

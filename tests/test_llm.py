@@ -5,6 +5,7 @@ import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tiny_tokenizer import save_tiny_bpe
@@ -153,9 +154,19 @@ def test_unknown_config_field() -> None:
         LLM(backend="mock", max_num_seq=4)
 
 
-def test_multiprocess_not_supported_yet() -> None:
-    with pytest.raises(NotImplementedError, match="multiprocess=True"):
-        LLM(backend="mock", multiprocess=True)
+def test_multiprocess_runs_the_engine_in_its_own_process() -> None:
+    prompts: list[Any] = ["abc", {"prompt_token_ids": [10, 20]}, {"prompt_token_ids": [999]}]
+    with LLM(backend="mock", tokenizer="byte", multiprocess=True) as llm:
+        assert llm.config.max_model_len == llm.info.max_model_len
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        stats = llm.get_stats()
+    assert [o.outputs[0].token_ids for o in outs[:2]] == [
+        [100, 101, 102, 103, 104],
+        [21, 22, 23, 24, 25],
+    ]
+    assert outs[2].outputs[0].finish_reason == "error"
+    assert outs[2].error == "token ids [999] are outside the vocabulary (size 258)"
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
 
 
 def test_from_config_and_close() -> None:
