@@ -169,19 +169,42 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's batch and advance ``num_computed_tokens`` optimistically."""
         config = self.config
-        budget = config.max_num_batched_tokens
-        threshold = config.long_prefill_token_threshold
-        kv = self.kv
         scheduled: list[Request] = []
         cached = CachedRequestData([], [], [], [])
+        preempted: list[Request] = []
+        budget = self._schedule_running(config.max_num_batched_tokens, scheduled, cached, preempted)
+        new_reqs: list[NewRequestData] = []
+        if not preempted:
+            budget = self._schedule_waiting(budget, scheduled, new_reqs)
+
+        total = config.max_num_batched_tokens - budget
+        self._scheduled = scheduled
+        self._preempted_req_ids.extend(r.request_id for r in preempted)
+        if total == 0:
+            # Nothing runs this step: the backend hears of the ended and preempted requests with
+            # the next step that does.
+            return SchedulerOutput(new_reqs, cached, 0)
+        finished_ids, self._finished_req_ids = self._finished_req_ids, []
+        preempted_ids, self._preempted_req_ids = self._preempted_req_ids, []
+        return SchedulerOutput(new_reqs, cached, total, finished_ids, preempted_ids)
+
+    def _schedule_running(
+        self,
+        budget: int,
+        scheduled: list[Request],
+        cached: CachedRequestData,
+        preempted: list[Request],
+    ) -> int:
+        """Let running requests catch up, in admission order, preempting when blocks run out;
+        returns the budget left."""
+        threshold = self.config.long_prefill_token_threshold
+        kv = self.kv
         c_ids, c_blocks, c_computed, c_nums = (
             cached.req_ids,
             cached.new_block_ids,
             cached.num_computed_tokens,
             cached.num_scheduled_tokens,
         )
-        preempted: list[Request] = []
-
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
@@ -224,21 +247,7 @@ class Scheduler:
             scheduled.append(request)
             budget -= num_new
             i += 1
-
-        new_reqs: list[NewRequestData] = []
-        if not preempted:
-            budget = self._schedule_waiting(budget, scheduled, new_reqs)
-
-        total = config.max_num_batched_tokens - budget
-        self._scheduled = scheduled
-        self._preempted_req_ids.extend(r.request_id for r in preempted)
-        if total == 0:
-            # Nothing runs this step: the backend hears of the ended and preempted requests with
-            # the next step that does.
-            return SchedulerOutput(new_reqs, cached, 0)
-        finished_ids, self._finished_req_ids = self._finished_req_ids, []
-        preempted_ids, self._preempted_req_ids = self._preempted_req_ids, []
-        return SchedulerOutput(new_reqs, cached, total, finished_ids, preempted_ids)
+        return budget
 
     def _schedule_waiting(
         self, budget: int, scheduled: list[Request], new_reqs: list[NewRequestData]
