@@ -41,7 +41,7 @@ import zmq
 
 from engine_core._client import UTILITY_METHODS, EngineCoreClient
 from engine_core._engine_core import PAUSE_MODES
-from engine_core._engine_proc import run_engine_core
+from engine_core._engine_main import run_engine_core
 from engine_core._ipc import SocketAddresses, Transport
 from engine_core._messages import (
     AbortRequests,
