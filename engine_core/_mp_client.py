@@ -27,7 +27,6 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
-import signal
 import threading
 import time
 from collections import deque
@@ -41,6 +40,13 @@ import zmq
 
 from engine_core._client import UTILITY_METHODS, EngineCoreClient
 from engine_core._engine_core import PAUSE_MODES
+from engine_core._engine_death import (
+    REMOTE_ERRORS,
+    RemoteEngineError,
+    dead_error,
+    describe_exit,
+    startup_error,
+)
 from engine_core._engine_main import run_engine_core
 from engine_core._ipc import SocketAddresses, Transport
 from engine_core._messages import (
@@ -57,7 +63,7 @@ from engine_core._messages import (
 from engine_core._protocol import EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineStats
 from engine_core._zmq import make_socket, recv_async
 from engine_core.config import EngineConfig
-from engine_core.errors import BackendError, EngineClosedError, EngineDeadError, EngineError
+from engine_core.errors import EngineClosedError, EngineError
 
 __all__ = ["MPClient", "RemoteEngineError"]
 
@@ -70,41 +76,6 @@ _SHUTDOWN_TIMEOUT_S = 5.0
 _TERMINATE_TIMEOUT_S = 2.0
 _STARTUP_EXIT_TIMEOUT_S = 5.0
 _RESULT_TYPES: dict[str, type[Any]] = {"get_stats": EngineStats}
-_REMOTE_ERRORS: dict[str, type[Exception]] = {
-    "ValueError": ValueError,
-    "TypeError": TypeError,
-    "NotImplementedError": NotImplementedError,
-    "BackendError": BackendError,
-}
-
-
-class RemoteEngineError(Exception):
-    """An exception raised inside the engine-core process, as reported across the process
-    boundary; set as ``__cause__`` of the error that reports it. ``str()`` is the remote
-    traceback."""
-
-    def __init__(self, error_type: str, message: str, remote_traceback: str | None) -> None:
-        super().__init__(remote_traceback or message)
-        self.error_type = error_type
-        self.message = message
-
-
-def _describe_exit(exit_code: int | None) -> str:
-    if exit_code is None:
-        return "ended"
-    if exit_code < 0:
-        try:
-            return f"was killed by {signal.Signals(-exit_code).name}"
-        except ValueError:
-            return f"was killed by signal {-exit_code}"
-    return f"exited with status {exit_code}"
-
-
-def _remote_cause(notice: EngineDead | None) -> RemoteEngineError | None:
-    if notice is None or notice.error_type is None:
-        return None
-    message = (notice.reason or "").removeprefix(f"{notice.error_type}: ")
-    return RemoteEngineError(notice.error_type, message, notice.traceback)
 
 
 class MPClient(EngineCoreClient):
@@ -211,16 +182,7 @@ class MPClient(EngineCoreClient):
         self._input.connect(self._ready.input_address)
 
     def _startup_error(self) -> Exception:
-        notice = self._notice
-        exit_text = f"its process {_describe_exit(self._exit_code)}"
-        if notice is not None and notice.reason is not None:
-            message = f"the engine core failed to start ({exit_text}): {notice.reason}"
-        else:
-            message = f"the engine core failed to start: {exit_text}"
-        error_type = notice.error_type if notice is not None else None
-        error = _REMOTE_ERRORS.get(error_type or "", BackendError)(message)
-        error.__cause__ = _remote_cause(notice)
-        return error
+        return startup_error(self._notice, self._exit_code)
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -241,16 +203,7 @@ class MPClient(EngineCoreClient):
     def _error(self) -> EngineError:
         if self._closing:
             return EngineClosedError("the engine was shut down")
-        notice, exit_code = self._notice, self._exit_code
-        if notice is not None and notice.reason is not None:
-            message = f"the engine core is dead: {notice.reason}"
-            if exit_code is not None:
-                message += f" (its process {_describe_exit(exit_code)})"
-        else:
-            message = f"the engine core is dead: its process {_describe_exit(exit_code)}"
-        error = EngineDeadError(message)
-        error.__cause__ = _remote_cause(notice)
-        return error
+        return dead_error(self._notice, self._exit_code)
 
     def _check_usable(self) -> None:
         if self._closing or self._engine_gone:
@@ -380,8 +333,8 @@ class MPClient(EngineCoreClient):
             raise self._error()
         if reply.error is not None:
             error_type = reply.error_type or "Exception"
-            if error_type in _REMOTE_ERRORS:
-                raise _REMOTE_ERRORS[error_type](reply.error)
+            if error_type in REMOTE_ERRORS:
+                raise REMOTE_ERRORS[error_type](reply.error)
             raise EngineError(f"{method} failed in the engine core: {error_type}: {reply.error}")
         result_type = _RESULT_TYPES.get(method)
         return reply.result if result_type is None else msgspec.convert(reply.result, result_type)
@@ -418,7 +371,7 @@ class MPClient(EngineCoreClient):
         self._exit_code = process.exitcode
         self._process_ended = True
         if not self._closing and self._notice is None:
-            logger.error("the engine-core process %s", _describe_exit(self._exit_code))
+            logger.error("the engine-core process %s", describe_exit(self._exit_code))
         wake = make_socket(self._ctx, zmq.PUSH, linger_ms=1000)
         try:
             wake.connect(self._addresses.wake)
