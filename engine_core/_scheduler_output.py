@@ -6,11 +6,23 @@ sampled tokens in that order.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from typing import Protocol, TypeVar
+
 import msgspec
 
 from engine_core.sampling_params import SamplingParams
 
-__all__ = ["CachedRequestData", "NewRequestData", "SchedulerOutput"]
+__all__ = ["CachedRequestData", "ComputedState", "NewRequestData", "SchedulerOutput"]
+
+
+class ComputedState(Protocol):
+    """A backend's per-request state, as far as :meth:`CachedRequestData.diffs` needs it."""
+
+    num_computed_tokens: int
+
+
+StateT = TypeVar("StateT", bound=ComputedState)
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -39,6 +51,38 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     """Blocks appended to each block table this step (None: none)."""
     num_computed_tokens: list[int] = []
     num_scheduled_tokens: list[int] = []
+
+    def diffs(
+        self, states: Mapping[str, StateT]
+    ) -> Iterator[tuple[StateT, list[int] | None, int, int]]:
+        """Each request's backend state (looked up in ``states``) with its new block ids, its
+        computed tokens before the step and its scheduled tokens. Raises ``RuntimeError`` when
+        the columns disagree in length, an id is unknown, or the backend computed a different
+        number of tokens than the scheduler says."""
+        num = len(self.req_ids)
+        if not (
+            len(self.new_block_ids)
+            == len(self.num_computed_tokens)
+            == len(self.num_scheduled_tokens)
+            == num
+        ):
+            raise RuntimeError("CachedRequestData columns have different lengths")
+        for req_id, new_block_ids, computed, num_scheduled in zip(
+            self.req_ids,
+            self.new_block_ids,
+            self.num_computed_tokens,
+            self.num_scheduled_tokens,
+            strict=True,
+        ):
+            state = states.get(req_id)
+            if state is None:
+                raise RuntimeError(f"cached request {req_id!r} is unknown to the backend")
+            if computed != state.num_computed_tokens:
+                raise RuntimeError(
+                    f"request {req_id!r}: the scheduler says {computed} tokens are computed, "
+                    f"the backend computed {state.num_computed_tokens}"
+                )
+            yield state, new_block_ids, computed, num_scheduled
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -57,21 +57,7 @@ def apply_scheduler_output(
     states: list[RequestState] = []
     starts: list[int] = []
     counts: list[int] = []
-    for req_id, new_blocks, computed, num in zip(
-        cached.req_ids,
-        cached.new_block_ids,
-        cached.num_computed_tokens,
-        cached.num_scheduled_tokens,
-        strict=True,
-    ):
-        state = batch.requests.get(req_id)
-        if state is None:
-            raise RuntimeError(f"cached request {req_id!r} is unknown to the backend")
-        if computed != state.num_computed_tokens:
-            raise RuntimeError(
-                f"request {req_id!r}: the scheduler says {computed} tokens are computed, "
-                f"the backend computed {state.num_computed_tokens}"
-            )
+    for state, new_blocks, computed, num in cached.diffs(batch.requests):
         if new_blocks:
             batch.append_blocks(state, new_blocks)
         states.append(state)

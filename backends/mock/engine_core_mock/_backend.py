@@ -161,33 +161,10 @@ class MockBackend(Backend):
     def _apply_cached(
         self, cached: CachedRequestData, batch: list[RequestState], blocks: BlockLedger
     ) -> int:
-        req_ids = cached.req_ids
-        n = len(req_ids)
-        if not (
-            len(cached.new_block_ids)
-            == len(cached.num_computed_tokens)
-            == len(cached.num_scheduled_tokens)
-            == n
-        ):
-            raise RuntimeError("CachedRequestData columns have different lengths")
-        requests = self._requests
         block_size = self._block_size
         total = 0
-        for req_id, new_block_ids, computed, num in zip(
-            req_ids,
-            cached.new_block_ids,
-            cached.num_computed_tokens,
-            cached.num_scheduled_tokens,
-            strict=True,
-        ):
-            state = requests.get(req_id)
-            if state is None:
-                raise RuntimeError(f"cached request {req_id!r} is unknown to the backend")
-            if computed != state.num_computed_tokens:
-                raise RuntimeError(
-                    f"request {req_id!r}: the scheduler says {computed} tokens are computed, "
-                    f"the backend computed {state.num_computed_tokens}"
-                )
+        for state, new_block_ids, computed, num in cached.diffs(self._requests):
+            req_id = state.req_id
             end = computed + num
             if num <= 0 or end > len(state.tokens):
                 raise RuntimeError(
