@@ -34,6 +34,13 @@ async def _collect(
     return [out async for out in engine.generate(prompt, params, **kw)]
 
 
+async def _streaming(outs: list[RequestOutput]) -> None:
+    """Return once a stream's first output has arrived in ``outs``."""
+    with anyio.fail_after(5):
+        while not outs:
+            await anyio.sleep(0.005)
+
+
 async def _wait_idle(engine: AsyncLLM) -> Any:
     """Stats once the engine holds no request (aborts travel asynchronously)."""
     with anyio.fail_after(5):
@@ -134,9 +141,7 @@ async def test_abort_by_user_id_reaches_all_children_and_ids_can_be_reused() -> 
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(consume)
-            with anyio.fail_after(5):
-                while not outs:
-                    await anyio.sleep(0.005)
+            await _streaming(outs)
             await engine.abort("same")
         assert outs[-1].finished
         assert {c.finish_reason for c in outs[-1].outputs} == {"abort"}
@@ -157,9 +162,7 @@ async def test_pause_abort_rejects_until_resume() -> None:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(consume)
-            with anyio.fail_after(5):
-                while not outs:
-                    await anyio.sleep(0.005)
+            await _streaming(outs)
             await engine.pause_generation(mode="abort")
         assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
         assert await engine.is_paused()
@@ -181,9 +184,7 @@ async def test_pause_wait_lets_in_flight_finish() -> None:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(consume)
-            with anyio.fail_after(5):
-                while not outs:
-                    await anyio.sleep(0.005)
+            await _streaming(outs)
             await engine.pause_generation(mode="wait")
             with pytest.raises(RetryableRequestError):
                 await _collect(engine, "abc", SamplingParams(max_tokens=2, **GREEDY))
@@ -205,9 +206,7 @@ async def test_pause_keep_freezes_and_queues() -> None:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(consume, outs, 100)
-            with anyio.fail_after(5):
-                while not outs:
-                    await anyio.sleep(0.005)
+            await _streaming(outs)
             await engine.pause_generation(mode="keep")
             frozen = await engine.get_stats()
             tg.start_soon(consume, late, 3)
@@ -266,9 +265,7 @@ async def test_kill_9_detected_within_a_second() -> None:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(consume)
-            with anyio.fail_after(5):
-                while not outs:
-                    await anyio.sleep(0.005)
+            await _streaming(outs)
             pid = engine._client.pid  # type: ignore[union-attr]
             killed_at = time.monotonic()
             os.kill(pid, signal.SIGKILL)
@@ -295,7 +292,5 @@ async def test_closing_aborts_in_flight_streams() -> None:
         _engine(backend_options={"latency": {"step_s": 0.001}}) as engine,
     ):
         tg.start_soon(consume, engine)
-        with anyio.fail_after(5):
-            while not outs:
-                await anyio.sleep(0.005)
+        await _streaming(outs)
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
