@@ -136,7 +136,9 @@ class EngineCore:
             self.num_kv_blocks,
         )
         self.num_steps = 0
-        self._rejected: list[FinishedRequest] = []
+        self._ended_outside_steps: list[FinishedRequest] = []
+        """Requests rejected at arrival, failed grammars and engine-initiated aborts, reported
+        with the next step's outputs."""
         self._pending_aborts: list[str] = []
         self._structured: StructuredOutputManager | None = None
         self._grammar_waker: Callable[[], None] | None = None
@@ -171,7 +173,7 @@ class EngineCore:
         if not isinstance(request.request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request.request_id).__name__}")
         if self.pause_mode in ("abort", "wait"):
-            self._rejected.append(
+            self._ended_outside_steps.append(
                 FinishedRequest(
                     request.request_id,
                     "error",
@@ -185,7 +187,9 @@ class EngineCore:
         if problem is not None:
             if request.request_id in self.scheduler.requests:
                 raise ValueError(f"request_id {request.request_id!r} is already in use")
-            self._rejected.append(FinishedRequest(request.request_id, "error", None, problem))
+            self._ended_outside_steps.append(
+                FinishedRequest(request.request_id, "error", None, problem)
+            )
             return
         new = Request(
             request.request_id,
@@ -247,7 +251,7 @@ class EngineCore:
     def _fail(self, request: Request, error: str) -> None:
         """End a queued request with finish_reason "error", reported with the next outputs."""
         self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
-        self._rejected.append(FinishedRequest(request.request_id, "error", None, error))
+        self._ended_outside_steps.append(FinishedRequest(request.request_id, "error", None, error))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """End requests now; their blocks are freed at once. Unknown ids are ignored."""
@@ -262,16 +266,16 @@ class EngineCore:
         """End every live request as aborted and report each one with finish_reason "abort" in
         the next outputs (unlike :meth:`abort_requests`, whose caller already knows)."""
         ended = self.scheduler.finish_requests(list(self.scheduler.requests))
-        self._rejected.extend(FinishedRequest(r.request_id, "abort") for r in ended)
+        self._ended_outside_steps.extend(FinishedRequest(r.request_id, "abort") for r in ended)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._rejected)
+        return self.scheduler.has_unfinished_requests() or bool(self._ended_outside_steps)
 
     @property
     def has_work(self) -> bool:
         """Whether a step would do anything: requests to run (and not frozen by a "keep" pause)
         or ended requests to report."""
-        if self._rejected:
+        if self._ended_outside_steps:
             return True
         return self.pause_mode != "keep" and self.scheduler.has_unfinished_requests()
 
@@ -333,9 +337,9 @@ class EngineCore:
         else:
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
             self.num_steps += 1
-        if self._rejected:
-            outputs.finished.extend(self._rejected)
-            self._rejected = []
+        if self._ended_outside_steps:
+            outputs.finished.extend(self._ended_outside_steps)
+            self._ended_outside_steps = []
         outputs.timestamp = self.clock()
         return outputs
 
@@ -343,7 +347,7 @@ class EngineCore:
         """Run one whole step and return what it produced. When nothing can run but grammars
         are compiling, it first waits for one of them (at most until one times out)."""
         scheduler_output = self.schedule()
-        if scheduler_output is None and not self._rejected:
+        if scheduler_output is None and not self._ended_outside_steps:
             wait_s = self.grammar_wait_s()
             if wait_s is not None:
                 self.structured_output.wait(wait_s)
