@@ -373,6 +373,9 @@ class EngineCore:
             prefix_cache_hits=kv.stats.hits,
         )
 
+    def check_health(self) -> None:
+        """Answering at all is the health check: a dead engine core cannot."""
+
     def pause_generation(self, mode: PauseMode = "abort") -> None:
         """Stop generating. ``"abort"``: in-flight requests end as aborted; ``"wait"``: they run
         to completion; ``"keep"``: they freeze in place until :meth:`resume_generation`. In the

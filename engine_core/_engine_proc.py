@@ -236,9 +236,7 @@ class EngineCoreProc:
         try:
             if method not in UTILITY_METHODS:
                 raise ValueError(f"unknown utility method {method!r}")
-            if method == "check_health":
-                result = None
-            elif method in _BACKEND_CALLS:
+            if method in _BACKEND_CALLS:
                 result = await anyio.to_thread.run_sync(lambda: getattr(self.core, method)(*args))
             else:
                 result = getattr(self.core, method)(*args)

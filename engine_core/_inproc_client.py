@@ -74,8 +74,6 @@ class InprocClient(EngineCoreClient):
         self._check_open()
         if method not in UTILITY_METHODS:
             raise ValueError(f"unknown utility method {method!r}")
-        if method == "check_health":
-            return None
         result = getattr(self.engine_core, method)(*args)
         self._wake()
         return result
