@@ -36,8 +36,8 @@ from typing import Any
 import anyio
 
 from engine_core import AsyncLLM, RequestOutputKind, SamplingParams
-from engine_core._bench_client import LoadResult, RequestResult, run_load
-from engine_core._machine import machine_line
+from engine_core._bench.client import LoadResult, RequestResult, run_load
+from engine_core._bench.machine import machine_line
 from engine_core.cli import run_options
 from engine_core.server import ServerSettings, load_chat_template
 from engine_core.server._run import http_server_for

@@ -25,9 +25,9 @@ import statistics
 import time
 from typing import Any
 
-from engine_core._machine import machine_line
-from engine_core._request import Request
-from engine_core._scheduler import Scheduler, SchedulerConfig
+from engine_core._bench.machine import machine_line
+from engine_core._core.request import Request
+from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core.abc import ModelRunnerOutput
 from engine_core.sampling_params import SamplingParams
 

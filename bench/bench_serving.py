@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 
 from engine_core import AsyncLLM, RequestOutputKind, SamplingParams
-from engine_core._machine import machine_line
+from engine_core._bench.machine import machine_line
 
 PROMPT = "The quick brown fox jumps"
 

@@ -25,9 +25,9 @@ import statistics
 import time
 from typing import Any
 
-from engine_core._engine_core import EngineCore
-from engine_core._machine import machine_line
-from engine_core._protocol import EngineCoreRequest
+from engine_core._bench.machine import machine_line
+from engine_core._core.protocol import EngineCoreRequest
+from engine_core._engine.core import EngineCore
 from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 

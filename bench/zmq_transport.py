@@ -7,7 +7,7 @@ message; the client sends a small message and waits for the echo, one at a time.
 - ``sync``: blocking ``send``/``recv`` in plain Python: the floor;
 - ``fd-wait``: non-blocking ``recv`` and ``anyio.wait_readable`` on the socket's ``zmq.FD``
   (edge-triggered: try ``recv`` first, wait only on ``EAGAIN``), under asyncio and trio: what
-  ``engine_core._zmq`` does;
+  ``engine_core._engine.sockets`` does;
 - ``to-thread``: a blocking ``recv`` in ``anyio.to_thread.run_sync`` per message;
 - ``reader-thread``: one thread blocks in ``recv`` and hands each message to the event loop with
   ``anyio.from_thread.run_sync`` into a memory stream;
@@ -41,10 +41,10 @@ import anyio.lowlevel
 import anyio.to_thread
 import zmq
 
-from engine_core._machine import machine_line
-from engine_core._mp_client import MPClient
-from engine_core._protocol import EngineCoreRequest
-from engine_core._zmq import recv_async
+from engine_core._bench.machine import machine_line
+from engine_core._core.protocol import EngineCoreRequest
+from engine_core._engine.mp_client import MPClient
+from engine_core._engine.sockets import recv_async
 from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams
 

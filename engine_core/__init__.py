@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine_core._backends import list_backends
-from engine_core._protocol import EngineStats
+from engine_core._core.protocol import EngineStats
+from engine_core._plugins import list_backends
 from engine_core.config import EngineConfig
 from engine_core.errors import (
     BackendError,
@@ -24,8 +24,8 @@ from engine_core.outputs import CompletionOutput, Logprob, RequestMetrics, Reque
 from engine_core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from engine_core._async_llm import AsyncLLM
-    from engine_core._llm import LLM
+    from engine_core._frontend.async_llm import AsyncLLM
+    from engine_core._frontend.llm import LLM
 
 __version__ = "0.1.0"
 
@@ -54,11 +54,11 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from engine_core._llm import LLM
+        from engine_core._frontend.llm import LLM
 
         return LLM
     if name == "AsyncLLM":
-        from engine_core._async_llm import AsyncLLM
+        from engine_core._frontend.async_llm import AsyncLLM
 
         return AsyncLLM
     raise AttributeError(f"module 'engine_core' has no attribute {name!r}")

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
-from engine_core._scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine_core._core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
     from engine_core.config import EngineConfig

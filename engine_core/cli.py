@@ -71,7 +71,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
-    from engine_core._backends import list_backends
+    from engine_core._plugins import list_backends
 
     found = list_backends()
     if not found:
@@ -169,7 +169,7 @@ def run_options(runtime: str) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine_core._bench_cli import add_bench_parsers
+    from engine_core._bench.cli import add_bench_parsers
 
     parser = argparse.ArgumentParser(prog="engine-core", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable
 from itertools import pairwise
 
-from engine_core._backend_harness import (
+from engine_core._engine.backend_harness import (
     MAX_BLOCKS,
     BackendFactory,
     Harness,

@@ -20,13 +20,13 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "engine_core"
 
 PURE_MODULES = [
-    "engine_core._request",
-    "engine_core._block_pool",
-    "engine_core._block_hash",
-    "engine_core._kv_cache_manager",
-    "engine_core._request_queue",
-    "engine_core._scheduler",
-    "engine_core._scheduler_output",
+    "engine_core._core.request",
+    "engine_core._core.block_pool",
+    "engine_core._core.block_hash",
+    "engine_core._core.kv_cache_manager",
+    "engine_core._core.request_queue",
+    "engine_core._core.scheduler",
+    "engine_core._core.scheduler_output",
 ]
 PURE_FORBIDDEN = {"anyio", "zmq", "torch", "trio", "asyncio", "sniffio", "triton", "cupy"}
 NEVER_IMPORTED = {"torch", "triton", "cupy"}
@@ -199,10 +199,10 @@ def f():
 
 
 def test_closure_follows_engine_core_imports() -> None:
-    chains = runtime_closure("engine_core._scheduler")
+    chains = runtime_closure("engine_core._core.scheduler")
     # The scheduler reaches the sampling parameters through the scheduler output.
     assert "engine_core.sampling_params" in chains
-    assert "engine_core._block_pool" in chains
+    assert "engine_core._core.block_pool" in chains
     assert "msgspec" in chains
     assert "xxhash" in chains
     # Imports only under TYPE_CHECKING are not followed.
@@ -248,7 +248,7 @@ def test_numpy_only_lazily_and_guarded() -> None:
 
 def test_importing_the_package_and_the_scheduler_loads_no_torch_or_zmq() -> None:
     code = (
-        "import engine_core, engine_core._scheduler, sys; "
+        "import engine_core, engine_core._core.scheduler, sys; "
         "bad = [m for m in ('torch', 'zmq', 'triton', 'cupy') if m in sys.modules]; "
         "assert not bad, bad"
     )

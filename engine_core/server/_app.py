@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine_core._async_llm import AsyncLLM
+from engine_core._frontend.async_llm import AsyncLLM
 from engine_core.errors import EngineError
 from engine_core.server._chat import create_chat_completion
 from engine_core.server._chat_template import load_chat_template

@@ -35,7 +35,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from engine_core._protocol import EngineStats
+from engine_core._core.protocol import EngineStats
 from engine_core.outputs import RequestOutput
 
 __all__ = ["Histogram", "RequestRecorder", "ServerMetrics"]

@@ -22,7 +22,7 @@ import anyio
 import anyio.abc
 import sniffio
 
-from engine_core._async_llm import AsyncLLM
+from engine_core._frontend.async_llm import AsyncLLM
 from engine_core.config import EngineConfig
 from engine_core.server._app import ServerSettings, create_app
 

@@ -17,8 +17,8 @@ import anyio
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 
-from engine_core._async_llm import AsyncLLM
-from engine_core._tokenizer import PromptInput, Tokenizer
+from engine_core._core.tokenizer import PromptInput, Tokenizer
+from engine_core._frontend.async_llm import AsyncLLM
 from engine_core.outputs import RequestOutput
 from engine_core.sampling_params import (
     RequestOutputKind,

@@ -16,7 +16,7 @@ from hf_reference import PROMPTS, greedy
 from tiny_models import TinyModel
 
 from engine_core import SamplingParams
-from engine_core._backends import list_backends, resolve_backend
+from engine_core._plugins import list_backends, resolve_backend
 from engine_core.abc import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.config import EngineConfig
 
@@ -25,7 +25,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 def test_discovery_imports_neither_torch_nor_triton() -> None:
     script = (
-        "import sys; from engine_core._backends import list_backends; "
+        "import sys; from engine_core._plugins import list_backends; "
         "info = list_backends()['cuda']; "
         "print(info.usable, sorted(m for m in sys.modules if m.split('.')[0] in "
         "('torch', 'triton', 'numpy', 'engine_core_cuda')))"

@@ -15,8 +15,8 @@ from engine_core_mock import MockBackend
 from mock_driver import Driver
 from xxhash import xxh3_64_intdigest
 
-from engine_core._engine_core import EngineCore
-from engine_core._protocol import EngineCoreRequest, FinishedRequest
+from engine_core._core.protocol import EngineCoreRequest, FinishedRequest
+from engine_core._engine.core import EngineCore
 from engine_core.abc import CachedRequestData, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams, StructuredOutputsParams

@@ -14,7 +14,7 @@ import pytest
 from engine_core_mock import MockBackend
 from engine_core_mock._provider import provider
 
-from engine_core._engine_core import compute_num_kv_blocks
+from engine_core._engine.core import compute_num_kv_blocks
 from engine_core.abc import BackendProvider, KVCacheSpec
 from engine_core.config import EngineConfig
 

@@ -1,0 +1,1 @@
+"""The ``engine-core bench`` commands: offline throughput and latency, and an HTTP load client."""

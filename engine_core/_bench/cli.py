@@ -1,0 +1,266 @@
+"""``engine-core bench``: offline throughput, offline latency, and load against a running server.
+
+Every result is printed with the machine line and the configuration, as a two-column table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+
+from engine_core._bench.client import percentile
+from engine_core.config import EngineConfig
+
+__all__ = ["add_bench_parsers"]
+
+ConfigFromArgs = Callable[[argparse.Namespace], EngineConfig]
+
+
+class Progress:
+    """A tqdm bar on stderr, or a plain counter line where tqdm is missing; ``update()`` per
+    finished item."""
+
+    def __init__(self, total: int, desc: str, enabled: bool = True) -> None:
+        self.total = total
+        self.desc = desc
+        self.enabled = enabled
+        self.count = 0
+        self._bar: Any = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                self._bar = None
+            else:
+                self._bar = tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, count: int = 1) -> None:
+        self.count += count
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(count)
+        elif self.count == self.total or self.count % max(1, self.total // 20) == 0:
+            print(f"{self.desc}: {self.count}/{self.total}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def print_table(title: str, rows: Sequence[tuple[str, str]]) -> None:
+    """``title`` then aligned ``key  value`` rows between rules."""
+    width = max(len(k) for k, _ in rows)
+    rule = "-" * (width + 16)
+    print(title)
+    print(rule)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value:>14}")
+    print(rule)
+
+
+def _write_json(path: str | None, data: dict[str, Any]) -> None:
+    if path:
+        from engine_core._bench.machine import machine_line
+
+        with open(path, "wb") as f:
+            f.write(msgspec.json.encode(data | {"machine": machine_line()}))
+
+
+def _random_prompts(vocab: int, num: int, length: int, seed: int) -> list[dict[str, list[int]]]:
+    """Random token prompts; ids kept to printable bytes for the byte tokenizer's vocabulary."""
+    rng = random.Random(seed)
+    low, high = (32, 127) if vocab <= 300 else (3, vocab)
+    return [
+        {"prompt_token_ids": [rng.randrange(low, high) for _ in range(length)]} for _ in range(num)
+    ]
+
+
+# -- bench throughput ----------------------------------------------------------------------------
+
+
+def cmd_throughput(args: argparse.Namespace, config_from_args: ConfigFromArgs) -> int:
+    from engine_core import LLM, SamplingParams
+    from engine_core._bench.machine import machine_line
+
+    config = config_from_args(args)
+    with LLM.from_config(config) as llm:
+        prompts = _random_prompts(llm.vocab_size, args.num_prompts, args.input_len, config.seed)
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+        elapsed = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    latencies = [
+        o.metrics.finished_time - o.metrics.arrival_time
+        for o in outputs
+        if o.metrics is not None and o.metrics.finished_time is not None
+    ]
+    print(machine_line())
+    rows = [
+        ("requests/s", f"{len(outputs) / elapsed:,.1f}"),
+        ("output tokens/s", f"{out_tokens / elapsed:,.0f}"),
+        ("total tokens/s", f"{(out_tokens + args.input_len * len(outputs)) / elapsed:,.0f}"),
+        ("mean latency (s)", f"{statistics.fmean(latencies):.3f}" if latencies else "-"),
+        ("p99 latency (s)", f"{percentile(latencies, 0.99):.3f}" if latencies else "-"),
+        ("elapsed (s)", f"{elapsed:.2f}"),
+    ]
+    print_table(
+        f"backend={config.backend} prompts={args.num_prompts} input_len={args.input_len} "
+        f"output_len={args.output_len} max_num_seqs={config.max_num_seqs}",
+        rows,
+    )
+    _write_json(args.json, dict(rows))
+    return 0
+
+
+# -- bench latency -------------------------------------------------------------------------------
+
+
+def cmd_latency(args: argparse.Namespace, config_from_args: ConfigFromArgs) -> int:
+    """Time one batch end to end, ``--num-iters`` times after ``--num-iters-warmup``."""
+    from engine_core import LLM, SamplingParams
+    from engine_core._bench.machine import machine_line
+
+    config = config_from_args(args)
+    with LLM.from_config(config) as llm:
+        prompts = _random_prompts(llm.vocab_size, args.batch_size, args.input_len, config.seed)
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        progress = Progress(
+            args.num_iters_warmup + args.num_iters, "iterations", not args.no_progress
+        )
+        latencies = []
+        for i in range(args.num_iters_warmup + args.num_iters):
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            if i >= args.num_iters_warmup:
+                latencies.append(time.perf_counter() - start)
+            progress.update()
+        progress.close()
+    print(machine_line())
+    rows = [
+        ("mean latency (s)", f"{statistics.fmean(latencies):.4f}"),
+        ("p50 latency (s)", f"{percentile(latencies, 0.50):.4f}"),
+        ("p90 latency (s)", f"{percentile(latencies, 0.90):.4f}"),
+        ("p99 latency (s)", f"{percentile(latencies, 0.99):.4f}"),
+        (
+            "output tokens/s",
+            f"{args.batch_size * args.output_len / statistics.fmean(latencies):,.0f}",
+        ),
+    ]
+    print_table(
+        f"backend={config.backend} batch_size={args.batch_size} input_len={args.input_len} "
+        f"output_len={args.output_len} iterations={args.num_iters}",
+        rows,
+    )
+    _write_json(args.json, dict(rows))
+    return 0
+
+
+# -- bench serve ---------------------------------------------------------------------------------
+
+
+def serve_rows(summary: dict[str, float]) -> list[tuple[str, str]]:
+    """The table rows of a :meth:`LoadResult.summary`."""
+    rows = [
+        ("successful requests", f"{summary['requests'] - summary['failed']:.0f}"),
+        ("failed requests", f"{summary['failed']:.0f}"),
+        ("elapsed (s)", f"{summary['elapsed_s']:.2f}"),
+        ("requests/s", f"{summary['request_per_s']:,.1f}"),
+        ("output tokens/s", f"{summary['output_tok_per_s']:,.0f}"),
+    ]
+    for name in ("ttft", "itl"):
+        for q in (50, 90, 99):
+            rows.append((f"{name.upper()} p{q} (ms)", f"{summary[f'{name}_p{q}_ms']:.2f}"))
+    rows.append(("mean latency (ms)", f"{summary['mean_latency_ms']:.1f}"))
+    return rows
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import functools
+
+    import anyio
+
+    from engine_core._bench.client import run_load
+    from engine_core._bench.machine import machine_line
+
+    prompt = args.prompt if args.prompt is not None else "x" * args.input_len
+    progress = Progress(args.num_requests, "requests", not args.no_progress)
+    run = functools.partial(
+        run_load,
+        args.url,
+        endpoint=args.endpoint,
+        num_requests=args.num_requests,
+        concurrency=args.concurrency,
+        prompt=prompt,
+        max_tokens=args.max_tokens,
+        model=args.model,
+        api_key=args.api_key,
+        on_done=lambda _: progress.update(),
+    )
+    from engine_core.cli import run_options
+
+    result = anyio.run(run, **run_options("asyncio"))  # the load generator is asyncio-only
+    progress.close()
+    summary = result.summary()
+    print(machine_line())
+    print_table(
+        f"{args.url} endpoint={args.endpoint} requests={args.num_requests} "
+        f"concurrency={args.concurrency} max_tokens={args.max_tokens}",
+        serve_rows(summary),
+    )
+    errors = [r.error for r in result.results if r.error]
+    if errors:
+        print(f"first error: {errors[0]}", file=sys.stderr)
+    _write_json(args.json, summary)
+    return 0 if not errors else 1
+
+
+def add_bench_parsers(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    add_engine_flags: Callable[[argparse.ArgumentParser], None],
+    config_from_args: ConfigFromArgs,
+) -> None:
+    """Add ``bench throughput|latency|serve`` under the ``bench`` command."""
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+
+    p = bench.add_parser("throughput", help="offline throughput with random prompts")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", default=None, help="also write the results to this path")
+    add_engine_flags(p)
+    p.set_defaults(func=lambda a: cmd_throughput(a, config_from_args))
+
+    p = bench.add_parser("latency", help="offline latency of one batch, over iterations")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-iters-warmup", type=int, default=2)
+    p.add_argument("--num-iters", type=int, default=10)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", default=None, help="also write the results to this path")
+    add_engine_flags(p)
+    p.set_defaults(func=lambda a: cmd_latency(a, config_from_args))
+
+    p = bench.add_parser("serve", help="streaming load against a running OpenAI-compatible server")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    p.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    p.add_argument("--input-len", type=int, default=32, help="prompt length in characters")
+    p.add_argument("--prompt", default=None, help="the prompt text (overrides --input-len)")
+    p.add_argument("--model", default=None, help="model name to ask for")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", default=None, help="also write the results to this path")
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,124 @@
+"""Waiting queues for the two scheduling policies.
+
+Removal (abort of a waiting request) is lazy: the request is marked finished and skipped when it
+reaches the front, so every operation stays O(1) (fcfs) or O(log n) (priority).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterator
+
+from engine_core._core.request import Request, RequestStatus
+
+__all__ = ["FCFSQueue", "PriorityQueue", "RequestQueue", "make_queue"]
+
+_PREEMPTED = RequestStatus.PREEMPTED
+
+
+class RequestQueue:
+    """Interface of a waiting queue. ``len()`` counts live (unfinished) requests."""
+
+    def add(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def add_front(self, request: Request) -> None:
+        """Re-queue a preempted request ahead of the others (as far as the policy allows)."""
+        raise NotImplementedError
+
+    def peek(self) -> Request | None:
+        raise NotImplementedError
+
+    def pop(self) -> Request:
+        raise NotImplementedError
+
+    def discard(self, request: Request) -> None:
+        """Forget ``request``, which has just been marked finished."""
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Request]:
+        """Live requests in queue order."""
+        raise NotImplementedError
+
+
+class FCFSQueue(RequestQueue):
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+        self._num_dead = 0
+
+    def add(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def add_front(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request | None:
+        queue = self._queue
+        while queue and queue[0].status > _PREEMPTED:
+            queue.popleft()
+            self._num_dead -= 1
+        return queue[0] if queue else None
+
+    def pop(self) -> Request:
+        if self.peek() is None:
+            raise IndexError("pop from an empty queue")
+        return self._queue.popleft()
+
+    def discard(self, request: Request) -> None:
+        self._num_dead += 1
+
+    def __len__(self) -> int:
+        return len(self._queue) - self._num_dead
+
+    def __iter__(self) -> Iterator[Request]:
+        return (r for r in self._queue if r.status <= _PREEMPTED)
+
+
+class PriorityQueue(RequestQueue):
+    """Lowest ``priority`` first, then earliest arrival."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+        self._num_dead = 0
+
+    def add(self, request: Request) -> None:
+        heapq.heappush(
+            self._heap, (request.priority, request.arrival_time, next(self._counter), request)
+        )
+
+    add_front = add  # a preempted request keeps its place by priority and arrival
+
+    def peek(self) -> Request | None:
+        heap = self._heap
+        while heap and heap[0][3].status > _PREEMPTED:
+            heapq.heappop(heap)
+            self._num_dead -= 1
+        return heap[0][3] if heap else None
+
+    def pop(self) -> Request:
+        if self.peek() is None:
+            raise IndexError("pop from an empty queue")
+        return heapq.heappop(self._heap)[3]
+
+    def discard(self, request: Request) -> None:
+        self._num_dead += 1
+
+    def __len__(self) -> int:
+        return len(self._heap) - self._num_dead
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[3] for e in sorted(self._heap) if e[3].status <= _PREEMPTED)
+
+
+def make_queue(policy: str) -> RequestQueue:
+    if policy == "fcfs":
+        return FCFSQueue()
+    if policy == "priority":
+        return PriorityQueue()
+    raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {policy!r}")

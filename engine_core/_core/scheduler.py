@@ -1,0 +1,486 @@
+"""The token-budget scheduler.
+
+One idea: each step every request tries to make ``num_computed_tokens`` catch up with its
+``num_tokens`` within one budget of tokens per step. Prefill chunks, decodes, prefix-cache hits
+and resumed preemptions are all the same computation. Running requests are served first (in
+admission order), then waiting ones are admitted while the budget, the sequence cap and the free
+blocks allow.
+
+Pure, synchronous logic: no event loop, sockets or tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine_core._core.kv_cache_manager import KVCacheManager
+from engine_core._core.protocol import EngineCoreOutputs, FinishedRequest
+from engine_core._core.request import GrammarMatcher, Request, RequestStatus
+from engine_core._core.request_queue import make_queue
+from engine_core._core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine_core.abc import ModelRunnerOutput, TokenLogprobs
+
+__all__ = ["Scheduler", "SchedulerConfig"]
+
+_PREEMPTED = RequestStatus.PREEMPTED
+_RUNNING = RequestStatus.RUNNING
+_WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_GRAMMAR
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+_ERROR = RequestStatus.FINISHED_ERROR
+
+
+class SchedulerConfig:
+    """The knobs the scheduler reads (a subset of the resolved ``EngineConfig``)."""
+
+    __slots__ = (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "block_size",
+        "enable_chunked_prefill",
+        "long_prefill_token_threshold",
+        "enable_prefix_caching",
+        "scheduling_policy",
+    )
+
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int = 8192,
+        block_size: int = 16,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
+        enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.enable_prefix_caching = enable_prefix_caching
+        self.scheduling_policy = scheduling_policy
+
+
+class Scheduler:
+    """Decides each step which requests compute how many tokens, and applies the results."""
+
+    def __init__(self, config: SchedulerConfig, num_blocks: int) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.num_constrained = 0
+        """Live requests with structured outputs (0: no step needs a grammar bitmask)."""
+        self._priority = config.scheduling_policy == "priority"
+        # Batch order of the last schedule(), zipped with the backend's output in update.
+        self._scheduled: list[Request] = []
+        # Reported to the backend with the next schedule().
+        self._finished_req_ids: list[str] = []
+        self._preempted_req_ids: list[str] = []
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (WAITING, or WAITING_FOR_GRAMMAR until its grammar is set and
+        it moves to WAITING). Raises ``ValueError`` if a live request has the same id."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        status = request.status
+        if not (
+            status is RequestStatus.WAITING
+            or (status is _WAITING_FOR_GRAMMAR and request.use_structured_output)
+        ):
+            expected = (
+                "WAITING_FOR_GRAMMAR or WAITING" if request.use_structured_output else "WAITING"
+            )
+            raise ValueError(f"a new request must be {expected}, got {status.name}")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+        if request.use_structured_output:
+            self.num_constrained += 1
+
+    def finish_requests(
+        self,
+        request_ids: str | Iterable[str],
+        status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+    ) -> list[Request]:
+        """End live requests (an abort by default); unknown or finished ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"status must be a finished status, got {status.name}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        ended = []
+        any_running = False
+        try:
+            for request_id in list(request_ids):  # a copy: may be a view of self.requests
+                request = self.requests.get(request_id)
+                if request is None:
+                    continue
+                was_running = request.status == _RUNNING
+                request.set_status(status)  # first: an invalid transition changes nothing
+                if was_running:
+                    any_running = True
+                else:
+                    self.waiting.discard(request)
+                self._free(request)
+                ended.append(request)
+        finally:
+            if any_running:
+                self.running = [r for r in self.running if r.status <= _PREEMPTED]
+        return ended
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_req_ids.append(request.request_id)
+        if request.use_structured_output:
+            self.num_constrained -= 1
+            request.grammar = None
+
+    @property
+    def scheduled(self) -> list[Request]:
+        """The requests of the last :meth:`schedule`, in batch order (until its output is
+        applied)."""
+        return self._scheduled
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- scheduling -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's batch and advance ``num_computed_tokens`` optimistically."""
+        config = self.config
+        scheduled: list[Request] = []
+        cached = CachedRequestData([], [], [], [])
+        preempted: list[Request] = []
+        budget = self._schedule_running(config.max_num_batched_tokens, scheduled, cached, preempted)
+        new_reqs: list[NewRequestData] = []
+        if not preempted:
+            budget = self._schedule_waiting(budget, scheduled, new_reqs)
+
+        total = config.max_num_batched_tokens - budget
+        self._scheduled = scheduled
+        self._preempted_req_ids.extend(r.request_id for r in preempted)
+        if total == 0:
+            # Nothing runs this step: the backend hears of the ended and preempted requests with
+            # the next step that does.
+            return SchedulerOutput(new_reqs, cached, 0)
+        finished_ids, self._finished_req_ids = self._finished_req_ids, []
+        preempted_ids, self._preempted_req_ids = self._preempted_req_ids, []
+        return SchedulerOutput(new_reqs, cached, total, finished_ids, preempted_ids)
+
+    def _schedule_running(
+        self,
+        budget: int,
+        scheduled: list[Request],
+        cached: CachedRequestData,
+        preempted: list[Request],
+    ) -> int:
+        """Let running requests catch up, in admission order, preempting when blocks run out;
+        returns the budget left."""
+        threshold = self.config.long_prefill_token_threshold
+        kv = self.kv
+        c_ids, c_blocks, c_computed, c_nums = (
+            cached.req_ids,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+            cached.num_scheduled_tokens,
+        )
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            computed = request.num_computed_tokens
+            num_new = len(request.all_token_ids) - computed
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0:
+                i += 1
+                continue
+            num_blocks_before = len(request.blocks)
+            while not kv.allocate_slots(request, num_new):
+                victim = self._pick_victim()
+                victim_index = running.index(victim) if self._priority else len(running) - 1
+                del running[victim_index]
+                budget += self._unschedule(victim, scheduled, cached)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                if victim_index < i:
+                    i -= 1
+            if request.status != _RUNNING:  # preempted itself: nothing fits
+                if self._priority:
+                    continue
+                break
+            blocks = request.blocks
+            c_ids.append(request.request_id)
+            c_blocks.append(
+                [b.block_id for b in blocks[num_blocks_before:]]
+                if len(blocks) != num_blocks_before
+                else None
+            )
+            c_computed.append(computed)
+            c_nums.append(num_new)
+            request.num_computed_tokens = computed + num_new
+            scheduled.append(request)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(
+        self, budget: int, scheduled: list[Request], new_reqs: list[NewRequestData]
+    ) -> int:
+        config = self.config
+        threshold = config.long_prefill_token_threshold
+        kv = self.kv
+        waiting = self.waiting
+        running = self.running
+        skipped: list[Request] = []
+        while budget > 0 and len(running) < config.max_num_seqs:
+            request = waiting.peek()
+            if request is None:
+                break
+            if request.status == _WAITING_FOR_GRAMMAR:
+                skipped.append(waiting.pop())  # does not hold up the others
+                continue
+            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = len(request.all_token_ids) - num_hit_tokens
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                if not config.enable_chunked_prefill:
+                    break  # the prompt must go in whole; nobody overtakes it
+                num_new = budget
+            if not kv.allocate_slots(request, num_new, hits, full_sequence_must_fit=True):
+                break
+            waiting.pop()
+            resumed = request.status == _PREEMPTED
+            request.set_status(_RUNNING)
+            running.append(request)
+            scheduled.append(request)
+            request.num_computed_tokens = num_hit_tokens + num_new
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            kv.record_admission(request, num_hit_tokens)
+            new_reqs.append(
+                NewRequestData(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    request.sampling_params,
+                    request.block_ids,
+                    num_hit_tokens,
+                    num_new,
+                    request.output_token_ids if resumed else [],
+                    list(request.eos_token_ids),
+                )
+            )
+            budget -= num_new
+        for request in reversed(skipped):
+            waiting.add_front(request)
+        return budget
+
+    def _pick_victim(self) -> Request:
+        if self._priority:
+            # Worst priority, then latest arrival.
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]  # the latest admitted
+
+    def _unschedule(
+        self, victim: Request, scheduled: list[Request], cached: CachedRequestData
+    ) -> int:
+        """Take back ``victim``'s place in this step's batch; returns its tokens to the budget."""
+        if victim not in scheduled:
+            return 0
+        k = cached.req_ids.index(victim.request_id)
+        num = cached.num_scheduled_tokens[k]
+        self.kv.uncache_uncomputed(victim, cached.num_computed_tokens[k])
+        for column in (
+            cached.req_ids,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+            cached.num_scheduled_tokens,
+        ):
+            del column[k]
+        scheduled.remove(victim)
+        return num
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop the KV, go back to the front of the waiting queue."""
+        self.kv.free(request)
+        request.set_status(_PREEMPTED)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_front(request)
+
+    # -- applying a step's results --------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Append sampled tokens, check stop conditions, free finished requests."""
+        scheduled = self._scheduled
+        sampled = runner_output.sampled_token_ids
+        if len(sampled) != len(scheduled):
+            raise RuntimeError(
+                f"backend returned {len(sampled)} results for a batch of {len(scheduled)}"
+            )
+        self._scheduled = []
+        out = EngineCoreOutputs([], [], [], {}, {}, {})
+        out_ids, out_tokens = out.req_ids, out.new_token_ids
+        logprobs = runner_output.logprobs
+        max_model_len = self.config.max_model_len
+        any_finished = False
+        for index, request in enumerate(scheduled):
+            if request.status != _RUNNING:
+                continue  # aborted while the step ran
+            tokens = sampled[index]
+            if not tokens:
+                continue  # partial prefill chunk
+            first = len(request.all_token_ids) == request.num_prompt_tokens
+            grammar = request.grammar
+            if grammar is not None:
+                kept, status = self._append_constrained(request, tokens, grammar)
+            else:
+                kept = 0
+                status = None
+                for token in tokens:
+                    request.append_output_token(token)
+                    kept += 1
+                    num_tokens = len(request.all_token_ids)
+                    num_output = num_tokens - request.num_prompt_tokens
+                    if token in request.stop_token_ids and num_output > request.min_tokens:
+                        status = _STOPPED
+                        if token not in request.eos_token_ids:
+                            request.stop_reason = token
+                        break
+                    if num_output >= request.max_tokens or num_tokens >= max_model_len:
+                        status = _LENGTH_CAPPED
+                        break
+            if kept != len(tokens):
+                tokens = tokens[:kept]
+            request_id = request.request_id
+            if kept:
+                out_ids.append(request_id)
+                out_tokens.append(tokens)
+                if first:
+                    out.num_cached_tokens[request_id] = request.num_cached_tokens
+                if logprobs is not None and logprobs[index]:
+                    out.logprobs[request_id] = logprobs[index][:kept]  # type: ignore[index]
+            if status is not None:
+                request.set_status(status)
+                self._free(request)
+                out.finished.append(
+                    FinishedRequest(
+                        request_id,
+                        request.finish_reason or "stop",
+                        request.stop_reason,
+                        request.error,
+                    )
+                )
+                any_finished = True
+        if runner_output.prompt_logprobs:
+            self._add_prompt_logprobs(scheduled, runner_output.prompt_logprobs, out)
+        if any_finished:
+            self.running = [r for r in self.running if r.status == _RUNNING]
+        return out
+
+    def _append_constrained(
+        self, request: Request, tokens: list[int], grammar: GrammarMatcher
+    ) -> tuple[int, RequestStatus | None]:
+        """Append sampled tokens that the request's grammar accepts, one at a time, checking
+        stops; returns (tokens kept, finished status or None).
+
+        A token the grammar rejects is dropped and ends the request as an error. A complete
+        grammar allows only EOS, so it ends the request as stopped on that EOS (also with
+        ``ignore_eos``). A grammar complete before ``min_tokens``, whose EOS the backend then
+        masks, ends the request as an error (nothing could be sampled next).
+        """
+        max_model_len = self.config.max_model_len
+        kept = 0
+        for token in tokens:
+            if not grammar.accept_token(token):
+                request.error = (
+                    f"the backend sampled token {token}, which the structured_outputs grammar "
+                    "does not allow here"
+                )
+                return kept, _ERROR
+            request.append_output_token(token)
+            kept += 1
+            num_tokens = len(request.all_token_ids)
+            num_output = num_tokens - request.num_prompt_tokens
+            if token in request.stop_token_ids and num_output > request.min_tokens:
+                if token not in request.eos_token_ids:
+                    request.stop_reason = token
+                return kept, _STOPPED
+            if grammar.terminated:
+                return kept, _STOPPED
+            if num_output >= request.max_tokens or num_tokens >= max_model_len:
+                return kept, _LENGTH_CAPPED
+            if (
+                num_output < request.min_tokens
+                and grammar.is_stopped()
+                and grammar.eos_token_ids <= request.stop_token_ids
+            ):
+                request.error = (
+                    f"the structured_outputs grammar is complete after {num_output} tokens, "
+                    f"fewer than min_tokens ({request.min_tokens})"
+                )
+                return kept, _ERROR
+        return kept, None
+
+    @staticmethod
+    def _add_prompt_logprobs(
+        scheduled: list[Request],
+        prompt_logprobs: dict[str, list[TokenLogprobs | None]],
+        out: EngineCoreOutputs,
+    ) -> None:
+        """Forward prompt logprobs once per position: a request preempted during its prefill
+        recomputes positions whose logprobs were already sent."""
+        by_id = {r.request_id: r for r in scheduled if r.status != RequestStatus.FINISHED_ABORTED}
+        for request_id, entries in prompt_logprobs.items():
+            request = by_id.get(request_id)
+            if request is None or not entries:
+                continue
+            end = min(request.num_computed_tokens, request.num_prompt_tokens)
+            start = end - len(entries)
+            skip = request.num_prompt_logprobs_sent - start
+            if skip > 0:
+                entries = entries[skip:]
+            if entries:
+                out.prompt_logprobs[request_id] = entries
+                request.num_prompt_logprobs_sent = end
+
+    # -- control --------------------------------------------------------------------------------
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget all cached prefixes. Fails (False) while requests hold blocks, unless
+        ``reset_running_requests`` preempts them first (they resume from scratch, in order)."""
+        if reset_running_requests:
+            for request in reversed(self.running):  # add_front: they end up in order
+                self._preempt(request)
+            self._preempted_req_ids.extend(r.request_id for r in self.running)
+            self.running = []
+        return self.kv.reset_prefix_cache()

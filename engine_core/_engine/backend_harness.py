@@ -1,0 +1,170 @@
+"""The driver behind ``engine_core.testing``: a backend stepped by the real scheduler."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from engine_core._core.request import Request
+from engine_core._core.scheduler import Scheduler, SchedulerConfig
+from engine_core.abc import Backend, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from engine_core.config import EngineConfig
+from engine_core.sampling_params import SamplingParams
+
+BackendFactory = Callable[[EngineConfig], Backend]
+"""Builds a backend from an engine config (a :class:`~engine_core.abc.Backend` subclass is one)."""
+
+MAX_BLOCKS = 128
+MIN_BLOCKS = 24
+MAX_STEPS = 1000
+
+
+def default_config() -> EngineConfig:
+    return EngineConfig(tokenizer="byte", max_model_len=512)
+
+
+def make_prompt(seed: int, length: int) -> list[int]:
+    """A prompt of small token ids (valid in any vocabulary of 256 or more)."""
+    return [(seed * 37 + i * 11) % 256 for i in range(length)]
+
+
+def num_blocks_for(backend: Backend, config: EngineConfig) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    bytes_per_block = backend.kv_cache_spec().bytes_per_block(config.block_size)
+    return min(backend.available_kv_cache_memory() // bytes_per_block, MAX_BLOCKS)
+
+
+@contextmanager
+def opened(make_backend: BackendFactory, config: EngineConfig) -> Iterator[Harness]:
+    """A started backend (KV cache allocated) in a harness; closed on exit."""
+    backend = make_backend(config)
+    try:
+        num_blocks = num_blocks_for(backend, config)
+        assert num_blocks >= MIN_BLOCKS, (
+            f"the checks need {MIN_BLOCKS} KV blocks; the backend offers {num_blocks}"
+        )
+        backend.initialize_kv_cache(num_blocks)
+        yield Harness(backend, config, num_blocks)
+    finally:
+        backend.close()
+
+
+class Harness:
+    """Drives one backend like ``EngineCore`` does, checking every output's shape."""
+
+    def __init__(self, backend: Backend, config: EngineConfig, num_blocks: int) -> None:
+        self.backend = backend
+        self.vocab_size = backend.vocab_size()
+        self.block_size = config.block_size
+        max_model_len = config.max_model_len or backend.max_model_len() or 8192
+        assert max_model_len >= 8 * self.block_size, (
+            f"the checks need max_model_len >= {8 * self.block_size}, got {max_model_len}"
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=16,
+                max_num_batched_tokens=4096,
+                max_model_len=max_model_len,
+                block_size=self.block_size,
+            ),
+            num_blocks,
+        )
+        self.outputs: dict[str, list[int]] = {}
+        self.logprobs: dict[str, list[TokenLogprobs]] = {}
+        self.prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+
+    def set_token_budget(self, num_tokens: int) -> None:
+        """Tokens per step; a prompt longer than this is prefilled in chunks."""
+        self.scheduler.config.max_num_batched_tokens = num_tokens
+
+    def add(
+        self, req_id: str, prompt: list[int], max_tokens: int, *, cold: bool = True, **params: Any
+    ) -> None:
+        """Queue a greedy request; ``cold`` ones never hit the prefix cache."""
+        sampling_params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+        request = Request(
+            req_id,
+            prompt,
+            sampling_params,
+            block_size=self.block_size,
+            cache_salt=req_id if cold else None,
+        )
+        self.scheduler.add_request(request)
+        self.outputs[req_id] = []
+
+    def abort(self, req_id: str) -> None:
+        self.scheduler.finish_requests([req_id])
+
+    def step(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        """One engine step; returns what the backend was given and what it answered."""
+        scheduler_output = self.scheduler.schedule()
+        assert scheduler_output.total_num_scheduled_tokens > 0, "nothing was scheduled"
+        requests = self.scheduler.requests
+        # After schedule(), a request whose computed tokens reach its length samples this step.
+        completes = [
+            requests[r].num_computed_tokens == requests[r].num_tokens
+            for r in scheduler_output.req_ids
+        ]
+        self.backend.execute_model(scheduler_output)
+        runner_output = self.backend.sample_tokens(None)
+        self._check_output(scheduler_output, runner_output, completes)
+        for index, req_id in enumerate(runner_output.req_ids):
+            self.outputs[req_id] += runner_output.sampled_token_ids[index]
+            if runner_output.logprobs is not None and runner_output.logprobs[index]:
+                self.logprobs.setdefault(req_id, []).extend(runner_output.logprobs[index] or [])
+        for req_id, entries in (runner_output.prompt_logprobs or {}).items():
+            self.prompt_logprobs.setdefault(req_id, []).extend(entries)
+        self.scheduler.update_from_output(scheduler_output, runner_output)
+        return scheduler_output, runner_output
+
+    def _check_output(
+        self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput, completes: list[bool]
+    ) -> None:
+        assert isinstance(output, ModelRunnerOutput), (
+            f"sample_tokens returned {type(output).__name__}, not a ModelRunnerOutput"
+        )
+        batch = scheduler_output.req_ids
+        assert output.req_ids == batch, (
+            f"sample_tokens returned req_ids {output.req_ids}; the batch order is {batch}"
+        )
+        assert len(output.sampled_token_ids) == len(batch), (
+            f"sample_tokens returned {len(output.sampled_token_ids)} results for {len(batch)} "
+            "requests"
+        )
+        for req_id, tokens, complete in zip(
+            batch, output.sampled_token_ids, completes, strict=True
+        ):
+            if not complete:
+                assert tokens == [], (
+                    f"request {req_id!r} ran a partial prefill chunk but got tokens {tokens}"
+                )
+                continue
+            assert len(tokens) == 1, f"request {req_id!r} should get one token, got {tokens}"
+            token = tokens[0]
+            assert isinstance(token, int) and 0 <= token < self.vocab_size, (
+                f"request {req_id!r} got token {token!r}, outside the vocabulary "
+                f"(size {self.vocab_size})"
+            )
+        if output.logprobs is not None:
+            assert len(output.logprobs) == len(batch), (
+                f"logprobs has {len(output.logprobs)} entries for {len(batch)} requests"
+            )
+
+    def run(self) -> dict[str, list[int]]:
+        """Step until every request has finished; the tokens of every request added so far."""
+        for _ in range(MAX_STEPS):
+            if not self.scheduler.has_unfinished_requests():
+                return self.outputs
+            self.step()
+        raise AssertionError(f"requests did not finish within {MAX_STEPS} steps")
+
+    def generate(self, req_id: str, prompt: list[int], max_tokens: int) -> list[int]:
+        """Run one cold request alone to completion (a reference result)."""
+        self.add(req_id, prompt, max_tokens)
+        return self.run()[req_id]
+
+
+def assert_same(label: str, got: list[int], expected: list[int]) -> None:
+    assert got == expected, f"{label}: got tokens {got}, expected {expected} (as when run alone)"

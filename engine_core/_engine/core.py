@@ -1,0 +1,431 @@
+"""``EngineCore``: the scheduler and the backend, stepped together. No event loop, no sockets.
+
+A step is: schedule -> ``execute_model`` -> grammar bitmask -> ``sample_tokens`` -> apply aborts
+that arrived meanwhile -> ``update_from_output``. :meth:`EngineCore.step` runs it whole; the
+engine-core process runs :meth:`execute` in a worker thread so requests and aborts keep arriving
+while the model runs. When the batch has constrained requests and the backend's step blocks
+(``step_in_thread``), the grammar bitmask is filled on a helper thread while ``execute_model``
+runs, and handed to ``sample_tokens``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import msgspec
+
+from engine_core._core.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStats,
+    FinishedRequest,
+)
+from engine_core._core.request import Request, RequestStatus
+from engine_core._core.scheduler import Scheduler, SchedulerConfig
+from engine_core._plugins import load_backend
+from engine_core._structured.manager import StructuredOutputManager
+from engine_core.abc import Backend, ModelRunnerOutput, SchedulerOutput
+from engine_core.config import EngineConfig
+from engine_core.errors import BackendError
+
+__all__ = [
+    "PAUSE_MODES",
+    "EngineCore",
+    "PauseMode",
+    "check_kv_capacity",
+    "compute_num_kv_blocks",
+    "size_kv_cache",
+]
+
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
+
+logger = logging.getLogger(__name__)
+
+
+def kv_blocks_for_memory(config: EngineConfig, backend: Backend) -> int:
+    """``num_kv_blocks`` when set, else the blocks that fit the backend's KV memory."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    memory = backend.available_kv_cache_memory()
+    if memory <= 0:
+        raise BackendError(
+            f"no memory is left for the KV cache ({memory} bytes available after the model)"
+        )
+    num_blocks = memory // backend.kv_cache_spec().bytes_per_block(config.block_size)
+    if num_blocks <= 0:
+        raise BackendError(f"the KV cache memory ({memory} bytes) does not hold one block")
+    return num_blocks
+
+
+def check_kv_capacity(config: EngineConfig, num_blocks: int) -> None:
+    """Raise ``ValueError`` unless one request of ``max_model_len`` tokens fits."""
+    if config.max_model_len is None:
+        raise ValueError("max_model_len must be resolved before sizing the KV cache")
+    needed = -(-config.max_model_len // config.block_size)
+    if num_blocks < needed:
+        feasible = num_blocks * config.block_size
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks ({feasible} tokens) but one request of "
+            f"max_model_len={config.max_model_len} needs {needed}; lower max_model_len to "
+            f"{feasible} or below, or give the KV cache more blocks"
+        )
+
+
+def compute_num_kv_blocks(config: EngineConfig, backend: Backend) -> int:
+    """Blocks that fit the backend's KV memory (or ``num_kv_blocks``), checked against one
+    ``max_model_len`` request."""
+    num_blocks = kv_blocks_for_memory(config, backend)
+    check_kv_capacity(config, num_blocks)
+    return num_blocks
+
+
+def size_kv_cache(config: EngineConfig, backend: Backend) -> tuple[int, EngineConfig]:
+    """The number of KV blocks and the resolved config. A ``max_model_len`` left unset is
+    lowered to what the KV cache holds; one set explicitly must fit."""
+    resolved = config.resolved(model_max_len=backend.max_model_len())
+    num_blocks = kv_blocks_for_memory(resolved, backend)
+    capacity = num_blocks * resolved.block_size
+    assert resolved.max_model_len is not None
+    if config.max_model_len is None and capacity < resolved.max_model_len:
+        logger.info("max_model_len lowered to %d: the KV cache holds no more", capacity)
+        resolved = msgspec.structs.replace(resolved, max_model_len=capacity)
+    check_kv_capacity(resolved, num_blocks)
+    return num_blocks, resolved
+
+
+class EngineCore:
+    """The engine: owns the backend and the scheduler and steps them."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        backend_cls: type[Backend] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.clock = clock
+        if config.data_parallel_size != 1:
+            raise NotImplementedError(
+                f"data_parallel_size={config.data_parallel_size}: one engine core serves one "
+                "replica so far; run several engines behind a load balancer"
+            )
+        cls = backend_cls if backend_cls is not None else load_backend(config.backend, config)
+        backend = cls(config)
+        try:
+            self.num_kv_blocks, config = size_kv_cache(config, backend)
+            backend.initialize_kv_cache(self.num_kv_blocks)
+        except BaseException:
+            backend.close()
+            raise
+        self.backend = backend
+        self.config = config
+        assert config.max_model_len is not None and config.max_num_batched_tokens is not None
+        self.max_model_len: int = config.max_model_len
+        self.vocab_size = backend.vocab_size()
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len,
+                block_size=config.block_size,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                enable_prefix_caching=config.enable_prefix_caching,
+                scheduling_policy=config.scheduling_policy,
+            ),
+            self.num_kv_blocks,
+        )
+        self.num_steps = 0
+        self._ended_outside_steps: list[FinishedRequest] = []
+        """Requests rejected at arrival, failed grammars and engine-initiated aborts, reported
+        with the next step's outputs."""
+        self._pending_aborts: list[str] = []
+        self._structured: StructuredOutputManager | None = None
+        self._grammar_waker: Callable[[], None] | None = None
+        self._closed = False
+        self.pause_mode: PauseMode | None = None
+        """None while generating; else the mode of the last :meth:`pause_generation`."""
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def validate_request(self, request: EngineCoreRequest) -> str | None:
+        """Why this engine cannot serve ``request``, or None."""
+        prompt = request.prompt_token_ids
+        if not prompt:
+            return "the prompt is empty"
+        if len(prompt) >= self.max_model_len:
+            return (
+                f"the prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len} "
+                "(at least one token must be generated)"
+            )
+        vocab = self.vocab_size
+        bad = [t for t in prompt if not (0 <= t < vocab)]
+        if bad:
+            return f"token ids {bad[:5]} are outside the vocabulary (size {vocab})"
+        bad_stop = [t for t in request.sampling_params.stop_token_ids or () if t >= vocab]
+        if bad_stop:
+            return f"stop_token_ids {bad_stop[:5]} are outside the vocabulary (size {vocab})"
+        return None
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue ``request``. A request this engine cannot serve ends at the next step with
+        finish_reason "error" and a message; a live duplicate id raises ``ValueError``."""
+        if not isinstance(request.request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request.request_id).__name__}")
+        if self.pause_mode in ("abort", "wait"):
+            self._ended_outside_steps.append(
+                FinishedRequest(
+                    request.request_id,
+                    "error",
+                    None,
+                    f"the engine is paused (mode {self.pause_mode!r}); retry after it resumes",
+                    retryable=True,
+                )
+            )
+            return
+        problem = self.validate_request(request)
+        if problem is not None:
+            if request.request_id in self.scheduler.requests:
+                raise ValueError(f"request_id {request.request_id!r} is already in use")
+            self._ended_outside_steps.append(
+                FinishedRequest(request.request_id, "error", None, problem)
+            )
+            return
+        new = Request(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            block_size=self.config.block_size,
+            arrival_time=request.arrival_time or self.clock(),
+            priority=request.priority,
+            eos_token_ids=tuple(request.eos_token_ids),
+            cache_salt=request.cache_salt,
+            hash_blocks=self.config.enable_prefix_caching,
+        )
+        self.scheduler.add_request(new)
+        if new.use_structured_output:
+            error = self.structured_output.add(new)
+            if error is not None:
+                self._fail(new, error)
+            elif new.grammar is not None:
+                new.set_status(RequestStatus.WAITING)
+
+    # -- structured outputs ---------------------------------------------------------------------
+
+    @property
+    def structured_output(self) -> StructuredOutputManager:
+        """Grammar compilation, cache and bitmask; created with the first constrained request
+        (plain serving never loads llguidance or the tokenizer)."""
+        if self._structured is None:
+            self._structured = StructuredOutputManager(
+                self.config.tokenizer_name,
+                self.vocab_size,
+                clock=self.clock,
+                compile_timeout_s=self.config.grammar_compile_timeout_s,
+            )
+            self._structured.on_compiled = self._grammar_waker
+        return self._structured
+
+    def set_grammar_waker(self, waker: Callable[[], None] | None) -> None:
+        """Call ``waker`` (from a compile thread; it must not block) whenever a grammar
+        compilation ends, so a loop idle but for pending grammars can wake up."""
+        self._grammar_waker = waker
+        if self._structured is not None:
+            self._structured.on_compiled = waker
+
+    def grammar_wait_s(self) -> float | None:
+        """How long an idle engine may sleep before a pending grammar times out (None: no
+        grammar is pending, or a "keep" pause freezes them)."""
+        structured = self._structured
+        if structured is None or self.pause_mode == "keep":
+            return None
+        return structured.seconds_to_deadline()
+
+    def _update_grammars(self, structured: StructuredOutputManager) -> None:
+        ready, failed = structured.poll()
+        for request in ready:
+            request.set_status(RequestStatus.WAITING)
+        for request, error in failed:
+            self._fail(request, error)
+
+    def _fail(self, request: Request, error: str) -> None:
+        """End a queued request with finish_reason "error", reported with the next outputs."""
+        self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+        self._ended_outside_steps.append(FinishedRequest(request.request_id, "error", None, error))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """End requests now; their blocks are freed at once. Unknown ids are ignored."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def defer_abort(self, request_id: str) -> None:
+        """Abort ``request_id`` once the step now executing has ended, before its outputs are
+        applied (the aborted request gets no more tokens)."""
+        self._pending_aborts.append(request_id)
+
+    def abort_all(self) -> None:
+        """End every live request as aborted and report each one with finish_reason "abort" in
+        the next outputs (unlike :meth:`abort_requests`, whose caller already knows)."""
+        ended = self.scheduler.finish_requests(list(self.scheduler.requests))
+        self._ended_outside_steps.extend(FinishedRequest(r.request_id, "abort") for r in ended)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._ended_outside_steps)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a step would do anything: requests to run (and not frozen by a "keep" pause)
+        or ended requests to report."""
+        if self._ended_outside_steps:
+            return True
+        return self.pause_mode != "keep" and self.scheduler.has_unfinished_requests()
+
+    # -- stepping -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput | None:
+        """First part of a step; None when there is nothing to run."""
+        if not self.scheduler.requests or self.pause_mode == "keep":
+            return None
+        structured = self._structured
+        if structured is not None and structured.num_pending:
+            self._update_grammars(structured)
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return None
+        return scheduler_output
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The blocking part of a step: forward pass, grammar bitmask, sampling. The bitmask
+        is filled on a helper thread while ``execute_model`` runs when the backend's step
+        blocks (``step_in_thread``); after it otherwise (a step that holds the GIL throughout
+        leaves nothing to overlap)."""
+        backend = self.backend
+        matchers = self._bitmask_matchers() if self.scheduler.num_constrained else None
+        if not matchers:
+            backend.execute_model(scheduler_output)
+            return backend.sample_tokens(None)
+        structured = self.structured_output
+        if not backend.step_in_thread:
+            backend.execute_model(scheduler_output)
+            return backend.sample_tokens(structured.fill_bitmask(matchers))
+        bitmask = structured.submit_bitmask(matchers)
+        try:
+            backend.execute_model(scheduler_output)
+        except BaseException:
+            # Never leave the helper touching matchers after a failed step.
+            concurrent.futures.wait((bitmask,))
+            raise
+        return backend.sample_tokens(bitmask.result())
+
+    def _bitmask_matchers(self) -> list[Any]:
+        return StructuredOutputManager.bitmask_matchers(self.scheduler.scheduled)
+
+    def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> Any | None:
+        """The token bitmask of the constrained requests of the batch just scheduled (see
+        :meth:`engine_core.abc.Backend.sample_tokens`); None when none of them samples."""
+        matchers = self._bitmask_matchers() if self.scheduler.num_constrained else None
+        return self.structured_output.fill_bitmask(matchers) if matchers else None
+
+    def finish_step(
+        self, scheduler_output: SchedulerOutput | None, runner_output: ModelRunnerOutput | None
+    ) -> EngineCoreOutputs:
+        """Last part of a step: deferred aborts, then the step's results."""
+        if self._pending_aborts:
+            aborts, self._pending_aborts = self._pending_aborts, []
+            self.abort_requests(aborts)
+        if scheduler_output is None or runner_output is None:
+            outputs = EngineCoreOutputs()
+        else:
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            self.num_steps += 1
+        if self._ended_outside_steps:
+            outputs.finished.extend(self._ended_outside_steps)
+            self._ended_outside_steps = []
+        outputs.timestamp = self.clock()
+        return outputs
+
+    def step(self) -> EngineCoreOutputs:
+        """Run one whole step and return what it produced. When nothing can run but grammars
+        are compiling, it first waits for one of them (at most until one times out)."""
+        scheduler_output = self.schedule()
+        if scheduler_output is None and not self._ended_outside_steps:
+            wait_s = self.grammar_wait_s()
+            if wait_s is not None:
+                self.structured_output.wait(wait_s)
+                scheduler_output = self.schedule()
+        runner_output = self.execute(scheduler_output) if scheduler_output is not None else None
+        return self.finish_step(scheduler_output, runner_output)
+
+    # -- control --------------------------------------------------------------------------------
+
+    def get_stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        kv = scheduler.kv
+        return EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            prefix_cache_hit_rate=kv.stats.hit_rate,
+            num_preemptions=scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            num_kv_blocks=kv.num_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
+        )
+
+    def check_health(self) -> None:
+        """Answering at all is the health check: a dead engine core cannot."""
+
+    def pause_generation(self, mode: PauseMode = "abort") -> None:
+        """Stop generating. ``"abort"``: in-flight requests end as aborted; ``"wait"``: they run
+        to completion; ``"keep"``: they freeze in place until :meth:`resume_generation`. In the
+        "abort" and "wait" modes new requests are rejected with a retryable error until then; in
+        "keep" mode they queue. Pausing again changes the mode."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        self.pause_mode = mode
+        if mode == "abort":
+            self.abort_all()
+
+    def resume_generation(self) -> None:
+        """Undo :meth:`pause_generation` (no-op when not paused)."""
+        self.pause_mode = None
+
+    def is_paused(self) -> bool:
+        return self.pause_mode is not None
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
+
+    def profile(self, action: str) -> None:
+        if action not in ("start", "stop"):
+            raise ValueError(f"action must be 'start' or 'stop', got {action!r}")
+        self.backend.profile(action)  # type: ignore[arg-type]
+
+    def sleep(self, level: int = 1) -> None:
+        """Let the backend release device memory. The KV cache's contents are gone afterwards,
+        so the prefix cache is reset; refused (``RuntimeError``) while requests are in flight."""
+        if self.scheduler.has_unfinished_requests():
+            raise RuntimeError(
+                "cannot sleep while requests are in flight; pause generation or let them finish"
+            )
+        self.backend.sleep(level)
+        self.scheduler.reset_prefix_cache()
+
+    def wake_up(self) -> None:
+        self.backend.wake_up()
+
+    def close(self) -> None:
+        """Abort everything and close the backend (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.abort_requests(list(self.scheduler.requests))
+        if self._structured is not None:
+            self._structured.close()
+        self.backend.close()

@@ -1,0 +1,75 @@
+"""How the death of an engine-core process is told to its callers."""
+
+from __future__ import annotations
+
+import signal
+
+from engine_core._engine.wire import EngineDead
+from engine_core.errors import BackendError, EngineDeadError
+
+__all__ = ["REMOTE_ERRORS", "RemoteEngineError", "dead_error", "describe_exit", "startup_error"]
+
+REMOTE_ERRORS: dict[str, type[Exception]] = {
+    "ValueError": ValueError,
+    "TypeError": TypeError,
+    "NotImplementedError": NotImplementedError,
+    "BackendError": BackendError,
+}
+
+
+class RemoteEngineError(Exception):
+    """An exception raised inside the engine-core process, as reported across the process
+    boundary; set as ``__cause__`` of the error that reports it. ``str()`` is the remote
+    traceback."""
+
+    def __init__(self, error_type: str, message: str, remote_traceback: str | None) -> None:
+        super().__init__(remote_traceback or message)
+        self.error_type = error_type
+        self.message = message
+
+
+def describe_exit(exit_code: int | None) -> str:
+    if exit_code is None:
+        return "ended"
+    if exit_code < 0:
+        try:
+            return f"was killed by {signal.Signals(-exit_code).name}"
+        except ValueError:
+            return f"was killed by signal {-exit_code}"
+    return f"exited with status {exit_code}"
+
+
+def _remote_cause(notice: EngineDead | None) -> RemoteEngineError | None:
+    if notice is None or notice.error_type is None:
+        return None
+    message = (notice.reason or "").removeprefix(f"{notice.error_type}: ")
+    return RemoteEngineError(notice.error_type, message, notice.traceback)
+
+
+def startup_error(notice: EngineDead | None, exit_code: int | None) -> Exception:
+    """The error for a process that died before it was ready: the backend's exception type
+    where it is one callers know (else :class:`BackendError`), with the remote traceback as
+    its cause."""
+    exit_text = f"its process {describe_exit(exit_code)}"
+    if notice is not None and notice.reason is not None:
+        message = f"the engine core failed to start ({exit_text}): {notice.reason}"
+    else:
+        message = f"the engine core failed to start: {exit_text}"
+    error_type = notice.error_type if notice is not None else None
+    error = REMOTE_ERRORS.get(error_type or "", BackendError)(message)
+    error.__cause__ = _remote_cause(notice)
+    return error
+
+
+def dead_error(notice: EngineDead | None, exit_code: int | None) -> EngineDeadError:
+    """The error for a process that died while serving, with the remote traceback as its
+    cause where the engine sent one."""
+    if notice is not None and notice.reason is not None:
+        message = f"the engine core is dead: {notice.reason}"
+        if exit_code is not None:
+            message += f" (its process {describe_exit(exit_code)})"
+    else:
+        message = f"the engine core is dead: its process {describe_exit(exit_code)}"
+    error = EngineDeadError(message)
+    error.__cause__ = _remote_cause(notice)
+    return error

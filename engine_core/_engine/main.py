@@ -1,0 +1,187 @@
+"""The engine-core process around one :class:`EngineCoreProc`.
+
+:func:`run_engine_core` is the process entry point: it connects the output socket, binds the
+input socket, builds the engine core (backend, KV spec, block count, allocation) in a worker
+thread, sends ``Ready`` and serves. It exits by itself when its parent dies, shuts down cleanly
+on SIGTERM or a ``Shutdown`` message, and reports a fatal error as an ``EngineDead`` message
+before exiting with status 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import traceback
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+import msgspec
+import zmq
+
+from engine_core._core.protocol import EngineInfo
+from engine_core._engine.core import EngineCore
+from engine_core._engine.proc import EngineCoreProc
+from engine_core._engine.sockets import make_socket
+from engine_core._engine.wire import EngineDead, EngineMessage, Ready
+from engine_core.config import EngineConfig
+
+__all__ = ["PARENT_GONE_EXIT_CODE", "run_engine_core"]
+
+logger = logging.getLogger(__name__)
+
+_OUTPUT_LINGER_MS = 2000
+"""How long exiting waits for the last messages (the death notice) to leave."""
+PARENT_GONE_EXIT_CODE = 3
+"""Exit status of an engine-core process whose parent died."""
+
+
+def run_engine_core(config_msgpack: bytes, output_address: str, input_address: str) -> None:
+    """Entry point of the engine-core process (a ``multiprocessing`` spawn target).
+
+    ``config_msgpack`` is the msgpack-encoded :class:`EngineConfig`; the process connects its
+    output socket to ``output_address`` and binds its input socket to ``input_address``.
+    """
+    # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.WARNING,
+            format="%(asctime)s engine-core[%(process)d] %(levelname)s %(name)s: %(message)s",
+        )
+    exit_code = 1
+    try:
+        config = msgspec.msgpack.decode(config_msgpack, type=EngineConfig)
+        server = _Server(config, output_address, input_address)
+        exit_code = anyio.run(server.serve, backend=config.engine_runtime)
+    except BaseException:
+        logger.exception("the engine-core process failed")
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Not sys.exit: a model thread abandoned by the step timeout would keep the process
+        # alive at interpreter shutdown.
+        os._exit(exit_code)
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+class _Server:
+    """Startup handshake, signals and the final notice around one :class:`EngineCoreProc`."""
+
+    def __init__(self, config: EngineConfig, output_address: str, input_address: str) -> None:
+        self.config = config
+        self.output_address = output_address
+        self.input_address = input_address
+        self.encoder = msgspec.msgpack.Encoder()
+        self.proc: EngineCoreProc | None = None
+        self.stop_reason: str | None = None
+        self.startup_scope: anyio.CancelScope | None = None
+
+    async def serve(self) -> int:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        output = make_socket(ctx, zmq.PUSH, linger_ms=_OUTPUT_LINGER_MS)
+        input_ = make_socket(ctx, zmq.PULL)
+        try:
+            output.connect(self.output_address)
+            try:
+                input_.bind(self.input_address)
+            except zmq.ZMQError as exc:
+                return self._die(output, exc)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._exit_when_parent_dies)
+                tg.start_soon(self._watch_signals)
+                exit_code = await self._serve(input_, output)
+                tg.cancel_scope.cancel()
+            return exit_code
+        finally:
+            input_.close()
+            output.close()  # lingers until the last messages are out
+            ctx.term()
+
+    async def _serve(self, input_: zmq.Socket[bytes], output: zmq.Socket[bytes]) -> int:
+        core: EngineCore | None = None
+        with anyio.CancelScope() as self.startup_scope:
+            try:
+                core = await anyio.to_thread.run_sync(
+                    EngineCore, self.config, abandon_on_cancel=True
+                )
+            except Exception as exc:
+                return self._die(output, exc)
+        self.startup_scope = None
+        if core is None or self.stop_reason is not None:
+            self._send(output, EngineDead(reason=f"stopped during startup by {self.stop_reason}"))
+            return 0
+        endpoint = input_.getsockopt_string(zmq.LAST_ENDPOINT)
+        info = EngineInfo(
+            num_kv_blocks=core.num_kv_blocks,
+            block_size=core.config.block_size,
+            max_model_len=core.max_model_len,
+            vocab_size=core.vocab_size,
+            backend=self.config.backend,
+        )
+        logger.info("ready: %s, input at %s", info, endpoint)
+        self._send(output, Ready(info, endpoint))
+        proc = self.proc = EngineCoreProc(
+            core, input_, output, step_timeout_s=self.config.step_timeout_s
+        )
+        if self.stop_reason is not None:
+            proc.request_shutdown(self.stop_reason)
+        try:
+            await proc.run()
+        except Exception as exc:
+            return self._die(output, exc)  # the backend may be mid-call: do not close it
+        try:
+            core.close()
+        finally:
+            self._send(output, EngineDead(reason=f"shut down by {proc.stop_reason}"))
+        return 0
+
+    def _send(self, output: zmq.Socket[bytes], message: EngineMessage) -> None:
+        # The output socket connects, so its queue exists at once and sending never blocks.
+        output.send(self.encoder.encode(message))
+
+    def _die(self, output: zmq.Socket[bytes], exc: BaseException) -> int:
+        root = _root_cause(exc)
+        logger.error("fatal error", exc_info=root)
+        self._send(
+            output,
+            EngineDead(
+                reason=f"{type(root).__name__}: {root}",
+                error_type=type(root).__name__,
+                traceback="".join(traceback.format_exception(root)),
+            ),
+        )
+        return 1
+
+    async def _exit_when_parent_dies(self) -> None:
+        """Exit as soon as the parent is gone (its end of a pipe closes), removing the private
+        socket directory that the parent can no longer remove."""
+        parent = multiprocessing.parent_process()
+        if parent is None:
+            return
+        await anyio.wait_readable(parent.sentinel)
+        logger.warning("the parent process is gone: exiting")
+        if self.input_address.startswith("ipc://"):
+            shutil.rmtree(os.path.dirname(self.input_address.removeprefix("ipc://")), True)
+        logging.shutdown()
+        os._exit(PARENT_GONE_EXIT_CODE)
+
+    async def _watch_signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+            async for _ in signals:
+                logger.info("SIGTERM: shutting down")
+                self.stop_reason = "SIGTERM"
+                if self.proc is not None:
+                    self.proc.request_shutdown("SIGTERM")
+                elif self.startup_scope is not None:
+                    self.startup_scope.cancel()

@@ -1,0 +1,313 @@
+"""The engine-core process: one :class:`EngineCore` served over ZMQ by an anyio event loop.
+
+:class:`EngineCoreProc` runs three tasks. The input task decodes what arrives and applies it at
+once: new requests join the waiting queue, aborts end requests (or, while a step executes, are
+deferred to just after it, before its outputs are applied, so an aborted request gets no more
+tokens and its blocks are freed at once), control calls are queued for the stepping task. The
+stepping task runs control calls and steps between each other, with the blocking model call in
+a worker thread so input keeps flowing meanwhile; with nothing to do it sleeps until input
+arrives. The output task encodes and sends. All three share the event loop's thread, so engine
+state is only ever touched by one of them at a time and by no one while a step's model call
+runs (it touches only the backend).
+
+The process around it (entry point, handshake, signals, parent watch) is in ``_engine_main``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import threading
+from collections import deque
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+import msgspec
+import zmq
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest
+from engine_core._engine.client import UTILITY_METHODS
+from engine_core._engine.core import EngineCore
+from engine_core._engine.sockets import recv_async, send_async
+from engine_core._engine.wire import (
+    AbortRequests,
+    EngineMessage,
+    Shutdown,
+    UtilityCall,
+    UtilityReply,
+    client_message_decoder,
+    decode,
+)
+from engine_core.abc import ModelRunnerOutput, SchedulerOutput
+
+__all__ = ["EngineCoreProc"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_MESSAGES_PER_WAKE = 256
+"""Input messages handled in one go before the other tasks get a turn."""
+_BACKEND_CALLS = frozenset({"profile", "sleep", "wake_up"})
+"""Control calls that reach the backend: they run in a worker thread, like a step."""
+
+
+class _Doorbell:
+    """A pipe that other threads ring without blocking and the event loop waits on (under
+    asyncio and trio alike): how a finished grammar compilation wakes an idle engine."""
+
+    def __init__(self) -> None:
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        os.set_blocking(self._write_fd, False)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def ring(self) -> None:
+        """Thread-safe; a full pipe means a wake-up is pending already."""
+        with self._lock:  # so a ring never writes to a closed (maybe reused) descriptor
+            if not self._closed:
+                with contextlib.suppress(BlockingIOError):
+                    os.write(self._write_fd, b"\0")
+
+    async def wait(self) -> None:
+        """Until rung at least once since the last wait."""
+        while True:
+            try:
+                if os.read(self._read_fd, 4096):
+                    return
+            except BlockingIOError:
+                pass
+            await anyio.wait_readable(self._read_fd)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self._read_fd)
+                os.close(self._write_fd)
+
+
+class EngineCoreProc:
+    """Serves one :class:`EngineCore` over an input (PULL) and an output (PUSH) socket.
+
+    ``step_timeout_s``: a model call running longer than this fails :meth:`run` with
+    ``TimeoutError`` (the thread is abandoned; the process must exit).
+    """
+
+    def __init__(
+        self,
+        core: EngineCore,
+        input_socket: zmq.Socket[bytes],
+        output_socket: zmq.Socket[bytes],
+        *,
+        step_timeout_s: float | None = None,
+    ) -> None:
+        self.core = core
+        self._input = input_socket
+        self._output = output_socket
+        self._step_timeout_s = step_timeout_s
+        self._decoder = client_message_decoder()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._executing = False
+        self._output_busy = False
+        self._calls: deque[UtilityCall] = deque()
+        self._waiting_pauses: list[int] = []
+        self._wake = anyio.Event()
+        self.stop_reason: str | None = None
+        """Why the engine is shutting down (None while serving)."""
+
+    def request_shutdown(self, reason: str) -> None:
+        """End every in-flight request as aborted, report them and return from :meth:`run`
+        (after the step now executing, if any). ``reason`` names who asked ("SIGTERM")."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Serve until a shutdown is requested (returns once everything is sent), or until a
+        step fails or exceeds the step timeout (raises that error, in an exception group)."""
+        send, receive = anyio.create_memory_object_stream[EngineMessage](math.inf)
+        doorbell = _Doorbell()
+        self.core.set_grammar_waker(doorbell.ring)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._output_loop, receive)
+                with send:  # closing it lets the output task drain and end
+                    async with anyio.create_task_group() as inner:
+                        inner.start_soon(self._input_loop)
+                        inner.start_soon(self._grammar_loop, doorbell)
+                        await self._step_loop(send)
+                        inner.cancel_scope.cancel()
+        finally:
+            self.core.set_grammar_waker(None)
+            doorbell.close()
+
+    # -- stepping -------------------------------------------------------------------------------
+
+    async def _step_loop(self, out: MemoryObjectSendStream[EngineMessage]) -> None:
+        core = self.core
+        while True:
+            if self._calls:
+                await self._run_calls(out)
+            if self.stop_reason is not None:
+                core.abort_all()
+                self._emit(out, core.finish_step(None, None))
+                self._answer_pauses(out, drained=True)
+                return
+            if not core.has_work:
+                self._answer_pauses(out)
+                await self._wait_for_input()
+                continue
+            scheduler_output = core.schedule()
+            runner_output = None
+            if scheduler_output is not None:
+                runner_output = await self._execute(scheduler_output)
+            outputs = core.finish_step(scheduler_output, runner_output)
+            produced = not outputs.is_empty
+            if produced:
+                self._send(out, outputs)
+            self._answer_pauses(out)
+            if scheduler_output is None and not produced:
+                await self._wait_for_input()  # nothing can run until something arrives
+            else:
+                await anyio.lowlevel.checkpoint()  # let the output and input tasks run
+
+    async def _wait_for_input(self) -> None:
+        # No await between the caller's check and this wait, so no wake-up is lost. A request
+        # waiting for its grammar ends at its deadline if no compilation wakes the loop first.
+        self._wake = wake = anyio.Event()
+        deadline = self.core.grammar_wait_s()
+        if deadline is None:
+            await wake.wait()
+            return
+        with anyio.move_on_after(deadline):
+            await wake.wait()
+
+    async def _grammar_loop(self, doorbell: _Doorbell) -> None:
+        while True:
+            await doorbell.wait()
+            self._wake.set()
+
+    async def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if not self.core.backend.step_in_thread:
+            return self.core.execute(scheduler_output)
+        self._executing = True
+        try:
+            with anyio.move_on_after(self._step_timeout_s) as scope:
+                return await anyio.to_thread.run_sync(
+                    self.core.execute, scheduler_output, abandon_on_cancel=True
+                )
+        finally:
+            self._executing = False
+        assert scope.cancelled_caught
+        raise TimeoutError(f"a step ran longer than step_timeout_s ({self._step_timeout_s} s)")
+
+    def _send(self, out: MemoryObjectSendStream[EngineMessage], message: EngineMessage) -> None:
+        """Send ``message`` right away when nothing is queued before it and the socket takes it;
+        else queue it for the output task (which waits while the socket is full)."""
+        if not self._output_busy and out.statistics().current_buffer_used == 0:
+            try:
+                self._output.send(self._encoder.encode(message), zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+        out.send_nowait(message)
+
+    def _emit(self, out: MemoryObjectSendStream[EngineMessage], outputs: EngineCoreOutputs) -> None:
+        if not outputs.is_empty:
+            self._send(out, outputs)
+
+    # -- control calls --------------------------------------------------------------------------
+
+    async def _run_calls(self, out: MemoryObjectSendStream[EngineMessage]) -> None:
+        while self._calls:
+            call = self._calls.popleft()
+            reply = await self._call(call)
+            # Requests a call ended (pause "abort") are reported before its reply.
+            self._emit(out, self.core.finish_step(None, None))
+            if reply is not None:
+                self._send(out, reply)
+
+    async def _call(self, call: UtilityCall) -> UtilityReply | None:
+        method, args = call.method, call.args
+        try:
+            if method not in UTILITY_METHODS:
+                raise ValueError(f"unknown utility method {method!r}")
+            if method in _BACKEND_CALLS:
+                result = await anyio.to_thread.run_sync(lambda: getattr(self.core, method)(*args))
+            else:
+                result = getattr(self.core, method)(*args)
+        except Exception as exc:
+            return UtilityReply(call.call_id, error=str(exc), error_type=type(exc).__name__)
+        if method == "pause_generation" and self.core.pause_mode == "wait":
+            self._waiting_pauses.append(call.call_id)  # answered once in-flight requests end
+            return None
+        return UtilityReply(call.call_id, result=result)
+
+    def _answer_pauses(
+        self, out: MemoryObjectSendStream[EngineMessage], *, drained: bool = False
+    ) -> None:
+        """Answer pause("wait") calls once nothing is in flight, or once the mode changed."""
+        if not self._waiting_pauses:
+            return
+        core = self.core
+        if drained or core.pause_mode != "wait" or not core.scheduler.has_unfinished_requests():
+            for call_id in self._waiting_pauses:
+                self._send(out, UtilityReply(call_id))
+            self._waiting_pauses = []
+
+    # -- input and output -----------------------------------------------------------------------
+
+    async def _input_loop(self) -> None:
+        sock = self._input
+        handle = self._handle
+        while True:
+            frame = await recv_async(sock)
+            num_handled = 0
+            while True:
+                handle(frame)
+                num_handled += 1
+                if num_handled == _MAX_MESSAGES_PER_WAKE:
+                    break
+                try:
+                    frame = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+            self._wake.set()
+            # Let the step task act on what arrived before re-arming the wait on the socket:
+            # the re-arm is then off the path from a request's arrival to its step.
+            await anyio.lowlevel.checkpoint()
+
+    def _handle(self, frame: bytes) -> None:
+        message = decode(self._decoder, frame)
+        core = self.core
+        match message:
+            case EngineCoreRequest():
+                try:
+                    core.add_request(message)
+                except Exception:
+                    logger.exception("dropped request %r", message.request_id)
+            case AbortRequests(request_ids=request_ids):
+                if self._executing:
+                    for request_id in request_ids:
+                        core.defer_abort(request_id)
+                else:
+                    core.abort_requests(request_ids)
+            case UtilityCall():
+                self._calls.append(message)
+            case Shutdown():
+                self.request_shutdown("the client")
+
+    async def _output_loop(self, receive: MemoryObjectReceiveStream[EngineMessage]) -> None:
+        encode = self._encoder.encode
+        sock = self._output
+        async with receive:
+            async for message in receive:
+                self._output_busy = True
+                try:
+                    await send_async(sock, encode(message))
+                finally:
+                    self._output_busy = False

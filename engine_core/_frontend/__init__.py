@@ -1,0 +1,2 @@
+"""The front end: LLM and AsyncLLM, output processing, per-request collectors and the
+detokenizer."""

@@ -1,0 +1,480 @@
+"""``OutputProcessor``: turns the engine core's per-step outputs into ``RequestOutput``s.
+
+It holds the front end's state of every request it sent: detokenization and stop strings,
+logprobs, output kinds, metrics and parallel sampling (``n > 1`` fans out into ``n`` engine
+requests and gathers their completions back into one output). It is the only per-request Python
+loop of the front end, so per-token work is kept to a decoder step and a few appends.
+
+Requests with a :class:`~engine_core._frontend.collector.RequestOutputCollector` get their outputs pushed
+into it (``AsyncLLM``); the outputs of the others are returned (``LLM``). A request the engine
+fails (``FinishedRequest.error``) ends with an output with finish_reason "error" and ``error``
+set, or, with a collector, with an exception put into it: ``RetryableRequestError`` when the
+engine says retrying may work (it is paused), else ``InvalidRequestError``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
+from engine_core._core.tokenizer import Tokenizer
+from engine_core._frontend.collector import RequestOutputCollector
+from engine_core._frontend.detokenizer import Detokenizer, LogprobsDecoder
+from engine_core._frontend.request_state import CompletionState, RequestState
+from engine_core.abc import TokenLogprobs
+from engine_core.errors import InvalidRequestError, RetryableRequestError
+from engine_core.outputs import (
+    CompletionOutput,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from engine_core.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["OutputProcessor", "ProcessedOutputs"]
+
+_CUMULATIVE = int(RequestOutputKind.CUMULATIVE)
+_DELTA = int(RequestOutputKind.DELTA)
+_FINAL_ONLY = int(RequestOutputKind.FINAL_ONLY)
+
+
+@dataclass(slots=True)
+class ProcessedOutputs:
+    """What one :meth:`OutputProcessor.process_outputs` call produced."""
+
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    """Outputs of requests that have no collector."""
+    reqs_to_abort: list[str] = field(default_factory=list)
+    """Engine request ids the front end finished (stop strings); the engine must abort them."""
+
+
+class OutputProcessor:
+    """Front-end state of in-flight requests; see the module docstring.
+
+    ``tokenizer`` decodes outputs (None: no text). ``max_model_len``, when given, fills
+    ``max_tokens=None`` with the room left after the prompt. ``clock`` timestamps metrics.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        *,
+        max_model_len: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self._requests: dict[str, RequestState] = {}
+        self._completions: dict[str, CompletionState] = {}
+        self._by_external: dict[str, list[str]] = {}
+        self._logprob_decoder = LogprobsDecoder(tokenizer)
+        self._eos_token_ids = list(tokenizer.eos_token_ids) if tokenizer is not None else []
+
+    # -- requests -------------------------------------------------------------------------------
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests (as callers see them: a parent counts once) still in flight."""
+        return len(self._requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def request_ids(self) -> list[str]:
+        """Internal ids of the requests in flight (parents once)."""
+        return list(self._requests)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        external_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        collector: RequestOutputCollector | None = None,
+    ) -> list[EngineCoreRequest]:
+        """Register a request and return the engine requests to send for it.
+
+        ``request_id`` is the internal id (unique among live requests), ``external_id`` the
+        caller's (defaults to ``request_id``; outputs carry it). With ``params.n > 1`` the
+        request is the parent of ``n`` engine requests ``"<index>_<request_id>"`` (seed +
+        index when a seed is given); all are registered before this returns. Outputs go to
+        ``collector`` when given, else they are returned by :meth:`process_outputs`.
+        """
+        if request_id in self._requests or request_id in self._completions:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        if params.max_tokens is None and self.max_model_len is not None:
+            params = params.clone(max_tokens=max(1, self.max_model_len - len(prompt_token_ids)))
+        if arrival_time is None:
+            arrival_time = self.clock()
+        external_id = request_id if external_id is None else external_id
+        state = RequestState(
+            request_id, external_id, prompt, prompt_token_ids, params, arrival_time, collector
+        )
+        if params.n == 1:
+            children = [(request_id, params)]
+        else:
+            children = [
+                (
+                    f"{index}_{request_id}",
+                    params.clone(
+                        n=1,
+                        seed=None if params.seed is None else params.seed + index,
+                        # Prompt logprobs are the same for every child: ask one of them.
+                        prompt_logprobs=params.prompt_logprobs if index == 0 else None,
+                    ),
+                )
+                for index in range(params.n)
+            ]
+            state.final_outputs = [None] * params.n
+        engine_requests = []
+        for index, (child_id, child_params) in enumerate(children):
+            if child_id in self._completions:
+                raise ValueError(f"request_id {child_id!r} is already in flight")
+            completion = CompletionState(
+                child_id,
+                index,
+                state,
+                Detokenizer(self.tokenizer, prompt_token_ids, child_params),
+                child_params.logprobs is not None,
+            )
+            state.completions.append(completion)
+            engine_requests.append(
+                EngineCoreRequest(
+                    child_id,
+                    prompt_token_ids,
+                    child_params,
+                    arrival_time,
+                    priority,
+                    self._eos_token_ids,
+                    cache_salt,
+                )
+            )
+        for completion in state.completions:
+            self._completions[completion.request_id] = completion
+        self._requests[request_id] = state
+        self._by_external.setdefault(external_id, []).append(request_id)
+        return engine_requests
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request by internal or external id; return the engine ids to abort.
+
+        An internal id of a parent (or of one of its children) aborts all its children; an
+        external id aborts every request it names. Requests with a collector get a last output
+        with finish_reason "abort". Unknown ids are ignored (empty list).
+        """
+        if request_id in self._requests:
+            ids = [request_id]
+        elif request_id in self._completions:
+            ids = [self._completions[request_id].request.request_id]
+        else:
+            ids = list(self._by_external.get(request_id, ()))
+        engine_ids: list[str] = []
+        for rid in ids:
+            state = self._requests.get(rid)
+            if state is None:
+                continue
+            aborted = [c for c in state.completions if c.finish_reason is None]
+            for completion in aborted:
+                completion.finish_reason = "abort"
+                engine_ids.append(completion.request_id)
+            state.num_finished = state.n
+            self._forget(state)
+            if state.collector is not None:
+                state.collector.put(self._abort_output(state, aborted))
+        return engine_ids
+
+    def propagate_error(self, exc: BaseException) -> None:
+        """Put ``exc`` into every collector (the engine died); state is kept."""
+        for state in self._requests.values():
+            if state.collector is not None:
+                state.collector.put(exc)
+
+    def _forget(self, state: RequestState) -> None:
+        for completion in state.completions:
+            self._completions.pop(completion.request_id, None)
+        self._requests.pop(state.request_id, None)
+        siblings = self._by_external.get(state.external_id)
+        if siblings is not None:
+            siblings.remove(state.request_id)
+            if not siblings:
+                del self._by_external[state.external_id]
+
+    # -- outputs --------------------------------------------------------------------------------
+
+    def process_outputs(self, outputs: EngineCoreOutputs) -> ProcessedOutputs:
+        """Apply one engine message; see :class:`ProcessedOutputs`.
+
+        Ids that are not in flight (aborted or finished here) are ignored. n > 1 requests get
+        one output per message carrying the completions that changed (all ``n`` at once, when
+        finished, for FINAL_ONLY). Errors the engine reports are handled as the module
+        docstring says; nothing is raised here.
+        """
+        result = ProcessedOutputs()
+        completions = self._completions
+        now = self.clock()
+        if outputs.prompt_logprobs:
+            self._add_prompt_logprobs(outputs.prompt_logprobs)
+        finished = {f.req_id: f for f in outputs.finished} if outputs.finished else None
+        cached = outputs.num_cached_tokens or None
+        logprobs = outputs.logprobs or None
+        parents: dict[str, tuple[RequestState, list[CompletionOutput]]] = {}
+        for request_id, token_ids in zip(outputs.req_ids, outputs.new_token_ids, strict=True):
+            completion = completions.get(request_id)
+            if completion is None:
+                continue
+            metrics = completion.request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            if cached is not None and request_id in cached:
+                state = completion.request
+                if state.num_cached_tokens is None:
+                    state.num_cached_tokens = cached[request_id]
+            metrics.last_token_time = now
+            fin = finished.pop(request_id, None) if finished is not None else None
+            entries = logprobs.get(request_id) if logprobs is not None else None
+            self._update(completion, token_ids, fin, entries, now, result, parents)
+        if finished:
+            for fin in finished.values():
+                completion = completions.get(fin.req_id)
+                if completion is not None:
+                    self._update(completion, [], fin, None, now, result, parents)
+        for state, changed in parents.values():
+            self._emit(state, self._request_output(state, changed), result)
+        return result
+
+    def _update(
+        self,
+        completion: CompletionState,
+        token_ids: list[int],
+        fin: FinishedRequest | None,
+        entries: list[TokenLogprobs] | None,
+        now: float,
+        result: ProcessedOutputs,
+        parents: dict[str, tuple[RequestState, list[CompletionOutput]]],
+    ) -> None:
+        """Apply one step's tokens (and finish) to one completion and emit its output."""
+        if token_ids:
+            detokenizer = completion.detokenizer
+            before = detokenizer.num_tokens
+            stop = detokenizer.update(
+                token_ids, fin is not None and fin.finish_reason == "stop" and fin.error is None
+            )
+            if stop is not None:
+                kept = detokenizer.num_tokens - before
+                if kept < len(token_ids):
+                    token_ids = token_ids[:kept]
+                completion.finish_reason, completion.stop_reason = "stop", stop
+                if fin is None:
+                    result.reqs_to_abort.append(completion.request_id)
+        if fin is not None and completion.finish_reason is None:
+            if fin.error is not None:
+                if completion.request.collector is not None:
+                    self._fail(completion, fin, result)
+                    return
+                completion.finish_reason = "error"
+                completion.request.error = fin.error
+            else:
+                completion.finish_reason = fin.finish_reason  # type: ignore[assignment]
+                completion.stop_reason = fin.stop_reason
+        step_logprobs = None
+        if completion.logprobs is not None:
+            step_logprobs = self._logprobs(completion, entries, len(token_ids)) if entries else []
+        finished = completion.finish_reason is not None
+        state = completion.request
+        if finished:
+            del self._completions[completion.request_id]
+            state.num_finished += 1
+            if state.finished:
+                state.metrics.finished_time = now
+                self._forget(state)
+        output = self._completion_output(completion, token_ids, step_logprobs, finished)
+        if output is None:
+            return
+        if state.n == 1:
+            self._emit(state, self._request_output(state, [output]), result)
+        elif state.kind == _FINAL_ONLY:
+            state.final_outputs[completion.index] = output
+            if state.finished:
+                done = [c for c in state.final_outputs if c is not None]
+                self._emit(state, self._request_output(state, done), result)
+        else:
+            pending = parents.get(state.request_id)
+            if pending is None:
+                parents[state.request_id] = (state, [output])
+            else:
+                pending[1].append(output)
+
+    def _fail(
+        self, completion: CompletionState, fin: FinishedRequest, result: ProcessedOutputs
+    ) -> None:
+        """An engine-reported error of a request with a collector: the collector gets the
+        exception and the whole request ends (running siblings are aborted in the engine)."""
+        state = completion.request
+        completion.finish_reason = "error"
+        for sibling in state.completions:
+            if sibling.finish_reason is None:
+                sibling.finish_reason = "abort"
+                result.reqs_to_abort.append(sibling.request_id)
+        state.num_finished = state.n
+        self._forget(state)
+        error = RetryableRequestError if fin.retryable else InvalidRequestError
+        assert state.collector is not None and fin.error is not None
+        state.collector.put(error(fin.error, state.external_id))
+
+    def _completion_output(
+        self,
+        completion: CompletionState,
+        token_ids: list[int],
+        step_logprobs: list[PositionLogprobs] | None,
+        finished: bool,
+    ) -> CompletionOutput | None:
+        """The completion as its output kind shows it now (None: nothing to show yet)."""
+        kind = completion.request.kind
+        text = completion.detokenizer.take(finished)
+        if kind == _DELTA:
+            return CompletionOutput(
+                completion.index,
+                text,
+                token_ids,
+                completion.cumulative_logprob,
+                step_logprobs,
+                completion.finish_reason,
+                completion.stop_reason,
+            )
+        completion.token_ids.extend(token_ids)
+        logprobs = completion.logprobs
+        if logprobs is not None and step_logprobs:
+            logprobs.extend(step_logprobs)
+        if kind == _CUMULATIVE:
+            if text:
+                completion.text += text
+            return CompletionOutput(
+                completion.index,
+                completion.text,
+                completion.token_ids.copy(),
+                completion.cumulative_logprob,
+                logprobs.copy() if logprobs is not None else None,
+                completion.finish_reason,
+                completion.stop_reason,
+            )
+        if text:
+            completion.text_parts.append(text)
+        if not finished:
+            return None
+        return self._final_completion(completion)
+
+    @staticmethod
+    def _final_completion(completion: CompletionState) -> CompletionOutput:
+        """Everything a finished (or aborted) completion produced; its state is done."""
+        parts = completion.text_parts
+        return CompletionOutput(
+            completion.index,
+            parts[0] if len(parts) == 1 else "".join(parts),
+            completion.token_ids,
+            completion.cumulative_logprob,
+            completion.logprobs,
+            completion.finish_reason,
+            completion.stop_reason,
+        )
+
+    def _request_output(
+        self, state: RequestState, outputs: list[CompletionOutput]
+    ) -> RequestOutput:
+        prompt_logprobs = state.prompt_logprobs
+        if state.kind == _DELTA and prompt_logprobs is not None:
+            # DELTA sends prompt logprobs once: all of them arrived with the first token.
+            if state.prompt_logprobs_sent:
+                prompt_logprobs = None
+            state.prompt_logprobs_sent = True
+        m = state.metrics
+        if state.kind != _FINAL_ONLY:
+            # Streamed outputs get a snapshot: the live metrics keep changing.
+            m = RequestMetrics(
+                m.arrival_time, m.first_token_time, m.last_token_time, m.finished_time
+            )
+        return RequestOutput(
+            state.external_id,
+            state.prompt,
+            state.prompt_token_ids,
+            outputs,
+            state.finished,
+            state.num_cached_tokens or 0,
+            m,
+            prompt_logprobs,
+            state.error,
+        )
+
+    @staticmethod
+    def _emit(state: RequestState, output: RequestOutput, result: ProcessedOutputs) -> None:
+        if state.collector is not None:
+            state.collector.put(output)
+        else:
+            result.request_outputs.append(output)
+
+    def _abort_output(self, state: RequestState, aborted: list[CompletionState]) -> RequestOutput:
+        """The last output of an aborted request: its unfinished completions, ended "abort"
+        (FINAL_ONLY: every completion)."""
+        if state.kind == _DELTA:
+            outputs = [
+                CompletionOutput(
+                    c.index,
+                    "",
+                    [],
+                    c.cumulative_logprob,
+                    [] if c.logprobs is not None else None,
+                    "abort",
+                )
+                for c in aborted
+            ]
+        elif state.kind == _CUMULATIVE:
+            outputs = [
+                CompletionOutput(
+                    c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, "abort"
+                )
+                for c in aborted
+            ]
+        else:
+            if not state.final_outputs:
+                state.final_outputs = [None] * state.n
+            for c in aborted:
+                state.final_outputs[c.index] = self._final_completion(c)
+            outputs = [c for c in state.final_outputs if c is not None]
+        return self._request_output(state, outputs)
+
+    # -- logprobs -------------------------------------------------------------------------------
+
+    def _logprobs(
+        self, completion: CompletionState, entries: list[TokenLogprobs], count: int
+    ) -> list[PositionLogprobs]:
+        """Positions of one step (the first ``count``: tokens after a stop string are dropped);
+        adds the sampled tokens' logprobs to ``cumulative_logprob``."""
+        decode = completion.detokenizer.decodes
+        if len(entries) > count:
+            entries = entries[:count]
+        total = completion.cumulative_logprob or 0.0
+        positions = []
+        for entry in entries:
+            positions.append(self._logprob_decoder.position(entry, decode))
+            total += entry.logprobs[0]
+        completion.cumulative_logprob = total
+        return positions
+
+    def _add_prompt_logprobs(self, mapping: dict[str, list[TokenLogprobs | None]]) -> None:
+        for request_id, entries in mapping.items():
+            completion = self._completions.get(request_id)
+            if completion is None:
+                continue
+            prompt_logprobs = completion.request.prompt_logprobs
+            if prompt_logprobs is None:
+                continue
+            decode = completion.detokenizer.decodes
+            position = self._logprob_decoder.position
+            prompt_logprobs.extend(None if e is None else position(e, decode) for e in entries)

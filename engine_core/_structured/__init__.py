@@ -1,0 +1,1 @@
+"""Structured outputs: grammars compiled with llguidance and the bitmasks they fill."""

@@ -1,0 +1,134 @@
+"""Waiting queues: FCFS and priority order, re-queueing at the front, lazy removal."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_core._core.request import Request, RequestStatus
+from engine_core._core.request_queue import FCFSQueue, PriorityQueue, RequestQueue, make_queue
+from engine_core.sampling_params import SamplingParams
+
+
+def make_request(request_id: str, priority: int = 0, arrival_time: float = 0.0) -> Request:
+    return Request(
+        request_id,
+        [1, 2, 3],
+        SamplingParams(),
+        block_size=16,
+        priority=priority,
+        arrival_time=arrival_time,
+    )
+
+
+def abort(queue: RequestQueue, request: Request) -> None:
+    request.set_status(RequestStatus.FINISHED_ABORTED)
+    queue.discard(request)
+
+
+def drain(queue: RequestQueue) -> list[str]:
+    out = []
+    while queue.peek() is not None:
+        out.append(queue.pop().request_id)
+    return out
+
+
+def test_make_queue() -> None:
+    assert isinstance(make_queue("fcfs"), FCFSQueue)
+    assert isinstance(make_queue("priority"), PriorityQueue)
+    with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority'"):
+        make_queue("lifo")
+
+
+def test_fcfs_order_and_front() -> None:
+    queue = FCFSQueue()
+    a, b, c, d = (make_request(x) for x in "abcd")
+    for r in (a, b, c):
+        queue.add(r)
+    assert len(queue) == 3
+    assert queue.peek() is a
+    assert queue.pop() is a
+    queue.add_front(d)
+    queue.add_front(a)
+    assert [r.request_id for r in queue] == ["a", "d", "b", "c"]
+    assert drain(queue) == ["a", "d", "b", "c"]
+    assert len(queue) == 0
+    assert queue.peek() is None
+    with pytest.raises(IndexError):
+        queue.pop()
+
+
+def test_fcfs_lazy_removal() -> None:
+    queue = FCFSQueue()
+    a, b, c, d = (make_request(x) for x in "abcd")
+    for r in (a, b, c, d):
+        queue.add(r)
+    abort(queue, b)
+    abort(queue, a)
+    assert len(queue) == 2
+    assert [r.request_id for r in queue] == ["c", "d"]
+    assert queue.peek() is c
+    assert len(queue) == 2
+    abort(queue, d)
+    assert len(queue) == 1
+    assert drain(queue) == ["c"]
+    assert len(queue) == 0
+    # The dead tail entry is dropped on the next peek.
+    assert queue.peek() is None
+    assert len(queue) == 0
+    assert len(queue._queue) == 0
+
+
+def test_fcfs_preempted_requests_stay_live() -> None:
+    queue = FCFSQueue()
+    request = make_request("a")
+    request.status = RequestStatus.PREEMPTED
+    queue.add_front(request)
+    assert len(queue) == 1
+    assert queue.pop() is request
+
+
+def test_priority_order() -> None:
+    """vLLM S17 orders, at queue level."""
+    cases = [
+        ([2, 0, 1], [1, 2, 3], ["1", "2", "0"]),
+        ([0, 0, 0], [3, 1, 2], ["1", "2", "0"]),
+        ([2, 1, 1, 0], [1, 3, 2, 4], ["3", "2", "1", "0"]),
+    ]
+    for priorities, arrivals, expected in cases:
+        queue = PriorityQueue()
+        for i, (p, t) in enumerate(zip(priorities, arrivals, strict=True)):
+            queue.add(make_request(str(i), p, float(t)))
+        assert [r.request_id for r in queue] == expected
+        assert drain(queue) == expected
+
+
+def test_priority_ties_keep_insertion_order() -> None:
+    queue = PriorityQueue()
+    for x in "cab":
+        queue.add(make_request(x, 1, 5.0))
+    assert drain(queue) == ["c", "a", "b"]
+
+
+def test_priority_add_front_keeps_priority_order() -> None:
+    queue = PriorityQueue()
+    queue.add(make_request("hi", 0, 2.0))
+    preempted = make_request("lo", 5, 1.0)
+    preempted.status = RequestStatus.PREEMPTED
+    queue.add_front(preempted)
+    queue.add(make_request("mid", 3, 3.0))
+    assert drain(queue) == ["hi", "mid", "lo"]
+
+
+def test_priority_lazy_removal() -> None:
+    queue = PriorityQueue()
+    reqs = [make_request(str(i), i, float(i)) for i in range(4)]
+    for r in reversed(reqs):
+        queue.add(r)
+    abort(queue, reqs[0])
+    abort(queue, reqs[2])
+    assert len(queue) == 2
+    assert [r.request_id for r in queue] == ["1", "3"]
+    assert queue.peek() is reqs[1]
+    assert drain(queue) == ["1", "3"]
+    assert len(queue) == 0
+    assert queue._heap == []

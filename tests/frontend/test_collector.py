@@ -1,0 +1,154 @@
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from engine_core._frontend.collector import RequestOutputCollector
+from engine_core.outputs import CompletionOutput, Logprob, RequestOutput
+from engine_core.sampling_params import RequestOutputKind
+
+DELTA = RequestOutputKind.DELTA
+CUMULATIVE = RequestOutputKind.CUMULATIVE
+
+
+def completion(
+    index: int,
+    text: str,
+    token_ids: list[int],
+    *,
+    cumulative_logprob: float | None = None,
+    finish_reason: str | None = None,
+) -> CompletionOutput:
+    logprobs = (
+        [{t: Logprob(-0.5, 1, "x")} for t in token_ids] if cumulative_logprob is not None else None
+    )
+    return CompletionOutput(
+        index,
+        text,
+        token_ids,
+        cumulative_logprob,
+        logprobs,
+        finish_reason,  # type: ignore[arg-type]
+    )
+
+
+def output(*completions: CompletionOutput, finished: bool = False) -> RequestOutput:
+    return RequestOutput("r", "p", [1, 2], list(completions), finished)
+
+
+def test_delta_merges_pending_outputs() -> None:
+    collector = RequestOutputCollector(DELTA)
+    first = completion(0, "a", [0], cumulative_logprob=-0.5)
+    collector.put(output(first))
+    collector.put(output(completion(0, "a", [1], cumulative_logprob=-1.0)))
+    got = collector.get_nowait()
+    assert got is not None
+    (merged,) = got.outputs
+    assert merged.text == "aa"
+    assert merged.token_ids == [0, 1]
+    assert merged.logprobs is not None and len(merged.logprobs) == 2
+    assert merged.cumulative_logprob == -1.0
+    assert not got.finished
+    assert merged.finish_reason is None
+    assert first.token_ids == [0]  # the producer's first output was not grown in place
+    assert collector.get_nowait() is None
+
+
+def test_delta_merge_including_the_final_output() -> None:
+    collector = RequestOutputCollector(DELTA)
+    collector.put(output(completion(0, "a", [0], cumulative_logprob=-0.5)))
+    collector.put(output(completion(0, "b", [1], cumulative_logprob=-1.0)))
+    collector.put(
+        output(
+            completion(0, "c", [2], cumulative_logprob=-1.5, finish_reason="length"),
+            finished=True,
+        )
+    )
+    got = collector.get_nowait()
+    assert got is not None
+    assert got.finished
+    (merged,) = got.outputs
+    assert (merged.text, merged.token_ids, merged.finish_reason) == ("abc", [0, 1, 2], "length")
+    assert merged.logprobs is not None and len(merged.logprobs) == 3
+    assert merged.cumulative_logprob == -1.5
+
+
+def test_cumulative_replaces_by_index_and_appends_new_indices() -> None:
+    collector = RequestOutputCollector(CUMULATIVE)
+    collector.put(output(completion(0, "a", [0]), completion(1, "b", [1])))
+    collector.put(output(completion(0, "ab", [0, 2]), completion(2, "c", [3])))
+    got = collector.get_nowait()
+    assert got is not None
+    assert [(c.index, c.text, c.token_ids) for c in got.outputs] == [
+        (0, "ab", [0, 2]),
+        (1, "b", [1]),
+        (2, "c", [3]),
+    ]
+
+
+def test_delta_appends_unseen_indices() -> None:
+    collector = RequestOutputCollector(DELTA)
+    collector.put(output(completion(1, "x", [5])))
+    collector.put(output(completion(0, "y", [6]), completion(1, "z", [7])))
+    got = collector.get_nowait()
+    assert got is not None
+    assert [(c.index, c.text, c.token_ids) for c in got.outputs] == [
+        (1, "xz", [5, 7]),
+        (0, "y", [6]),
+    ]
+
+
+def test_finished_is_ored() -> None:
+    collector = RequestOutputCollector(CUMULATIVE)
+    collector.put(output(completion(0, "a", [0], finish_reason="stop"), finished=True))
+    collector.put(output(completion(1, "b", [1])))
+    got = collector.get_nowait()
+    assert got is not None and got.finished
+
+
+def test_exception_replaces_pending_and_later_outputs_are_dropped() -> None:
+    collector = RequestOutputCollector(DELTA)
+    collector.put(output(completion(0, "a", [0])))
+    collector.put(RuntimeError("engine died"))
+    collector.put(output(completion(0, "b", [1])))
+    with pytest.raises(RuntimeError, match="engine died"):
+        collector.get_nowait()
+    assert collector.get_nowait() is None
+
+
+@pytest.mark.anyio
+async def test_get_waits_for_put() -> None:
+    collector = RequestOutputCollector(DELTA)
+    received: list[RequestOutput] = []
+
+    async def consume() -> None:
+        received.append(await collector.get())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume)
+        await anyio.wait_all_tasks_blocked()
+        assert received == []
+        collector.put(output(completion(0, "a", [0])))
+        collector.put(output(completion(0, "b", [1])))
+    assert len(received) == 1
+    assert received[0].outputs[0].text == "ab"
+    assert not collector.has_pending
+
+
+@pytest.mark.anyio
+async def test_get_returns_pending_without_waiting_and_raises_exceptions() -> None:
+    collector = RequestOutputCollector(CUMULATIVE)
+    collector.put(output(completion(0, "a", [0])))
+    assert (await collector.get()).outputs[0].text == "a"
+    collector.put(ValueError("bad request"))
+    with pytest.raises(ValueError, match="bad request"):
+        await collector.get()
+
+
+@pytest.mark.anyio
+async def test_cancelled_get_leaves_collector_usable() -> None:
+    collector = RequestOutputCollector(DELTA)
+    with anyio.move_on_after(0):
+        await collector.get()
+    collector.put(output(completion(0, "a", [0])))
+    assert (await collector.get()).outputs[0].text == "a"
