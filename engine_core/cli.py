@@ -16,14 +16,13 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+from engine_core._frontend.runtime import run_options
 from engine_core.config import EngineConfig
 
 __all__ = ["API_KEY_ENV", "add_engine_config_flags", "engine_config_from_args", "main"]
 
 API_KEY_ENV = "ENGINE_CORE_API_KEY"
 """Environment variable holding the server's API key when ``--api-key`` is not given."""
-NO_UVLOOP_ENV = "ENGINE_CORE_NO_UVLOOP"
-"""Set (non-empty) to run asyncio on its own event loop even where uvloop is installed."""
 
 
 def _flag_type(annotation: Any) -> tuple[Any, dict[str, Any]]:
@@ -152,20 +151,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     anyio.run(run, **run_options(args.runtime))
     return 0
-
-
-def run_options(runtime: str) -> dict[str, Any]:
-    """``anyio.run`` keyword arguments for ``runtime``: asyncio runs on uvloop where it is
-    installed (the ``server`` extra brings it on Linux and macOS) unless
-    ``ENGINE_CORE_NO_UVLOOP`` is set."""
-    if runtime == "asyncio" and not os.environ.get(NO_UVLOOP_ENV):
-        try:
-            import uvloop  # noqa: F401
-        except ImportError:
-            pass
-        else:
-            return {"backend": "asyncio", "backend_options": {"use_uvloop": True}}
-    return {"backend": runtime}
 
 
 def build_parser() -> argparse.ArgumentParser:

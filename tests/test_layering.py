@@ -1,9 +1,14 @@
-"""The layering table of DESIGN.md, checked on the source (imports parsed, nothing imported).
+"""The layering table of docs/architecture.md, checked on the source (imports parsed, nothing
+imported).
 
-- The pure engine logic (request, block pool, block keys, KV cache manager, queues, scheduler,
-  scheduler output) imports no event loop, socket or tensor library, directly or through the
-  engine_core modules it imports.
-- Nothing in engine_core imports torch, triton or cupy; numpy only lazily inside a function and
+Each layer is a package (or the group of public modules), and each has one rule: the layers it may
+import and the third-party libraries it must never import. Every import in every module of the
+layer counts, lazy and ``TYPE_CHECKING`` ones included: a lower layer that reaches up, even inside a
+function, is a defect of the layout. Beyond the table:
+
+- the pure engine logic (``engine_core._core``) reaches no event loop, socket or tensor library,
+  directly or through the engine_core modules it imports;
+- nothing in engine_core imports torch, triton or cupy; numpy only lazily inside a function and
   guarded against its absence.
 """
 
@@ -19,18 +24,76 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "engine_core"
 
-PURE_MODULES = [
-    "engine_core._core.request",
-    "engine_core._core.block_pool",
-    "engine_core._core.block_hash",
-    "engine_core._core.kv_cache_manager",
-    "engine_core._core.request_queue",
-    "engine_core._core.scheduler",
-    "engine_core._core.scheduler_output",
-]
-PURE_FORBIDDEN = {"anyio", "zmq", "torch", "trio", "asyncio", "sniffio", "triton", "cupy"}
-NEVER_IMPORTED = {"torch", "triton", "cupy"}
-LAZY_ONLY = {"numpy"}
+PUBLIC = ("config", "sampling_params", "outputs", "errors", "abc")
+"""The public type modules: one layer, below everything private but ``_core``'s wire types."""
+
+EVENT_LOOPS_SOCKETS_TENSORS = frozenset(
+    {"anyio", "zmq", "trio", "asyncio", "sniffio", "torch", "triton", "cupy"}
+)
+NEVER_IMPORTED = frozenset({"torch", "triton", "cupy"})
+LAZY_ONLY = frozenset({"numpy"})
+
+
+@dataclass(frozen=True)
+class Layer:
+    may_import: frozenset[str]
+    """The layers (as :func:`layer_of` names them) whose modules this layer may import."""
+    never: frozenset[str] = frozenset()
+    """Top-level third-party packages this layer must never import."""
+
+
+def _layer(*names: str, never: frozenset[str] = frozenset()) -> Layer:
+    return Layer(frozenset(names), never)
+
+
+SURFACES = ("engine_core", "server", "cli", "_bench", "testing")
+LAYERS: dict[str, Layer] = {
+    # abc re-exports the scheduler output that backends read, which _core emits.
+    "public": _layer("public", "_core", never=EVENT_LOOPS_SOCKETS_TENSORS),
+    "_core": _layer("public", "_core", never=EVENT_LOOPS_SOCKETS_TENSORS),
+    "_structured": _layer("public", "_core", "_structured", never=EVENT_LOOPS_SOCKETS_TENSORS),
+    "_plugins": _layer("public", "_plugins", never=EVENT_LOOPS_SOCKETS_TENSORS),
+    "_engine": _layer("public", "_core", "_structured", "_plugins", "_engine"),
+    "_frontend": _layer("public", "_core", "_structured", "_plugins", "_engine", "_frontend"),
+    "testing": _layer("public", "_core", "_engine", "testing"),
+    "server": _layer(
+        "public",
+        "_core",
+        "_structured",
+        "_plugins",
+        "_engine",
+        "_frontend",
+        "server",
+        "engine_core",
+    ),
+    "_bench": _layer(
+        "public", "_core", "_plugins", "_engine", "_frontend", "_bench", "engine_core"
+    ),
+    "cli": _layer(
+        "public",
+        "_core",
+        "_plugins",
+        "_engine",
+        "_frontend",
+        "_bench",
+        "server",
+        "cli",
+        "engine_core",
+    ),
+    "engine_core": _layer(
+        "public", "_core", "_plugins", "_engine", "_frontend", "cli", "engine_core"
+    ),
+}
+
+
+def layer_of(module: str) -> str | None:
+    """The layer an engine_core module belongs to (None for modules outside engine_core)."""
+    parts = module.split(".")
+    if parts[0] != "engine_core":
+        return None
+    if len(parts) == 1 or parts[1] == "__main__":
+        return "engine_core"
+    return "public" if parts[1] in PUBLIC else parts[1]
 
 
 @dataclass(frozen=True)
@@ -212,12 +275,80 @@ def test_closure_follows_engine_core_imports() -> None:
 # -- the rules ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", PURE_MODULES)
+def violations(module: str, path: Path | None = None) -> list[str]:
+    """Each import of ``module`` that its layer's rule forbids, as ``module:line imports x``.
+
+    ``from a import b`` names ``a`` and ``a.b``; the module actually imported is ``a.b`` when that
+    is a module of engine_core, else ``a``.
+    """
+    layer = layer_of(module)
+    assert layer in LAYERS, f"{module} belongs to no layer of the table ({layer})"
+    rule = LAYERS[layer]
+    by_line: dict[int, list[str]] = {}
+    for imp in imports_of(module, path):
+        by_line.setdefault(imp.line, []).append(imp.module)
+    found = []
+    for line, names in sorted(by_line.items()):
+        resolved = [n for n in names if _module_path(n) is not None]
+        modules = [n for n in resolved if not any(o.startswith(n + ".") for o in resolved)] or [
+            min(names, key=len)
+        ]
+        for name in modules:
+            target = layer_of(name)
+            if target is None:
+                bad = name.split(".")[0] in rule.never
+            else:
+                bad = target not in rule.may_import
+            if bad:
+                found.append(f"{module}:{line} imports {name}")
+    return found
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    assert {layer_of(m) for m in all_package_modules()} == set(LAYERS)
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_layer_imports_only_what_its_rule_allows(layer: str) -> None:
+    modules = [m for m in all_package_modules() if layer_of(m) == layer]
+    assert modules
+    assert [v for m in modules for v in violations(m)] == []
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("import anyio", "imports anyio"),
+        ("def f():\n    import zmq", "imports zmq"),
+        ("from engine_core._engine.core import EngineCore", "imports engine_core._engine.core"),
+        ("from engine_core._frontend import llm", "imports engine_core._frontend.llm"),
+        ("from engine_core import server", "imports engine_core.server"),
+    ],
+)
+def test_rule_catches_core_reaching_up(tmp_path: Path, source: str, expected: str) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(f"from engine_core.config import EngineConfig\n{source}\n")
+    found = violations("engine_core._core.probe", probe)
+    assert len(found) == 1 and found[0].endswith(expected), found
+
+
+def test_rule_lets_engine_import_core_but_not_frontend(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import anyio\nfrom engine_core._core.scheduler import Scheduler\n"
+        "from engine_core._frontend.llm import LLM\n"
+    )
+    assert violations("engine_core._engine.probe", probe) == [
+        "engine_core._engine.probe:3 imports engine_core._frontend.llm"
+    ]
+
+
+@pytest.mark.parametrize("module", [m for m in all_package_modules() if layer_of(m) == "_core"])
 def test_pure_engine_logic_imports_no_event_loop_sockets_or_tensors(module: str) -> None:
     bad = {
         name: chain
         for name, chain in runtime_closure(module).items()
-        if name.split(".")[0] in PURE_FORBIDDEN
+        if name.split(".")[0] in EVENT_LOOPS_SOCKETS_TENSORS
     }
     assert bad == {}, "forbidden imports (with the chain reaching them): " + "; ".join(
         " -> ".join(chain) for chain in bad.values()

@@ -205,7 +205,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         on_done=lambda _: progress.update(),
     )
-    from engine_core.cli import run_options
+    from engine_core._frontend.runtime import run_options
 
     result = anyio.run(run, **run_options("asyncio"))  # the load generator is asyncio-only
     progress.close()
