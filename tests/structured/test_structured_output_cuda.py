@@ -43,7 +43,7 @@ CHOICES = ["engine", "token cache", "graph"]
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
-    from engine_core_cuda._provider import DEVICE_ENV
+    from engine_core_cuda._options import DEVICE_ENV
 
     sys.path.insert(0, str(CUDA_TESTS))
     try:

@@ -2,22 +2,40 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine_core.config import EngineConfig
-from engine_core_cuda._provider import requested_device
 
 __all__ = [
+    "DEVICE_ENV",
     "KERNEL_IMPLS",
     "CPU_DEFAULT_KV_CACHE_BYTES",
     "LOAD_FORMATS",
     "CudaOptions",
     "parse_options",
+    "requested_device",
 ]
 
 KERNEL_IMPLS = ("triton", "torch")
 LOAD_FORMATS = ("safetensors", "dummy")
+
+DEVICE_ENV = "ENGINE_CORE_CUDA_DEVICE"
+"""Environment variable naming the device used when ``backend_options`` has no ``device``
+(``"cuda"``, ``"cuda:1"``, ``"cpu"``); default ``"cuda"``."""
+
+
+def requested_device(config: EngineConfig | None) -> str:
+    """The device a config asks for: ``backend_options["device"]``, else the environment's
+    default, else ``"cuda"``."""
+    options: dict[str, Any] = config.backend_options if config is not None else {}
+    device = options.get("device")
+    if device is None:
+        device = os.environ.get(DEVICE_ENV) or "cuda"
+    return str(device)
+
+
 CPU_DEFAULT_KV_CACHE_BYTES = 512 << 20
 """KV cache size on the CPU when ``kv_cache_bytes`` is not given (the CPU path is for tests and
 debugging, so it does not claim the machine's memory)."""

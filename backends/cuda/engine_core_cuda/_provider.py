@@ -5,27 +5,15 @@ from __future__ import annotations
 import glob
 import os
 from importlib.util import find_spec
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from engine_core_cuda._options import DEVICE_ENV, requested_device
 
 if TYPE_CHECKING:
     from engine_core.abc import Backend
     from engine_core.config import EngineConfig
 
-__all__ = ["DEVICE_ENV", "CudaProvider", "cuda_device_present", "provider", "requested_device"]
-
-DEVICE_ENV = "ENGINE_CORE_CUDA_DEVICE"
-"""Environment variable naming the device used when ``backend_options`` has no ``device``
-(``"cuda"``, ``"cuda:1"``, ``"cpu"``); default ``"cuda"``."""
-
-
-def requested_device(config: EngineConfig | None) -> str:
-    """The device a config asks for: ``backend_options["device"]``, else the environment's
-    default, else ``"cuda"``."""
-    options: dict[str, Any] = config.backend_options if config is not None else {}
-    device = options.get("device")
-    if device is None:
-        device = os.environ.get(DEVICE_ENV) or "cuda"
-    return str(device)
+__all__ = ["CudaProvider", "cuda_device_present", "provider"]
 
 
 def cuda_device_present() -> bool:

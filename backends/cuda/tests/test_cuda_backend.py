@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from engine_core_cuda import CudaBackend
-from engine_core_cuda._options import CPU_DEFAULT_KV_CACHE_BYTES
-from engine_core_cuda._provider import DEVICE_ENV, provider
+from engine_core_cuda._options import CPU_DEFAULT_KV_CACHE_BYTES, DEVICE_ENV
+from engine_core_cuda._provider import provider
 from hf_reference import PROMPTS, greedy
 from tiny_models import TinyModel
 
@@ -35,7 +35,9 @@ def test_discovery_imports_neither_torch_nor_triton() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env
     )
     usable = torch.cuda.is_available()
-    assert result.stdout.strip() == f"{usable} ['engine_core_cuda', 'engine_core_cuda._provider']"
+    # The provider reads the requested device through the options module, which imports no torch.
+    expected = "['engine_core_cuda', 'engine_core_cuda._options', 'engine_core_cuda._provider']"
+    assert result.stdout.strip() == f"{usable} {expected}"
 
 
 def test_usable_on_the_cpu_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
