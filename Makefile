@@ -28,7 +28,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check engine_core backends tests bench
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy engine_core
+	$(VENV)/bin/mypy engine_core backends/mock/engine_core_mock backends/cuda/engine_core_cuda
 
 bench: $(STAMP)
 	$(PY) bench/bench_scheduler.py --workload all
