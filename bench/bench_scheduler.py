@@ -3,7 +3,7 @@
 
 No backend: each step's fake model output is one sampled token per request whose prompt is
 complete after the step (an empty list for a partial prefill chunk). Prefix caching on, greedy,
-``ignore_eos``. The workloads match ``shared/reference/vllm_sched_bench.py`` so the two can be
+``ignore_eos``. The workloads match ``bench/reference/vllm_sched_bench.py`` so the two can be
 compared side by side:
 
 - W1: 256 requests x 128 random prompt tokens, max_tokens 128, max_num_seqs 256,
