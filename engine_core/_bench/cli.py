@@ -21,6 +21,8 @@ from engine_core.config import EngineConfig
 __all__ = ["add_bench_parsers"]
 
 ConfigFromArgs = Callable[[argparse.Namespace], EngineConfig]
+OfflineCommand = Callable[[argparse.Namespace, ConfigFromArgs], int]
+ArgParser = argparse.ArgumentParser
 
 
 class Progress:
@@ -231,25 +233,34 @@ def add_bench_parsers(
     """Add ``bench throughput|latency|serve`` under the ``bench`` command."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
 
-    p = bench.add_parser("throughput", help="offline throughput with random prompts")
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", default=None, help="also write the results to this path")
-    add_engine_flags(p)
-    p.set_defaults(func=lambda a: cmd_throughput(a, config_from_args))
+    def offline(name: str, help: str, command: OfflineCommand, **lengths: int) -> ArgParser:
+        p = bench.add_parser(name, help=help)
+        for flag, default in lengths.items():
+            p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=default)
+        p.add_argument("--no-progress", action="store_true")
+        p.add_argument("--json", default=None, help="also write the results to this path")
+        add_engine_flags(p)
+        p.set_defaults(func=lambda a: command(a, config_from_args))
+        return p
 
-    p = bench.add_parser("latency", help="offline latency of one batch, over iterations")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--input-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--num-iters-warmup", type=int, default=2)
-    p.add_argument("--num-iters", type=int, default=10)
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", default=None, help="also write the results to this path")
-    add_engine_flags(p)
-    p.set_defaults(func=lambda a: cmd_latency(a, config_from_args))
+    offline(
+        "throughput",
+        "offline throughput with random prompts",
+        cmd_throughput,
+        num_prompts=1000,
+        input_len=128,
+        output_len=128,
+    )
+    offline(
+        "latency",
+        "offline latency of one batch, over iterations",
+        cmd_latency,
+        batch_size=8,
+        input_len=32,
+        output_len=128,
+        num_iters_warmup=2,
+        num_iters=10,
+    )
 
     p = bench.add_parser("serve", help="streaming load against a running OpenAI-compatible server")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")

@@ -63,20 +63,19 @@ class FreeBlockQueue:
         """Evicted last."""
         last = self._tail.prev_free
         assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
-        self.num_free_blocks += 1
+        self._insert(block, last, self._tail)
 
     def appendleft(self, block: KVCacheBlock) -> None:
         """Reused first."""
         first = self._head.next_free
         assert first is not None
-        first.prev_free = block
-        block.next_free = first
-        block.prev_free = self._head
-        self._head.next_free = block
+        self._insert(block, self._head, first)
+
+    def _insert(self, block: KVCacheBlock, prev: KVCacheBlock, nxt: KVCacheBlock) -> None:
+        prev.next_free = block
+        block.prev_free = prev
+        block.next_free = nxt
+        nxt.prev_free = block
         self.num_free_blocks += 1
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
