@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from engine_core_mock import MockBackend
+from helpers.schemas import PERSON
 
 from engine_core import LLM, SamplingParams, StructuredOutputsParams
 from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
@@ -27,16 +28,6 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 EOS = 257
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer"},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["name", "age", "ok"],
-    "additionalProperties": False,
-}
 SCHEMAS = [
     PERSON,
     {"type": "array", "items": {"type": "integer", "minimum": 3, "maximum": 7}, "maxItems": 4},

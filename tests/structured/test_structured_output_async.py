@@ -14,6 +14,7 @@ import anyio
 import msgspec
 import pytest
 import zmq
+from helpers.schemas import PERSON
 
 from engine_core import (
     AsyncLLM,
@@ -34,16 +35,6 @@ jsonschema = pytest.importorskip("jsonschema")
 
 pytestmark = pytest.mark.anyio
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer"},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["name", "age", "ok"],
-    "additionalProperties": False,
-}
 NUMBERS = {"type": "array", "items": {"type": "integer", "minimum": 3, "maximum": 7}}
 REGEX = r"[a-z]{3}-[0-9]{2}"
 CHOICES = ["!bang", "Zulu", "alpha", "~tilde", "\u00e9t\u00e9"]  # first bytes far apart
