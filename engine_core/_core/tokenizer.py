@@ -34,6 +34,11 @@ class IncrementalDecoder(Protocol):
         """The text that ``token_id`` completes ("" when it completes nothing yet)."""
         ...
 
+    def flush(self) -> str:
+        """The text of the tokens still held (an unfinished UTF-8 character decodes to U+FFFD
+        as ``Tokenizer.decode`` has it); the stream ends here."""
+        ...
+
 
 @runtime_checkable
 class Tokenizer(Protocol):
@@ -97,7 +102,12 @@ class _ByteDecoder:
         if special is None or self._skip_special:
             return ""
         # A special token ends any unfinished character: those bytes are invalid UTF-8.
-        text = self._utf8.decode(b"", final=True) + special if self._pending else special
+        return self.flush() + special
+
+    def flush(self) -> str:
+        if not self._pending:
+            return ""
+        text = self._utf8.decode(b"", final=True)
         self._utf8.reset()
         self._pending = False
         return text
@@ -135,7 +145,7 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         decoder = _ByteDecoder(skip_special_tokens)
         text = "".join(decoder.step(t) for t in token_ids)
-        return text + decoder._utf8.decode(b"", final=True)
+        return text + decoder.flush()
 
     def decode_stream(
         self, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
@@ -159,12 +169,17 @@ _WINDOW_TRIM = 64
 class _StreamDecoder:
     """``tokenizers.decoders.DecodeStream``: one native ``step`` per token."""
 
-    __slots__ = ("_tokenizer", "_skip_special", "_stream")
+    __slots__ = ("_tokenizer", "_skip_special", "_stream", "_prime", "_last", "_held")
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip: bool) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip
-        self._stream = self._new_stream(list(prompt_token_ids[-_PRIME_TOKENS:]))
+        self._prime = list(prompt_token_ids[-_PRIME_TOKENS:])
+        self._stream = self._new_stream(self._prime)
+        self._last: int | None = None
+        """The last token that produced text: the context :meth:`flush` decodes after."""
+        self._held: list[int] = []
+        """Ids that produced no text yet (an unfinished character, a skipped special token)."""
 
     def _new_stream(self, prime: list[int]) -> Any:
         from tokenizers.decoders import DecodeStream
@@ -187,8 +202,24 @@ class _StreamDecoder:
             try:
                 text = self._stream.step(self._tokenizer, token_id)
             except Exception:
-                return ""
-        return text or ""
+                text = None
+        if not text:
+            self._held.append(token_id)
+            return ""
+        if self._held:
+            self._held.clear()
+        self._last = token_id
+        return str(text)
+
+    def flush(self) -> str:
+        if not self._held:
+            return ""
+        decode, skip = self._tokenizer.decode, self._skip_special
+        context = self._prime if self._last is None else [self._last]
+        before = decode(context, skip_special_tokens=skip)
+        text: str = decode(context + self._held, skip_special_tokens=skip)
+        self._held.clear()
+        return text[len(before) :] if len(text) > len(before) else ""
 
 
 class _WindowDecoder:
@@ -220,6 +251,16 @@ class _WindowDecoder:
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
         return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        ids = self._ids
+        if self._read_offset >= len(ids):
+            return ""
+        decode, skip = self._tokenizer.decode, self._skip_special
+        prefix_text = decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+        new_text: str = decode(ids[self._prefix_offset :], skip_special_tokens=skip)
+        self._prefix_offset = self._read_offset = len(ids)
+        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
 
 
 def _has_decode_stream() -> bool:

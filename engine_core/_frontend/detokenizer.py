@@ -2,10 +2,12 @@
 candidate tokens of logprobs.
 
 One :meth:`Detokenizer.update` per step decodes the new tokens (one decoder step each, never a
-re-decode of the whole text) and looks for stop strings in the new text plus an overlap of
-``len(stop) - 1`` characters. :meth:`Detokenizer.take` hands out the text that became final since
-the previous call, holding back the last ``max(len(stop)) - 1`` characters while the completion
-runs so a partially generated stop string never leaks.
+re-decode of the whole text) and feeds the new text to the request's stop-string automaton, so
+matching costs the same per character whether a request has one stop string or many.
+:meth:`Detokenizer.take` hands out the text that became final since the previous call, holding
+back the last ``max(len(stop)) - 1`` characters while the completion runs so a partially
+generated stop string never leaks. :meth:`Detokenizer.finish` adds what an unfinished UTF-8
+character decodes to at the end, so the final text is the tokenizer's own decode of the tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine_core._core.tokenizer import IncrementalDecoder, Tokenizer
+from engine_core._frontend.stop_strings import StopMatcher, stop_matcher
 from engine_core.abc import TokenLogprobs
 from engine_core.outputs import Logprob, PositionLogprobs
 from engine_core.sampling_params import SamplingParams
@@ -31,6 +34,8 @@ class Detokenizer:
     __slots__ = (
         "_decoder",
         "_stops",
+        "_matcher",
+        "_node",
         "_include_stop",
         "_min_tokens",
         "_hold",
@@ -54,6 +59,9 @@ class Detokenizer:
             else None
         )
         self._stops = tuple(params.stop_strings) if self._decoder is not None else ()
+        self._matcher: StopMatcher | None = stop_matcher(self._stops) if self._stops else None
+        self._node = 0
+        """The stop-string automaton's state after the text decoded so far."""
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         longest = max(map(len, self._stops), default=1)
@@ -87,8 +95,8 @@ class Detokenizer:
             return None
         if stop_terminated and not self._include_stop:
             count -= 1
-        if self._stops:
-            return self._update_with_stops(decoder, token_ids, count)
+        if self._matcher is not None:
+            return self._update_with_stops(decoder, self._matcher, token_ids, count)
         step = decoder.step
         text = step(token_ids[0]) if count == 1 else "".join([step(t) for t in token_ids[:count]])
         if text:
@@ -97,7 +105,11 @@ class Detokenizer:
         return None
 
     def _update_with_stops(
-        self, decoder: IncrementalDecoder, token_ids: Sequence[int], count: int
+        self,
+        decoder: IncrementalDecoder,
+        matcher: StopMatcher,
+        token_ids: Sequence[int],
+        count: int,
     ) -> str | None:
         step = decoder.step
         buf = self._buf
@@ -110,33 +122,36 @@ class Detokenizer:
             start = len(buf)
             buf += text
             if num_tokens <= self._min_tokens:
+                # Text of the first min_tokens tokens cannot start a stop string.
+                self._node = matcher.scan(self._node, text, start, len(buf))[0]
                 self._eligible = len(buf)
                 continue
-            stop = self._find_stop(buf, start)
-            if stop is not None:
+            if self._scan(matcher, buf, text, start):
                 self.num_tokens = num_tokens
-                return stop
+                return self.stop_string
         self._buf = buf
         self.num_tokens = num_tokens + len(token_ids) - count
         return None
 
-    def _find_stop(self, buf: str, start: int) -> str | None:
-        """The stop string completing earliest in ``buf[start:]`` (ties: list order). On a
-        match, ``_buf`` becomes ``buf`` truncated before or after it; else it is left alone."""
-        eligible = self._eligible
-        best: str | None = None
-        best_end = 0
-        for stop in self._stops:
-            size = len(stop)
-            begin = start - size + 1
-            index = buf.find(stop, begin if begin > eligible else eligible)
-            if index >= 0 and (best is None or index + size < best_end):
-                best, best_end = stop, index + size
-        if best is None:
-            return None
-        self._buf = buf[:best_end] if self._include_stop else buf[: best_end - len(best)]
-        self.stop_string = best
-        return best
+    def _scan(self, matcher: StopMatcher, buf: str, text: str, start: int) -> bool:
+        """Feed ``text`` (at ``start`` in ``buf``) to the automaton. On a stop string, ``_buf``
+        becomes ``buf`` truncated before or after it and True is returned."""
+        self._node, index, end = matcher.scan(self._node, text, start, self._eligible)
+        if index < 0:
+            return False
+        stop = matcher.stops[index]
+        self._buf = buf[:end] if self._include_stop else buf[: end - len(stop)]
+        self.stop_string = stop
+        return True
+
+    def finish(self) -> None:
+        """The completion ended without a stop string: add what the decoder still holds (an
+        unfinished UTF-8 character decodes to U+FFFD, as the tokenizer's ``decode`` does)."""
+        if self._decoder is None or self.stop_string is not None:
+            return
+        tail = self._decoder.flush()
+        if tail:
+            self._buf += tail
 
     def take(self, finished: bool) -> str:
         """The text that became final since the previous call.

@@ -338,6 +338,8 @@ class OutputProcessor:
     ) -> CompletionOutput | None:
         """The completion as its output kind shows it now (None: nothing to show yet)."""
         kind = completion.request.kind
+        if finished:
+            completion.detokenizer.finish()
         text = completion.detokenizer.take(finished)
         if kind == _DELTA:
             return CompletionOutput(

@@ -45,6 +45,9 @@ class PieceTokenizer:
     def step(self, token_id: int) -> str:
         return "" if token_id == 99 else self.pieces[token_id]
 
+    def flush(self) -> str:
+        return ""
+
 
 def stream(detok: Detokenizer, steps: Sequence[Sequence[int]]) -> list[str]:
     """Feed one update per step and take the text after each (not finished)."""
@@ -230,3 +233,53 @@ def test_no_tokenizer_produces_no_text() -> None:
     detok = Detokenizer(None, [97], SamplingParams())
     assert detok.update([100]) is None
     assert detok.take(finished=True) == ""
+
+
+def finished_text(detok: Detokenizer, steps: Sequence[Sequence[int]]) -> str:
+    """Everything the detokenizer hands out for ``steps`` once the completion ends."""
+    text = "".join(stream(detok, steps))
+    detok.finish()
+    return text + detok.take(finished=True)
+
+
+@pytest.mark.parametrize(
+    "token_ids",
+    [
+        [97, 0xE2, 0x82],  # an unfinished three-byte character at the end
+        [0xE2, 0xE2, 0x82],  # a broken character, then an unfinished one
+        [0xF0, 0x9F, 0x98],  # three of a four-byte character
+        [97, 0xC3],
+        [0xC3, 0xA9, 0xFF, 98],  # an invalid byte in the middle
+    ],
+)
+def test_final_text_is_the_tokenizers_decode_byte(token_ids: list[int]) -> None:
+    detok = Detokenizer(BYTES, [97], SamplingParams())
+    assert finished_text(detok, [[t] for t in token_ids]) == BYTES.decode(token_ids)
+
+
+@pytest.mark.parametrize("use_decode_stream", [True, False])
+def test_final_text_is_the_tokenizers_decode_hf(tmp_path: Path, use_decode_stream: bool) -> None:
+    import random
+
+    tok = HFTokenizer(build_bpe_dir(tmp_path / "tok"), use_decode_stream=use_decode_stream)
+    rng = random.Random(7)
+    # Single-byte tokens of bytes >= 0x80 split characters; end on one in half the cases.
+    high = [tok._tokenizer.token_to_id(c) for c in ("\u00c3", "\u00a9", "\u00e2", "\u0142")]
+    mismatches = []
+    for case in range(40):
+        ids = [rng.randrange(2, tok.vocab_size) for _ in range(rng.randrange(1, 12))]
+        ids += [rng.choice(high) for _ in range(case % 3)]
+        detok = Detokenizer(tok, [5, 6], SamplingParams())
+        text = finished_text(detok, [[t] for t in ids])
+        if text != tok.decode(ids):
+            mismatches.append((ids, text, tok.decode(ids)))
+    assert mismatches == []
+
+
+def test_stop_string_found_after_flush_is_not_applied() -> None:
+    # The flushed tail only completes the text: the completion already ended for another reason.
+    detok = Detokenizer(BYTES, [97], SamplingParams(stop=["\ufffd"]))
+    assert detok.update([98, 0xE2]) is None
+    detok.finish()
+    assert detok.take(finished=True) == "b\ufffd"
+    assert detok.stop_string is None

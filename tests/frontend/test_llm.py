@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from helpers.tiny_tokenizer import save_tiny_bpe
 
-from engine_core import LLM, EngineConfig, SamplingParams
+from engine_core import LLM, EngineConfig, RequestOutputKind, SamplingParams
+from engine_core._core.tokenizer import ByteTokenizer
 from engine_core.errors import EngineClosedError
 
 pytest.importorskip("engine_core_mock")
@@ -223,3 +224,20 @@ def test_interrupted_generate_aborts_its_requests(monkeypatch: pytest.MonkeyPatc
         monkeypatch.undo()
         (out,) = engine.generate("abc", GREEDY, use_tqdm=False)
         assert out.outputs[0].text == "defgh"
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+@pytest.mark.parametrize(
+    ("prompt_token_ids", "max_tokens"),
+    [([0xE1], 1), ([0xE1], 2), ([0xDF], 3), ([0xEF], 3), ([0xEF], 4)],
+)
+def test_final_text_equals_the_tokenizers_decode(
+    llm: LLM, kind: RequestOutputKind, prompt_token_ids: list[int], max_tokens: int
+) -> None:
+    # The mock counts up from the last prompt byte: 0xE2 0xE3 ... start three-byte characters
+    # that the next bytes never finish, so the text ends in an unfinished UTF-8 sequence.
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, output_kind=kind)
+    [out] = llm.generate({"prompt_token_ids": prompt_token_ids}, params, use_tqdm=False)
+    completion = out.outputs[0]
+    assert "\ufffd" in completion.text
+    assert completion.text == ByteTokenizer().decode(completion.token_ids)

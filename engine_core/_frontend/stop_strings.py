@@ -1,0 +1,81 @@
+"""Stop-string matching in time linear in the generated text, however many stop strings a
+request has.
+
+An Aho–Corasick automaton over the stop strings is fed the completion's characters once each; a
+node knows every stop string that ends at it (its own and, through suffix links, the shorter ones
+that end the same way). The automaton is built once per distinct tuple of stop strings and shared
+by every request that uses that tuple; a request only keeps its current node.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from functools import lru_cache
+
+__all__ = ["StopMatcher", "stop_matcher"]
+
+
+class StopMatcher:
+    """The automaton of one tuple of stop strings. :meth:`scan` finds the stop string that
+    completes earliest in new text (ties: the one listed first)."""
+
+    __slots__ = ("stops", "_goto", "_fail", "_ends")
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self._goto: list[dict[str, int]] = [{}]
+        ends: list[list[int]] = [[]]
+        for index, stop in enumerate(stops):
+            node = 0
+            for char in stop:
+                nxt = self._goto[node].get(char)
+                if nxt is None:
+                    nxt = self._goto[node][char] = len(self._goto)
+                    self._goto.append({})
+                    ends.append([])
+                node = nxt
+            ends[node].append(index)
+        self._fail = [0] * len(self._goto)
+        # Breadth first, so a node's suffix link is complete before its children need it.
+        queue = deque(self._goto[0].values())
+        while queue:
+            node = queue.popleft()
+            for char, child in self._goto[node].items():
+                queue.append(child)
+                link = self._fail[node]
+                while link and char not in self._goto[link]:
+                    link = self._fail[link]
+                self._fail[child] = self._goto[link].get(char, 0)
+                ends[child] = ends[child] + ends[self._fail[child]]
+        # Each node's stop strings, listed first first: (index, length).
+        self._ends: list[tuple[tuple[int, int], ...]] = [
+            tuple((i, len(stops[i])) for i in sorted(set(found))) for found in ends
+        ]
+
+    def scan(self, node: int, text: str, offset: int, eligible: int) -> tuple[int, int, int]:
+        """Feed ``text`` from automaton state ``node``; ``offset`` is the position of ``text``
+        in the completion. A stop string counts only when it starts at ``eligible`` or later.
+
+        Returns ``(node, stop_index, end)``: the state after the text, and the earliest
+        completed stop string with the position just past it, or ``stop_index == -1`` (the whole
+        text fed) when none completed.
+        """
+        goto, fail, ends = self._goto, self._fail, self._ends
+        for position, char in enumerate(text, offset):
+            nxt = goto[node].get(char)
+            while nxt is None and node:
+                node = fail[node]
+                nxt = goto[node].get(char)
+            node = nxt or 0
+            found = ends[node]
+            if found:
+                for index, size in found:
+                    if position - size + 1 >= eligible:
+                        return node, index, position + 1
+        return node, -1, 0
+
+
+@lru_cache(maxsize=256)
+def stop_matcher(stops: tuple[str, ...]) -> StopMatcher:
+    """The shared automaton of ``stops``."""
+    return StopMatcher(stops)
