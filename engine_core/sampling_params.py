@@ -1,16 +1,31 @@
 """Sampling parameters: how one request's tokens are chosen and when it stops.
 
 Names, defaults and validation follow vLLM's ``SamplingParams`` so code written against it ports
-unchanged. Every invalid value raises ``ValueError`` at construction, naming the parameter.
+unchanged. At construction (and when decoded from the wire) a value of the wrong type raises
+``TypeError`` and an invalid one ``ValueError``, naming the parameter: bools are not ints and ints
+are not bools, integers must fit 64 bits, strings must be valid Unicode. So whatever constructs
+can be sent to the engine and decoded there.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+
+from engine_core._checks import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_JSON_DEPTH,
+    check_int64,
+    check_json_text,
+    check_json_value,
+    check_text,
+    show,
+)
 
 __all__ = ["RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
 
@@ -31,7 +46,12 @@ class RequestOutputKind(enum.IntEnum):
 
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Constrain generation to a grammar: exactly one of the fields must be set."""
+    """Constrain generation to a grammar: exactly one of the fields must be set.
+
+    ``json`` is a JSON schema, as a dict or as JSON text, nested at most ``MAX_JSON_DEPTH``
+    (100) levels; ``choice`` any sequence of strings (kept as a list). Wrong types raise
+    ``TypeError`` and invalid values ``ValueError``, naming the field.
+    """
 
     json: str | dict[str, Any] | None = None
     json_object: bool | None = None
@@ -40,25 +60,60 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        chosen = [
-            name
-            for name in ("json", "json_object", "regex", "choice", "grammar")
-            if getattr(self, name) is not None
-        ]
+        chosen = [name for name in _STRUCTURED_FIELDS if getattr(self, name) is not None]
         if len(chosen) != 1:
             raise ValueError(
                 "structured_outputs: exactly one of json, json_object, regex, choice, grammar "
                 f"must be set, got {chosen or 'none'}"
             )
-        if self.choice is not None and not self.choice:
-            raise ValueError("structured_outputs.choice must not be empty")
-        if self.json_object is False:
-            raise ValueError("structured_outputs.json_object must be True when given")
-        for name in ("regex", "grammar"):
-            if getattr(self, name) == "":
-                raise ValueError(f"structured_outputs.{name} must not be empty")
-        if self.json == "":
-            raise ValueError("structured_outputs.json must not be empty")
+        name = chosen[0]
+        where = f"structured_outputs.{name}"
+        if name == "json":
+            _check_schema(where, self.json)
+        elif name == "json_object":
+            if type(self.json_object) is not bool:
+                raise TypeError(f"{where} must be a bool, got {show(self.json_object)}")
+            if not self.json_object:
+                raise ValueError(f"{where} must be True when given")
+        elif name == "choice":
+            self.choice = _str_list(where, self.choice)
+            if not self.choice:
+                raise ValueError(f"{where} must not be empty")
+        else:
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TypeError(f"{where} must be a str, got {show(value)}")
+            if not value:
+                raise ValueError(f"{where} must not be empty")
+            check_text(where, value)
+
+
+_STRUCTURED_FIELDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _check_schema(where: str, schema: object) -> None:
+    if isinstance(schema, str):
+        if not schema:
+            raise ValueError(f"{where} must not be empty")
+        check_text(where, schema)
+        check_json_text(where, schema, MAX_JSON_DEPTH)
+    elif isinstance(schema, dict):
+        check_json_value(where, schema, MAX_JSON_DEPTH)
+    else:
+        raise TypeError(f"{where} must be a JSON schema (a dict or JSON text), got {show(schema)}")
+
+
+def _str_list(name: str, value: object) -> list[str]:
+    """``value`` (a sequence of str, not a str itself) as a list; ``TypeError`` otherwise."""
+    if type(value) is not list:
+        if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence):
+            raise TypeError(f"{name} must be a list of str, got {show(value)}")
+        value = list(value)
+    for item in value:
+        if not isinstance(item, str):
+            raise TypeError(f"{name} must be a list of str, got an item {show(item)}")
+        check_text(name, item)
+    return value
 
 
 _FLOAT_FIELDS = (
@@ -71,19 +126,88 @@ _FLOAT_FIELDS = (
 )
 _INT_FIELDS = ("n", "top_k", "min_tokens")
 _OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "detokenize", "skip_special_tokens")
 
 
-def _check_types(params: SamplingParams) -> None:
+def _as_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {show(value)}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number, got {show(value)}") from None
+
+
+def _coerce_numbers(params: SamplingParams) -> None:
+    """Type-check the numeric fields: floats stay floats (ints become floats), ints must be
+    ints (not bools) of 64 bits at most. A bool ``logprobs`` asks for the sampled token's
+    logprob (True) or for none (False)."""
     for name in _FLOAT_FIELDS:
         value = getattr(params, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a number, got {value!r}")
+        if type(value) is not float:
+            setattr(params, name, _as_float(name, value))
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if isinstance(value, bool):
+            setattr(params, name, 1 if value else None)
     for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
         value = getattr(params, name)
-        if value is None and name in _OPTIONAL_INT_FIELDS:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {value!r}")
+        if type(value) is not int:
+            if value is None and name in _OPTIONAL_INT_FIELDS:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {show(value)}")
+            value = int(value)
+            setattr(params, name, value)
+        if not (INT64_MIN <= value <= INT64_MAX):
+            check_int64(name, value)
+
+
+def _coerce_others(params: SamplingParams) -> None:
+    """Type-check and normalize the flags, ``output_kind``, the stop conditions and
+    ``structured_outputs``."""
+    for name in _BOOL_FIELDS:
+        value = getattr(params, name)
+        if type(value) is not bool:
+            raise TypeError(f"{name} must be a bool, got {show(value)}")
+    kind = params.output_kind
+    if type(kind) is not RequestOutputKind:
+        params.output_kind = _as_output_kind(kind)
+    stop = params.stop
+    if stop is None:
+        params.stop = []
+    else:
+        params.stop = _str_list("stop", [stop] if isinstance(stop, str) else stop)
+    params.stop_token_ids = _int_list("stop_token_ids", params.stop_token_ids)
+    structured = params.structured_outputs
+    if structured is not None and not isinstance(structured, StructuredOutputsParams):
+        raise TypeError(
+            f"structured_outputs must be a StructuredOutputsParams, got {show(structured)}"
+        )
+
+
+def _as_output_kind(kind: object) -> RequestOutputKind:
+    if isinstance(kind, bool) or not isinstance(kind, int):
+        raise TypeError(f"output_kind must be a RequestOutputKind, got {show(kind)}")
+    try:
+        return RequestOutputKind(kind)
+    except ValueError:
+        valid = ", ".join(f"{int(k)} ({k.name})" for k in RequestOutputKind)
+        raise ValueError(f"output_kind must be one of {valid}, got {show(kind)}") from None
+
+
+def _int_list(name: str, value: object) -> list[int]:
+    """``value`` (None or a sequence of ints) as a list without duplicates."""
+    if value is None:
+        return []
+    if type(value) is not list and (
+        isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence)
+    ):
+        raise TypeError(f"{name} must be a list of ints, got {show(value)}")
+    for item in value:
+        if type(item) is not int and (isinstance(item, bool) or not isinstance(item, int)):
+            raise TypeError(f"{name} must be a list of ints, got an item {show(item)}")
+    return list(dict.fromkeys(value))
 
 
 def _check_range(name: str, value: float, lo: float, hi: float) -> None:
@@ -122,32 +246,25 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        self._normalize()
+        self.validate()
+
+    def validate(self) -> None:
+        """Check and normalize every field (construction and decoding do): ``TypeError`` for a
+        value of the wrong type, ``ValueError`` for an invalid one, each naming the field.
+        Call it again after assigning to fields (``structured_outputs`` is then only checked
+        to be a :class:`StructuredOutputsParams`, which validated itself when built)."""
+        _coerce_numbers(self)
+        _coerce_others(self)
+        if self.seed == -1:
+            self.seed = None
+        if _GREEDY_EPS <= self.temperature < _MIN_TEMPERATURE:
+            self.temperature = _MIN_TEMPERATURE
         self._validate()
         if self.is_greedy:
             # After validation, so an invalid top_p/top_k/min_p is reported even when greedy.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
-    def _normalize(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif self.stop is None:
-            self.stop = []
-        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or ()))
-        if self.seed == -1:
-            self.seed = None
-        # A bool asks for the sampled token's logprob (True) or for none (False).
-        if isinstance(self.logprobs, bool):
-            self.logprobs = 1 if self.logprobs else None
-        if isinstance(self.prompt_logprobs, bool):
-            self.prompt_logprobs = 1 if self.prompt_logprobs else None
-        if isinstance(self.temperature, (int, float)) and (
-            _GREEDY_EPS <= self.temperature < _MIN_TEMPERATURE
-        ):
-            self.temperature = _MIN_TEMPERATURE
-
     def _validate(self) -> None:
-        _check_types(self)
         if self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if not math.isfinite(self.temperature):
@@ -166,6 +283,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(
                 f"repetition_penalty must be finite and > 0, got {self.repetition_penalty!r}"
             )
+        if self.seed is not None and self.seed > INT64_MAX - (self.n - 1):
+            # Completion i of a request with n > 1 samples with seed + i.
+            raise ValueError(f"seed must be at most 2**63 - n ({self.n}), got {self.seed}")
+        self._validate_lengths()
+        self._validate_stops()
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}")
+
+    def _validate_lengths(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
         if self.min_tokens < 0:
@@ -174,17 +302,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
-        assert isinstance(self.stop, list)
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise ValueError(f"stop must not contain empty strings, got {self.stop!r}")
-        if self.stop and not self.detokenize:
+
+    def _validate_stops(self) -> None:
+        stop = self.stop_strings
+        if stop and not all(stop):
+            raise ValueError(f"stop must not contain empty strings, got {show(stop)}")
+        if stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or ()):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not (0 <= value <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}")
+        if any(t < 0 or t > INT64_MAX for t in self.stop_token_ids or ()):
+            raise ValueError(
+                "stop_token_ids must be non-negative ints below 2**63, "
+                f"got {show(self.stop_token_ids)}"
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -235,3 +236,143 @@ def test_decoding_validates() -> None:
     payload = msgspec.msgpack.encode({"top_k": "many"})
     with pytest.raises(msgspec.ValidationError, match="top_k"):
         msgspec.msgpack.decode(payload, type=SamplingParams)
+
+
+# -- hostile input: every wrong type or out-of-range value is refused at construction -----------
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("ignore_eos", "no"),
+        ("ignore_eos", 1),
+        ("include_stop_str_in_output", 0),
+        ("detokenize", 1),
+        ("detokenize", None),
+        ("skip_special_tokens", None),
+        ("output_kind", True),
+        ("output_kind", "delta"),
+        ("output_kind", 1.0),
+        ("stop", 5),
+        ("stop", ("a", 1)),
+        ("stop", [b"x"]),
+        ("stop", b"x"),
+        ("stop_token_ids", "abc"),
+        ("stop_token_ids", [True]),
+        ("stop_token_ids", [1.0]),
+        ("stop_token_ids", 7),
+        ("structured_outputs", {"json": {}}),
+        ("n", True),
+        ("seed", "1"),
+        ("logprobs", 1.5),
+        ("min_p", [0.1]),
+    ],
+)
+def test_wrong_type_is_a_type_error_naming_the_field(name: str, value: Any) -> None:
+    with pytest.raises(TypeError, match=rf"^{name} must be"):
+        SamplingParams(**{name: value})
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("max_tokens", 2**64),
+        ("max_tokens", 2**63),
+        ("top_k", 10**4000),
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
+        ("n", 2**70),
+        ("min_tokens", 2**63),
+        ("stop_token_ids", [2**63]),
+        ("stop_token_ids", [5, 2**100]),
+        ("temperature", 10**400),
+        ("repetition_penalty", 10**400),
+        ("output_kind", 7),
+        ("output_kind", -1),
+        ("stop", "\ud800"),
+        ("stop", ["ok", "a\udfffb"]),
+    ],
+)
+def test_value_beyond_the_wire_is_a_value_error_naming_the_field(name: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=rf"^{name} must") as info:
+        SamplingParams(**{name: value})
+    assert len(str(info.value)) < 200  # a huge value is shown by its size
+
+
+def test_accepted_conversions() -> None:
+    assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA  # type: ignore[arg-type]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]  # type: ignore[arg-type]
+    assert SamplingParams(stop_token_ids=(3, 3, 4)).stop_token_ids == [3, 4]  # type: ignore[arg-type]
+    p = SamplingParams(temperature=1, top_p=1, repetition_penalty=2)  # type: ignore[arg-type]
+    assert [type(v) for v in (p.temperature, p.top_p, p.repetition_penalty)] == [float] * 3
+    top = 2**63 - 1
+    assert SamplingParams(max_tokens=top, top_k=top, seed=top).seed == top
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+    # Completion i of n samples with seed + i, which must fit too.
+    assert SamplingParams(n=3, seed=top - 2).seed == top - 2
+    with pytest.raises(ValueError, match=r"^seed must be at most 2\*\*63 - n \(3\)"):
+        SamplingParams(n=3, seed=top - 1)
+
+
+def test_validate_checks_fields_assigned_after_construction() -> None:
+    p = SamplingParams()
+    p.ignore_eos = "no"  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="^ignore_eos must be a bool"):
+        p.validate()
+    q = SamplingParams(max_tokens=5)
+    q.max_tokens = 2**64
+    with pytest.raises(ValueError, match="^max_tokens must be"):
+        q.validate()
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        ({"json": 5}, TypeError, r"structured_outputs.json must be a JSON schema"),
+        ({"json": b"{}"}, TypeError, r"structured_outputs.json must be a JSON schema"),
+        ({"json": {1: "x"}}, TypeError, r"structured_outputs.json must have str keys"),
+        ({"json": {"a": {1, 2}}}, TypeError, r"structured_outputs.json must hold JSON values"),
+        ({"json": {"a": [b"x"]}}, TypeError, r"structured_outputs.json must hold JSON values"),
+        ({"json": {"max": 2**64}}, ValueError, r"structured_outputs.json holds an integer"),
+        ({"json": "[" * 100_000}, ValueError, r"structured_outputs.json is nested deeper"),
+        (
+            {"json": '{"a":' * 101 + "1" + "}" * 101},
+            ValueError,
+            r"structured_outputs.json is nested deeper than 100",
+        ),
+        ({"json": "\ud800"}, ValueError, r"structured_outputs.json must be valid Unicode"),
+        ({"choice": ["a", 1]}, TypeError, r"structured_outputs.choice must be a list of str"),
+        ({"choice": "ab"}, TypeError, r"structured_outputs.choice must be a list of str"),
+        ({"choice": ["\udc80"]}, ValueError, r"structured_outputs.choice must be valid Unicode"),
+        ({"regex": b"x"}, TypeError, r"structured_outputs.regex must be a str"),
+        ({"grammar": 3}, TypeError, r"structured_outputs.grammar must be a str"),
+        ({"json_object": 1}, TypeError, r"structured_outputs.json_object must be a bool"),
+    ],
+)
+def test_structured_outputs_wrong_types_and_values(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=f"^{message}"):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_structured_outputs_depth_limit_is_exact() -> None:
+    def nested(depth: int) -> Any:
+        value: Any = 1
+        for _ in range(depth):
+            value = {"a": value}
+        return value
+
+    StructuredOutputsParams(json=nested(100))
+    StructuredOutputsParams(json=json.dumps(nested(100)))
+    # Brackets inside strings are not nesting.
+    StructuredOutputsParams(json=json.dumps({"pattern": "[" * 500, "k": ['\\"[{']}))
+    for schema in (nested(101), json.dumps(nested(101))):
+        with pytest.raises(ValueError, match="nested deeper than 100 levels"):
+            StructuredOutputsParams(json=schema)
+    deep_list: Any = []
+    for _ in range(100_000):  # far beyond the recursion limit: the check is iterative
+        deep_list = [deep_list]
+    with pytest.raises(ValueError, match="nested deeper than 100 levels"):
+        StructuredOutputsParams(json={"a": deep_list})
+    assert StructuredOutputsParams(choice=("a", "b")).choice == ["a", "b"]  # type: ignore[arg-type]
