@@ -54,14 +54,7 @@ class GrammarSpec:
     @classmethod
     def from_params(cls, params: StructuredOutputsParams) -> GrammarSpec:
         if params.json is not None:
-            schema: Any = params.json
-            if isinstance(schema, str):
-                text = schema
-                try:
-                    schema = json.loads(text)
-                except ValueError:
-                    return cls("json", text)  # reported when it is compiled
-            return cls("json", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+            return cls("json", _canonical_json(params.json))
         if params.json_object:
             return cls("json_object", "")
         if params.regex is not None:
@@ -70,6 +63,18 @@ class GrammarSpec:
             return cls("choice", json.dumps(params.choice))
         assert params.grammar is not None  # StructuredOutputsParams sets exactly one field
         return cls("grammar", params.grammar)
+
+
+def _canonical_json(schema: str | dict[str, Any]) -> str:
+    """``schema`` re-serialized with sorted keys. Text that does not parse is kept as it is (its
+    compilation reports it); a dict that does not serialize raises :class:`GrammarError`."""
+    try:
+        value = json.loads(schema) if isinstance(schema, str) else schema
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    except (ValueError, TypeError, RecursionError) as exc:
+        if isinstance(schema, str):
+            return schema
+        raise GrammarError(f"invalid structured_outputs.json: {type(exc).__name__}: {exc}") from exc
 
 
 class Grammar:
@@ -148,7 +153,7 @@ def _grammar_text(llguidance: ModuleType, spec: GrammarSpec) -> str:
     if spec.kind == "json":
         try:
             json.loads(spec.text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ValueError(f"not valid JSON ({exc})") from exc
         return str(matcher.grammar_from_json_schema(spec.text))
     if spec.kind == "json_object":

@@ -123,15 +123,15 @@ class StructuredOutputManager:
         error of a spec that is cached as failed, else None."""
         params = request.sampling_params.structured_outputs
         assert params is not None
-        spec = GrammarSpec.from_params(params)
+        try:
+            spec = GrammarSpec.from_params(params)
+        except Exception as exc:  # the request ends with the error; never the engine
+            return _error_text(_params_kind(params), exc)
         entry = self._cache.get(spec)
         if entry is not None:
             self._cache.move_to_end(spec)
             self.num_cache_hits += 1
-            if isinstance(entry, str):
-                return entry
-            request.grammar = self._grammar(entry)
-            return None
+            return entry if isinstance(entry, str) else self._attach(request, spec, entry)
         future = self._inflight.get(spec)
         if future is None:
             if self._compile_pool is None:
@@ -155,13 +155,22 @@ class StructuredOutputManager:
             return str(exc)
         except Exception as exc:
             logger.exception("compiling structured_outputs.%s failed", spec.kind)
-            return f"structured_outputs.{spec.kind} failed to compile: {type(exc).__name__}: {exc}"
+            return _error_text(spec.kind, exc)
 
     def _grammar(self, template: Any) -> Grammar:
         if self._eos_token_ids is None:
             # A matcher exists, so the tokenizer is built.
             self._eos_token_ids = frozenset(self._tokenizer.eos_tokens)
         return Grammar(template.deep_copy(), self._eos_token_ids)
+
+    def _attach(self, request: Request, spec: GrammarSpec, template: Any) -> str | None:
+        """Give ``request`` a copy of the compiled ``template``; the error, if that fails."""
+        try:
+            request.grammar = self._grammar(template)
+        except Exception as exc:
+            logger.exception("copying the structured_outputs.%s grammar failed", spec.kind)
+            return _error_text(spec.kind, exc)
+        return None
 
     def _compiled(self, future: concurrent.futures.Future[Any]) -> None:
         # A done callback: the result is visible to poll() by now.
@@ -194,11 +203,12 @@ class StructuredOutputManager:
             elif pending.future.done():
                 del self._pending[request_id]
                 entry = self._collect(pending.spec, pending.future)
-                if isinstance(entry, str):
-                    failed.append((request, entry))
-                else:
-                    request.grammar = self._grammar(entry)
+                if not isinstance(entry, str):
+                    entry = self._attach(request, pending.spec, entry)
+                if entry is None:
                     ready.append(request)
+                else:
+                    failed.append((request, entry))
             elif now >= pending.deadline:
                 del self._pending[request_id]
                 failed.append(
@@ -217,7 +227,13 @@ class StructuredOutputManager:
 
     def _collect(self, spec: GrammarSpec, future: concurrent.futures.Future[Any]) -> Any:
         """The result of a finished compilation, moved into the cache."""
-        entry = future.result()
+        if future.cancelled():
+            entry: Any = f"structured_outputs.{spec.kind}: its compilation was cancelled"
+        elif (exc := future.exception()) is not None:
+            # _compile returns every error; a panic in llguidance is a BaseException.
+            entry = _error_text(spec.kind, exc)
+        else:
+            entry = future.result()
         if self._inflight.get(spec) is future:
             del self._inflight[spec]
             self._cache[spec] = entry
@@ -317,3 +333,17 @@ class StructuredOutputManager:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
         self._compile_pool = self._bitmask_pool = None
+
+
+def _params_kind(params: Any) -> str:
+    """The field of a ``StructuredOutputsParams`` that is set."""
+    for name in ("json", "json_object", "regex", "choice", "grammar"):
+        if getattr(params, name, None) is not None:
+            return name
+    return "?"
+
+
+def _error_text(kind: str, exc: BaseException) -> str:
+    if isinstance(exc, GrammarError):
+        return str(exc)
+    return f"structured_outputs.{kind} failed to compile: {type(exc).__name__}: {exc}"
