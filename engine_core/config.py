@@ -56,6 +56,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     grammar_compile_timeout_s: float = 10.0
     """A structured-output grammar that takes longer to compile fails its request."""
     max_queued_requests: int | None = None
+    max_n: int = 128
+    """Most completions one request may ask for (``SamplingParams.n``); OpenAI's limit."""
+    max_stop_strings: int = 64
+    """Most stop strings one request may give."""
+    max_stop_string_len: int = 1024
+    """Longest stop string, in characters: each generated token is matched against the last
+    ``len(stop)`` characters, and as many are held back from a stream."""
     seed: int = 0
     dtype: str = "auto"
     tensor_parallel_size: int = 1
@@ -81,6 +88,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
         _positive("startup_timeout_s", self.startup_timeout_s, allow_none=False)
         _positive("grammar_compile_timeout_s", self.grammar_compile_timeout_s, allow_none=False)
         _positive("max_queued_requests", self.max_queued_requests, integer=True)
+        _positive("max_n", self.max_n, allow_none=False, integer=True)
+        _positive("max_stop_strings", self.max_stop_strings, allow_none=False, integer=True)
+        _positive("max_stop_string_len", self.max_stop_string_len, allow_none=False, integer=True)
         _positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=False, integer=True)
         _positive("data_parallel_size", self.data_parallel_size, allow_none=False, integer=True)
         if not (0.0 < self.kv_cache_memory_fraction <= 1.0):

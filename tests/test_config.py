@@ -31,6 +31,9 @@ def test_defaults() -> None:
     assert c.step_timeout_s is None
     assert c.startup_timeout_s == 300.0
     assert c.max_queued_requests is None
+    assert c.max_n == 128
+    assert c.max_stop_strings == 64
+    assert c.max_stop_string_len == 1024
     assert c.seed == 0
     assert c.dtype == "auto"
     assert c.tensor_parallel_size == 1
@@ -63,6 +66,11 @@ def test_backend_options_are_not_shared() -> None:
         ("step_timeout_s", -1.0),
         ("startup_timeout_s", 0),
         ("max_queued_requests", 0),
+        ("max_n", 0),
+        ("max_n", True),
+        ("max_n", None),
+        ("max_stop_strings", 0),
+        ("max_stop_string_len", -1),
         ("tensor_parallel_size", 0),
         ("data_parallel_size", 0),
         ("kv_cache_memory_fraction", 0.0),

@@ -7,11 +7,14 @@ came before and without splitting a multi-byte UTF-8 character.
 
 from __future__ import annotations
 
+import array
 import codecs
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
+
+from engine_core._checks import check_text, show
 
 __all__ = [
     "ByteTokenizer",
@@ -388,8 +391,10 @@ def load_tokenizer(name: str) -> Tokenizer:
 def parse_prompt(prompt: PromptInput, tokenizer: Tokenizer | None) -> tuple[str | None, list[int]]:
     """The text (if any) and token ids of one prompt.
 
-    Raises ``TypeError`` for anything but a string or a mapping with ``prompt`` and/or
-    ``prompt_token_ids``, and ``ValueError`` when text must be tokenized without a tokenizer.
+    Raises ``TypeError`` for anything but a string or a mapping with ``prompt`` (a str) and/or
+    ``prompt_token_ids`` (a list of ints), and ``ValueError`` for token ids beyond 64 bits, text
+    that is not valid Unicode, or text to tokenize without a tokenizer. (Whether the ids are in
+    the vocabulary is the engine's to say.)
     """
     if isinstance(prompt, str):
         text: str | None = prompt
@@ -409,13 +414,29 @@ def parse_prompt(prompt: PromptInput, tokenizer: Tokenizer | None) -> tuple[str 
             "a prompt must be a str or a dict with 'prompt' or 'prompt_token_ids', "
             f"got {type(prompt).__name__}"
         )
+    if text is not None:
+        check_text("prompt", text)
     if token_ids is not None:
-        if not isinstance(token_ids, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in token_ids
-        ):
-            raise TypeError("'prompt_token_ids' must be a list of ints")
-        return text, list(token_ids)
+        return text, _token_id_list(token_ids)
     assert text is not None
     if tokenizer is None:
         raise ValueError("a text prompt needs a tokenizer; pass 'prompt_token_ids' instead")
     return text, tokenizer.encode(text)
+
+
+def _token_id_list(token_ids: object) -> list[int]:
+    """``token_ids`` (a list or tuple of ints of 64 bits at most) as a list."""
+    if not isinstance(token_ids, (list, tuple)):
+        raise TypeError(f"'prompt_token_ids' must be a list of ints, got {show(token_ids)}")
+    if set(map(type, token_ids)) - {int}:  # C speed: prompts are long
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"'prompt_token_ids' must be a list of ints, got an item {show(t)}")
+    try:
+        array.array("q", token_ids)  # the range check, at C speed
+    except OverflowError:
+        big = next(t for t in token_ids if not (-(1 << 63) <= t < 1 << 63))
+        raise ValueError(
+            f"'prompt_token_ids' must be ints of 64 bits at most, got {show(big)}"
+        ) from None
+    return list(token_ids)

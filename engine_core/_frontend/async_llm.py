@@ -26,6 +26,7 @@ from engine_core._core.tokenizer import PromptInput, Tokenizer, load_tokenizer, 
 from engine_core._engine.client import EngineCoreClient
 from engine_core._frontend.collector import RequestOutputCollector
 from engine_core._frontend.output_processor import OutputProcessor
+from engine_core._frontend.request_checks import check_request
 from engine_core.config import EngineConfig
 from engine_core.errors import (
     EngineClosedError,
@@ -194,8 +195,8 @@ class AsyncLLM:
         client, processor = self._started()
         assert self.tokenizer is not None
         params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got {type(params)}")
+        # Before any work for the request (n children, the queue's admission) is done.
+        params = check_request(self.config, params, priority=priority, cache_salt=cache_salt)
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         text, token_ids = parse_prompt(prompt, self.tokenizer)

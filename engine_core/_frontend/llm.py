@@ -15,6 +15,7 @@ from engine_core._core.tokenizer import PromptInput, Tokenizer, load_tokenizer, 
 from engine_core._engine.client import EngineCoreClient
 from engine_core._engine.inproc_client import InprocClient
 from engine_core._frontend.output_processor import OutputProcessor
+from engine_core._frontend.request_checks import check_params_list
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineClosedError, EngineError
 from engine_core.outputs import RequestOutput
@@ -81,6 +82,7 @@ class LLM:
             raise EngineClosedError("the LLM was closed")
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        check_params_list(self.config, params_list)  # before any work is done
         parsed = [parse_prompt(p, self.tokenizer) for p in prompt_list]
         order: dict[str, int] = {}
         results: list[RequestOutput | None] = [None] * len(prompt_list)

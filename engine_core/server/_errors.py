@@ -4,6 +4,7 @@
 cause                                          status  ``error.type`` / ``error.code``
 ============================================  ======  ==============================
 invalid body or parameter                      400     invalid_request_error
+parameter over an engine limit (max_n, ...)    400     invalid_request_error
 prompt the engine cannot serve                 400     invalid_request_error
 missing or wrong API key                       401     invalid_request_error / invalid_api_key
 unknown model name                             404     invalid_request_error / model_not_found
@@ -27,7 +28,7 @@ from engine_core.errors import (
     InvalidRequestError,
     RetryableRequestError,
 )
-from engine_core.server._protocol import ErrorBody, ErrorResponse
+from engine_core.server._protocol import ErrorBody, ErrorResponse, SamplingFields
 
 __all__ = ["APIError", "api_error_from", "error_json", "invalid_parameter"]
 
@@ -92,6 +93,8 @@ def api_error_from(
     if isinstance(exc, InvalidRequestError):
         param = grammar_field if "structured_outputs" in str(exc) else prompt_field
         return APIError(400, str(exc), param=param)
+    if isinstance(exc, (ValueError, TypeError)):  # generate() refused an argument
+        return invalid_parameter(exc, SamplingFields.__struct_fields__)
     if isinstance(exc, EngineDeadError):
         return APIError(
             503, f"the engine is dead: {exc}", type="service_unavailable", code="engine_dead"

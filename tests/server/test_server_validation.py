@@ -1,0 +1,96 @@
+"""Hostile request bodies get a 400 naming the field, at once, under asyncio and trio: values
+beyond 64 bits, limits a request can never meet (never a retryable 503), and a deeply nested
+JSON schema; the engine holds no request afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from engine_core import AsyncLLM
+from engine_core.server import ServerSettings, serve
+
+pytestmark = pytest.mark.anyio
+
+
+@contextlib.asynccontextmanager
+async def serving(**engine_config: Any) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncLLM]]:
+    stop = anyio.Event()
+    async with (
+        AsyncLLM(backend="mock", tokenizer="byte", **engine_config) as engine,
+        anyio.create_task_group() as task_group,
+    ):
+        url = await task_group.start(
+            functools.partial(serve, engine, ServerSettings(port=0), shutdown_trigger=stop.wait)
+        )
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=10.0) as client:
+                yield client, engine
+        finally:
+            stop.set()
+
+
+BASE = {"prompt": "abc", "max_tokens": 2, "temperature": 0.0}
+# (extra body fields, the param the 400 names, a piece of its message)
+BAD_BODIES: dict[str, tuple[dict[str, Any], str | None, str]] = {
+    "n-billion": ({"n": 10**9, "temperature": 1.0}, "n", "n must be at most 128 (max_n)"),
+    "n-over-max": ({"n": 129, "temperature": 1.0}, "n", "n must be at most 128"),
+    "n-huge": ({"n": 10**30, "temperature": 1.0}, "n", "n must be between"),
+    "max-tokens": ({"max_tokens": 2**64}, "max_tokens", "max_tokens must be between"),
+    "seed": ({"seed": -(2**64)}, "seed", "seed must be between"),
+    "top-k": ({"top_k": 2**70}, "top_k", "top_k must be between"),
+    "stop-token-ids": ({"stop_token_ids": [2**70]}, "stop_token_ids", "below 2**63"),
+    "priority": ({"priority": 2**64}, "priority", "priority must be between"),
+    "stops": ({"stop": ["x"] * 65}, "stop", "stop must hold at most 64 strings"),
+    "stop-len": ({"stop": ["x" * 1025]}, "stop", "at most 1024 characters long"),
+    "deep-schema-text": (
+        {"structured_outputs": {"json": "[" * 100_000}},
+        "structured_outputs",
+        "structured_outputs.json is nested deeper than 100 levels",
+    ),
+    "deep-schema": (
+        {"structured_outputs": {"json": json.loads("[" * 150 + "]" * 150)}},
+        "structured_outputs",
+        "got `array` - at `$.structured_outputs.json`",
+    ),
+    "deep-schema-dict": (
+        {"structured_outputs": {"json": json.loads('{"a":' * 150 + "1" + "}" * 150)}},
+        "structured_outputs",
+        "structured_outputs.json is nested deeper than 100 levels",
+    ),
+    "prompt-ids": ({"prompt": [1, 2**64]}, None, "'prompt_token_ids' must be ints of 64 bits"),
+}
+
+
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["inproc", "mp"])
+async def test_hostile_bodies_get_a_400_naming_the_field(multiprocess: bool) -> None:
+    async with serving(multiprocess=multiprocess, max_num_seqs=1, max_queued_requests=1) as (
+        client,
+        engine,
+    ):
+        with anyio.fail_after(20):
+            for name, (fields, param, message) in BAD_BODIES.items():
+                response = await client.post("/v1/completions", json={**BASE, **fields})
+                assert response.status_code == 400, (name, response.text)
+                error = response.json()["error"]
+                assert error["type"] == "invalid_request_error", name
+                assert error["param"] == param, (name, error)
+                assert message in error["message"], (name, error)
+            chat = await client.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}], "n": 10**9},
+            )
+            assert chat.status_code == 400
+            assert chat.json()["error"]["param"] == "n"
+            stats = await engine.get_stats()
+            assert (stats.num_running, stats.num_waiting) == (0, 0)
+            ok = await client.post("/v1/completions", json=BASE)
+            assert ok.status_code == 200
+            assert ok.json()["choices"][0]["text"] == "de"
