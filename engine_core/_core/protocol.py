@@ -75,6 +75,9 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     num_free_kv_blocks: int
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_malformed_messages: int = 0
+    """Input frames the engine process could not decode. Those that carried a readable request
+    id were answered with an error for that request; the others were dropped."""
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -145,6 +145,8 @@ class EngineCore:
         """Requests rejected at arrival, failed grammars and engine-initiated aborts, reported
         with the next step's outputs."""
         self._pending_aborts: list[str] = []
+        self.num_malformed_messages = 0
+        """Input frames that could not be decoded (counted by the engine process)."""
         self._structured: StructuredOutputManager | None = None
         self._grammar_waker: Callable[[], None] | None = None
         self._closed = False
@@ -214,6 +216,15 @@ class EngineCore:
                 self._fail(new, error)
             elif new.grammar is not None:
                 new.set_status(RequestStatus.WAITING)
+
+    def reject_request(self, request_id: str, error: str) -> bool:
+        """End ``request_id``, which could not be accepted, with finish_reason "error" and
+        ``error`` at the next step. Returns False (and reports nothing) when a live request has
+        that id: the error must not end it."""
+        if request_id in self.scheduler.requests:
+            return False
+        self._ended_outside_steps.append(FinishedRequest(request_id, "error", None, error))
+        return True
 
     # -- structured outputs ---------------------------------------------------------------------
 
@@ -376,6 +387,7 @@ class EngineCore:
             num_free_kv_blocks=kv.num_free_blocks,
             prefix_cache_queries=kv.stats.queries,
             prefix_cache_hits=kv.stats.hits,
+            num_malformed_messages=self.num_malformed_messages,
         )
 
     def check_health(self) -> None:

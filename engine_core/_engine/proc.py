@@ -36,11 +36,12 @@ from engine_core._engine.sockets import recv_async, send_async
 from engine_core._engine.wire import (
     AbortRequests,
     EngineMessage,
+    RejectedRequest,
     Shutdown,
     UtilityCall,
     UtilityReply,
     client_message_decoder,
-    decode,
+    decode_client_message,
 )
 from engine_core.abc import ModelRunnerOutput, SchedulerOutput
 
@@ -282,14 +283,20 @@ class EngineCoreProc:
             await anyio.lowlevel.checkpoint()
 
     def _handle(self, frame: bytes) -> None:
-        message = decode(self._decoder, frame)
+        message = decode_client_message(self._decoder, frame)
         core = self.core
         match message:
             case EngineCoreRequest():
                 try:
                     core.add_request(message)
-                except Exception:
+                except Exception as exc:
                     logger.exception("dropped request %r", message.request_id)
+                    core.reject_request(message.request_id, f"{type(exc).__name__}: {exc}")
+            case RejectedRequest(request_id=request_id, error=error):
+                core.num_malformed_messages += 1
+                core.reject_request(request_id, error)
+            case None:
+                core.num_malformed_messages += 1
             case AbortRequests(request_ids=request_ids):
                 if self._executing:
                     for request_id in request_ids:

@@ -11,16 +11,21 @@ One tagged union of msgspec structs per direction, msgpack-encoded, one message 
 Messages are ``array_like``: encoded as arrays, tag first, fields by position (no field names
 on the wire; new fields go at the end), so a step's outputs for a whole batch are one compact
 message. Decoders are typed, so a frame can only ever become one of these structs: a malformed,
-truncated or unknown message is logged and dropped by :func:`decode`. Nothing is pickled.
+truncated or unknown message is logged and dropped by :func:`decode`. The engine decodes with
+:func:`decode_client_message`, which also reads the request id at the head of an ``"add"`` frame
+it cannot decode, so that request is answered with an error instead of being waited on forever.
+Nothing is pickled.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, TypeAlias, TypeVar
+import re
+from typing import Any, NamedTuple, TypeAlias, TypeVar
 
 import msgspec
 
+from engine_core._checks import show
 from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 
 __all__ = [
@@ -32,14 +37,18 @@ __all__ = [
     "Shutdown",
     "UtilityCall",
     "UtilityReply",
+    "RejectedRequest",
     "client_message_decoder",
     "decode",
+    "decode_client_message",
+    "read_add_request_id",
     "engine_message_decoder",
 ]
 
 logger = logging.getLogger(__name__)
 
 _MAX_LOGGED_BYTES = 64
+_MAX_ERROR_CHARS = 500
 
 
 # -- down: client -> engine ---------------------------------------------------------------------
@@ -120,7 +129,90 @@ def decode(decoder: msgspec.msgpack.Decoder[_T], frame: bytes | memoryview) -> _
     """``frame`` decoded, or None (and a warning logged) when it is not a valid message."""
     try:
         return decoder.decode(frame)
-    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
-        head = bytes(frame[:_MAX_LOGGED_BYTES])
-        logger.warning("dropped an invalid message of %d bytes (%r...): %s", len(frame), head, exc)
+    except Exception as exc:  # a DecodeError, or RecursionError for deeply nested input
+        _log_invalid(frame, exc)
+        return None
+
+
+class RejectedRequest(NamedTuple):
+    """An ``"add"`` frame that could not be decoded but whose request id could be read: the
+    engine ends that request with finish_reason "error" and ``error``. Never sent."""
+
+    request_id: str
+    error: str
+
+
+def decode_client_message(
+    decoder: msgspec.msgpack.Decoder[ClientMessage], frame: bytes | memoryview
+) -> ClientMessage | RejectedRequest | None:
+    """``frame`` decoded by the engine's ``decoder``. A frame that is not a valid message is
+    logged, and becomes a :class:`RejectedRequest` when it starts like an ``"add"`` message
+    with a readable request id, else None (dropped)."""
+    try:
+        return decoder.decode(frame)
+    except Exception as exc:  # a DecodeError, or RecursionError for deeply nested input
+        request_id = read_add_request_id(frame)
+        if request_id is None:
+            _log_invalid(frame, exc)
+            return None
+        _log_invalid(frame, exc, f"rejected request {show(request_id)}:")
+        return RejectedRequest(request_id, f"the engine could not decode the request: {_why(exc)}")
+
+
+def _log_invalid(frame: bytes | memoryview, exc: Exception, what: str = "dropped") -> None:
+    head = bytes(frame[:_MAX_LOGGED_BYTES])
+    logger.warning("%s an invalid message of %d bytes (%r...): %s", what, len(frame), head, exc)
+
+
+_REQUEST_FIELDS = EngineCoreRequest.__struct_fields__
+_AT_INDEX = re.compile(r"`\$\[(\d+)\]")
+
+
+def _why(exc: Exception) -> str:
+    """What was wrong, with the positions msgspec reports (``$[3]``) named after the fields of
+    :class:`EngineCoreRequest` (``$.sampling_params``)."""
+    if isinstance(exc, msgspec.DecodeError):
+        text = _AT_INDEX.sub(_field_at, str(exc))
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
+
+
+def _field_at(match: re.Match[str]) -> str:
+    index = int(match.group(1))  # 0 is the tag
+    if 1 <= index <= len(_REQUEST_FIELDS):
+        return f"`$.{_REQUEST_FIELDS[index - 1]}"
+    return match.group(0)
+
+
+_ADD_TAG = b"\xa3add"  # msgpack fixstr "add"
+
+
+def read_add_request_id(frame: bytes | memoryview) -> str | None:
+    """The request id of a frame that starts like an ``"add"`` message (an array whose first
+    items are the tag and a str), read from its first bytes only, so a truncated or deeply
+    nested rest does not matter; None when there is none."""
+    view = memoryview(frame)
+    if not view:
+        return None
+    head = view[0]
+    pos = 1 if 0x91 <= head <= 0x9F else 3 if head == 0xDC else 5 if head == 0xDD else 0
+    if not pos or view[pos : pos + 4] != _ADD_TAG:
+        return None
+    pos += 4
+    kind = view[pos] if len(view) > pos else -1
+    if 0xA0 <= kind <= 0xBF:  # fixstr
+        length, pos = kind - 0xA0, pos + 1
+    elif kind in (0xD9, 0xDA, 0xDB):  # str 8, 16, 32
+        size = 1 << (kind - 0xD9)
+        length = int.from_bytes(view[pos + 1 : pos + 1 + size], "big")
+        pos += 1 + size
+    else:
+        return None
+    raw = bytes(view[pos : pos + length])
+    if len(raw) != length:
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
         return None

@@ -324,22 +324,34 @@ async def test_reset_prefix_cache_fails_while_requests_hold_blocks() -> None:
         await peer.call("resume_generation")
 
 
-async def test_invalid_input_is_logged_and_dropped(caplog: pytest.LogCaptureFixture) -> None:
-    frames = [
+async def test_invalid_input_is_logged_and_dropped_or_answered(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    dropped = [
         random.Random(1).randbytes(32),
         msgspec.msgpack.encode(["bogus", "r1", [1]]),
-        msgspec.msgpack.encode(request("r0", [1]))[:-4],
     ]
+    truncated = msgspec.msgpack.encode(request("r0", [1]))[:-4]  # its id is readable
     with caplog.at_level(logging.WARNING, logger="engine_core._engine.wire"):
         async with serving() as peer:
-            for frame in frames:
+            for frame in [*dropped, truncated]:
                 peer.send_raw(frame)
             peer.send(request("r1", [1, 2, 3], max_tokens=1))
-            assert rows(await peer.outputs(1)) == [
-                (["r1"], [[4]], [FinishedRequest("r1", "length")])
+            received = await peer.outputs_until_finished("r1")
+            error = "the engine could not decode the request: Input data was truncated"
+            # r0's error goes out with r1's step or before it.
+            assert sorted((f for m in received for f in m.finished), key=lambda f: f.req_id) == [
+                FinishedRequest("r0", "error", None, error),
+                FinishedRequest("r1", "length"),
             ]
+            assert [(m.req_ids, m.new_token_ids) for m in received if m.req_ids] == [
+                (["r1"], [[4]])
+            ]
+            stats = await peer.call("get_stats")
+            assert (stats["num_malformed_messages"], stats["num_waiting"]) == (3, 0)
     assert [r.getMessage()[: r.getMessage().index(" (")] for r in caplog.records] == [
-        f"dropped an invalid message of {len(frame)} bytes" for frame in frames
+        *(f"dropped an invalid message of {len(frame)} bytes" for frame in dropped),
+        f"rejected request 'r0': an invalid message of {len(truncated)} bytes",
     ]
 
 

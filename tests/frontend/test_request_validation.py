@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 import anyio
 import pytest
 
-from engine_core import LLM, AsyncLLM, SamplingParams
-from engine_core._frontend import request_checks
+from engine_core import LLM, AsyncLLM, InvalidRequestError, SamplingParams
+from engine_core._frontend import async_llm, request_checks
 from engine_core.config import EngineConfig
 
 pytestmark = pytest.mark.anyio
@@ -82,6 +82,32 @@ async def test_async_generate_refuses_hostile_arguments_at_once(multiprocess: bo
         await _assert_clean(engine)
 
 
+async def test_the_engine_process_answers_requests_it_cannot_decode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Without the front end's checks, the engine's decoding is the last line: each request
+    # ends with an error naming the field, and nothing hangs.
+    def params_only(config: Any, params: Any, **_: Any) -> SamplingParams:
+        assert isinstance(params, SamplingParams)
+        return params
+
+    monkeypatch.setattr(async_llm, "check_request", params_only)
+    cases = [
+        (_mutated(ignore_eos="no"), {}, "at `$.sampling_params.ignore_eos`"),
+        (_mutated(output_kind=7), {}, "sampling_params.output_kind"),
+        (None, {"priority": "high"}, "at `$.priority`"),
+        (None, {"cache_salt": 5}, "at `$.cache_salt`"),
+    ]
+    async with _engine(True) as engine:
+        for params, kwargs, where in cases:
+            with pytest.raises(InvalidRequestError, match="could not decode the request") as info:
+                await _generate(engine, "ab", params, **kwargs)
+            assert where in str(info.value)
+        with anyio.fail_after(10):
+            assert (await engine.get_stats()).num_malformed_messages == len(cases)
+        await _assert_clean(engine)
+
+
 def _bounded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)``, failing the test instead of hanging."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -108,7 +134,7 @@ def test_llm_generate_refuses_hostile_params_at_once(multiprocess: bool) -> None
         out = _bounded(llm.generate, "abc", SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
         assert out[0].outputs[0].text == "de"
         stats = _bounded(llm.get_stats)
-        assert (stats.num_running, stats.num_waiting) == (0, 0)
+        assert (stats.num_running, stats.num_waiting, stats.num_malformed_messages) == (0, 0, 0)
 
 
 def test_check_params_list_looks_at_each_distinct_params_once(
