@@ -61,8 +61,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_stop_strings: int = 64
     """Most stop strings one request may give."""
     max_stop_string_len: int = 1024
-    """Longest stop string, in characters: each generated token is matched against the last
-    ``len(stop)`` characters, and as many are held back from a stream."""
+    """Longest stop string, in characters: a stream holds back that many characters until it
+    knows they do not start a stop string, and the stop-string automaton grows with the total
+    length of a request's stop strings."""
     seed: int = 0
     dtype: str = "auto"
     tensor_parallel_size: int = 1

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from engine_core._checks import (
+from engine_core._core.checks import (
     INT64_MAX,
     INT64_MIN,
     MAX_JSON_DEPTH,

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from engine_core._checks import check_text, show
+from engine_core._core.checks import check_text, show
 
 __all__ = [
     "ByteTokenizer",

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, TypeAlias, TypeVar
 
 import msgspec
 
-from engine_core._checks import show
+from engine_core._core.checks import show
 from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 
 __all__ = [

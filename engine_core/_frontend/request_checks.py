@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine_core._checks import check_int64, check_text, show
+from engine_core._core.checks import check_int64, check_text, show
 from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams
 
