@@ -50,6 +50,87 @@ class ProcessedOutputs:
     """Engine request ids the front end finished (stop strings); the engine must abort them."""
 
 
+class _StepOutputs:
+    """What one :meth:`OutputProcessor.process_outputs` call gathers: the result it returns, and
+    the changed completions of n > 1 requests, which go out together as one output at the end."""
+
+    __slots__ = ("now", "result", "parents")
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self.result = ProcessedOutputs()
+        self.parents: dict[str, tuple[RequestState, list[CompletionOutput]]] = {}
+
+    def emit(self, state: RequestState, output: RequestOutput) -> None:
+        """Hand an output to its request's collector, or to the caller through the result."""
+        if state.collector is not None:
+            state.collector.put(output)
+        else:
+            self.result.request_outputs.append(output)
+
+    def gather(self, state: RequestState, output: CompletionOutput) -> None:
+        """Hold a changed completion of an n > 1 request for its request's output."""
+        pending = self.parents.get(state.request_id)
+        if pending is None:
+            self.parents[state.request_id] = (state, [output])
+        else:
+            pending[1].append(output)
+
+    def finish(self) -> ProcessedOutputs:
+        """Emit the gathered outputs of n > 1 requests; the call's result."""
+        for state, changed in self.parents.values():
+            self.emit(state, _request_output(state, changed))
+        return self.result
+
+
+def _request_output(state: RequestState, outputs: list[CompletionOutput]) -> RequestOutput:
+    """The request as its output kind shows it now, with ``outputs`` as its completions."""
+    prompt_logprobs = state.prompt_logprobs
+    if state.kind == _DELTA and prompt_logprobs is not None:
+        # DELTA sends prompt logprobs once: all of them arrived with the first token.
+        if state.prompt_logprobs_sent:
+            prompt_logprobs = None
+        state.prompt_logprobs_sent = True
+    m = state.metrics
+    if state.kind != _FINAL_ONLY:
+        # Streamed outputs get a snapshot: the live metrics keep changing.
+        m = RequestMetrics(m.arrival_time, m.first_token_time, m.last_token_time, m.finished_time)
+    return RequestOutput(
+        state.external_id,
+        state.prompt,
+        state.prompt_token_ids,
+        outputs,
+        state.finished,
+        state.num_cached_tokens or 0,
+        m,
+        prompt_logprobs,
+        state.error,
+    )
+
+
+def _in_flight(request_id: str) -> ValueError:
+    return ValueError(f"request_id {request_id!r} is already in flight")
+
+
+def _fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """(engine request id, parameters) of each completion of a request: the request itself
+    when ``n == 1``, else ``n`` children with their own ids and seeds."""
+    if params.n == 1:
+        return [(request_id, params)]
+    return [
+        (
+            f"{index}_{request_id}",
+            params.clone(
+                n=1,
+                seed=None if params.seed is None else params.seed + index,
+                # Prompt logprobs are the same for every child: ask one of them.
+                prompt_logprobs=params.prompt_logprobs if index == 0 else None,
+            ),
+        )
+        for index in range(params.n)
+    ]
+
+
 class OutputProcessor:
     """Front-end state of in-flight requests; see the module docstring.
 
@@ -109,59 +190,64 @@ class OutputProcessor:
         ``collector`` when given, else they are returned by :meth:`process_outputs`.
         """
         if request_id in self._requests or request_id in self._completions:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
+            raise _in_flight(request_id)
         if params.max_tokens is None and self.max_model_len is not None:
             params = params.clone(max_tokens=max(1, self.max_model_len - len(prompt_token_ids)))
-        if arrival_time is None:
-            arrival_time = self.clock()
-        external_id = request_id if external_id is None else external_id
         state = RequestState(
-            request_id, external_id, prompt, prompt_token_ids, params, arrival_time, collector
+            request_id,
+            request_id if external_id is None else external_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            self.clock() if arrival_time is None else arrival_time,
+            collector,
         )
-        if params.n == 1:
-            children = [(request_id, params)]
-        else:
-            children = [
-                (
-                    f"{index}_{request_id}",
-                    params.clone(
-                        n=1,
-                        seed=None if params.seed is None else params.seed + index,
-                        # Prompt logprobs are the same for every child: ask one of them.
-                        prompt_logprobs=params.prompt_logprobs if index == 0 else None,
-                    ),
-                )
-                for index in range(params.n)
-            ]
-            state.final_outputs = [None] * params.n
-        engine_requests = []
-        for index, (child_id, child_params) in enumerate(children):
-            if child_id in self._completions:
-                raise ValueError(f"request_id {child_id!r} is already in flight")
-            completion = CompletionState(
-                child_id,
+        engine_requests = [
+            self._add_completion(state, index, child_id, child_params, priority, cache_salt)
+            for index, (child_id, child_params) in enumerate(_fan_out(request_id, params))
+        ]
+        self._register(state)
+        return engine_requests
+
+    def _add_completion(
+        self,
+        state: RequestState,
+        index: int,
+        request_id: str,
+        params: SamplingParams,
+        priority: int,
+        cache_salt: str | None,
+    ) -> EngineCoreRequest:
+        """Add completion ``index`` (engine request ``request_id``) to ``state``; return the
+        engine request for it. Nothing is registered yet, so a clash leaves no trace."""
+        if request_id in self._completions:
+            raise _in_flight(request_id)
+        prompt_token_ids = state.prompt_token_ids
+        state.completions.append(
+            CompletionState(
+                request_id,
                 index,
                 state,
-                Detokenizer(self.tokenizer, prompt_token_ids, child_params),
-                child_params.logprobs is not None,
+                Detokenizer(self.tokenizer, prompt_token_ids, params),
+                params.logprobs is not None,
             )
-            state.completions.append(completion)
-            engine_requests.append(
-                EngineCoreRequest(
-                    child_id,
-                    prompt_token_ids,
-                    child_params,
-                    arrival_time,
-                    priority,
-                    self._eos_token_ids,
-                    cache_salt,
-                )
-            )
+        )
+        return EngineCoreRequest(
+            request_id,
+            prompt_token_ids,
+            params,
+            state.metrics.arrival_time,
+            priority,
+            self._eos_token_ids,
+            cache_salt,
+        )
+
+    def _register(self, state: RequestState) -> None:
+        """Make a request and its completions live (the inverse of :meth:`_forget`)."""
         for completion in state.completions:
             self._completions[completion.request_id] = completion
-        self._requests[request_id] = state
-        self._by_external.setdefault(external_id, []).append(request_id)
-        return engine_requests
+        self._requests[state.request_id] = state
+        self._by_external.setdefault(state.external_id, []).append(state.request_id)
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request by internal or external id; return the engine ids to abort.
@@ -217,15 +303,14 @@ class OutputProcessor:
         finished, for FINAL_ONLY). Errors the engine reports are handled as the module
         docstring says; nothing is raised here.
         """
-        result = ProcessedOutputs()
         completions = self._completions
         now = self.clock()
+        step = _StepOutputs(now)
         if outputs.prompt_logprobs:
             self._add_prompt_logprobs(outputs.prompt_logprobs)
         finished = {f.req_id: f for f in outputs.finished} if outputs.finished else None
         cached = outputs.num_cached_tokens or None
         logprobs = outputs.logprobs or None
-        parents: dict[str, tuple[RequestState, list[CompletionOutput]]] = {}
         for request_id, token_ids in zip(outputs.req_ids, outputs.new_token_ids, strict=True):
             completion = completions.get(request_id)
             if completion is None:
@@ -240,15 +325,13 @@ class OutputProcessor:
             metrics.last_token_time = now
             fin = finished.pop(request_id, None) if finished is not None else None
             entries = logprobs.get(request_id) if logprobs is not None else None
-            self._update(completion, token_ids, fin, entries, now, result, parents)
+            self._update(completion, token_ids, fin, entries, step)
         if finished:
             for fin in finished.values():
                 completion = completions.get(fin.req_id)
                 if completion is not None:
-                    self._update(completion, [], fin, None, now, result, parents)
-        for state, changed in parents.values():
-            self._emit(state, self._request_output(state, changed), result)
-        return result
+                    self._update(completion, [], fin, None, step)
+        return step.finish()
 
     def _update(
         self,
@@ -256,9 +339,7 @@ class OutputProcessor:
         token_ids: list[int],
         fin: FinishedRequest | None,
         entries: list[TokenLogprobs] | None,
-        now: float,
-        result: ProcessedOutputs,
-        parents: dict[str, tuple[RequestState, list[CompletionOutput]]],
+        step: _StepOutputs,
     ) -> None:
         """Apply one step's tokens (and finish) to one completion and emit its output."""
         if token_ids:
@@ -273,48 +354,59 @@ class OutputProcessor:
                     token_ids = token_ids[:kept]
                 completion.finish_reason, completion.stop_reason = "stop", stop
                 if fin is None:
-                    result.reqs_to_abort.append(completion.request_id)
-        if fin is not None and completion.finish_reason is None:
-            if fin.error is not None:
-                if completion.request.collector is not None:
-                    self._fail(completion, fin, result)
-                    return
-                completion.finish_reason = "error"
-                completion.request.error = fin.error
-            else:
-                completion.finish_reason = fin.finish_reason  # type: ignore[assignment]
-                completion.stop_reason = fin.stop_reason
+                    step.result.reqs_to_abort.append(completion.request_id)
+        if (
+            fin is not None
+            and completion.finish_reason is None
+            and self._finish(completion, fin, step)
+        ):
+            return  # the whole request failed; its collector has the exception
         step_logprobs = None
         if completion.logprobs is not None:
             step_logprobs = self._logprobs(completion, entries, len(token_ids)) if entries else []
         finished = completion.finish_reason is not None
-        state = completion.request
         if finished:
-            del self._completions[completion.request_id]
-            state.num_finished += 1
-            if state.finished:
-                state.metrics.finished_time = now
-                self._forget(state)
+            self._completion_done(completion, step.now)
         output = self._completion_output(completion, token_ids, step_logprobs, finished)
         if output is None:
             return
+        state = completion.request
         if state.n == 1:
-            self._emit(state, self._request_output(state, [output]), result)
+            step.emit(state, _request_output(state, [output]))
         elif state.kind == _FINAL_ONLY:
             state.final_outputs[completion.index] = output
             if state.finished:
                 done = [c for c in state.final_outputs if c is not None]
-                self._emit(state, self._request_output(state, done), result)
+                step.emit(state, _request_output(state, done))
         else:
-            pending = parents.get(state.request_id)
-            if pending is None:
-                parents[state.request_id] = (state, [output])
-            else:
-                pending[1].append(output)
+            step.gather(state, output)
 
-    def _fail(
-        self, completion: CompletionState, fin: FinishedRequest, result: ProcessedOutputs
-    ) -> None:
+    def _finish(
+        self, completion: CompletionState, fin: FinishedRequest, step: _StepOutputs
+    ) -> bool:
+        """Take the engine's finish of a completion; True when that failed the whole request
+        (then it has no output to emit)."""
+        if fin.error is None:
+            completion.finish_reason = fin.finish_reason  # type: ignore[assignment]
+            completion.stop_reason = fin.stop_reason
+        elif completion.request.collector is not None:
+            self._fail(completion, fin, step)
+            return True
+        else:
+            completion.finish_reason = "error"
+            completion.request.error = fin.error
+        return False
+
+    def _completion_done(self, completion: CompletionState, now: float) -> None:
+        """A completion finished: it stops being live, and its request with its last one."""
+        del self._completions[completion.request_id]
+        state = completion.request
+        state.num_finished += 1
+        if state.finished:
+            state.metrics.finished_time = now
+            self._forget(state)
+
+    def _fail(self, completion: CompletionState, fin: FinishedRequest, step: _StepOutputs) -> None:
         """An engine-reported error of a request with a collector: the collector gets the
         exception and the whole request ends (running siblings are aborted in the engine)."""
         state = completion.request
@@ -322,7 +414,7 @@ class OutputProcessor:
         for sibling in state.completions:
             if sibling.finish_reason is None:
                 sibling.finish_reason = "abort"
-                result.reqs_to_abort.append(sibling.request_id)
+                step.result.reqs_to_abort.append(sibling.request_id)
         state.num_finished = state.n
         self._forget(state)
         error = RetryableRequestError if fin.retryable else InvalidRequestError
@@ -387,40 +479,6 @@ class OutputProcessor:
             completion.stop_reason,
         )
 
-    def _request_output(
-        self, state: RequestState, outputs: list[CompletionOutput]
-    ) -> RequestOutput:
-        prompt_logprobs = state.prompt_logprobs
-        if state.kind == _DELTA and prompt_logprobs is not None:
-            # DELTA sends prompt logprobs once: all of them arrived with the first token.
-            if state.prompt_logprobs_sent:
-                prompt_logprobs = None
-            state.prompt_logprobs_sent = True
-        m = state.metrics
-        if state.kind != _FINAL_ONLY:
-            # Streamed outputs get a snapshot: the live metrics keep changing.
-            m = RequestMetrics(
-                m.arrival_time, m.first_token_time, m.last_token_time, m.finished_time
-            )
-        return RequestOutput(
-            state.external_id,
-            state.prompt,
-            state.prompt_token_ids,
-            outputs,
-            state.finished,
-            state.num_cached_tokens or 0,
-            m,
-            prompt_logprobs,
-            state.error,
-        )
-
-    @staticmethod
-    def _emit(state: RequestState, output: RequestOutput, result: ProcessedOutputs) -> None:
-        if state.collector is not None:
-            state.collector.put(output)
-        else:
-            result.request_outputs.append(output)
-
     def _abort_output(self, state: RequestState, aborted: list[CompletionState]) -> RequestOutput:
         """The last output of an aborted request: its unfinished completions, ended "abort"
         (FINAL_ONLY: every completion)."""
@@ -449,7 +507,7 @@ class OutputProcessor:
             for c in aborted:
                 state.final_outputs[c.index] = self._final_completion(c)
             outputs = [c for c in state.final_outputs if c is not None]
-        return self._request_output(state, outputs)
+        return _request_output(state, outputs)
 
     # -- logprobs -------------------------------------------------------------------------------
 

@@ -54,7 +54,7 @@ class RequestState:
         self.n = params.n
         self.completions: list[CompletionState] = []
         self.num_finished = 0
-        self.final_outputs: list[CompletionOutput | None] = []
+        self.final_outputs: list[CompletionOutput | None] = [None] * self.n if self.n > 1 else []
         """FINAL_ONLY with n > 1: the finished completions by index."""
         self.metrics = RequestMetrics(arrival_time)
         self.collector = collector
