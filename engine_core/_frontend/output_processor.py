@@ -267,12 +267,8 @@ class OutputProcessor:
             state = self._requests.get(rid)
             if state is None:
                 continue
-            aborted = [c for c in state.completions if c.finish_reason is None]
-            for completion in aborted:
-                completion.finish_reason = "abort"
-                engine_ids.append(completion.request_id)
-            state.num_finished = state.n
-            self._forget(state)
+            aborted = self._end(state)
+            engine_ids.extend(c.request_id for c in aborted)
             if state.collector is not None:
                 state.collector.put(self._abort_output(state, aborted))
         return engine_ids
@@ -282,6 +278,16 @@ class OutputProcessor:
         for state in self._requests.values():
             if state.collector is not None:
                 state.collector.put(exc)
+
+    def _end(self, state: RequestState) -> list[CompletionState]:
+        """End a request now: its unfinished completions finish "abort" (returned) and it is
+        forgotten."""
+        aborted = [c for c in state.completions if c.finish_reason is None]
+        for completion in aborted:
+            completion.finish_reason = "abort"
+        state.num_finished = state.n
+        self._forget(state)
+        return aborted
 
     def _forget(self, state: RequestState) -> None:
         for completion in state.completions:
@@ -411,12 +417,7 @@ class OutputProcessor:
         exception and the whole request ends (running siblings are aborted in the engine)."""
         state = completion.request
         completion.finish_reason = "error"
-        for sibling in state.completions:
-            if sibling.finish_reason is None:
-                sibling.finish_reason = "abort"
-                step.result.reqs_to_abort.append(sibling.request_id)
-        state.num_finished = state.n
-        self._forget(state)
+        step.result.reqs_to_abort.extend(c.request_id for c in self._end(state))
         error = RetryableRequestError if fin.retryable else InvalidRequestError
         assert state.collector is not None and fin.error is not None
         state.collector.put(error(fin.error, state.external_id))
