@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from engine_core.outputs import PositionLogprobs, RequestOutput
-from engine_core.sampling_params import (
-    RequestOutputKind,
-    SamplingParams,
-    StructuredOutputsParams,
-)
+from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 from engine_core.server._chat_template import ChatTemplateError
 from engine_core.server._errors import APIError
 from engine_core.server._protocol import (
@@ -29,22 +23,23 @@ from engine_core.server._protocol import (
     TokenLogprob,
     TopLogprob,
 )
-from engine_core.server._serving import (
+from engine_core.server._respond import (
     Fields,
+    RequestContext,
+    ResponseStream,
+    new_id,
+    respond,
+)
+from engine_core.server._serving import (
     PreparedPrompt,
     ServerState,
-    check_prompt_length,
-    new_id,
+    prepare_prompt,
     read_body,
-    run_prompts,
     sampling_params,
-    usage,
 )
-from engine_core.server._sse import Emit, EventStreamResponse, cancel_on_disconnect, sse_event
+from engine_core.server._sse import EventStreamResponse
 
 __all__ = ["create_chat_completion", "render_messages"]
-
-_ENCODER = msgspec.json.Encoder()
 
 
 def _message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -90,8 +85,7 @@ def render_messages(state: ServerState, body: ChatCompletionRequest) -> Prepared
     if bos is not None and len(token_ids) > 1 and token_ids[0] == token_ids[1] == bos:
         # The template wrote the BOS token and the tokenizer added another one.
         del token_ids[0]
-    check_prompt_length(state, len(token_ids), "messages")
-    return PreparedPrompt({"prompt": text, "prompt_token_ids": token_ids}, len(token_ids))
+    return prepare_prompt(state, token_ids, "messages", text)
 
 
 def _chat_logprobs(positions: list[PositionLogprobs], top: int) -> ChatLogprobs:
@@ -149,7 +143,7 @@ def _response_format(body: ChatCompletionRequest) -> StructuredOutputsParams | N
     )
 
 
-def _chat_params(body: ChatCompletionRequest, kind: RequestOutputKind) -> SamplingParams:
+def _chat_params(body: ChatCompletionRequest) -> SamplingParams:
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     max_tokens = body.max_completion_tokens
@@ -162,7 +156,6 @@ def _chat_params(body: ChatCompletionRequest, kind: RequestOutputKind) -> Sampli
         body,
         max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        output_kind=kind,
         renames=renames,
         structured_outputs=_response_format(body),
     )
@@ -178,47 +171,20 @@ async def create_chat_completion(
 ) -> Response | EventStreamResponse:
     body = await read_body(request, ChatCompletionRequest, state.max_body_bytes)
     model = state.model_name(body.model)
-    kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
-    params = _chat_params(body, kind)
-    prompt = render_messages(state, body)
-    request_id = new_id("chatcmpl")
-    created = int(time.time())
-    if body.stream:
-        stream = _ChatStream(state, body, prompt, params, request_id, created, model)
-        return EventStreamResponse(stream.run)
-    return await cancel_on_disconnect(
-        request.receive, lambda: _complete(state, body, prompt, params, request_id, created, model)
+    params = _chat_params(body)
+    prompts = [render_messages(state, body)]
+    ctx = RequestContext(
+        state, body, prompts, params, model, new_id("chatcmpl"), fields=_fields(body)
     )
+    return await respond(request, ctx, _ChatStream, ChatCompletion, _choices)
 
 
-async def _complete(
-    state: ServerState,
-    body: ChatCompletionRequest,
-    prompt: PreparedPrompt,
-    params: SamplingParams,
-    request_id: str,
-    created: int,
-    model: str,
-) -> Response:
-    finals: list[RequestOutput] = []
-
-    async def handle(index: int, output: RequestOutput) -> None:
-        finals.append(output)
-
-    await run_prompts(
-        state,
-        [prompt],
-        params,
-        request_id,
-        handle,
-        priority=body.priority,
-        fields=_fields(body),
-    )
-    output = finals[-1]
+def _choices(
+    ctx: RequestContext[ChatCompletionRequest], prompt_index: int, output: RequestOutput
+) -> list[ChatChoice]:
+    body = ctx.body
     choices = []
-    completion_tokens = 0
     for completion in sorted(output.outputs, key=lambda c: c.index):
-        completion_tokens += len(completion.token_ids)
         logprobs = None
         if body.logprobs and completion.logprobs is not None:
             logprobs = _chat_logprobs(completion.logprobs, body.top_logprobs or 0)
@@ -230,77 +196,29 @@ async def _complete(
                 finish_reason=completion.finish_reason,
             )
         )
-    result = ChatCompletion(
-        id=request_id,
-        created=created,
-        model=model,
-        choices=choices,
-        usage=usage(len(output.prompt_token_ids), completion_tokens),
-    )
-    return Response(_ENCODER.encode(result), media_type="application/json")
+    return choices
 
 
-class _ChatStream:
+class _ChatStream(ResponseStream[ChatCompletionRequest, ChatChunkChoice]):
     """One streamed chat response: a role chunk per choice, then content chunks, then (when
-    asked) a usage chunk. Each output is one write; the last output's chunks are returned to go
-    out with ``[DONE]``."""
+    asked) a usage chunk."""
 
-    def __init__(
-        self,
-        state: ServerState,
-        body: ChatCompletionRequest,
-        prompt: PreparedPrompt,
-        params: SamplingParams,
-        request_id: str,
-        created: int,
-        model: str,
-    ) -> None:
-        self.state = state
-        self.body = body
-        self.prompt = prompt
-        self.params = params
-        self.request_id = request_id
-        self.created = created
-        self.model = model
-        self.completion_tokens = 0
+    chunk = ChatCompletionChunk
+
+    def __init__(self, ctx: RequestContext[ChatCompletionRequest]) -> None:
+        super().__init__(ctx)
         self.started = False
-        self.tail = b""
-        self.emit: Emit | None = None
 
-    def _event(self, choices: list[ChatChunkChoice], **extra: Any) -> bytes:
-        chunk = ChatCompletionChunk(
-            id=self.request_id, created=self.created, model=self.model, choices=choices, **extra
-        )
-        return sse_event(_ENCODER.encode(chunk))
-
-    async def run(self, emit: Emit) -> bytes:
-        self.emit = emit
-        await run_prompts(
-            self.state,
-            [self.prompt],
-            self.params,
-            self.request_id,
-            self._handle,
-            priority=self.body.priority,
-            fields=_fields(self.body),
-        )
-        options = self.body.stream_options
-        if options is not None and options.include_usage:
-            self.tail += self._event(
-                [], usage=usage(self.prompt.num_tokens, self.completion_tokens)
-            )
-        return self.tail
-
-    async def _handle(self, prompt_index: int, output: RequestOutput) -> None:
+    def events(self, prompt_index: int, output: RequestOutput) -> list[bytes]:
+        body = self.ctx.body
         events = []
         if not self.started:
             self.started = True
-            for index in range(self.body.n):
+            for index in range(body.n):
                 role = ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))
-                events.append(self._event([role]))
-        top = self.body.top_logprobs or 0
+                events.append(self.event([role]))
+        top = body.top_logprobs or 0
         for completion in output.outputs:
-            self.completion_tokens += len(completion.token_ids)
             logprobs = None
             if completion.logprobs:
                 logprobs = _chat_logprobs(completion.logprobs, top)
@@ -312,10 +230,5 @@ class _ChatStream:
                 logprobs=logprobs,
                 finish_reason=completion.finish_reason,
             )
-            events.append(self._event([choice]))
-        data = b"".join(events)
-        if output.finished:
-            self.tail = data
-        elif data:
-            assert self.emit is not None
-            await self.emit(data)
+            events.append(self.event([choice]))
+        return events

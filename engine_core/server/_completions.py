@@ -5,16 +5,12 @@ Choices are numbered prompt by prompt: choice ``i * n + j`` is completion ``j`` 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
-import anyio
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine_core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from engine_core.sampling_params import RequestOutputKind, SamplingParams
+from engine_core.outputs import PositionLogprobs, RequestOutput
 from engine_core.server._errors import APIError
 from engine_core.server._protocol import (
     Completion,
@@ -22,21 +18,17 @@ from engine_core.server._protocol import (
     CompletionLogprobs,
     CompletionRequest,
 )
+from engine_core.server._respond import RequestContext, ResponseStream, new_id, respond
 from engine_core.server._serving import (
     PreparedPrompt,
     ServerState,
-    check_prompt_length,
-    new_id,
+    prepare_prompt,
     read_body,
-    run_prompts,
     sampling_params,
-    usage,
 )
-from engine_core.server._sse import Emit, EventStreamResponse, cancel_on_disconnect, sse_event
+from engine_core.server._sse import EventStreamResponse
 
 __all__ = ["create_completion"]
-
-_ENCODER = msgspec.json.Encoder()
 
 
 def _prepare_prompts(
@@ -63,14 +55,10 @@ def _prepare_prompts(
     prepared = []
     for item in items:
         if isinstance(item, str):
-            token_ids = state.tokenizer.encode(item)
-            prepared.append(
-                PreparedPrompt({"prompt": item, "prompt_token_ids": token_ids}, len(token_ids))
-            )
+            prepared.append(prepare_prompt(state, state.tokenizer.encode(item), "prompt", item))
         else:
-            assert isinstance(item, list)
-            prepared.append(PreparedPrompt({"prompt_token_ids": item}, len(item)))
-        check_prompt_length(state, prepared[-1].num_tokens, "prompt")
+            assert isinstance(item, list)  # the checks above leave no bare int
+            prepared.append(prepare_prompt(state, item, "prompt"))
     return prepared
 
 
@@ -111,182 +99,64 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported", param="echo")
     prompts = _prepare_prompts(state, body.prompt)
-    kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
-    params = sampling_params(
-        body, max_tokens=body.max_tokens, logprobs=body.logprobs, output_kind=kind, renames={}
-    )
-    request_id = new_id("cmpl")
-    created = int(time.time())
-    if body.stream:
-        stream = _CompletionStream(state, body, prompts, params, request_id, created, model)
-        return EventStreamResponse(stream.run)
-    return await cancel_on_disconnect(
-        request.receive,
-        lambda: _complete(state, body, prompts, params, request_id, created, model),
-    )
+    params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs, renames={})
+    ctx = RequestContext(state, body, prompts, params, model, new_id("cmpl"))
+    return await respond(request, ctx, _CompletionStream, Completion, _choices)
 
 
-async def _complete(
-    state: ServerState,
-    body: CompletionRequest,
-    prompts: list[PreparedPrompt],
-    params: SamplingParams,
-    request_id: str,
-    created: int,
-    model: str,
-) -> Response:
-    n = body.n
-    finals: list[RequestOutput | None] = [None] * len(prompts)
+def _choices(
+    ctx: RequestContext[CompletionRequest], prompt_index: int, output: RequestOutput
+) -> list[CompletionChoice]:
+    body = ctx.body
+    echo = _echo_text(ctx.state, output) if body.echo else ""
+    choices = []
+    for completion in sorted(output.outputs, key=lambda c: c.index):
+        logprobs = None
+        if body.logprobs is not None and completion.logprobs is not None:
+            logprobs, _ = _logprobs(completion.logprobs, 0)
+        choices.append(
+            CompletionChoice(
+                index=prompt_index * body.n + completion.index,
+                text=echo + completion.text,
+                logprobs=logprobs,
+                finish_reason=completion.finish_reason,
+            )
+        )
+    return choices
 
-    async def handle(index: int, output: RequestOutput) -> None:
-        finals[index] = output
 
-    await run_prompts(state, prompts, params, request_id, handle, priority=body.priority)
-    choices: list[CompletionChoice] = []
-    prompt_tokens = completion_tokens = 0
-    for index, output in enumerate(finals):
-        assert output is not None
-        prompt_tokens += len(output.prompt_token_ids)
-        echo = _echo_text(state, output) if body.echo else ""
-        for completion in sorted(output.outputs, key=lambda c: c.index):
-            completion_tokens += len(completion.token_ids)
+class _CompletionStream(ResponseStream[CompletionRequest, CompletionChoice]):
+    """One streamed completion response: a chunk per choice per output (the echoed prompt
+    leading a choice's first one), then (when asked) a usage chunk."""
+
+    chunk = Completion
+
+    def __init__(self, ctx: RequestContext[CompletionRequest]) -> None:
+        super().__init__(ctx)
+        self.text_offsets: dict[int, int] = {}
+        """Per choice that has begun: the ``text_offset`` of its next token."""
+
+    def events(self, prompt_index: int, output: RequestOutput) -> list[bytes]:
+        body = self.ctx.body
+        events = []
+        for completion in output.outputs:
+            index = prompt_index * body.n + completion.index
+            text = completion.text
+            offset = self.text_offsets.get(index)
+            if offset is None:  # the choice's first output
+                offset = 0
+                if body.echo:
+                    text = _echo_text(self.ctx.state, output) + text
             logprobs = None
-            if body.logprobs is not None and completion.logprobs is not None:
-                logprobs, _ = _logprobs(completion.logprobs, 0)
-            choices.append(
-                CompletionChoice(
-                    index=index * n + completion.index,
-                    text=echo + completion.text,
+            if body.logprobs is not None and completion.logprobs:
+                logprobs, offset = _logprobs(completion.logprobs, offset)
+            self.text_offsets[index] = offset
+            if text or logprobs is not None or completion.finish_reason is not None:
+                choice = CompletionChoice(
+                    index=index,
+                    text=text,
                     logprobs=logprobs,
                     finish_reason=completion.finish_reason,
                 )
-            )
-    result = Completion(
-        id=request_id,
-        created=created,
-        model=model,
-        choices=choices,
-        usage=usage(prompt_tokens, completion_tokens),
-    )
-    return Response(_ENCODER.encode(result), media_type="application/json")
-
-
-class _CompletionStream:
-    """One streamed completion response: a chunk per choice per output (the echoed prompt
-    leading a choice's first one), then (when asked) a usage chunk. Each output is one write;
-    with one prompt, the last output's chunks are returned to go out with ``[DONE]``."""
-
-    def __init__(
-        self,
-        state: ServerState,
-        body: CompletionRequest,
-        prompts: list[PreparedPrompt],
-        params: SamplingParams,
-        request_id: str,
-        created: int,
-        model: str,
-    ) -> None:
-        self.state = state
-        self.body = body
-        self.prompts = prompts
-        self.params = params
-        self.request_id = request_id
-        self.created = created
-        self.model = model
-        self.text_offsets: dict[int, int] = {}
-        """Per choice that has begun: the ``text_offset`` of its next token."""
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.tail = b""
-        self.emit: Emit | None = None
-
-    async def run(self, emit: Emit) -> bytes:
-        self.emit = emit if len(self.prompts) == 1 else _serialized(emit)
-        await run_prompts(
-            self.state,
-            self.prompts,
-            self.params,
-            self.request_id,
-            self._handle,
-            priority=self.body.priority,
-        )
-        options = self.body.stream_options
-        if options is not None and options.include_usage:
-            chunk = Completion(
-                id=self.request_id,
-                created=self.created,
-                model=self.model,
-                choices=[],
-                usage=usage(self.prompt_tokens, self.completion_tokens),
-            )
-            self.tail += sse_event(_ENCODER.encode(chunk))
-        return self.tail
-
-    async def _handle(self, prompt_index: int, output: RequestOutput) -> None:
-        events = []
-        for completion in output.outputs:
-            choice = prompt_index * self.body.n + completion.index
-            self.completion_tokens += len(completion.token_ids)
-            text = completion.text
-            offset = self.text_offsets.get(choice)
-            if offset is None:  # the choice's first output
-                offset = 0
-                if completion.index == 0:
-                    self.prompt_tokens += len(output.prompt_token_ids)
-                if self.body.echo:
-                    text = _echo_text(self.state, output) + text
-            logprobs = None
-            if self.body.logprobs is not None and completion.logprobs:
-                logprobs, offset = _logprobs(completion.logprobs, offset)
-            self.text_offsets[choice] = offset
-            if text or logprobs is not None or completion.finish_reason is not None:
-                events.append(
-                    _chunk(
-                        self.request_id,
-                        self.created,
-                        self.model,
-                        choice,
-                        text,
-                        logprobs,
-                        completion,
-                    )
-                )
-        data = b"".join(events)
-        if output.finished and len(self.prompts) == 1:
-            self.tail = data
-        elif data:
-            assert self.emit is not None
-            await self.emit(data)
-
-
-def _serialized(emit: Emit) -> Emit:
-    """``emit`` for several prompt tasks: one write at a time."""
-    lock = anyio.Lock()
-
-    async def locked(data: bytes) -> None:
-        async with lock:
-            await emit(data)
-
-    return locked
-
-
-def _chunk(
-    request_id: str,
-    created: int,
-    model: str,
-    choice: int,
-    text: str,
-    logprobs: CompletionLogprobs | None,
-    completion: CompletionOutput,
-) -> bytes:
-    chunk = Completion(
-        id=request_id,
-        created=created,
-        model=model,
-        choices=[
-            CompletionChoice(
-                index=choice, text=text, logprobs=logprobs, finish_reason=completion.finish_reason
-            )
-        ],
-    )
-    return sse_event(_ENCODER.encode(chunk))
+                events.append(self.event([choice]))
+        return events

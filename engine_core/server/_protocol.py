@@ -8,7 +8,7 @@ field for field so the official clients parse them.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 
@@ -24,6 +24,8 @@ __all__ = [
     "Usage",
 ]
 
+
+C = TypeVar("C")
 
 # -- requests ------------------------------------------------------------------------------------
 
@@ -126,6 +128,17 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     text_offset: list[int]
 
 
+class ResponseBody(msgspec.Struct, Generic[C], kw_only=True):
+    """What every response and streamed chunk of the completion endpoints holds; the subclasses
+    add ``object`` (and name the type of their choices)."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[C]
+    usage: Usage | None = None
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
@@ -133,12 +146,9 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
 
 
-class Completion(msgspec.Struct, kw_only=True):
-    id: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
+class Completion(ResponseBody[CompletionChoice], kw_only=True):
+    """A whole response, and (with no usage but in the last) each streamed chunk."""
+
     object: Literal["text_completion"] = "text_completion"
 
 
@@ -148,10 +158,7 @@ class TopLogprob(msgspec.Struct, kw_only=True):
     bytes: list[int]
 
 
-class TokenLogprob(msgspec.Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int]
+class TokenLogprob(TopLogprob, kw_only=True):
     top_logprobs: list[TopLogprob]
 
 
@@ -171,12 +178,8 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
 
 
-class ChatCompletion(msgspec.Struct, kw_only=True):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
+class ChatCompletion(ResponseBody[ChatChoice], kw_only=True):
+    usage: Usage  # a whole response always has it
     object: Literal["chat.completion"] = "chat.completion"
 
 
@@ -192,12 +195,7 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(msgspec.Struct, kw_only=True):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
+class ChatCompletionChunk(ResponseBody[ChatChunkChoice], kw_only=True):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
 
 

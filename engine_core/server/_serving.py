@@ -1,51 +1,31 @@
-"""What the completion endpoints share: the server's state, reading and checking a request, turning
-it into :class:`SamplingParams`, and running prompts through the engine.
-
-Each prompt of a request is one ``AsyncLLM.generate`` call (its ``n`` completions included).
-Streams use DELTA outputs, whole responses FINAL_ONLY; both feed the metrics as they go.
+"""What the completion endpoints share in reading a request: the server's state, the body,
+its prompts' checks, and the :class:`SamplingParams` it asks for (answering it is ``_respond``'s).
 """
 
 from __future__ import annotations
 
-import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import anyio
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 
 from engine_core._core.tokenizer import PromptInput, Tokenizer
 from engine_core._frontend.async_llm import AsyncLLM
-from engine_core.outputs import RequestOutput
 from engine_core.sampling_params import (
     RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
 )
 from engine_core.server._chat_template import ChatTemplate
-from engine_core.server._errors import APIError, api_error_from, invalid_parameter
+from engine_core.server._errors import APIError, invalid_parameter
 from engine_core.server._metrics import ServerMetrics
-from engine_core.server._protocol import SamplingFields, Usage
+from engine_core.server._protocol import SamplingFields
 
-__all__ = [
-    "Fields",
-    "OutputHandler",
-    "PreparedPrompt",
-    "ServerState",
-    "check_prompt_length",
-    "new_id",
-    "read_body",
-    "run_prompts",
-    "sampling_params",
-    "usage",
-]
+__all__ = ["PreparedPrompt", "ServerState", "prepare_prompt", "read_body", "sampling_params"]
 
 S = TypeVar("S", bound=msgspec.Struct)
-OutputHandler = Callable[[int, RequestOutput], Awaitable[None]]
-"""Called with (prompt index, output) for every output of every prompt."""
 
 
 @dataclass(kw_only=True)
@@ -85,10 +65,6 @@ class PreparedPrompt:
     num_tokens: int
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(12)}"
-
-
 async def read_body(request: Request, struct: type[S], limit: int) -> S:
     """The JSON body decoded into ``struct``: 413 past ``limit`` bytes, 400 when invalid (the
     message names the offending field)."""
@@ -122,12 +98,12 @@ def sampling_params(
     *,
     max_tokens: int | None,
     logprobs: int | None,
-    output_kind: RequestOutputKind,
     renames: dict[str, str],
     structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The engine's parameters for ``body``; 400 naming the field when one is invalid.
-    ``structured_outputs`` (from the endpoint's own field) replaces ``body.structured_outputs``."""
+    ``structured_outputs`` (from the endpoint's own field) replaces ``body.structured_outputs``.
+    Streams get DELTA outputs, whole responses FINAL_ONLY."""
     fields = body.__struct_fields__
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
@@ -144,7 +120,7 @@ def sampling_params(
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "skip_special_tokens": body.skip_special_tokens,
         "logprobs": logprobs,
-        "output_kind": output_kind,
+        "output_kind": RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         "structured_outputs": structured_outputs or body.structured_outputs,
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
@@ -157,7 +133,12 @@ def sampling_params(
         raise invalid_parameter(exc, fields, renames) from None
 
 
-def check_prompt_length(state: ServerState, num_tokens: int, param: str) -> None:
+def prepare_prompt(
+    state: ServerState, token_ids: list[int], param: str, text: str | None = None
+) -> PreparedPrompt:
+    """A prompt of ``token_ids`` (and ``text``, when it came as text), its length checked: 400
+    naming ``param`` when it is empty or leaves no room to generate."""
+    num_tokens = len(token_ids)
     if num_tokens == 0:
         raise APIError(400, "the prompt is empty", param=param)
     if num_tokens >= state.max_model_len:
@@ -168,92 +149,6 @@ def check_prompt_length(state: ServerState, num_tokens: int, param: str) -> None
             param=param,
             code="context_length_exceeded",
         )
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
-    return Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class Fields:
-    """The request fields that errors about the prompt and about the grammar name."""
-
-    prompt: str = "prompt"
-    grammar: str = "structured_outputs"
-
-
-async def _run_one(
-    state: ServerState,
-    index: int,
-    prompt: PreparedPrompt,
-    params: SamplingParams,
-    request_id: str,
-    priority: int,
-    handle: OutputHandler,
-    fields: Fields,
-) -> None:
-    recorder = state.metrics.recorder()
-    try:
-        async for output in state.engine.generate(
-            prompt.prompt, params, request_id, priority=priority
-        ):
-            recorder.observe(output)
-            await handle(index, output)
-    except Exception as exc:
-        error = api_error_from(exc, fields.prompt, fields.grammar)
-        if error is None:
-            raise
-        raise error from exc
-    finally:
-        recorder.close(params.n)
-
-
-def _single_api_error(group: BaseExceptionGroup[Any]) -> APIError | None:
-    """The first :class:`APIError` of a failed fan-out when nothing but API errors failed it."""
-    errors, rest = group.split(APIError)
-    if rest is not None or errors is None:
-        return None
-    while isinstance(first := errors.exceptions[0], BaseExceptionGroup):
-        errors = first
-    assert isinstance(first, APIError)
-    return first
-
-
-async def run_prompts(
-    state: ServerState,
-    prompts: Sequence[PreparedPrompt],
-    params: SamplingParams,
-    request_id: str,
-    handle: OutputHandler,
-    *,
-    priority: int = 0,
-    fields: Fields = Fields(),
-) -> None:
-    """Generate for every prompt concurrently, handing each output to ``handle``; engine errors
-    become :class:`APIError` (the first one, when several prompts fail)."""
-    if len(prompts) == 1:
-        await _run_one(state, 0, prompts[0], params, request_id, priority, handle, fields)
-        return
-    try:
-        async with anyio.create_task_group() as task_group:
-            for index, prompt in enumerate(prompts):
-                task_group.start_soon(
-                    _run_one,
-                    state,
-                    index,
-                    prompt,
-                    params,
-                    f"{request_id}-{index}",
-                    priority,
-                    handle,
-                    fields,
-                )
-    except BaseExceptionGroup as group:
-        error = _single_api_error(group)
-        if error is None:
-            raise
-        raise error from None
+    if text is None:
+        return PreparedPrompt({"prompt_token_ids": token_ids}, num_tokens)
+    return PreparedPrompt({"prompt": text, "prompt_token_ids": token_ids}, num_tokens)

@@ -1,0 +1,226 @@
+"""Answering a completion request, whole or streamed: what both endpoints do alike.
+
+An endpoint reads its request into a :class:`RequestContext` and says how an output becomes its
+choices; the code here runs the prompts through the engine (one ``AsyncLLM.generate`` call per
+prompt, its ``n`` completions included, feeding the metrics as it goes), counts the usage and
+writes the JSON: one body of FINAL_ONLY outputs, or server-sent events of DELTA outputs ending
+with ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import anyio
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from engine_core.outputs import RequestOutput
+from engine_core.sampling_params import SamplingParams
+from engine_core.server._errors import APIError, api_error_from
+from engine_core.server._protocol import ResponseBody, SamplingFields, Usage
+from engine_core.server._serving import PreparedPrompt, ServerState
+from engine_core.server._sse import Emit, EventStreamResponse, cancel_on_disconnect, sse_event
+
+__all__ = ["Fields", "RequestContext", "ResponseStream", "new_id", "respond"]
+
+B = TypeVar("B", bound=SamplingFields)
+C = TypeVar("C")
+
+_ENCODER = msgspec.json.Encoder()
+
+_OutputHandler = Callable[[int, RequestOutput], Awaitable[None]]
+"""Called with (prompt index, output) for every output of every prompt."""
+
+
+def new_id(prefix: str) -> str:
+    """A fresh response id: ``prefix``, a dash and 24 hex digits."""
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Fields:
+    """The request fields that errors about the prompt and about the grammar name."""
+
+    prompt: str = "prompt"
+    grammar: str = "structured_outputs"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext(Generic[B]):
+    """One request being answered: what its endpoint read and decided, which the whole or the
+    streamed response is made from."""
+
+    state: ServerState
+    body: B
+    prompts: Sequence[PreparedPrompt]
+    params: SamplingParams
+    model: str
+    """The model name to answer with."""
+    request_id: str
+    """The response's id; the engine requests' ids derive from it."""
+    created: int = field(default_factory=lambda: int(time.time()))
+    fields: Fields = Fields()
+
+
+async def _run_one(
+    ctx: RequestContext[Any], index: int, request_id: str, handle: _OutputHandler
+) -> None:
+    recorder = ctx.state.metrics.recorder()
+    params = ctx.params
+    try:
+        async for output in ctx.state.engine.generate(
+            ctx.prompts[index].prompt, params, request_id, priority=ctx.body.priority
+        ):
+            recorder.observe(output)
+            await handle(index, output)
+    except Exception as exc:
+        error = api_error_from(exc, ctx.fields.prompt, ctx.fields.grammar)
+        if error is None:
+            raise
+        raise error from exc
+    finally:
+        recorder.close(params.n)
+
+
+def _single_api_error(group: BaseExceptionGroup[Any]) -> APIError | None:
+    """The first :class:`APIError` of a failed fan-out when nothing but API errors failed it."""
+    errors, rest = group.split(APIError)
+    if rest is not None or errors is None:
+        return None
+    while isinstance(first := errors.exceptions[0], BaseExceptionGroup):
+        errors = first
+    assert isinstance(first, APIError)
+    return first
+
+
+async def _run_prompts(ctx: RequestContext[Any], handle: _OutputHandler) -> None:
+    """Generate for every prompt concurrently, handing each output to ``handle``; engine errors
+    become :class:`APIError` (the first one, when several prompts fail)."""
+    if len(ctx.prompts) == 1:
+        await _run_one(ctx, 0, ctx.request_id, handle)
+        return
+    try:
+        async with anyio.create_task_group() as task_group:
+            for index in range(len(ctx.prompts)):
+                task_group.start_soon(_run_one, ctx, index, f"{ctx.request_id}-{index}", handle)
+    except BaseExceptionGroup as group:
+        error = _single_api_error(group)
+        if error is None:
+            raise
+        raise error from None
+
+
+ChoicesOf = Callable[[RequestContext[B], int, RequestOutput], list[C]]
+"""The choices of (request, prompt index, final output of that prompt) in a whole response."""
+
+
+async def respond(
+    request: Request,
+    ctx: RequestContext[B],
+    stream: Callable[[RequestContext[B]], ResponseStream[B, Any]],
+    response: type[ResponseBody[C]],
+    choices_of: ChoicesOf[B, C],
+) -> Response | EventStreamResponse:
+    """The answer to ``request``: streamed by ``stream(ctx)`` when the body asks for a stream,
+    else a whole ``response`` with the choices ``choices_of`` makes of each prompt's output."""
+    if ctx.body.stream:
+        return EventStreamResponse(stream(ctx).run)
+    return await cancel_on_disconnect(request.receive, lambda: _whole(ctx, response, choices_of))
+
+
+async def _whole(
+    ctx: RequestContext[B], response: type[ResponseBody[C]], choices_of: ChoicesOf[B, C]
+) -> Response:
+    finals: list[RequestOutput | None] = [None] * len(ctx.prompts)
+
+    async def handle(index: int, output: RequestOutput) -> None:
+        finals[index] = output
+
+    await _run_prompts(ctx, handle)
+    choices: list[C] = []
+    prompt_tokens = completion_tokens = 0
+    for index, output in enumerate(finals):
+        assert output is not None
+        prompt_tokens += len(output.prompt_token_ids)
+        completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+        choices += choices_of(ctx, index, output)
+    result = response(
+        id=ctx.request_id,
+        created=ctx.created,
+        model=ctx.model,
+        choices=choices,
+        usage=_usage(prompt_tokens, completion_tokens),
+    )
+    return Response(_ENCODER.encode(result), media_type="application/json")
+
+
+class ResponseStream(Generic[B, C]):
+    """One streamed response: the events of each output in one write, then (when asked) a
+    usage chunk. With one prompt, the last output's events are returned to go out with
+    ``[DONE]``. Subclasses name their ``chunk`` struct and make the events of an output."""
+
+    chunk: type[ResponseBody[C]]
+
+    def __init__(self, ctx: RequestContext[B]) -> None:
+        self.ctx = ctx
+        self.completion_tokens = 0
+        self.tail = b""
+        self.emit: Emit | None = None
+
+    def events(self, prompt_index: int, output: RequestOutput) -> list[bytes]:
+        """The encoded events of one output of prompt ``prompt_index``."""
+        raise NotImplementedError
+
+    def event(self, choices: list[C], usage: Usage | None = None) -> bytes:
+        """One chunk as an encoded event."""
+        ctx = self.ctx
+        chunk = self.chunk(
+            id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage
+        )
+        return sse_event(_ENCODER.encode(chunk))
+
+    async def run(self, emit: Emit) -> bytes:
+        """Stream every prompt's outputs with ``emit``; return the events that end the stream."""
+        prompts = self.ctx.prompts
+        self.emit = emit if len(prompts) == 1 else _serialized(emit)
+        await _run_prompts(self.ctx, self._handle)
+        options = self.ctx.body.stream_options
+        if options is not None and options.include_usage:
+            prompt_tokens = sum(p.num_tokens for p in prompts)
+            self.tail += self.event([], _usage(prompt_tokens, self.completion_tokens))
+        return self.tail
+
+    async def _handle(self, prompt_index: int, output: RequestOutput) -> None:
+        for completion in output.outputs:
+            self.completion_tokens += len(completion.token_ids)
+        data = b"".join(self.events(prompt_index, output))
+        if output.finished and len(self.ctx.prompts) == 1:
+            self.tail = data
+        elif data:
+            assert self.emit is not None
+            await self.emit(data)
+
+
+def _serialized(emit: Emit) -> Emit:
+    """``emit`` for several prompt tasks: one write at a time."""
+    lock = anyio.Lock()
+
+    async def locked(data: bytes) -> None:
+        async with lock:
+            await emit(data)
+
+    return locked
