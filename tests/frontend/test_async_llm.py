@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import anyio
+import anyio.abc
 import pytest
 
 from engine_core import (
@@ -34,11 +35,40 @@ async def _collect(
     return [out async for out in engine.generate(prompt, params, **kw)]
 
 
+def _stepped_engine() -> AsyncLLM:
+    """An engine in its own process whose steps take a millisecond: requests stay running."""
+    return _engine(backend_options={"latency": {"step_s": 0.001}})
+
+
+async def _consume(
+    engine: AsyncLLM,
+    sink: list[RequestOutput],
+    params: SamplingParams,
+    request_id: str | None = None,
+) -> None:
+    """Append every output of a request for "abc" to ``sink``."""
+    async for out in engine.generate("abc", params, request_id=request_id):
+        sink.append(out)
+
+
 async def _streaming(outs: list[RequestOutput]) -> None:
     """Return once a stream's first output has arrived in ``outs``."""
     with anyio.fail_after(5):
         while not outs:
             await anyio.sleep(0.005)
+
+
+async def _start_stream(
+    task_group: anyio.abc.TaskGroup,
+    engine: AsyncLLM,
+    params: SamplingParams,
+    request_id: str | None = None,
+) -> list[RequestOutput]:
+    """Start a request for "abc" in ``task_group``; its outputs, once the first has arrived."""
+    outs: list[RequestOutput] = []
+    task_group.start_soon(_consume, engine, outs, params, request_id)
+    await _streaming(outs)
+    return outs
 
 
 async def _wait_idle(engine: AsyncLLM) -> Any:
@@ -98,7 +128,7 @@ async def test_100_concurrent_with_10_cancelled() -> None:
 
 
 async def test_delta_concatenates_to_cumulative_and_slow_consumer_sees_everything() -> None:
-    async with _engine(backend_options={"latency": {"step_s": 0.001}}) as engine:
+    async with _stepped_engine() as engine:
         cumulative = await _collect(engine, "A", SamplingParams(max_tokens=40, **GREEDY))
         delta_params = SamplingParams(max_tokens=40, output_kind=RequestOutputKind.DELTA, **GREEDY)
         deltas = await _collect(engine, "A", delta_params)
@@ -123,7 +153,7 @@ async def test_final_only_yields_once() -> None:
 
 
 async def test_leaving_the_loop_early_aborts_the_request() -> None:
-    async with _engine(backend_options={"latency": {"step_s": 0.001}}) as engine:
+    async with _stepped_engine() as engine:
         async for _ in engine.generate("abc", SamplingParams(max_tokens=5000, **GREEDY)):
             break
         stats = await _wait_idle(engine)
@@ -131,17 +161,10 @@ async def test_leaving_the_loop_early_aborts_the_request() -> None:
 
 
 async def test_abort_by_user_id_reaches_all_children_and_ids_can_be_reused() -> None:
-    async with _engine(backend_options={"latency": {"step_s": 0.001}}) as engine:
+    async with _stepped_engine() as engine:
         params = SamplingParams(max_tokens=5000, n=3, temperature=1.0, seed=7, ignore_eos=True)
-        outs: list[RequestOutput] = []
-
-        async def consume() -> None:
-            async for out in engine.generate("abc", params, request_id="same"):
-                outs.append(out)
-
         async with anyio.create_task_group() as tg:
-            tg.start_soon(consume)
-            await _streaming(outs)
+            outs = await _start_stream(tg, engine, params, "same")
             await engine.abort("same")
         assert outs[-1].finished
         assert {c.finish_reason for c in outs[-1].outputs} == {"abort"}
@@ -153,16 +176,9 @@ async def test_abort_by_user_id_reaches_all_children_and_ids_can_be_reused() -> 
 
 
 async def test_pause_abort_rejects_until_resume() -> None:
-    async with _engine(backend_options={"latency": {"step_s": 0.001}}) as engine:
-        outs: list[RequestOutput] = []
-
-        async def consume() -> None:
-            async for out in engine.generate("abc", SamplingParams(max_tokens=5000, **GREEDY)):
-                outs.append(out)
-
+    async with _stepped_engine() as engine:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(consume)
-            await _streaming(outs)
+            outs = await _start_stream(tg, engine, SamplingParams(max_tokens=5000, **GREEDY))
             await engine.pause_generation(mode="abort")
         assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
         assert await engine.is_paused()
@@ -175,16 +191,9 @@ async def test_pause_abort_rejects_until_resume() -> None:
 
 
 async def test_pause_wait_lets_in_flight_finish() -> None:
-    async with _engine(backend_options={"latency": {"step_s": 0.001}}) as engine:
-        outs: list[RequestOutput] = []
-
-        async def consume() -> None:
-            async for out in engine.generate("abc", SamplingParams(max_tokens=60, **GREEDY)):
-                outs.append(out)
-
+    async with _stepped_engine() as engine:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(consume)
-            await _streaming(outs)
+            outs = await _start_stream(tg, engine, SamplingParams(max_tokens=60, **GREEDY))
             await engine.pause_generation(mode="wait")
             with pytest.raises(RetryableRequestError):
                 await _collect(engine, "abc", SamplingParams(max_tokens=2, **GREEDY))
@@ -194,22 +203,13 @@ async def test_pause_wait_lets_in_flight_finish() -> None:
 
 
 async def test_pause_keep_freezes_and_queues() -> None:
-    async with _engine(backend_options={"latency": {"step_s": 0.001}}) as engine:
-        outs: list[RequestOutput] = []
+    async with _stepped_engine() as engine:
         late: list[RequestOutput] = []
-
-        async def consume(sink: list[RequestOutput], max_tokens: int) -> None:
-            async for out in engine.generate(
-                "abc", SamplingParams(max_tokens=max_tokens, **GREEDY)
-            ):
-                sink.append(out)
-
         async with anyio.create_task_group() as tg:
-            tg.start_soon(consume, outs, 100)
-            await _streaming(outs)
+            outs = await _start_stream(tg, engine, SamplingParams(max_tokens=100, **GREEDY))
             await engine.pause_generation(mode="keep")
             frozen = await engine.get_stats()
-            tg.start_soon(consume, late, 3)
+            tg.start_soon(_consume, engine, late, SamplingParams(max_tokens=3, **GREEDY))
             await anyio.sleep(0.1)
             still = await engine.get_stats()
             assert still.num_steps == frozen.num_steps
@@ -221,7 +221,7 @@ async def test_pause_keep_freezes_and_queues() -> None:
 
 
 async def test_reset_prefix_cache_false_while_blocks_held() -> None:
-    async with _engine(backend_options={"latency": {"step_s": 0.001}}) as engine:
+    async with _stepped_engine() as engine:
         outs: list[RequestOutput] = []
 
         async def consume() -> None:
@@ -253,7 +253,7 @@ async def test_engine_death_reaches_every_caller(kind: str) -> None:
 
 
 async def test_kill_9_detected_within_a_second() -> None:
-    async with _engine(backend_options={"latency": {"step_s": 0.001}}) as engine:
+    async with _stepped_engine() as engine:
         outs: list[RequestOutput] = []
         failed_at: list[float] = []
 
@@ -281,16 +281,6 @@ async def test_backend_failing_at_startup_reports_its_message() -> None:
 
 
 async def test_closing_aborts_in_flight_streams() -> None:
-    outs: list[RequestOutput] = []
-
-    async def consume(engine: AsyncLLM) -> None:
-        async for out in engine.generate("abc", SamplingParams(max_tokens=5000, **GREEDY)):
-            outs.append(out)
-
-    async with (
-        anyio.create_task_group() as tg,
-        _engine(backend_options={"latency": {"step_s": 0.001}}) as engine,
-    ):
-        tg.start_soon(consume, engine)
-        await _streaming(outs)
+    async with anyio.create_task_group() as tg, _stepped_engine() as engine:
+        outs = await _start_stream(tg, engine, SamplingParams(max_tokens=5000, **GREEDY))
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"

@@ -175,20 +175,26 @@ def test_min_tokens_makes_early_text_ineligible() -> None:
     assert detok.take(finished=True) == "aabc"
 
 
-def test_min_tokens_stop_must_start_after_min_tokens() -> None:
-    detok = Detokenizer(BYTES, [97], SamplingParams(stop="ab", min_tokens=1))
-    assert stream(detok, chars("ab")) == ["", "a"]
-    # The first "ab" starts in the first (min_tokens) token; the next one is eligible.
-    assert detok.update([ord("a")]) is None
-    assert detok.update([ord("b")]) == "ab"
-    assert detok.take(finished=True) == "b"
-
-
-def test_min_tokens_with_single_character_stop_over_steps() -> None:
-    detok = Detokenizer(BYTES, [97], SamplingParams(stop="a", min_tokens=2))
-    assert stream(detok, chars("aa")) == ["a", "a"]
-    assert detok.update([ord("b")]) is None
-    assert detok.update([ord("a")]) == "a"
+@pytest.mark.parametrize(
+    ("stop", "min_tokens", "early", "streamed", "then"),
+    [
+        # The first "ab" starts in the first (min_tokens) token; the next one is eligible.
+        ("ab", 1, "ab", ["", "a"], "ab"),
+        # Single-character stops within min_tokens are text; one step at a time.
+        ("a", 2, "aa", ["a", "a"], "ba"),
+    ],
+    ids=["two-character-stop", "one-character-stop"],
+)
+def test_min_tokens_stop_must_start_after_min_tokens(
+    stop: str, min_tokens: int, early: str, streamed: list[str], then: str
+) -> None:
+    """``early`` streams as ``streamed`` without stopping; of the two tokens of ``then``, the
+    first does not stop either and the second completes the stop string."""
+    detok = Detokenizer(BYTES, [97], SamplingParams(stop=stop, min_tokens=min_tokens))
+    assert stream(detok, chars(early)) == streamed
+    before, last = then
+    assert detok.update([ord(before)]) is None
+    assert detok.update([ord(last)]) == stop
     assert detok.take(finished=True) == "b"
 
 

@@ -21,6 +21,8 @@ import anyio
 import httpx
 import openai
 import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 import engine_core
@@ -32,6 +34,7 @@ pytestmark = pytest.mark.anyio
 T = TypeVar("T")
 API_KEY = "test-key"
 MODEL = "mock-model"
+HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 CHAT_HI = "user: hi\nassistant:"
 LN2 = math.log(2)
 
@@ -95,6 +98,34 @@ async def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
 
+async def complete(server: Server, **kwargs: Any) -> Completion:
+    """A completion by the served model, of "abc" unless ``prompt`` is given."""
+    return await in_thread(
+        server.client().completions.create, **{"model": MODEL, "prompt": "abc", **kwargs}
+    )
+
+
+async def chat(server: Server, **kwargs: Any) -> ChatCompletion:
+    """A chat completion by the served model, of ``HI`` unless ``messages`` are given."""
+    return await in_thread(
+        server.client().chat.completions.create, **{"model": MODEL, "messages": HI, **kwargs}
+    )
+
+
+async def complete_stream(server: Server, **kwargs: Any) -> list[Completion]:
+    """Every chunk of a streamed :func:`complete`."""
+    client = server.client()
+    kwargs = {"model": MODEL, "prompt": "abc", **kwargs, "stream": True}
+    return await in_thread(lambda: list(client.completions.create(**kwargs)))
+
+
+async def chat_stream(server: Server, **kwargs: Any) -> list[ChatCompletionChunk]:
+    """Every chunk of a streamed :func:`chat`."""
+    client = server.client()
+    kwargs = {"model": MODEL, "messages": HI, **kwargs, "stream": True}
+    return await in_thread(lambda: list(client.chat.completions.create(**kwargs)))
+
+
 async def wait_idle(engine: AsyncLLM) -> None:
     """Until the engine holds no request (an abort reaches it between two steps)."""
     with anyio.fail_after(5):
@@ -102,22 +133,30 @@ async def wait_idle(engine: AsyncLLM) -> None:
             await anyio.sleep(0.005)
 
 
-def metric_values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+async def metric_values(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The server's metrics now, by (name, sorted labels)."""
+    response = await in_thread(httpx.get, f"{server.url}/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
+        for family in text_string_to_metric_families(response.text)
         for sample in family.samples
     }
+
+
+def error_body(info: pytest.ExceptionInfo[openai.APIStatusError]) -> dict[str, Any]:
+    """The OpenAI error object of a failed call."""
+    body = info.value.body
+    assert isinstance(body, dict)
+    return body
 
 
 # -- completions ---------------------------------------------------------------------------------
 
 
 async def test_completion(server: Server) -> None:
-    client = server.client()
-    result = await in_thread(
-        client.completions.create, model=MODEL, prompt="abc", max_tokens=5, temperature=0
-    )
+    result = await complete(server, max_tokens=5, temperature=0)
     assert [c.text for c in result.choices] == ["defgh"]
     assert result.choices[0].finish_reason == "length"
     assert result.model == MODEL and result.object == "text_completion"
@@ -127,18 +166,9 @@ async def test_completion(server: Server) -> None:
 
 
 async def test_completion_stream_with_usage(server: Server) -> None:
-    def run() -> list[Any]:
-        stream = server.client().completions.create(
-            model=MODEL,
-            prompt="abc",
-            max_tokens=6,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        return list(stream)
-
-    chunks = await in_thread(run)
+    chunks = await complete_stream(
+        server, max_tokens=6, temperature=0, stream_options={"include_usage": True}
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "defghi"
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "length" and set(finishes[:-1]) <= {None}
@@ -148,31 +178,17 @@ async def test_completion_stream_with_usage(server: Server) -> None:
 
 
 async def test_completion_batch_token_ids_and_echo(server: Server) -> None:
-    client = server.client()
-    batch = await in_thread(
-        client.completions.create, model=MODEL, prompt=["abc", "xyz"], max_tokens=3, temperature=0
-    )
+    batch = await complete(server, prompt=["abc", "xyz"], max_tokens=3, temperature=0)
     assert [(c.index, c.text) for c in batch.choices] == [(0, "def"), (1, "{|}")]
     assert batch.usage is not None and batch.usage.prompt_tokens == 6
-    ids = await in_thread(
-        client.completions.create, model=MODEL, prompt=[97, 98, 99], max_tokens=2, temperature=0
-    )
+    ids = await complete(server, prompt=[97, 98, 99], max_tokens=2, temperature=0)
     assert ids.choices[0].text == "de"
-    echo = await in_thread(
-        client.completions.create, model=MODEL, prompt="abc", max_tokens=2, temperature=0, echo=True
-    )
+    echo = await complete(server, max_tokens=2, temperature=0, echo=True)
     assert echo.choices[0].text == "abcde"
 
 
 async def test_completion_stop_string(server: Server) -> None:
-    result = await in_thread(
-        server.client().completions.create,
-        model=MODEL,
-        prompt="abc",
-        max_tokens=10,
-        temperature=0,
-        stop=["g"],
-    )
+    result = await complete(server, max_tokens=10, temperature=0, stop=["g"])
     assert result.choices[0].text == "def"
     assert result.choices[0].finish_reason == "stop"
     # "g" was generated (it completed the stop string) and is counted; it is not shown.
@@ -180,14 +196,7 @@ async def test_completion_stop_string(server: Server) -> None:
 
 
 async def test_completion_logprobs(server: Server) -> None:
-    result = await in_thread(
-        server.client().completions.create,
-        model=MODEL,
-        prompt="abc",
-        max_tokens=3,
-        temperature=0,
-        logprobs=2,
-    )
+    result = await complete(server, max_tokens=3, temperature=0, logprobs=2)
     logprobs = result.choices[0].logprobs
     assert logprobs is not None
     assert logprobs.tokens == ["d", "e", "f"]
@@ -199,48 +208,30 @@ async def test_completion_logprobs(server: Server) -> None:
         pytest.approx({"f": -LN2, "g": -2 * LN2}),
     ]
     assert logprobs.text_offset == [0, 1, 2]
-
-    def stream() -> tuple[list[str], list[int]]:
-        chunks = server.client().completions.create(
-            model=MODEL, prompt="abc", max_tokens=3, temperature=0, logprobs=2, stream=True
-        )
-        tokens: list[str] = []
-        offsets: list[int] = []
-        for chunk in chunks:
-            streamed = chunk.choices[0].logprobs
-            if streamed is not None:
-                tokens += streamed.tokens or []
-                offsets += streamed.text_offset or []
-        return tokens, offsets
-
-    assert await in_thread(stream) == (["d", "e", "f"], [0, 1, 2])
+    tokens: list[str] = []
+    offsets: list[int] = []
+    for chunk in await complete_stream(server, max_tokens=3, temperature=0, logprobs=2):
+        streamed = chunk.choices[0].logprobs
+        if streamed is not None:
+            tokens += streamed.tokens or []
+            offsets += streamed.text_offset or []
+    assert (tokens, offsets) == (["d", "e", "f"], [0, 1, 2])
 
 
 async def test_completion_n2_sampled(server: Server) -> None:
-    result = await in_thread(
-        server.client().completions.create,
-        model=MODEL,
-        prompt="abc",
-        max_tokens=6,
-        temperature=1.0,
-        seed=7,
-        n=2,
-        extra_body={"ignore_eos": True},
-    )
+    sampled: dict[str, Any] = {
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 7,
+        "n": 2,
+        "extra_body": {"ignore_eos": True},
+    }
+    result = await complete(server, **sampled)
     assert sorted(c.index for c in result.choices) == [0, 1]
     assert result.usage is not None and result.usage.completion_tokens == 12
     # Each completion has its own seed (7 and 8), so they differ.
     assert result.choices[0].text != result.choices[1].text
-    again = await in_thread(
-        server.client().completions.create,
-        model=MODEL,
-        prompt="abc",
-        max_tokens=6,
-        temperature=1.0,
-        seed=7,
-        n=2,
-        extra_body={"ignore_eos": True},
-    )
+    again = await complete(server, **sampled)
     assert [c.text for c in again.choices] == [c.text for c in result.choices]
 
 
@@ -248,13 +239,7 @@ async def test_completion_n2_sampled(server: Server) -> None:
 
 
 async def test_chat(server: Server) -> None:
-    result = await in_thread(
-        server.client().chat.completions.create,
-        model=MODEL,
-        messages=[{"role": "user", "content": "hi"}],
-        max_completion_tokens=4,
-        temperature=0,
-    )
+    result = await chat(server, max_completion_tokens=4, temperature=0)
     choice = result.choices[0]
     assert choice.message.role == "assistant" and choice.message.content == ";<=>"
     assert choice.finish_reason == "length" and result.object == "chat.completion"
@@ -263,21 +248,16 @@ async def test_chat(server: Server) -> None:
 
 
 async def test_chat_stream_n2_with_usage(server: Server) -> None:
-    def run() -> list[Any]:
-        stream = server.client().chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-            max_tokens=5,
-            temperature=0.7,
-            seed=3,
-            n=2,
-            extra_body={"ignore_eos": True},
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        return list(stream)
-
-    chunks = await in_thread(run)
+    chunks = await chat_stream(
+        server,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        max_tokens=5,
+        temperature=0.7,
+        seed=3,
+        n=2,
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True},
+    )
     texts = {0: "", 1: ""}
     roles = []
     finishes = {}
@@ -298,15 +278,7 @@ async def test_chat_stream_n2_with_usage(server: Server) -> None:
 
 
 async def test_chat_logprobs(server: Server) -> None:
-    result = await in_thread(
-        server.client().chat.completions.create,
-        model=MODEL,
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=2,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=2,
-    )
+    result = await chat(server, max_tokens=2, temperature=0, logprobs=True, top_logprobs=2)
     content = result.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None
     assert [(t.token, t.bytes) for t in content] == [(";", [59]), ("<", [60])]
@@ -318,23 +290,12 @@ async def test_chat_logprobs(server: Server) -> None:
 
 
 async def test_chat_stream_stop(server: Server) -> None:
-    def run() -> tuple[str, str | None]:
-        stream = server.client().chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "hi"}],
-            max_tokens=20,
-            temperature=0,
-            stop=">?",
-            stream=True,
-        )
-        text, reason = "", None
-        for chunk in stream:
-            for choice in chunk.choices:
-                text += choice.delta.content or ""
-                reason = choice.finish_reason or reason
-        return text, reason
-
-    assert await in_thread(run) == (";<=", "stop")
+    text, reason = "", None
+    for chunk in await chat_stream(server, max_tokens=20, temperature=0, stop=">?"):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            reason = choice.finish_reason or reason
+    assert (text, reason) == (";<=", "stop")
 
 
 async def test_async_client_stream(server: Server, anyio_backend: str) -> None:
@@ -345,34 +306,25 @@ async def test_async_client_stream(server: Server, anyio_backend: str) -> None:
         base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=10.0
     ) as client:
         stream = await client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "hi"}],
-            max_tokens=3,
-            temperature=0,
-            stream=True,
+            model=MODEL, messages=HI, max_tokens=3, temperature=0, stream=True
         )
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     assert text == ";<="
 
 
 async def test_structured_outputs(server: Server) -> None:
-    client = server.client()
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    chat = await in_thread(
-        client.chat.completions.create,
-        model=MODEL,
-        messages=[{"role": "user", "content": "hi"}],
+    result = await chat(
+        server,
         max_tokens=40,
         temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
     )
-    content = chat.choices[0].message.content
+    content = result.choices[0].message.content
     assert content is not None and isinstance(json.loads(content)["a"], int)
-    assert chat.choices[0].finish_reason == "stop"
-    digits = await in_thread(
-        client.completions.create,
-        model=MODEL,
-        prompt="abc",
+    assert result.choices[0].finish_reason == "stop"
+    digits = await complete(
+        server,
         max_tokens=10,
         temperature=0,
         extra_body={"structured_outputs": {"regex": "[0-9]{3}"}},
@@ -389,20 +341,14 @@ async def test_structured_outputs(server: Server) -> None:
     ]
     for param, extra in cases:
         with pytest.raises(openai.BadRequestError) as info:
-            await in_thread(
-                client.chat.completions.create,
-                model=MODEL,
-                messages=[{"role": "user", "content": "hi"}],
-                extra_body=extra,
-            )
-        assert isinstance(info.value.body, dict) and info.value.body["param"] == param, extra
+            await chat(server, extra_body=extra)
+        assert error_body(info)["param"] == param, extra
 
 
 # -- errors --------------------------------------------------------------------------------------
 
 
 async def test_bad_parameter_is_400_naming_it(server: Server) -> None:
-    client = server.client()
     cases: list[tuple[str, dict[str, Any]]] = [
         ("temperature", {"temperature": 3.5}),
         ("temperature", {"temperature": "hot"}),
@@ -413,36 +359,20 @@ async def test_bad_parameter_is_400_naming_it(server: Server) -> None:
     ]
     for param, extra in cases:
         with pytest.raises(openai.BadRequestError) as info:
-            await in_thread(
-                client.completions.create,
-                model=MODEL,
-                prompt="abc",
-                extra_body=extra,  # bypasses the client's own type checks
-            )
+            await complete(server, extra_body=extra)  # bypasses the client's own type checks
         assert info.value.status_code == 400
-        body = info.value.body
-        assert isinstance(body, dict) and body["param"] == param, (param, body)
+        body = error_body(info)
+        assert body["param"] == param, (param, body)
         assert param in body["message"]
     with pytest.raises(openai.BadRequestError) as info:
-        await in_thread(
-            client.chat.completions.create,
-            model=MODEL,
-            messages=[{"role": "user", "content": "hi"}],
-            max_completion_tokens=0,
-        )
-    assert isinstance(info.value.body, dict)
-    assert info.value.body["param"] == "max_completion_tokens"
+        await chat(server, max_completion_tokens=0)
+    assert error_body(info)["param"] == "max_completion_tokens"
 
 
 async def test_prompt_too_long_and_bad_json(server: Server) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        await in_thread(
-            server.client().completions.create,
-            model=MODEL,
-            prompt="x" * 1024,
-            max_tokens=1,
-        )
-    assert isinstance(info.value.body, dict) and info.value.body["param"] == "prompt"
+        await complete(server, prompt="x" * 1024, max_tokens=1)
+    assert error_body(info)["param"] == "prompt"
     headers = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
     response = await in_thread(
         httpx.post, f"{server.url}/v1/completions", content=b"{not json", headers=headers
@@ -455,7 +385,7 @@ async def test_api_key_is_required_on_v1(server: Server) -> None:
     with pytest.raises(openai.AuthenticationError) as info:
         await in_thread(server.client(api_key="wrong").completions.create, model=MODEL, prompt="a")
     assert info.value.status_code == 401
-    assert isinstance(info.value.body, dict) and info.value.body["code"] == "invalid_api_key"
+    assert error_body(info)["code"] == "invalid_api_key"
     missing = await in_thread(httpx.get, f"{server.url}/v1/models")
     assert missing.status_code == 401
     assert (await in_thread(httpx.get, f"{server.url}/health")).status_code == 200
@@ -463,8 +393,8 @@ async def test_api_key_is_required_on_v1(server: Server) -> None:
 
 async def test_unknown_model_is_404(server: Server) -> None:
     with pytest.raises(openai.NotFoundError) as info:
-        await in_thread(server.client().completions.create, model="nope", prompt="a")
-    assert isinstance(info.value.body, dict) and info.value.body["code"] == "model_not_found"
+        await complete(server, model="nope", prompt="a")
+    assert error_body(info)["code"] == "model_not_found"
 
 
 async def test_body_over_limit_is_413(server: Server) -> None:
@@ -482,17 +412,15 @@ async def test_paused_engine_is_503(server: Server) -> None:
     await server.engine.pause_generation(mode="abort")
     try:
         with pytest.raises(openai.InternalServerError) as info:
-            await in_thread(server.client().completions.create, model=MODEL, prompt="abc")
+            await complete(server)
         assert info.value.status_code == 503
-        assert isinstance(info.value.body, dict) and info.value.body["code"] == "retry_later"
+        assert error_body(info)["code"] == "retry_later"
         with pytest.raises(openai.InternalServerError) as info:  # a batch: every prompt fails
-            await in_thread(server.client().completions.create, model=MODEL, prompt=["a", "b"])
+            await complete(server, prompt=["a", "b"])
         assert info.value.status_code == 503
     finally:
         await server.engine.resume_generation()
-    done = await in_thread(
-        server.client().completions.create, model=MODEL, prompt="abc", max_tokens=1, temperature=0
-    )
+    done = await complete(server, max_tokens=1, temperature=0)
     assert done.choices[0].text == "d"
 
 
@@ -512,15 +440,11 @@ async def test_models_version_health(server: Server) -> None:
 
 
 async def test_closing_a_stream_aborts_the_request(server: Server) -> None:
-    before = metric_values((await in_thread(httpx.get, f"{server.url}/metrics")).text)
+    before = await metric_values(server)
 
     def read_two_chunks_and_close() -> int:
         stream = server.client().chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "hi"}],
-            max_tokens=900,
-            temperature=0,
-            stream=True,
+            model=MODEL, messages=HI, max_tokens=900, temperature=0, stream=True
         )
         seen = 0
         for _ in stream:
@@ -538,7 +462,7 @@ async def test_closing_a_stream_aborts_the_request(server: Server) -> None:
         0,
         stats.num_kv_blocks,
     )
-    after = metric_values((await in_thread(httpx.get, f"{server.url}/metrics")).text)
+    after = await metric_values(server)
     key = ("engine_core_request_success_total", (("finished_reason", "abort"),))
     assert after[key] - before.get(key, 0.0) == 1
     generated = ("engine_core_generation_tokens_total", ())
@@ -546,26 +470,11 @@ async def test_closing_a_stream_aborts_the_request(server: Server) -> None:
 
 
 async def test_metrics_count_the_requests_made(server: Server) -> None:
-    before = metric_values((await in_thread(httpx.get, f"{server.url}/metrics")).text)
-    client = server.client()
-    await in_thread(
-        client.completions.create, model=MODEL, prompt="abc", max_tokens=4, temperature=0
-    )
-    await in_thread(
-        client.completions.create, model=MODEL, prompt="abcd", max_tokens=9, temperature=0, stop="g"
-    )
-    await in_thread(
-        client.chat.completions.create,
-        model=MODEL,
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=3,
-        temperature=0,
-        stream=True,
-    )
-    response = await in_thread(httpx.get, f"{server.url}/metrics")
-    assert response.status_code == 200
-    assert response.headers["content-type"].startswith("text/plain")
-    after = metric_values(response.text)
+    before = await metric_values(server)
+    await complete(server, max_tokens=4, temperature=0)
+    await complete(server, prompt="abcd", max_tokens=9, temperature=0, stop="g")
+    await chat_stream(server, max_tokens=3, temperature=0)
+    after = await metric_values(server)
 
     def delta(name: str, **labels: str) -> float:
         key = (name, tuple(sorted(labels.items())))

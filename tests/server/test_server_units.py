@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -134,6 +135,11 @@ def _samples(metrics: ServerMetrics, stats: EngineStats | None = None) -> dict[s
     }
 
 
+def _expect(samples: dict[str, float], expected: dict[str, object]) -> None:
+    """``samples`` has the ``expected`` values (each compared with ``==``)."""
+    assert {name: samples.get(name) for name in expected} == expected
+
+
 def test_recorder_counts_tokens_latencies_and_finish_reasons() -> None:
     metrics = ServerMetrics()
     recorder = metrics.recorder()
@@ -142,19 +148,25 @@ def test_recorder_counts_tokens_latencies_and_finish_reasons() -> None:
     recorder.observe(_output([4, 5], finish="length", first=10.5, last=11.25, finished=11.25))
     recorder.close(1)
     s = _samples(metrics)
-    assert s["engine_core_prompt_tokens_total"] == 3
-    assert s["engine_core_generation_tokens_total"] == 5
-    assert s["engine_core_request_success_total|finished_reason=length"] == 1
-    assert s["engine_core_time_to_first_token_seconds_count"] == 1
-    assert s["engine_core_time_to_first_token_seconds_sum"] == pytest.approx(0.5)
-    # Gaps: 2 of 0.125 s (tokens 2 and 3), then 2 of 0.25 s (tokens 4 and 5).
-    assert s["engine_core_inter_token_latency_seconds_count"] == 4
-    assert s["engine_core_inter_token_latency_seconds_sum"] == 0.75
-    assert s["engine_core_inter_token_latency_seconds_bucket|le=0.1"] == 0
-    assert s["engine_core_inter_token_latency_seconds_bucket|le=0.15"] == 2
-    assert s["engine_core_inter_token_latency_seconds_bucket|le=0.2"] == 2
-    assert s["engine_core_inter_token_latency_seconds_bucket|le=0.3"] == 4
-    assert s["engine_core_e2e_request_latency_seconds_sum"] == 1.25
+    itl = "engine_core_inter_token_latency_seconds"
+    _expect(
+        s,
+        {
+            "engine_core_prompt_tokens_total": 3,
+            "engine_core_generation_tokens_total": 5,
+            "engine_core_request_success_total|finished_reason=length": 1,
+            "engine_core_time_to_first_token_seconds_count": 1,
+            "engine_core_time_to_first_token_seconds_sum": pytest.approx(0.5),
+            # Gaps: 2 of 0.125 s (tokens 2 and 3), then 2 of 0.25 s (tokens 4 and 5).
+            f"{itl}_count": 4,
+            f"{itl}_sum": 0.75,
+            f"{itl}_bucket|le=0.1": 0,
+            f"{itl}_bucket|le=0.15": 2,
+            f"{itl}_bucket|le=0.2": 2,
+            f"{itl}_bucket|le=0.3": 4,
+            "engine_core_e2e_request_latency_seconds_sum": 1.25,
+        },
+    )
     assert "engine_core_num_requests_running" not in s
 
 
@@ -172,26 +184,19 @@ def test_recorder_counts_unfinished_completions_as_aborted() -> None:
 
 
 def test_engine_state_comes_from_the_stats() -> None:
-    stats = EngineStats(
-        num_running=3,
-        num_waiting=2,
-        kv_cache_usage=0.25,
-        prefix_cache_hit_rate=0.5,
-        num_preemptions=4,
-        num_steps=9,
-        num_kv_blocks=100,
-        num_free_kv_blocks=75,
-        prefix_cache_queries=40,
-        prefix_cache_hits=20,
-    )
-    s = _samples(ServerMetrics(), stats)
-    assert s["engine_core_num_requests_running"] == 3
-    assert s["engine_core_num_requests_waiting"] == 2
-    assert s["engine_core_kv_cache_usage_perc"] == 0.25
-    assert s["engine_core_prefix_cache_hit_rate"] == 0.5
-    assert s["engine_core_num_preemptions_total"] == 4
-    assert s["engine_core_prefix_cache_queries_total"] == 40
-    assert s["engine_core_prefix_cache_hits_total"] == 20
+    # (metric, the EngineStats field it shows, a value)
+    shown: list[tuple[str, str, float]] = [
+        ("engine_core_num_requests_running", "num_running", 3),
+        ("engine_core_num_requests_waiting", "num_waiting", 2),
+        ("engine_core_kv_cache_usage_perc", "kv_cache_usage", 0.25),
+        ("engine_core_prefix_cache_hit_rate", "prefix_cache_hit_rate", 0.5),
+        ("engine_core_num_preemptions_total", "num_preemptions", 4),
+        ("engine_core_prefix_cache_queries_total", "prefix_cache_queries", 40),
+        ("engine_core_prefix_cache_hits_total", "prefix_cache_hits", 20),
+    ]
+    fields: dict[str, Any] = {field: value for _, field, value in shown}
+    stats = EngineStats(num_steps=9, num_kv_blocks=100, num_free_kv_blocks=75, **fields)
+    _expect(_samples(ServerMetrics(), stats), {metric: value for metric, _, value in shown})
 
 
 def test_histogram_observes_many_equal_values_at_once() -> None:
