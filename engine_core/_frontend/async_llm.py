@@ -14,7 +14,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from types import TracebackType
 from typing import Any
 
@@ -189,7 +189,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the outputs of one request. Leaving the loop early, cancelling the consumer or
         closing the engine aborts the request in the engine."""
         client, processor = self._started()

@@ -9,6 +9,7 @@ with ``[DONE]``.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -81,12 +82,16 @@ async def _run_one(
 ) -> None:
     recorder = ctx.state.metrics.recorder()
     params = ctx.params
+    outputs = ctx.state.engine.generate(
+        ctx.prompts[index].prompt, params, request_id, priority=ctx.body.priority
+    )
     try:
-        async for output in ctx.state.engine.generate(
-            ctx.prompts[index].prompt, params, request_id, priority=ctx.body.priority
-        ):
-            recorder.observe(output)
-            await handle(index, output)
+        # Closed here, not by the garbage collector, when the response is cancelled: the
+        # request is aborted at once, and trio warns of generators it has to finalize.
+        async with contextlib.aclosing(outputs):
+            async for output in outputs:
+                recorder.observe(output)
+                await handle(index, output)
     except Exception as exc:
         error = api_error_from(exc, ctx.fields.prompt, ctx.fields.grammar)
         if error is None:
