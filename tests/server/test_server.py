@@ -14,7 +14,7 @@ import json
 import math
 import re
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -58,11 +58,15 @@ def anyio_backend(stack: tuple[str, str]) -> str:
 class Server:
     url: str
     engine: AsyncLLM
+    clients: list[openai.OpenAI] = field(default_factory=list)
+    """Every client made, closed with the server (their pooled sockets with them)."""
 
     def client(self, api_key: str = API_KEY) -> openai.OpenAI:
-        return openai.OpenAI(
+        client = openai.OpenAI(
             base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=10.0
         )
+        self.clients.append(client)
+        return client
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +92,13 @@ async def server(stack: tuple[str, str]) -> AsyncIterator[Server]:
         url = await task_group.start(
             functools.partial(serve, engine, settings, shutdown_trigger=stop.wait)
         )
-        yield Server(url, engine)
-        stop.set()
+        server = Server(url, engine)
+        try:
+            yield server
+        finally:
+            for client in server.clients:
+                client.close()
+            stop.set()
 
 
 async def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
