@@ -3,37 +3,14 @@ process's event loop) under asyncio and trio, and talks to it with httpx's async
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import httpx
 import pytest
-
-from engine_core import AsyncLLM
-from engine_core.server import ServerSettings, serve
+from helpers.serving import serving
 
 pytestmark = pytest.mark.anyio
-
-
-@contextlib.asynccontextmanager
-async def serving(**engine_config: Any) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncLLM]]:
-    """A server on a free loopback port over a mock engine, and a client for it."""
-    stop = anyio.Event()
-    async with (
-        AsyncLLM(backend="mock", tokenizer="byte", **engine_config) as engine,
-        anyio.create_task_group() as task_group,
-    ):
-        url = await task_group.start(
-            functools.partial(serve, engine, ServerSettings(port=0), shutdown_trigger=stop.wait)
-        )
-        try:
-            async with httpx.AsyncClient(base_url=url, timeout=10.0) as client:
-                yield client, engine
-        finally:
-            stop.set()
 
 
 def completion(max_tokens: int, stream: bool = False) -> dict[str, Any]:
