@@ -219,6 +219,7 @@ class _ChatStream(ResponseStream[ChatCompletionRequest, ChatChunkChoice]):
                 events.append(self.event([role]))
         top = body.top_logprobs or 0
         for completion in output.outputs:
+            self.completion_tokens += len(completion.token_ids)
             logprobs = None
             if completion.logprobs:
                 logprobs = _chat_logprobs(completion.logprobs, top)

@@ -141,6 +141,7 @@ class _CompletionStream(ResponseStream[CompletionRequest, CompletionChoice]):
         events = []
         for completion in output.outputs:
             index = prompt_index * body.n + completion.index
+            self.completion_tokens += len(completion.token_ids)
             text = completion.text
             offset = self.text_offsets.get(index)
             if offset is None:  # the choice's first output

@@ -176,7 +176,8 @@ async def _whole(
 class ResponseStream(Generic[B, C]):
     """One streamed response: the events of each output in one write, then (when asked) a
     usage chunk. With one prompt, the last output's events are returned to go out with
-    ``[DONE]``. Subclasses name their ``chunk`` struct and make the events of an output."""
+    ``[DONE]``. Subclasses name their ``chunk`` struct and make the events of an output,
+    adding its tokens to ``completion_tokens`` as they go over its completions."""
 
     chunk: type[ResponseBody[C]]
 
@@ -187,7 +188,7 @@ class ResponseStream(Generic[B, C]):
         self.emit: Emit | None = None
 
     def events(self, prompt_index: int, output: RequestOutput) -> list[bytes]:
-        """The encoded events of one output of prompt ``prompt_index``."""
+        """The encoded events of one output of prompt ``prompt_index`` (its tokens counted)."""
         raise NotImplementedError
 
     def event(self, choices: list[C], usage: Usage | None = None) -> bytes:
@@ -210,8 +211,6 @@ class ResponseStream(Generic[B, C]):
         return self.tail
 
     async def _handle(self, prompt_index: int, output: RequestOutput) -> None:
-        for completion in output.outputs:
-            self.completion_tokens += len(completion.token_ids)
         data = b"".join(self.events(prompt_index, output))
         if output.finished and len(self.ctx.prompts) == 1:
             self.tail = data
