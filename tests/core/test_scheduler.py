@@ -16,7 +16,7 @@ from engine_core._core.request import InvalidTransition, Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core._core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.abc import ModelRunnerOutput, TokenLogprobs
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 
 BLOCK_SIZE = 16
 EOS = 2
@@ -600,6 +600,121 @@ def test_min_tokens_within_one_multi_token_output() -> None:
     _, outputs = step(scheduler, {"a": [42, 42, 5]})
     assert outputs.new_token_ids == [[42, 42]]
     assert outputs.finished == [FinishedRequest("a", "stop", 42)]
+
+
+# -- stop rules of constrained requests --------------------------------------------------------
+
+
+class FakeGrammar:
+    """A :class:`GrammarMatcher` that accepts any token but ``reject``; complete (only EOS
+    allowed) after ``complete_after`` tokens, terminated once it accepts an EOS then."""
+
+    def __init__(
+        self, *, complete_after: int | None = None, reject: frozenset[int] = frozenset()
+    ) -> None:
+        self.eos_token_ids = frozenset({EOS})
+        self.terminated = False
+        self.complete_after = complete_after
+        self.reject = reject
+        self.num_accepted = 0
+
+    def accept_token(self, token_id: int) -> bool:
+        if token_id in self.reject:
+            return False
+        if self.is_stopped() and token_id in self.eos_token_ids:
+            self.terminated = True
+        self.num_accepted += 1
+        return True
+
+    def is_stopped(self) -> bool:
+        return self.complete_after is not None and self.num_accepted >= self.complete_after
+
+
+def make_constrained(request_id: str, grammar: FakeGrammar, **params: object) -> Request:
+    request = make_request(
+        request_id, 10, structured_outputs=StructuredOutputsParams(choice=["x"]), **params
+    )
+    request.grammar = grammar
+    request.set_status(RequestStatus.WAITING)
+    return request
+
+
+@pytest.mark.parametrize(
+    ("tokens", "params"),
+    [
+        ([10, EOS, 11], {}),
+        ([10, EOS, 11], {"ignore_eos": True}),
+        ([EOS, EOS, 11], {"min_tokens": 1}),
+        ([10, 42, 11], {"stop_token_ids": [42]}),
+        ([42, 42, 11], {"stop_token_ids": [42], "min_tokens": 1}),
+        ([10, 11, 12, 13], {"max_tokens": 2}),
+        ([10, 11, EOS], {"max_tokens": 2}),
+        ([10, EOS, 11], {"max_tokens": 2}),
+        ([10, 11, 12, 13], {"max_tokens": 100}),
+    ],
+)
+def test_a_constrained_request_stops_like_a_plain_one(
+    tokens: list[int], params: dict[str, object]
+) -> None:
+    """With a grammar that allows everything and never completes, the stop rules (stop tokens,
+    min_tokens, max_tokens, max_model_len) are those of a plain request."""
+    scheduler = make_scheduler(max_model_len=13)
+    plain = make_request("plain", 10, **params)
+    constrained = make_constrained("constrained", FakeGrammar(), **params)
+    add(scheduler, plain, constrained)
+    _, outputs = step(scheduler, {"plain": tokens, "constrained": tokens})
+    assert outputs.new_token_ids[0] == outputs.new_token_ids[1]
+    assert len(outputs.finished) in (0, 2)
+    for finished in outputs.finished[1:]:
+        assert msgspec.structs.replace(finished, req_id="plain") == outputs.finished[0]
+    assert constrained.status is plain.status
+    assert constrained.stop_reason == plain.stop_reason
+    assert constrained.output_token_ids == plain.output_token_ids
+
+
+def test_grammar_termination_beats_the_length_cap_on_the_same_token() -> None:
+    scheduler = make_scheduler()
+    request = make_constrained("a", FakeGrammar(complete_after=2), max_tokens=3, ignore_eos=True)
+    add(scheduler, request)
+    _, outputs = step(scheduler, {"a": [10, 11, EOS, 12]})
+    assert outputs.new_token_ids == [[10, 11, EOS]]
+    assert outputs.finished == [FinishedRequest("a", "stop", None)]
+    assert scheduler.num_constrained == 0
+    assert request.grammar is None
+
+
+def test_a_stop_token_that_terminates_the_grammar_is_the_stop_reason() -> None:
+    scheduler = make_scheduler()
+    grammar = FakeGrammar(complete_after=1)
+    grammar.eos_token_ids = frozenset({EOS, 42})
+    request = make_constrained("a", grammar, stop_token_ids=[42])
+    add(scheduler, request)
+    _, outputs = step(scheduler, {"a": [10, 42, 11]})
+    assert outputs.new_token_ids == [[10, 42]]
+    assert outputs.finished == [FinishedRequest("a", "stop", 42)]
+
+
+def test_a_token_the_grammar_rejects_is_dropped_and_ends_the_request() -> None:
+    scheduler = make_scheduler()
+    request = make_constrained("a", FakeGrammar(reject=frozenset({13})))
+    add(scheduler, request)
+    _, outputs = step(scheduler, {"a": [10, 13, 11]})
+    assert outputs.new_token_ids == [[10]]
+    assert request.status is RequestStatus.FINISHED_ERROR
+    assert outputs.finished == [FinishedRequest("a", "error", None, request.error)]
+    assert request.error is not None and "token 13" in request.error
+
+
+def test_a_grammar_complete_before_min_tokens_ends_the_request() -> None:
+    scheduler = make_scheduler()
+    request = make_constrained("a", FakeGrammar(complete_after=2), min_tokens=4)
+    add(scheduler, request)
+    _, outputs = step(scheduler, {"a": [10, 11, 12]})
+    assert outputs.new_token_ids == [[10, 11]]
+    assert request.status is RequestStatus.FINISHED_ERROR
+    assert request.error == (
+        "the structured_outputs grammar is complete after 2 tokens, fewer than min_tokens (4)"
+    )
 
 
 def test_partial_prefill_emits_nothing_and_first_output_reports_cache_hits() -> None:
