@@ -57,6 +57,8 @@ FINISH_REASONS: dict[RequestStatus, str] = {
 }
 
 _S = RequestStatus
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 _FINISHED = frozenset(s for s in RequestStatus if s.is_finished)
 # The one table of allowed transitions; Request.set_status is the one place that enforces it.
 ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
@@ -220,12 +222,36 @@ class Request:
             )
         self.status = new
 
-    def append_output_token(self, token_id: int) -> None:
-        """Append one generated token, keying the block it fills when it fills one."""
+    def append_output_token(self, token_id: int, max_model_len: int) -> RequestStatus | None:
+        """Append one generated token, keying the block it fills when it fills one, and apply
+        the stop rules to it: returns the finished status it ends the request with, or None.
+
+        The stop rules, in order (the one place they are written):
+
+        1. a stop token (EOS, or one of ``stop_token_ids``) once more than ``min_tokens``
+           outputs exist: FINISHED_STOPPED; one of ``stop_token_ids`` that is not EOS becomes
+           ``stop_reason``;
+        2. ``max_tokens`` outputs, or ``max_model_len`` tokens in all: FINISHED_LENGTH_CAPPED.
+
+        The status is not set here: the scheduler ends the request (and a constrained request's
+        grammar adds rules around these).
+
+        NOTE: appending and the stop rules are one method, not two, because this runs for every
+        token of every request: a second call per token costs a tenth of a decode step's update.
+        """
         tokens = self.all_token_ids
         tokens.append(token_id)
-        if self._hash_blocks and len(tokens) % self._block_size == 0:
+        num_tokens = len(tokens)
+        if self._hash_blocks and num_tokens % self._block_size == 0:
             self._key_new_blocks()
+        num_output = num_tokens - self.num_prompt_tokens
+        if token_id in self.stop_token_ids and num_output > self.min_tokens:
+            if token_id not in self.eos_token_ids:
+                self.stop_reason = token_id
+            return _STOPPED
+        if num_output >= self.max_tokens or num_tokens >= max_model_len:
+            return _LENGTH_CAPPED
+        return None
 
     def _key_new_blocks(self) -> None:
         keys = self.block_keys

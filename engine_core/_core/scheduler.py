@@ -26,7 +26,6 @@ _PREEMPTED = RequestStatus.PREEMPTED
 _RUNNING = RequestStatus.RUNNING
 _WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_GRAMMAR
 _STOPPED = RequestStatus.FINISHED_STOPPED
-_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 _ERROR = RequestStatus.FINISHED_ERROR
 
 
@@ -340,7 +339,17 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
-        """Append sampled tokens, check stop conditions, free finished requests."""
+        """Append sampled tokens, check stop conditions, free finished requests.
+
+        For each request of the batch, in batch order:
+
+        1. skip it if it was aborted while the step ran, or got no token (a prefill chunk);
+        2. append its tokens up to the first that ends it: the stop rules are in
+           :meth:`Request.append_output_token`, a constrained request adds its grammar's
+           (:meth:`_append_constrained`);
+        3. report the tokens kept (with their logprobs, and the prefix-cache hits on its first);
+        4. free it if it ended.
+        """
         scheduled = self._scheduled
         sampled = runner_output.sampled_token_ids
         if len(sampled) != len(scheduled):
@@ -354,91 +363,85 @@ class Scheduler:
         max_model_len = self.config.max_model_len
         any_finished = False
         for index, request in enumerate(scheduled):
-            if request.status != _RUNNING:
+            if request.status is not _RUNNING:
                 continue  # aborted while the step ran
             tokens = sampled[index]
             if not tokens:
                 continue  # partial prefill chunk
-            first = len(request.all_token_ids) == request.num_prompt_tokens
+            num_before = len(request.all_token_ids)
             grammar = request.grammar
-            if grammar is not None:
-                kept, status = self._append_constrained(request, tokens, grammar)
-            else:
-                kept = 0
+            if grammar is None:
                 status = None
                 for token in tokens:
-                    request.append_output_token(token)
-                    kept += 1
-                    num_tokens = len(request.all_token_ids)
-                    num_output = num_tokens - request.num_prompt_tokens
-                    if token in request.stop_token_ids and num_output > request.min_tokens:
-                        status = _STOPPED
-                        if token not in request.eos_token_ids:
-                            request.stop_reason = token
+                    status = request.append_output_token(token, max_model_len)
+                    if status is not None:
                         break
-                    if num_output >= request.max_tokens or num_tokens >= max_model_len:
-                        status = _LENGTH_CAPPED
-                        break
+            else:
+                status = self._append_constrained(request, tokens, grammar)
+            kept = len(request.all_token_ids) - num_before
             if kept != len(tokens):
                 tokens = tokens[:kept]
             request_id = request.request_id
             if kept:
                 out_ids.append(request_id)
                 out_tokens.append(tokens)
-                if first:
+                if num_before == request.num_prompt_tokens:  # its first tokens
                     out.num_cached_tokens[request_id] = request.num_cached_tokens
                 if logprobs is not None and logprobs[index]:
                     out.logprobs[request_id] = logprobs[index][:kept]  # type: ignore[index]
             if status is not None:
-                request.set_status(status)
-                self._free(request)
-                out.finished.append(
-                    FinishedRequest(
-                        request_id,
-                        request.finish_reason or "stop",
-                        request.stop_reason,
-                        request.error,
-                    )
-                )
+                self._finish(request, status, out)
                 any_finished = True
         if runner_output.prompt_logprobs:
             self._add_prompt_logprobs(scheduled, runner_output.prompt_logprobs, out)
         if any_finished:
-            self.running = [r for r in self.running if r.status == _RUNNING]
+            self.running = [r for r in self.running if r.status is _RUNNING]
         return out
+
+    def _finish(self, request: Request, status: RequestStatus, out: EngineCoreOutputs) -> None:
+        """End a running request that stopped in this step (it stays in ``self.running`` until
+        the caller filters it out) and report it."""
+        request.set_status(status)
+        self._free(request)
+        out.finished.append(
+            FinishedRequest(
+                request.request_id,
+                request.finish_reason or "stop",
+                request.stop_reason,
+                request.error,
+            )
+        )
 
     def _append_constrained(
         self, request: Request, tokens: list[int], grammar: GrammarMatcher
-    ) -> tuple[int, RequestStatus | None]:
+    ) -> RequestStatus | None:
         """Append sampled tokens that the request's grammar accepts, one at a time, checking
-        stops; returns (tokens kept, finished status or None).
+        stops; returns the status it ends with, or None.
 
-        A token the grammar rejects is dropped and ends the request as an error. A complete
-        grammar allows only EOS, so it ends the request as stopped on that EOS (also with
-        ``ignore_eos``). A grammar complete before ``min_tokens``, whose EOS the backend then
-        masks, ends the request as an error (nothing could be sampled next).
+        The rules, in order, after each token:
+
+        1. a token the grammar rejects is dropped and ends the request as an error;
+        2. a stop token ends it as stopped (the rules of :meth:`Request.append_output_token`);
+        3. a grammar that accepted its closing EOS ends it as stopped (also with ``ignore_eos``:
+           a complete grammar allows only EOS), even on the token that reaches the length cap;
+        4. the length cap (the rules of :meth:`Request.append_output_token`);
+        5. a grammar complete before ``min_tokens``, whose EOS the backend then masks, ends it as
+           an error (nothing could be sampled next).
         """
         max_model_len = self.config.max_model_len
-        kept = 0
         for token in tokens:
             if not grammar.accept_token(token):
                 request.error = (
                     f"the backend sampled token {token}, which the structured_outputs grammar "
                     "does not allow here"
                 )
-                return kept, _ERROR
-            request.append_output_token(token)
-            kept += 1
-            num_tokens = len(request.all_token_ids)
-            num_output = num_tokens - request.num_prompt_tokens
-            if token in request.stop_token_ids and num_output > request.min_tokens:
-                if token not in request.eos_token_ids:
-                    request.stop_reason = token
-                return kept, _STOPPED
-            if grammar.terminated:
-                return kept, _STOPPED
-            if num_output >= request.max_tokens or num_tokens >= max_model_len:
-                return kept, _LENGTH_CAPPED
+                return _ERROR
+            status = request.append_output_token(token, max_model_len)
+            if status is _STOPPED or grammar.terminated:
+                return _STOPPED
+            if status is not None:
+                return status
+            num_output = len(request.all_token_ids) - request.num_prompt_tokens
             if (
                 num_output < request.min_tokens
                 and grammar.is_stopped()
@@ -448,8 +451,8 @@ class Scheduler:
                     f"the structured_outputs grammar is complete after {num_output} tokens, "
                     f"fewer than min_tokens ({request.min_tokens})"
                 )
-                return kept, _ERROR
-        return kept, None
+                return _ERROR
+        return None
 
     @staticmethod
     def _add_prompt_logprobs(

@@ -16,6 +16,7 @@ from engine_core.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 PREFIX = [0] * 16 + [1] * 16 + [2] * 16  # three full blocks
+MAX_MODEL_LEN = 1 << 20
 
 
 def make_request(
@@ -97,13 +98,13 @@ def test_decode_grows_one_block_at_a_time() -> None:
     req = make_request("0", PREFIX + [3] * 7)
     admit(kv, req)
     for token in range(4):
-        req.append_output_token(100 + token)
+        req.append_output_token(100 + token, MAX_MODEL_LEN)
     assert kv.allocate_slots(req, 4)
     req.num_computed_tokens += 4
     assert req.block_ids == [0, 1, 2, 3]  # 59 tokens fit in 4 blocks
     assert req.blocks[3].key is None
     for token in range(19):
-        req.append_output_token(200 + token)
+        req.append_output_token(200 + token, MAX_MODEL_LEN)
     assert kv.allocate_slots(req, 19)
     req.num_computed_tokens += 19
     assert req.block_ids == [0, 1, 2, 3, 4]

@@ -18,6 +18,7 @@ from engine_core.sampling_params import SamplingParams
 
 S = RequestStatus
 BLOCK_SIZE = 16
+MAX_MODEL_LEN = 1 << 20
 
 # Written out by hand (not derived from the module) so that a change to the table shows up here.
 EXPECTED_TRANSITIONS = {
@@ -139,8 +140,8 @@ def test_counters_follow_appended_tokens() -> None:
     assert request.num_tokens == 3
     assert request.num_output_tokens == 0
     assert request.output_token_ids == []
-    request.append_output_token(8)
-    request.append_output_token(9)
+    request.append_output_token(8, MAX_MODEL_LEN)
+    request.append_output_token(9, MAX_MODEL_LEN)
     assert request.prompt_token_ids == [5, 6, 7]
     assert request.output_token_ids == [8, 9]
     assert request.all_token_ids == [5, 6, 7, 8, 9]
@@ -151,10 +152,54 @@ def test_counters_follow_appended_tokens() -> None:
     assert request.num_preemptions == 0
 
 
+# -- stop rules -----------------------------------------------------------------------------------
+
+EOS = 2
+
+
+def append_all(
+    request: Request, tokens: list[int], max_model_len: int = MAX_MODEL_LEN
+) -> list[RequestStatus | None]:
+    """The status each appended token returns."""
+    return [request.append_output_token(token, max_model_len) for token in tokens]
+
+
+def test_eos_stops_without_a_stop_reason() -> None:
+    request = make_request(eos_token_ids=(EOS,))
+    assert append_all(request, [7, EOS]) == [None, S.FINISHED_STOPPED]
+    assert request.stop_reason is None
+    assert request.status is S.WAITING  # the scheduler sets the status, not the request
+
+
+def test_a_stop_token_id_is_the_stop_reason() -> None:
+    request = make_request(eos_token_ids=(EOS,), params=SamplingParams(stop_token_ids=[42]))
+    assert append_all(request, [7, 42]) == [None, S.FINISHED_STOPPED]
+    assert request.stop_reason == 42
+
+
+def test_stop_tokens_wait_for_min_tokens_and_ignore_eos_drops_eos() -> None:
+    request = make_request(eos_token_ids=(EOS,), params=SamplingParams(min_tokens=2))
+    assert append_all(request, [EOS, EOS, EOS]) == [None, None, S.FINISHED_STOPPED]
+    request = make_request(eos_token_ids=(EOS,), params=SamplingParams(ignore_eos=True))
+    assert append_all(request, [EOS, EOS]) == [None, None]
+
+
+def test_length_caps_max_tokens_and_max_model_len() -> None:
+    request = make_request(params=SamplingParams(max_tokens=2))
+    assert append_all(request, [7, 8]) == [None, S.FINISHED_LENGTH_CAPPED]
+    request = make_request(list(range(10)), params=SamplingParams(max_tokens=100))
+    assert append_all(request, [7, 8], max_model_len=12) == [None, S.FINISHED_LENGTH_CAPPED]
+
+
+def test_a_stop_token_wins_over_the_length_cap_on_the_same_token() -> None:
+    request = make_request(eos_token_ids=(EOS,), params=SamplingParams(max_tokens=2))
+    assert append_all(request, [7, EOS]) == [None, S.FINISHED_STOPPED]
+
+
 def test_prompt_is_copied() -> None:
     prompt = [1, 2, 3]
     request = make_request(prompt)
-    request.append_output_token(4)
+    request.append_output_token(4, MAX_MODEL_LEN)
     assert prompt == [1, 2, 3]
 
 
@@ -230,7 +275,7 @@ def test_keys_grow_as_output_tokens_fill_blocks() -> None:
     assert len(request.block_keys) == 1
     outputs = list(range(500, 540))
     for n, token in enumerate(outputs, start=1):
-        request.append_output_token(token)
+        request.append_output_token(token, MAX_MODEL_LEN)
         assert len(request.block_keys) == (30 + n) // BLOCK_SIZE
     reference = make_request(prompt + outputs, cache_salt="x").block_keys
     assert request.block_keys == reference
@@ -251,5 +296,5 @@ def test_no_keys_without_hashing() -> None:
     request = make_request(list(range(40)), hash_blocks=False)
     assert request.block_keys == []
     for token in range(30):
-        request.append_output_token(token)
+        request.append_output_token(token, MAX_MODEL_LEN)
     assert request.block_keys == []
