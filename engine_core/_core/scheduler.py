@@ -28,6 +28,13 @@ _WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_GRAMMAR
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _ERROR = RequestStatus.FINISHED_ERROR
 
+_Entry = tuple[Request, str, list[int] | None, int, int]
+"""A running request's place in this step's batch: the request, its id, the ids of the blocks it
+got this step (None: none), its computed tokens before the step, its tokens this step.
+
+NOTE: a plain tuple, not a class: one is built per running request per step, and the columns of
+``CachedRequestData`` come out of one ``zip``."""
+
 
 class SchedulerConfig:
     """The knobs the scheduler reads (a subset of the resolved ``EngineConfig``)."""
@@ -166,48 +173,41 @@ class Scheduler:
     # -- scheduling -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's batch and advance ``num_computed_tokens`` optimistically."""
-        config = self.config
-        scheduled: list[Request] = []
-        cached = CachedRequestData([], [], [], [])
-        preempted: list[Request] = []
-        budget = self._schedule_running(config.max_num_batched_tokens, scheduled, cached, preempted)
+        """Choose this step's batch and advance ``num_computed_tokens`` optimistically.
+
+        1. Running requests catch up, in admission order (:meth:`_schedule_running`); one whose
+           blocks do not fit preempts others, or itself, until they do.
+        2. Waiting requests are admitted while the budget, ``max_num_seqs`` and the free blocks
+           allow (:meth:`_schedule_waiting`), unless step 1 preempted.
+        3. The output is built once, in batch order: running requests, then admitted ones.
+
+        NOTE: nothing is admitted in a step that preempted, even a waiting request that would
+        fit (as vLLM does): the pool is short of blocks and the preempted requests are first in
+        the queue.
+        """
+        max_tokens = self.config.max_num_batched_tokens
+        entries: list[_Entry] = []
+        budget, any_preempted = self._schedule_running(max_tokens, entries)
         new_reqs: list[NewRequestData] = []
-        if not preempted:
-            budget = self._schedule_waiting(budget, scheduled, new_reqs)
+        admitted: list[Request] = []
+        if not any_preempted:
+            budget = self._schedule_waiting(budget, new_reqs, admitted)
+        return self._make_output(entries, new_reqs, admitted, max_tokens - budget)
 
-        total = config.max_num_batched_tokens - budget
-        self._scheduled = scheduled
-        self._preempted_req_ids.extend(r.request_id for r in preempted)
-        if total == 0:
-            # Nothing runs this step: the backend hears of the ended and preempted requests with
-            # the next step that does.
-            return SchedulerOutput(new_reqs, cached, 0)
-        finished_ids, self._finished_req_ids = self._finished_req_ids, []
-        preempted_ids, self._preempted_req_ids = self._preempted_req_ids, []
-        return SchedulerOutput(new_reqs, cached, total, finished_ids, preempted_ids)
-
-    def _schedule_running(
-        self,
-        budget: int,
-        scheduled: list[Request],
-        cached: CachedRequestData,
-        preempted: list[Request],
-    ) -> int:
-        """Let running requests catch up, in admission order, preempting when blocks run out;
-        returns the budget left."""
+    def _schedule_running(self, budget: int, entries: list[_Entry]) -> tuple[int, bool]:
+        """Let running requests catch up, in admission order, appending their entries; returns
+        the budget left and whether anything was preempted."""
         threshold = self.config.long_prefill_token_threshold
-        kv = self.kv
-        c_ids, c_blocks, c_computed, c_nums = (
-            cached.req_ids,
-            cached.new_block_ids,
-            cached.num_computed_tokens,
-            cached.num_scheduled_tokens,
-        )
-        running = self.running
-        i = 0
-        while i < len(running) and budget > 0:
-            request = running[i]
+        allocate_slots = self.kv.allocate_slots
+        any_preempted = False
+        # NOTE: preemption rebinds self.running to a new list instead of editing it, so this
+        # loop walks the list it started with, and a victim still ahead in it is skipped by its
+        # status: no index to fix up.
+        for request in self.running:
+            if budget <= 0:
+                break
+            if request.status is not _RUNNING:
+                continue  # preempted for a request before it
             computed = request.num_computed_tokens
             num_new = len(request.all_token_ids) - computed
             if threshold and num_new > threshold:
@@ -215,42 +215,33 @@ class Scheduler:
             if num_new > budget:
                 num_new = budget
             if num_new <= 0:
-                i += 1
                 continue
             num_blocks_before = len(request.blocks)
-            while not kv.allocate_slots(request, num_new):
+            # NOTE: while/else: the else runs once the blocks fit, not after the break (the
+            # request preempted itself: nothing fits; with priority, a later request may).
+            while not allocate_slots(request, num_new):
                 victim = self._pick_victim()
-                victim_index = running.index(victim) if self._priority else len(running) - 1
-                del running[victim_index]
-                budget += self._unschedule(victim, scheduled, cached)
-                self._preempt(victim)
-                preempted.append(victim)
+                budget += self._preempt_running(victim, entries)
+                any_preempted = True
                 if victim is request:
                     break
-                if victim_index < i:
-                    i -= 1
-            if request.status != _RUNNING:  # preempted itself: nothing fits
-                if self._priority:
-                    continue
-                break
-            blocks = request.blocks
-            c_ids.append(request.request_id)
-            c_blocks.append(
-                [b.block_id for b in blocks[num_blocks_before:]]
-                if len(blocks) != num_blocks_before
-                else None
-            )
-            c_computed.append(computed)
-            c_nums.append(num_new)
-            request.num_computed_tokens = computed + num_new
-            scheduled.append(request)
-            budget -= num_new
-            i += 1
-        return budget
+            else:
+                blocks = request.blocks
+                new_block_ids = (
+                    [b.block_id for b in blocks[num_blocks_before:]]
+                    if len(blocks) != num_blocks_before
+                    else None
+                )
+                entries.append((request, request.request_id, new_block_ids, computed, num_new))
+                request.num_computed_tokens = computed + num_new
+                budget -= num_new
+        return budget, any_preempted
 
     def _schedule_waiting(
-        self, budget: int, scheduled: list[Request], new_reqs: list[NewRequestData]
+        self, budget: int, new_reqs: list[NewRequestData], admitted: list[Request]
     ) -> int:
+        """Admit waiting requests in queue order while the budget, ``max_num_seqs`` and the
+        free blocks allow; returns the budget left."""
         config = self.config
         threshold = config.long_prefill_token_threshold
         kv = self.kv
@@ -278,7 +269,7 @@ class Scheduler:
             resumed = request.status == _PREEMPTED
             request.set_status(_RUNNING)
             running.append(request)
-            scheduled.append(request)
+            admitted.append(request)
             request.num_computed_tokens = num_hit_tokens + num_new
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -300,30 +291,66 @@ class Scheduler:
             waiting.add_front(request)
         return budget
 
+    def _make_output(
+        self,
+        entries: list[_Entry],
+        new_reqs: list[NewRequestData],
+        admitted: list[Request],
+        total: int,
+    ) -> SchedulerOutput:
+        """The step's output, from the running entries and the admitted requests; their batch
+        order is kept for :meth:`update_from_output`."""
+        if entries:
+            requests, req_ids, new_block_ids, computed, num_scheduled = zip(*entries, strict=True)
+            cached = CachedRequestData(
+                list(req_ids), list(new_block_ids), list(computed), list(num_scheduled)
+            )
+            self._scheduled = [*requests, *admitted]
+        else:
+            cached = CachedRequestData([], [], [], [])
+            self._scheduled = admitted
+        if total == 0:
+            # Nothing runs this step: the backend hears of the ended and preempted requests with
+            # the next step that does.
+            return SchedulerOutput(new_reqs, cached, 0)
+        finished_ids, self._finished_req_ids = self._finished_req_ids, []
+        preempted_ids, self._preempted_req_ids = self._preempted_req_ids, []
+        return SchedulerOutput(new_reqs, cached, total, finished_ids, preempted_ids)
+
     def _pick_victim(self) -> Request:
         if self._priority:
             # Worst priority, then latest arrival.
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]  # the latest admitted
 
-    def _unschedule(
-        self, victim: Request, scheduled: list[Request], cached: CachedRequestData
-    ) -> int:
-        """Take back ``victim``'s place in this step's batch; returns its tokens to the budget."""
-        if victim not in scheduled:
-            return 0
-        k = cached.req_ids.index(victim.request_id)
-        num = cached.num_scheduled_tokens[k]
-        self.kv.uncache_uncomputed(victim, cached.num_computed_tokens[k])
-        for column in (
-            cached.req_ids,
-            cached.new_block_ids,
-            cached.num_computed_tokens,
-            cached.num_scheduled_tokens,
-        ):
-            del column[k]
-        scheduled.remove(victim)
-        return num
+    def _preempt_running(self, victim: Request, entries: list[_Entry]) -> int:
+        """Preempt a running request for the one :meth:`_schedule_running` is at, taking back
+        the victim's entry in this step's batch if it has one; returns the tokens that gives
+        back to the budget."""
+        running = self.running
+        # New lists, not edits: see _schedule_running.
+        if victim is running[-1]:
+            # NOTE: no entry to look for: the loop walks the running requests in order and is
+            # at one still running, so it has not reached the last one yet (or is at it).
+            self.running = running[:-1]
+            num_returned = 0
+        else:
+            k = running.index(victim)
+            self.running = running[:k] + running[k + 1 :]
+            num_returned = self._unschedule(victim, entries)
+        self._preempt(victim)
+        self._preempted_req_ids.append(victim.request_id)
+        return num_returned
+
+    def _unschedule(self, victim: Request, entries: list[_Entry]) -> int:
+        """Take back ``victim``'s entry in this step's batch, if it has one; returns its tokens."""
+        for k, (request, _, _, computed, num_new) in enumerate(entries):
+            if request is victim:
+                # The blocks it registered for this step's tokens will not be computed.
+                self.kv.uncache_uncomputed(victim, computed)
+                del entries[k]
+                return num_new
+        return 0
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV, go back to the front of the waiting queue."""
