@@ -29,6 +29,7 @@ from engine_core._bench.machine import machine_line
 from engine_core._core.request import Request
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core.abc import ModelRunnerOutput
+from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams
 
 VOCAB = 32000
@@ -71,16 +72,14 @@ def run_workload(
     name: str, prompts: list[list[int]], max_tokens: int, *, max_num_seqs: int, num_blocks: int
 ) -> dict[str, Any]:
     rng = random.Random(0)
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=8192,
-            max_model_len=8192,
-            block_size=BLOCK_SIZE,
-            enable_prefix_caching=True,
-        ),
-        num_blocks,
+    engine_config = EngineConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=8192,
+        max_model_len=8192,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=True,
     )
+    scheduler = Scheduler(SchedulerConfig.from_engine_config(engine_config), num_blocks)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     gc.collect()
     t0 = time.perf_counter()

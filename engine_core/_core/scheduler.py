@@ -12,6 +12,7 @@ Pure, synchronous logic: no event loop, sockets or tensors.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from engine_core._core.kv_cache_manager import KVCacheManager
 from engine_core._core.protocol import EngineCoreOutputs, FinishedRequest
@@ -19,6 +20,9 @@ from engine_core._core.request import GrammarMatcher, Request, RequestStatus
 from engine_core._core.request_queue import make_queue
 from engine_core._core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.abc import ModelRunnerOutput, TokenLogprobs
+
+if TYPE_CHECKING:
+    from engine_core.config import EngineConfig
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
@@ -70,6 +74,27 @@ class SchedulerConfig:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.enable_prefix_caching = enable_prefix_caching
         self.scheduling_policy = scheduling_policy
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
+        """The scheduler's knobs of a resolved engine config (see ``EngineConfig.resolved``).
+        Raises ``ValueError`` if ``max_model_len`` or ``max_num_batched_tokens`` is unresolved
+        (None)."""
+        if config.max_model_len is None or config.max_num_batched_tokens is None:
+            raise ValueError(
+                "the EngineConfig is not resolved: max_model_len and max_num_batched_tokens "
+                "must be set (EngineConfig.resolved() sets them)"
+            )
+        return cls(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            block_size=config.block_size,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            enable_prefix_caching=config.enable_prefix_caching,
+            scheduling_policy=config.scheduling_policy,
+        )
 
 
 class Scheduler:

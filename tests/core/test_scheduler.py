@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import pytest
@@ -16,6 +17,7 @@ from engine_core._core.request import InvalidTransition, Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core._core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.abc import ModelRunnerOutput, TokenLogprobs
+from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 
 BLOCK_SIZE = 16
@@ -285,6 +287,39 @@ def test_prefix_caching_off_no_hits() -> None:
     assert output.new_reqs[0].num_scheduled_tokens == 49
     assert scheduler.kv.stats.hits == 0
     assert scheduler.kv.pool.cached == {}
+
+
+# -- configuration ---------------------------------------------------------------------------------
+
+
+def test_scheduler_config_from_engine_config_copies_every_knob() -> None:
+    engine_config = EngineConfig(
+        max_num_seqs=7,
+        max_num_batched_tokens=999,
+        max_model_len=900,
+        block_size=32,
+        enable_chunked_prefill=False,
+        long_prefill_token_threshold=5,
+        enable_prefix_caching=False,
+        scheduling_policy="priority",
+    )
+    config = SchedulerConfig.from_engine_config(engine_config)
+    copied = {name: getattr(config, name) for name in SchedulerConfig.__slots__}
+    assert copied == {name: getattr(engine_config, name) for name in SchedulerConfig.__slots__}
+    # Every knob differs from its default, so none was left at it.
+    defaults = SchedulerConfig()
+    assert all(copied[name] != getattr(defaults, name) for name in SchedulerConfig.__slots__)
+
+
+def test_scheduler_config_needs_a_resolved_engine_config() -> None:
+    with pytest.raises(ValueError, match="not resolved"):
+        SchedulerConfig.from_engine_config(EngineConfig())
+    resolved = EngineConfig().resolved(model_max_len=None)
+    config = SchedulerConfig.from_engine_config(resolved)
+    assert (config.max_model_len, config.max_num_batched_tokens) == (
+        resolved.max_model_len,
+        resolved.max_num_batched_tokens,
+    )
 
 
 # -- priority ---------------------------------------------------------------------------------------
@@ -630,7 +665,7 @@ class FakeGrammar:
         return self.complete_after is not None and self.num_accepted >= self.complete_after
 
 
-def make_constrained(request_id: str, grammar: FakeGrammar, **params: object) -> Request:
+def make_constrained(request_id: str, grammar: FakeGrammar, **params: Any) -> Request:
     request = make_request(
         request_id, 10, structured_outputs=StructuredOutputsParams(choice=["x"]), **params
     )
@@ -654,7 +689,7 @@ def make_constrained(request_id: str, grammar: FakeGrammar, **params: object) ->
     ],
 )
 def test_a_constrained_request_stops_like_a_plain_one(
-    tokens: list[int], params: dict[str, object]
+    tokens: list[int], params: dict[str, Any]
 ) -> None:
     """With a grammar that allows everything and never completes, the stop rules (stop tokens,
     min_tokens, max_tokens, max_model_len) are those of a plain request."""

@@ -16,6 +16,7 @@ import random
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Literal
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,6 +25,7 @@ from engine_core._core.request import Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core._core.scheduler_output import SchedulerOutput
 from engine_core.abc import ModelRunnerOutput
+from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
@@ -35,7 +37,7 @@ VOCAB = [10, 11, 12, 13] * 4 + [EOS, STOP]
 
 @dataclass
 class Config:
-    policy: str
+    policy: Literal["fcfs", "priority"]
     chunked: bool
     caching: bool
     num_blocks: int
@@ -219,6 +221,23 @@ def prompt_for(op: Add, serial: int) -> list[int]:
     return (shared + tail)[: op.prompt_len]
 
 
+def make_scheduler(config: Config) -> Scheduler:
+    """A scheduler configured the way the engine does it: from a (valid) EngineConfig."""
+    # Without chunked prefill, a whole prompt must fit one step.
+    budget = config.budget if config.chunked else max(config.budget, MAX_MODEL_LEN)
+    engine_config = EngineConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK_SIZE,
+        enable_chunked_prefill=config.chunked,
+        long_prefill_token_threshold=config.threshold,
+        enable_prefix_caching=config.caching,
+        scheduling_policy=config.policy,
+    )
+    return Scheduler(SchedulerConfig.from_engine_config(engine_config), config.num_blocks)
+
+
 def check_cached_blocks(scheduler: Scheduler, backend: Backend) -> None:
     """Every block in the prefix cache holds, in every slot, KV computed since it was handed
     out, for exactly the tokens its key names (a key is parent digest + tokens [+ extras])."""
@@ -299,20 +318,8 @@ def check_stop(request: Request) -> None:
 def test_random_operations_keep_the_books_straight(
     config: Config, ops: list[Add | Abort | Step | Reset], seed: int
 ) -> None:
-    budget = config.budget if config.chunked else max(config.budget, MAX_MODEL_LEN)
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=budget,
-            max_model_len=MAX_MODEL_LEN,
-            block_size=BLOCK_SIZE,
-            enable_chunked_prefill=config.chunked,
-            long_prefill_token_threshold=config.threshold,
-            enable_prefix_caching=config.caching,
-            scheduling_policy=config.policy,
-        ),
-        config.num_blocks,
-    )
+    scheduler = make_scheduler(config)
+    budget = scheduler.config.max_num_batched_tokens
     backend = Backend(BLOCK_SIZE, random.Random(seed))
     all_requests: list[Request] = []
 
@@ -384,20 +391,7 @@ def test_random_operations_keep_the_books_straight(
 def test_abort_everything_frees_every_block(
     config: Config, ops: list[Add | Abort | Step | Reset], seed: int
 ) -> None:
-    budget = config.budget if config.chunked else max(config.budget, MAX_MODEL_LEN)
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=budget,
-            max_model_len=MAX_MODEL_LEN,
-            block_size=BLOCK_SIZE,
-            enable_chunked_prefill=config.chunked,
-            long_prefill_token_threshold=config.threshold,
-            enable_prefix_caching=config.caching,
-            scheduling_policy=config.policy,
-        ),
-        config.num_blocks,
-    )
+    scheduler = make_scheduler(config)
     backend = Backend(BLOCK_SIZE, random.Random(seed))
     all_requests: list[Request] = []
     for op in ops:
