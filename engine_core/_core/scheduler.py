@@ -400,9 +400,8 @@ class Scheduler:
         For each request of the batch, in batch order:
 
         1. skip it if it was aborted while the step ran, or got no token (a prefill chunk);
-        2. append its tokens up to the first that ends it: the stop rules are in
-           :meth:`Request.append_output_token`, a constrained request adds its grammar's
-           (:meth:`_append_constrained`);
+        2. append its tokens up to the first that ends it (stop rules: those of
+           :meth:`Request.append_output_token`, and the grammar's: :meth:`_append_constrained`);
         3. report the tokens kept (with their logprobs, and the prefix-cache hits on its first);
         4. free it if it ended.
         """
