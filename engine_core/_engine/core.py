@@ -1,9 +1,10 @@
 """``EngineCore``: the scheduler and the backend, stepped together. No event loop, no sockets.
 
 A step is: schedule -> ``execute_model`` -> grammar bitmask -> ``sample_tokens`` -> apply aborts
-that arrived meanwhile -> ``update_from_output``. :meth:`EngineCore.step` runs it whole; the
-engine-core process runs :meth:`execute` in a worker thread so requests and aborts keep arriving
-while the model runs. When the batch has constrained requests and the backend's step blocks
+that arrived meanwhile -> ``update_from_output``. In-process callers run it whole with
+:meth:`EngineCore.step`; the engine-core process runs it in its three parts, :meth:`schedule`,
+:meth:`execute` (in a worker thread, so requests and aborts keep arriving while the model runs)
+and :meth:`finish_step`. When the batch has constrained requests and the backend's step blocks
 (``step_in_thread``), the grammar bitmask is filled on a helper thread while ``execute_model``
 runs, and handed to ``sample_tokens``.
 """
@@ -11,10 +12,10 @@ runs, and handed to ``sample_tokens``.
 from __future__ import annotations
 
 import concurrent.futures
+import enum
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
 
 import msgspec
 
@@ -32,25 +33,33 @@ from engine_core.abc import Backend, ModelRunnerOutput, SchedulerOutput
 from engine_core.config import EngineConfig
 from engine_core.errors import BackendError
 
-__all__ = [
-    "PAUSE_MODES",
-    "EngineCore",
-    "PauseMode",
-    "check_kv_capacity",
-    "compute_num_kv_blocks",
-    "size_kv_cache",
-]
-
-PauseMode = Literal["abort", "wait", "keep"]
-PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
+__all__ = ["EngineCore", "PauseMode", "size_kv_cache"]
 
 logger = logging.getLogger(__name__)
 
 
-def kv_blocks_for_memory(config: EngineConfig, backend: Backend) -> int:
-    """``num_kv_blocks`` when set, else the blocks that fit the backend's KV memory."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
+class PauseMode(enum.StrEnum):
+    """What :meth:`EngineCore.pause_generation` does with in-flight requests. A ``str`` enum:
+    callers pass the plain strings as well, and the wire carries the same values."""
+
+    ABORT = "abort"
+    """They end as aborted; new requests are rejected (retryable) until resumed."""
+    WAIT = "wait"
+    """They run to completion; new requests are rejected (retryable) until resumed."""
+    KEEP = "keep"
+    """They freeze in place; new requests queue."""
+
+    @classmethod
+    def parse(cls, mode: str) -> PauseMode:
+        """``mode`` as a member; ``ValueError`` naming the modes when it is none of them."""
+        try:
+            return cls(mode)
+        except ValueError:
+            raise ValueError(f"mode must be one of {', '.join(cls)}, got {mode!r}") from None
+
+
+def _blocks_in_kv_memory(config: EngineConfig, backend: Backend) -> int:
+    """The blocks that fit the KV memory the backend has left after the model."""
     memory = backend.available_kv_cache_memory()
     if memory <= 0:
         raise BackendError(
@@ -62,44 +71,37 @@ def kv_blocks_for_memory(config: EngineConfig, backend: Backend) -> int:
     return num_blocks
 
 
-def check_kv_capacity(config: EngineConfig, num_blocks: int) -> None:
-    """Raise ``ValueError`` unless one request of ``max_model_len`` tokens fits."""
-    if config.max_model_len is None:
-        raise ValueError("max_model_len must be resolved before sizing the KV cache")
-    needed = -(-config.max_model_len // config.block_size)
-    if num_blocks < needed:
-        feasible = num_blocks * config.block_size
-        raise ValueError(
-            f"the KV cache holds {num_blocks} blocks ({feasible} tokens) but one request of "
-            f"max_model_len={config.max_model_len} needs {needed}; lower max_model_len to "
-            f"{feasible} or below, or give the KV cache more blocks"
-        )
-
-
-def compute_num_kv_blocks(config: EngineConfig, backend: Backend) -> int:
-    """Blocks that fit the backend's KV memory (or ``num_kv_blocks``), checked against one
-    ``max_model_len`` request."""
-    num_blocks = kv_blocks_for_memory(config, backend)
-    check_kv_capacity(config, num_blocks)
-    return num_blocks
-
-
 def size_kv_cache(config: EngineConfig, backend: Backend) -> tuple[int, EngineConfig]:
-    """The number of KV blocks and the resolved config. A ``max_model_len`` left unset is
-    lowered to what the KV cache holds; one set explicitly must fit."""
+    """The number of KV blocks (``num_kv_blocks`` when set, else what fits the backend's KV
+    memory) and the resolved config. A ``max_model_len`` left unset is lowered to what the KV
+    cache holds; one set explicitly must fit (``ValueError`` otherwise)."""
     resolved = config.resolved(model_max_len=backend.max_model_len())
-    num_blocks = kv_blocks_for_memory(resolved, backend)
+    num_blocks = resolved.num_kv_blocks
+    if num_blocks is None:
+        num_blocks = _blocks_in_kv_memory(resolved, backend)
     capacity = num_blocks * resolved.block_size
-    assert resolved.max_model_len is not None
-    if config.max_model_len is None and capacity < resolved.max_model_len:
+    max_model_len = resolved.max_model_len
+    assert max_model_len is not None
+    if config.max_model_len is None and capacity < max_model_len:
         logger.info("max_model_len lowered to %d: the KV cache holds no more", capacity)
-        resolved = msgspec.structs.replace(resolved, max_model_len=capacity)
-    check_kv_capacity(resolved, num_blocks)
+        max_model_len = capacity
+        resolved = msgspec.structs.replace(resolved, max_model_len=max_model_len)
+    needed = -(-max_model_len // resolved.block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks ({capacity} tokens) but one request of "
+            f"max_model_len={max_model_len} needs {needed}; lower max_model_len to "
+            f"{capacity} or below, or give the KV cache more blocks"
+        )
     return num_blocks, resolved
 
 
 class EngineCore:
-    """The engine: owns the backend and the scheduler and steps them."""
+    """The engine: owns the backend and the scheduler and steps them.
+
+    A step runs whole with :meth:`step`, or in three parts for a caller that runs the blocking
+    middle elsewhere: :meth:`schedule`, :meth:`execute`, :meth:`finish_step`.
+    """
 
     def __init__(
         self,
@@ -179,13 +181,13 @@ class EngineCore:
         finish_reason "error" and a message; a live duplicate id raises ``ValueError``."""
         if not isinstance(request.request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request.request_id).__name__}")
-        if self.pause_mode in ("abort", "wait"):
+        if self.pause_mode in (PauseMode.ABORT, PauseMode.WAIT):
             self._ended_outside_steps.append(
                 FinishedRequest(
                     request.request_id,
                     "error",
                     None,
-                    f"the engine is paused (mode {self.pause_mode!r}); retry after it resumes",
+                    f"the engine is paused (mode '{self.pause_mode}'); retry after it resumes",
                     retryable=True,
                 )
             )
@@ -253,7 +255,7 @@ class EngineCore:
         """How long an idle engine may sleep before a pending grammar times out (None: no
         grammar is pending, or a "keep" pause freezes them)."""
         structured = self._structured
-        if structured is None or self.pause_mode == "keep":
+        if structured is None or self.pause_mode is PauseMode.KEEP:
             return None
         return structured.seconds_to_deadline()
 
@@ -293,13 +295,13 @@ class EngineCore:
         or ended requests to report."""
         if self._ended_outside_steps:
             return True
-        return self.pause_mode != "keep" and self.scheduler.has_unfinished_requests()
+        return self.pause_mode is not PauseMode.KEEP and self.scheduler.has_unfinished_requests()
 
     # -- stepping -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput | None:
         """First part of a step; None when there is nothing to run."""
-        if not self.scheduler.requests or self.pause_mode == "keep":
+        if not self.scheduler.requests or self.pause_mode is PauseMode.KEEP:
             return None
         structured = self._structured
         if structured is not None and structured.num_pending:
@@ -315,7 +317,9 @@ class EngineCore:
         blocks (``step_in_thread``); after it otherwise (a step that holds the GIL throughout
         leaves nothing to overlap)."""
         backend = self.backend
-        matchers = self._bitmask_matchers() if self.scheduler.num_constrained else None
+        matchers = None
+        if self.scheduler.num_constrained:
+            matchers = StructuredOutputManager.bitmask_matchers(self.scheduler.scheduled)
         if not matchers:
             backend.execute_model(scheduler_output)
             return backend.sample_tokens(None)
@@ -332,19 +336,13 @@ class EngineCore:
             raise
         return backend.sample_tokens(bitmask.result())
 
-    def _bitmask_matchers(self) -> list[Any]:
-        return StructuredOutputManager.bitmask_matchers(self.scheduler.scheduled)
-
-    def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> Any | None:
-        """The token bitmask of the constrained requests of the batch just scheduled (see
-        :meth:`engine_core.abc.Backend.sample_tokens`); None when none of them samples."""
-        matchers = self._bitmask_matchers() if self.scheduler.num_constrained else None
-        return self.structured_output.fill_bitmask(matchers) if matchers else None
-
     def finish_step(
-        self, scheduler_output: SchedulerOutput | None, runner_output: ModelRunnerOutput | None
+        self,
+        scheduler_output: SchedulerOutput | None = None,
+        runner_output: ModelRunnerOutput | None = None,
     ) -> EngineCoreOutputs:
-        """Last part of a step: deferred aborts, then the step's results."""
+        """Last part of a step: deferred aborts, then the step's results. Without a step that
+        ran (no arguments), the outputs only report the requests that ended outside steps."""
         if self._pending_aborts:
             aborts, self._pending_aborts = self._pending_aborts, []
             self.abort_requests(aborts)
@@ -393,15 +391,13 @@ class EngineCore:
     def check_health(self) -> None:
         """Answering at all is the health check: a dead engine core cannot."""
 
-    def pause_generation(self, mode: PauseMode = "abort") -> None:
+    def pause_generation(self, mode: PauseMode | str = PauseMode.ABORT) -> None:
         """Stop generating. ``"abort"``: in-flight requests end as aborted; ``"wait"``: they run
         to completion; ``"keep"``: they freeze in place until :meth:`resume_generation`. In the
         "abort" and "wait" modes new requests are rejected with a retryable error until then; in
         "keep" mode they queue. Pausing again changes the mode."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
-        self.pause_mode = mode
-        if mode == "abort":
+        self.pause_mode = PauseMode.parse(mode)
+        if self.pause_mode is PauseMode.ABORT:
             self.abort_all()
 
     def resume_generation(self) -> None:

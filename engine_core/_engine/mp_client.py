@@ -40,7 +40,7 @@ import zmq
 
 from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineStats
 from engine_core._engine.client import UTILITY_METHODS, EngineCoreClient
-from engine_core._engine.core import PAUSE_MODES
+from engine_core._engine.core import PauseMode
 from engine_core._engine.death import (
     REMOTE_ERRORS,
     RemoteEngineError,
@@ -319,8 +319,8 @@ class MPClient(EngineCoreClient):
     def _start_call(self, method: str, args: tuple[Any, ...]) -> int:
         if method not in UTILITY_METHODS:
             raise ValueError(f"unknown utility method {method!r}")
-        if method == "pause_generation" and args and args[0] not in PAUSE_MODES:
-            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {args[0]!r}")
+        if method == "pause_generation" and args:
+            PauseMode.parse(args[0])  # refused here, before it reaches the engine
         self._check_usable()
         call_id = next(self._call_ids)
         self._replies[call_id] = None

@@ -31,7 +31,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest
 from engine_core._engine.client import UTILITY_METHODS
-from engine_core._engine.core import EngineCore
+from engine_core._engine.core import EngineCore, PauseMode
 from engine_core._engine.sockets import recv_async, send_async
 from engine_core._engine.wire import (
     AbortRequests,
@@ -155,7 +155,7 @@ class EngineCoreProc:
                 await self._run_calls(out)
             if self.stop_reason is not None:
                 core.abort_all()
-                self._emit(out, core.finish_step(None, None))
+                self._emit(out, core.finish_step())
                 self._answer_pauses(out, drained=True)
                 return
             if not core.has_work:
@@ -228,7 +228,7 @@ class EngineCoreProc:
             call = self._calls.popleft()
             reply = await self._call(call)
             # Requests a call ended (pause "abort") are reported before its reply.
-            self._emit(out, self.core.finish_step(None, None))
+            self._emit(out, self.core.finish_step())
             if reply is not None:
                 self._send(out, reply)
 
@@ -243,7 +243,7 @@ class EngineCoreProc:
                 result = getattr(self.core, method)(*args)
         except Exception as exc:
             return UtilityReply(call.call_id, error=str(exc), error_type=type(exc).__name__)
-        if method == "pause_generation" and self.core.pause_mode == "wait":
+        if method == "pause_generation" and self.core.pause_mode is PauseMode.WAIT:
             self._waiting_pauses.append(call.call_id)  # answered once in-flight requests end
             return None
         return UtilityReply(call.call_id, result=result)
@@ -255,7 +255,11 @@ class EngineCoreProc:
         if not self._waiting_pauses:
             return
         core = self.core
-        if drained or core.pause_mode != "wait" or not core.scheduler.has_unfinished_requests():
+        if (
+            drained
+            or core.pause_mode is not PauseMode.WAIT
+            or not core.scheduler.has_unfinished_requests()
+        ):
             for call_id in self._waiting_pauses:
                 self._send(out, UtilityReply(call_id))
             self._waiting_pauses = []

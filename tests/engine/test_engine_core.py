@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine_core._core.protocol import EngineCoreRequest
-from engine_core._engine.core import EngineCore
+from engine_core._engine.core import EngineCore, PauseMode
 from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams
 
@@ -73,3 +73,16 @@ def test_sleep_forgets_the_prefix_cache_and_is_refused_while_requests_run() -> N
 def test_data_parallelism_is_refused_with_a_clear_error() -> None:
     with pytest.raises(NotImplementedError, match="data_parallel_size=2"):
         EngineCore(EngineConfig(backend="mock", tokenizer="byte", data_parallel_size=2))
+
+
+def test_pause_modes_are_strings_or_members() -> None:
+    core = EngineCore(EngineConfig(backend="mock", tokenizer="byte", max_model_len=64))
+    core.pause_generation("keep")
+    assert core.pause_mode is PauseMode.KEEP
+    core.pause_generation(PauseMode.WAIT)
+    assert core.pause_mode == "wait"
+    with pytest.raises(ValueError, match="^mode must be one of abort, wait, keep, got 'soon'$"):
+        core.pause_generation("soon")
+    assert core.pause_mode is PauseMode.WAIT  # a refused mode changes nothing
+    core.resume_generation()
+    assert not core.is_paused()

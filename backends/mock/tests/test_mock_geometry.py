@@ -14,7 +14,7 @@ import pytest
 from engine_core_mock import MockBackend
 from engine_core_mock._provider import provider
 
-from engine_core._engine.core import compute_num_kv_blocks
+from engine_core._engine.core import size_kv_cache
 from engine_core.abc import BackendProvider, KVCacheSpec
 from engine_core.config import EngineConfig
 
@@ -120,11 +120,11 @@ def test_llama_8b_geometry_and_block_count_on_a_24_gib_device(tmp_path: Path) ->
     assert (backend.vocab_size(), backend.max_model_len()) == (128256, 131072)
     # int(24 GiB * 0.9) - 16 GiB of weights = 6012954214 bytes = 2867 blocks of 2 MiB.
     assert backend.available_kv_cache_memory() == 6012954214
-    resolved = config.resolved(model_max_len=backend.max_model_len())
-    assert compute_num_kv_blocks(resolved, backend) == 2867
-    full_context = msgspec.structs.replace(resolved, max_model_len=131072)
+    num_blocks, resolved = size_kv_cache(config, backend)
+    assert (num_blocks, resolved.max_model_len) == (2867, 32768)
+    full_context = msgspec.structs.replace(config, max_model_len=131072)
     with pytest.raises(ValueError, match=r"holds 2867 blocks \(45872 tokens\) but one request"):
-        compute_num_kv_blocks(full_context, backend)
+        size_kv_cache(full_context, backend)
 
 
 def test_hf_defaults_for_kv_heads_and_head_dim(tmp_path: Path) -> None:
