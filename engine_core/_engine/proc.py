@@ -10,7 +10,7 @@ arrives. The output task encodes and sends. All three share the event loop's thr
 state is only ever touched by one of them at a time and by no one while a step's model call
 runs (it touches only the backend).
 
-The process around it (entry point, handshake, signals, parent watch) is in ``_engine_main``.
+The process around it (entry point, handshake, signals, parent watch) is in ``main``.
 """
 
 from __future__ import annotations
@@ -149,32 +149,45 @@ class EngineCoreProc:
     # -- stepping -------------------------------------------------------------------------------
 
     async def _step_loop(self, out: MemoryObjectSendStream[EngineMessage]) -> None:
+        while await self._step_once(out):
+            pass
+
+    async def _step_once(self, out: MemoryObjectSendStream[EngineMessage]) -> bool:
+        """One turn of the stepping task: control calls, then a step or a wait for input.
+        False once a shutdown has been carried out."""
         core = self.core
-        while True:
-            if self._calls:
-                await self._run_calls(out)
-            if self.stop_reason is not None:
-                core.abort_all()
-                self._emit(out, core.finish_step())
-                self._answer_pauses(out, drained=True)
-                return
-            if not core.has_work:
-                self._answer_pauses(out)
-                await self._wait_for_input()
-                continue
-            scheduler_output = core.schedule()
-            runner_output = None
-            if scheduler_output is not None:
-                runner_output = await self._execute(scheduler_output)
-            outputs = core.finish_step(scheduler_output, runner_output)
-            produced = not outputs.is_empty
-            if produced:
-                self._send(out, outputs)
+        # 1. Control calls run between steps: the step below already sees what they changed
+        #    (a pause, a reset prefix cache).
+        if self._calls:
+            await self._run_calls(out)
+        # 2. A shutdown, after the calls that came before it: end every request, report them.
+        if self.stop_reason is not None:
+            core.abort_all()
+            self._emit(out, core.finish_step())
+            self._answer_pauses(out, drained=True)
+            return False
+        # 3. Nothing to run or report: a pause("wait") may be answerable; sleep until input.
+        if not core.has_work:
             self._answer_pauses(out)
-            if scheduler_output is None and not produced:
-                await self._wait_for_input()  # nothing can run until something arrives
-            else:
-                await anyio.lowlevel.checkpoint()  # let the output and input tasks run
+            await self._wait_for_input()
+            return True
+        # 4. The step. Only the model call leaves the event loop's thread; aborts arriving
+        #    meanwhile are applied by finish_step before the step's outputs.
+        scheduler_output = core.schedule()
+        runner_output = None
+        if scheduler_output is not None:
+            runner_output = await self._execute(scheduler_output)
+        outputs = core.finish_step(scheduler_output, runner_output)
+        # 5. The outputs go out before the pause("wait") replies that their requests' ends allow.
+        self._emit(out, outputs)
+        self._answer_pauses(out)
+        # 6. A step that neither ran nor reported anything waits for input (requests waiting
+        #    for their grammar, say); else the input and output tasks get a turn.
+        if scheduler_output is None and outputs.is_empty:
+            await self._wait_for_input()
+        else:
+            await anyio.lowlevel.checkpoint()
+        return True
 
     async def _wait_for_input(self) -> None:
         # No await between the caller's check and this wait, so no wake-up is lost. A request
