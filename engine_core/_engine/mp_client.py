@@ -48,9 +48,8 @@ from engine_core._engine.death import (
     describe_exit,
     startup_error,
 )
-from engine_core._engine.ipc import SocketAddresses, Transport
 from engine_core._engine.main import run_engine_core
-from engine_core._engine.sockets import make_socket, recv_async
+from engine_core._engine.sockets import SocketAddresses, Transport, make_socket, recv_async
 from engine_core._engine.wire import (
     AbortRequests,
     ClientMessage,

@@ -1,21 +1,63 @@
-"""ZMQ sockets awaited portably under asyncio and trio.
+"""The ZMQ sockets of a client / engine-core pair: where they bind, and how an event loop awaits
+them under asyncio and trio alike.
 
-pyzmq's async sockets are asyncio-only, so an event loop waits instead on the socket's
+Addresses. By default the sockets are ``ipc://`` paths in a private temporary directory (mode
+0700, so other users cannot connect), removed when the client shuts down. With
+``transport="tcp"`` they bind ``host`` (127.0.0.1 unless told otherwise) on ports the OS picks.
+
+Awaiting. pyzmq's async sockets are asyncio-only, so an event loop waits instead on the socket's
 notification descriptor (``zmq.FD``) with :func:`anyio.wait_readable`. That descriptor is
 edge-triggered and only ever readable: it signals that the socket's events *may* have changed.
 The rule that makes it safe: try the non-blocking operation first and wait only after it failed
 with ``EAGAIN``; a failed attempt re-arms the descriptor. ``bench/zmq_transport.py`` compares
-this with blocking sockets in a worker thread (slower by one thread hop per message).
-
-One task at a time may wait on a given socket.
+this with blocking sockets in a worker thread (slower by one thread hop per message). One task at
+a time may wait on a given socket.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import uuid
+from typing import Literal
+
 import anyio
 import zmq
 
-__all__ = ["make_socket", "recv_async", "send_async"]
+__all__ = ["SocketAddresses", "Transport", "make_socket", "recv_async", "send_async"]
+
+Transport = Literal["ipc", "tcp"]
+
+
+class SocketAddresses:
+    """Where the client's output socket and the engine's input socket bind.
+
+    ``output`` and ``input`` are bind addresses (``tcp://host:*`` picks a free port; the bound
+    endpoint is read back from the socket). ``wake`` is an in-process address the client's
+    output socket also binds, for messages from its own process watch.
+    """
+
+    def __init__(self, transport: Transport = "ipc", host: str = "127.0.0.1") -> None:
+        if transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+        self.transport = transport
+        self.directory: str | None = None
+        if transport == "ipc":
+            self.directory = tempfile.mkdtemp(prefix="engine-core-")
+            os.chmod(self.directory, 0o700)  # mkdtemp's default; stated, not assumed
+            self.output = f"ipc://{self.directory}/output"
+            self.input = f"ipc://{self.directory}/input"
+        else:
+            self.output = f"tcp://{host}:*"
+            self.input = f"tcp://{host}:*"
+        self.wake = f"inproc://engine-core-wake-{uuid.uuid4().hex}"
+
+    def remove(self) -> None:
+        """Delete the private directory (idempotent)."""
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
 
 
 def make_socket(
