@@ -1,13 +1,21 @@
-"""How the death of an engine-core process is told to its callers."""
+"""How the failures of the engine-core process are told to its callers: a control call that
+raised, a start that failed, a death."""
 
 from __future__ import annotations
 
 import signal
 
 from engine_core._engine.wire import EngineDead
-from engine_core.errors import BackendError, EngineDeadError
+from engine_core.errors import BackendError, EngineDeadError, EngineError
 
-__all__ = ["REMOTE_ERRORS", "RemoteEngineError", "dead_error", "describe_exit", "startup_error"]
+__all__ = [
+    "REMOTE_ERRORS",
+    "RemoteEngineError",
+    "call_error",
+    "dead_error",
+    "describe_exit",
+    "startup_error",
+]
 
 REMOTE_ERRORS: dict[str, type[Exception]] = {
     "ValueError": ValueError,
@@ -26,6 +34,15 @@ class RemoteEngineError(Exception):
         super().__init__(remote_traceback or message)
         self.error_type = error_type
         self.message = message
+
+
+def call_error(method: str, error_type: str | None, message: str) -> Exception:
+    """The error for a control call that raised in the engine core: the same exception type
+    where it is one callers know, else an :class:`EngineError` that names it."""
+    error_type = error_type or "Exception"
+    if error_type in REMOTE_ERRORS:
+        return REMOTE_ERRORS[error_type](message)
+    return EngineError(f"{method} failed in the engine core: {error_type}: {message}")
 
 
 def describe_exit(exit_code: int | None) -> str:

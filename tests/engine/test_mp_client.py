@@ -143,6 +143,18 @@ async def test_generate_async_while_other_tasks_make_calls(
 
 
 @pytest.mark.anyio
+async def test_calls_return_while_another_task_waits_for_outputs(engine: MPClient) -> None:
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.get_output_async)  # nothing is in flight: it waits on
+        await anyio.wait_all_tasks_blocked()
+        with anyio.fail_after(2):  # the waiting task reads the replies; the callers take them
+            async with anyio.create_task_group() as calls:
+                for method in ("is_paused", "get_stats", "check_health"):
+                    calls.start_soon(engine.call_utility_async, method)
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
 async def test_invalid_frames_are_dropped_and_the_engine_keeps_serving(
     engine: MPClient, anyio_backend: str
 ) -> None:
@@ -177,7 +189,7 @@ async def test_shutdown_ends_in_flight_requests_as_aborted(anyio_backend: str) -
     client = await MPClient.start_async(
         config(engine_runtime=anyio_backend, backend_options=SLOW_STEPS)
     )
-    directory = client._addresses.directory
+    directory = client._sockets.addresses.directory
     assert directory is not None
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
     received: list[EngineCoreOutputs] = []
@@ -340,7 +352,7 @@ from engine_core.config import EngineConfig
 if __name__ == "__main__":
     runtime = sys.argv[1]
     client = MPClient(EngineConfig(backend="mock", num_kv_blocks=16, engine_runtime=runtime))
-    print(client.pid, client._addresses.directory, flush=True)
+    print(client.pid, client._sockets.addresses.directory, flush=True)
     sys.stdin.read()
 """
 
@@ -370,7 +382,8 @@ def test_engine_exits_when_its_parent_dies(runtime: str) -> None:
 
 def test_tcp_transport_binds_localhost() -> None:
     with MPClient(config(), transport="tcp") as client:
-        assert client._ready is not None
-        assert client._ready.input_address.startswith("tcp://127.0.0.1:")
+        ready = client._inbox.ready
+        assert ready is not None
+        assert ready.input_address.startswith("tcp://127.0.0.1:")
         client.add_request(request("n1", [5], max_tokens=2))
         assert tokens_until_finished(client, "n1") == ([6, 7], FinishedRequest("n1", "length"))

@@ -1,0 +1,156 @@
+"""What ``MPClient`` launches: the sockets it binds and the engine-core process it spawns.
+
+:class:`ClientSockets` binds the client's output socket (the engine connects to it);
+:class:`EngineProcess` spawns :func:`~engine_core._engine.main.run_engine_core` with the
+``multiprocessing`` spawn method. A thread watches the process: once it has ended, the thread
+reaps it and hands its exit status to the client. Stopping waits for the clean exit that a
+``Shutdown`` message asks for, then escalates to SIGTERM and SIGKILL.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import threading
+from collections.abc import Callable
+
+import anyio
+import anyio.to_thread
+import msgspec
+import zmq
+
+from engine_core._engine.main import run_engine_core
+from engine_core._engine.sockets import SocketAddresses, Transport, make_socket
+from engine_core.config import EngineConfig
+
+__all__ = ["ClientSockets", "EngineProcess"]
+
+logger = logging.getLogger(__name__)
+
+_SHUTDOWN_TIMEOUT_S = 5.0
+"""How long a stopping process may take to exit by itself before it is terminated."""
+_TERMINATE_TIMEOUT_S = 2.0
+"""How long a terminated process may take to exit before it is killed."""
+_WAKE_LINGER_MS = 1000
+
+
+class ClientSockets:
+    """The client's ends of the pair: the output socket (bound: the engine connects to it, and
+    the client's own process watch writes into it) and the input socket (connected to the
+    engine's once it is ready)."""
+
+    def __init__(self, transport: Transport, host: str) -> None:
+        self.addresses = SocketAddresses(transport, host)
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.output = make_socket(self._ctx, zmq.PULL)
+        self.input = make_socket(self._ctx, zmq.PUSH)
+        try:
+            self.output.bind(self.addresses.output)
+            self.output_endpoint = self.output.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.output.bind(self.addresses.wake)
+        except BaseException:
+            self.close()
+            raise
+
+    def post_to_self(self, frame: bytes) -> None:
+        """Put ``frame`` into the output socket as the engine would (from any thread)."""
+        wake = make_socket(self._ctx, zmq.PUSH, linger_ms=_WAKE_LINGER_MS)
+        try:
+            wake.connect(self.addresses.wake)
+            wake.send(frame)
+        finally:
+            wake.close()
+
+    def close(self) -> None:
+        """Close the sockets and delete their private directory."""
+        self.input.close()
+        self.output.close()
+        self._ctx.term()
+        self.addresses.remove()
+
+
+class EngineProcess:
+    """One engine-core process and the thread that watches it.
+
+    ``on_exit(exit_code)`` runs in the watch thread once the process has ended and been reaped.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        output_address: str,
+        input_address: str,
+        on_exit: Callable[[int], None],
+    ) -> None:
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core,
+            args=(msgspec.msgpack.encode(config), output_address, input_address),
+            name="EngineCore",
+            daemon=True,  # terminated (SIGTERM: a clean shutdown) if the interpreter exits
+        )
+        self._process.start()
+        self._watch = threading.Thread(
+            target=self._watch_exit, args=(on_exit,), name="EngineCore-watch", daemon=True
+        )
+        self._watch.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def _watch_exit(self, on_exit: Callable[[int], None]) -> None:
+        process = self._process
+        multiprocessing.connection.wait([process.sentinel])
+        process.join()  # this thread alone reaps the process
+        assert process.exitcode is not None
+        on_exit(process.exitcode)
+
+    def exited(self, timeout: float | None) -> bool:
+        """Whether the process ends within ``timeout`` seconds (None: no limit)."""
+        return bool(multiprocessing.connection.wait([self._process.sentinel], timeout))
+
+    async def exited_async(self, timeout: float | None) -> bool:
+        """Like :meth:`exited`, waiting in the event loop."""
+        with anyio.move_on_after(timeout):
+            await anyio.wait_readable(self._process.sentinel)
+            return True
+        return False
+
+    def _escalation(self) -> tuple[tuple[float, Callable[[], None]], ...]:
+        # How long to wait for the exit, and what to do when it did not come.
+        return ((_SHUTDOWN_TIMEOUT_S, self._terminate), (_TERMINATE_TIMEOUT_S, self._process.kill))
+
+    def _terminate(self) -> None:
+        logger.warning("the engine core did not shut down in time: terminating it")
+        self._process.terminate()
+
+    def stop(self) -> None:
+        """Wait for the exit that a ``Shutdown`` asked for; terminate the process when it does
+        not come in time, and kill it when that does not help either."""
+        for timeout, escalate in self._escalation():
+            if self.exited(timeout):
+                return
+            escalate()
+
+    async def stop_async(self) -> None:
+        """Like :meth:`stop`, waiting in the event loop."""
+        for timeout, escalate in self._escalation():
+            if await self.exited_async(timeout):
+                return
+            escalate()
+
+    def wait_watch(self, timeout: float | None = None) -> None:
+        """Until the watch has handed over the exit status (or ``timeout`` seconds passed)."""
+        self._watch.join(timeout)
+
+    async def wait_watch_async(self, timeout: float | None = None) -> None:
+        """Like :meth:`wait_watch`, waiting in a worker thread."""
+        await anyio.to_thread.run_sync(self._watch.join, timeout)
+
+    def close(self) -> None:
+        """Kill the process if it still runs, wait for the watch, release the process."""
+        if not self.exited(0):
+            self._process.kill()
+        self._watch.join()
+        self._process.close()
