@@ -22,6 +22,7 @@ import msgspec
 from engine_core._core.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineInfo,
     EngineStats,
     FinishedRequest,
 )
@@ -370,6 +371,17 @@ class EngineCore:
         return self.finish_step(scheduler_output, runner_output)
 
     # -- control --------------------------------------------------------------------------------
+
+    @property
+    def info(self) -> EngineInfo:
+        """What a client learns of this engine when it starts."""
+        return EngineInfo(
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.config.block_size,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            backend=self.config.backend,
+        )
 
     def get_stats(self) -> EngineStats:
         scheduler = self.scheduler

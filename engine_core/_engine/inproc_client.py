@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, EngineInfo
+from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest
 from engine_core._engine.client import UTILITY_METHODS, EngineCoreClient
 from engine_core._engine.core import EngineCore
 from engine_core.abc import Backend
@@ -23,14 +23,7 @@ class InprocClient(EngineCoreClient):
 
     def __init__(self, config: EngineConfig, *, backend_cls: type[Backend] | None = None) -> None:
         self.engine_core = EngineCore(config, backend_cls=backend_cls)
-        core = self.engine_core
-        self.info = EngineInfo(
-            num_kv_blocks=core.num_kv_blocks,
-            block_size=core.config.block_size,
-            max_model_len=core.max_model_len,
-            vocab_size=core.vocab_size,
-            backend=config.backend,
-        )
+        self.info = self.engine_core.info
         self._closed = False
         self._wakeup: anyio.Event | None = None
 

@@ -23,7 +23,6 @@ import anyio.to_thread
 import msgspec
 import zmq
 
-from engine_core._core.protocol import EngineInfo
 from engine_core._engine.core import EngineCore
 from engine_core._engine.proc import EngineCoreProc
 from engine_core._engine.sockets import make_socket
@@ -122,13 +121,7 @@ class _Server:
             self._send(output, EngineDead(reason=f"stopped during startup by {self.stop_reason}"))
             return 0
         endpoint = input_.getsockopt_string(zmq.LAST_ENDPOINT)
-        info = EngineInfo(
-            num_kv_blocks=core.num_kv_blocks,
-            block_size=core.config.block_size,
-            max_model_len=core.max_model_len,
-            vocab_size=core.vocab_size,
-            backend=self.config.backend,
-        )
+        info = core.info
         logger.info("ready: %s, input at %s", info, endpoint)
         self._send(output, Ready(info, endpoint))
         proc = self.proc = EngineCoreProc(
