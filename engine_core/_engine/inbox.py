@@ -41,6 +41,7 @@ class _LoopReaders:
         self.sorted = anyio.Event()
 
     def announce(self) -> None:
+        """Wake the waiting readers: a message was sorted (or the reader gave up)."""
         self.sorted.set()
         self.sorted = anyio.Event()
 
