@@ -130,19 +130,7 @@ class EngineCore:
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         self.max_model_len: int = config.max_model_len
         self.vocab_size = backend.vocab_size()
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=config.max_model_len,
-                block_size=config.block_size,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                long_prefill_token_threshold=config.long_prefill_token_threshold,
-                enable_prefix_caching=config.enable_prefix_caching,
-                scheduling_policy=config.scheduling_policy,
-            ),
-            self.num_kv_blocks,
-        )
+        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.num_kv_blocks)
         self.num_steps = 0
         self._ended_outside_steps: list[FinishedRequest] = []
         """Requests rejected at arrival, failed grammars and engine-initiated aborts, reported
