@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from helpers.tiny_tokenizer import save_tiny_bpe
 
+from engine_core._core.hf_tokenizer import HFTokenizer
 from engine_core._core.tokenizer import (
     ByteTokenizer,
-    HFTokenizer,
     Tokenizer,
     load_tokenizer,
     parse_prompt,

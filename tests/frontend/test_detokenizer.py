@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 from helpers.tiny_tokenizer import save_tiny_bpe
 
-from engine_core._core.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder
+from engine_core._core.hf_tokenizer import HFTokenizer
+from engine_core._core.tokenizer import ByteTokenizer, IncrementalDecoder
 from engine_core._frontend.detokenizer import Detokenizer
 from engine_core.sampling_params import SamplingParams
 

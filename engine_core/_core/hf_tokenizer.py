@@ -1,0 +1,224 @@
+"""Hugging Face ``tokenizer.json`` directories (the ``tokenizers`` library, imported when one is
+loaded), with their special tokens and two incremental decoders: ``DecodeStream`` where the
+library has it, else a short window of trailing tokens re-decoded per token."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from engine_core._core.tokenizer import IncrementalDecoder
+
+__all__ = ["HFTokenizer"]
+
+# Prompt tokens replayed into a fresh decoder so the first generated token decodes with the
+# right context (leading spaces, merges); a few are enough.
+_PRIME_TOKENS = 5
+# Tokens the window decoder keeps before dropping decoded history.
+_WINDOW_TRIM = 64
+
+
+class _StreamDecoder:
+    """``tokenizers.decoders.DecodeStream``: one native ``step`` per token."""
+
+    __slots__ = ("_tokenizer", "_skip_special", "_stream", "_prime", "_last", "_held")
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip: bool) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip
+        self._prime = list(prompt_token_ids[-_PRIME_TOKENS:])
+        self._stream = self._new_stream(self._prime)
+        self._last: int | None = None
+        """The last token that produced text: the context :meth:`flush` decodes after."""
+        self._held: list[int] = []
+        """Ids that produced no text yet (an unfinished character, a skipped special token)."""
+
+    def _new_stream(self, prime: list[int]) -> Any:
+        from tokenizers.decoders import DecodeStream
+
+        try:
+            return DecodeStream(ids=prime, skip_special_tokens=self._skip_special)
+        except TypeError:  # tokenizers < 0.22: no priming argument
+            stream = DecodeStream(skip_special_tokens=self._skip_special)
+            for token_id in prime:
+                stream.step(self._tokenizer, token_id)
+            return stream
+
+    def step(self, token_id: int) -> str:
+        try:
+            text = self._stream.step(self._tokenizer, token_id)
+        except Exception:
+            # The stream rejects a prefix that no longer decodes the same way ("Invalid
+            # prefix"); start a fresh stream at this token.
+            self._stream = self._new_stream([])
+            try:
+                text = self._stream.step(self._tokenizer, token_id)
+            except Exception:
+                text = None
+        if not text:
+            self._held.append(token_id)
+            return ""
+        if self._held:
+            self._held.clear()
+        self._last = token_id
+        return str(text)
+
+    def flush(self) -> str:
+        if not self._held:
+            return ""
+        decode, skip = self._tokenizer.decode, self._skip_special
+        context = self._prime if self._last is None else [self._last]
+        before = decode(context, skip_special_tokens=skip)
+        text: str = decode(context + self._held, skip_special_tokens=skip)
+        self._held.clear()
+        return text[len(before) :] if len(text) > len(before) else ""
+
+
+class _WindowDecoder:
+    """Re-decodes a short window of trailing tokens (prefix/read offsets) for each new token."""
+
+    __slots__ = ("_tokenizer", "_skip_special", "_ids", "_prefix_offset", "_read_offset")
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip: bool) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip
+        self._ids = list(prompt_token_ids[-_PRIME_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def step(self, token_id: int) -> str:
+        ids = self._ids
+        ids.append(token_id)
+        decode = self._tokenizer.decode
+        skip = self._skip_special
+        prefix_text = decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+        new_text = decode(ids[self._prefix_offset :], skip_special_tokens=skip)
+        # A trailing U+FFFD means an unfinished UTF-8 character: wait for its next byte.
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(ids)
+        if self._prefix_offset > _WINDOW_TRIM:
+            del ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        ids = self._ids
+        if self._read_offset >= len(ids):
+            return ""
+        decode, skip = self._tokenizer.decode, self._skip_special
+        prefix_text = decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+        new_text: str = decode(ids[self._prefix_offset :], skip_special_tokens=skip)
+        self._prefix_offset = self._read_offset = len(ids)
+        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+
+
+def _has_decode_stream() -> bool:
+    try:
+        from tokenizers.decoders import DecodeStream  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token from ``tokenizer_config.json``: a string or ``{"content": ...}``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (``tokenizers`` library) with its special tokens.
+
+    EOS ids merge ``tokenizer_config.json`` (``eos_token``) and ``generation_config.json``
+    (``eos_token_id``, an int or a list).
+    """
+
+    def __init__(self, directory: str | Path, *, use_decode_stream: bool | None = None) -> None:
+        path = Path(directory)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(
+                f"no tokenizer.json in {str(path)!r}: the tokenizer must be a directory holding "
+                "an HF tokenizer.json, or 'byte' for the built-in byte tokenizer"
+            )
+        try:
+            from tokenizers import Tokenizer as _HFTokenizer
+        except ImportError as exc:
+            raise ImportError(
+                f"loading the tokenizer in {str(path)!r} needs the 'tokenizers' library: "
+                "pip install 'engine-core[tokenizers]' (or pip install tokenizers)"
+            ) from exc
+        self.path = path
+        self._tokenizer = _HFTokenizer.from_file(str(tokenizer_file))
+        self._vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self._use_decode_stream = (
+            _has_decode_stream() if use_decode_stream is None else use_decode_stream
+        )
+        added = self._tokenizer.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        config = _read_json(path / "tokenizer_config.json")
+        generation = _read_json(path / "generation_config.json")
+        eos: list[int] = []
+        eos_text = _token_content(config.get("eos_token"))
+        if eos_text is not None and (eos_id := self._tokenizer.token_to_id(eos_text)) is not None:
+            eos.append(eos_id)
+        gen_eos = generation.get("eos_token_id")
+        for token_id in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
+            if isinstance(token_id, int) and token_id not in eos:
+                eos.append(token_id)
+        self._eos_token_ids = tuple(eos)
+        bos_text = _token_content(config.get("bos_token"))
+        bos = self._tokenizer.token_to_id(bos_text) if bos_text is not None else None
+        if bos is None and isinstance(generation.get("bos_token_id"), int):
+            bos = generation["bos_token_id"]
+        self._bos_token_id: int | None = bos
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_token_ids
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def all_special_ids(self) -> frozenset[int]:
+        return self._special_ids
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text).ids
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = [t for t in token_ids if 0 <= t < self._vocab_size]
+        text: str = self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+    def decode_stream(
+        self, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> IncrementalDecoder:
+        cls = _StreamDecoder if self._use_decode_stream else _WindowDecoder
+        return cls(self._tokenizer, prompt_token_ids, skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({str(self.path)!r})"
