@@ -12,6 +12,7 @@ Pure, synchronous logic: no event loop, sockets or tensors.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from engine_core._core.kv_cache_manager import KVCacheManager
@@ -47,40 +48,18 @@ _ERROR = RequestStatus.FINISHED_ERROR
 _ENTRY = 5
 
 
+@dataclass(slots=True, kw_only=True)
 class SchedulerConfig:
     """The knobs the scheduler reads (a subset of the resolved ``EngineConfig``)."""
 
-    __slots__ = (
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "max_model_len",
-        "block_size",
-        "enable_chunked_prefill",
-        "long_prefill_token_threshold",
-        "enable_prefix_caching",
-        "scheduling_policy",
-    )
-
-    def __init__(
-        self,
-        *,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        max_model_len: int = 8192,
-        block_size: int = 16,
-        enable_chunked_prefill: bool = True,
-        long_prefill_token_threshold: int = 0,
-        enable_prefix_caching: bool = True,
-        scheduling_policy: str = "fcfs",
-    ) -> None:
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.block_size = block_size
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.long_prefill_token_threshold = long_prefill_token_threshold
-        self.enable_prefix_caching = enable_prefix_caching
-        self.scheduling_policy = scheduling_policy
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    block_size: int = 16
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
@@ -92,16 +71,8 @@ class SchedulerConfig:
                 "the EngineConfig is not resolved: max_model_len and max_num_batched_tokens "
                 "must be set (EngineConfig.resolved() sets them)"
             )
-        return cls(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            block_size=config.block_size,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-            enable_prefix_caching=config.enable_prefix_caching,
-            scheduling_policy=config.scheduling_policy,
-        )
+        # Every knob has the same name in both configs.
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
 
 class Scheduler:
