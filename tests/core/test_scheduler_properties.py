@@ -221,6 +221,20 @@ def prompt_for(op: Add, serial: int) -> list[int]:
     return (shared + tail)[: op.prompt_len]
 
 
+def new_request(op: Add, serial: int, params: SamplingParams, config: Config) -> Request:
+    """The request an ``Add`` makes, the ``serial``-th of the run."""
+    return Request(
+        f"r{serial}",
+        prompt_for(op, serial),
+        params,
+        block_size=BLOCK_SIZE,
+        arrival_time=float(serial),
+        priority=op.priority,
+        eos_token_ids=(EOS,),
+        hash_blocks=config.caching,
+    )
+
+
 def make_scheduler(config: Config) -> Scheduler:
     """A scheduler configured the way the engine does it: from a (valid) EngineConfig."""
     # Without chunked prefill, a whole prompt must fit one step.
@@ -343,21 +357,13 @@ def test_random_operations_keep_the_books_straight(
     for op in ops:
         if isinstance(op, Add):
             serial = len(all_requests)
-            request = Request(
-                f"r{serial}",
-                prompt_for(op, serial),
-                SamplingParams(
-                    max_tokens=op.max_tokens,
-                    min_tokens=op.min_tokens,
-                    ignore_eos=op.ignore_eos,
-                    stop_token_ids=[STOP] if op.stop else None,
-                ),
-                block_size=BLOCK_SIZE,
-                arrival_time=float(serial),
-                priority=op.priority,
-                eos_token_ids=(EOS,),
-                hash_blocks=config.caching,
+            params = SamplingParams(
+                max_tokens=op.max_tokens,
+                min_tokens=op.min_tokens,
+                ignore_eos=op.ignore_eos,
+                stop_token_ids=[STOP] if op.stop else None,
             )
+            request = new_request(op, serial, params, config)
             scheduler.add_request(request)
             all_requests.append(request)
         elif isinstance(op, Abort):
@@ -397,16 +403,8 @@ def test_abort_everything_frees_every_block(
     for op in ops:
         if isinstance(op, Add):
             serial = len(all_requests)
-            request = Request(
-                f"r{serial}",
-                prompt_for(op, serial),
-                SamplingParams(max_tokens=op.max_tokens, ignore_eos=op.ignore_eos),
-                block_size=BLOCK_SIZE,
-                arrival_time=float(serial),
-                priority=op.priority,
-                eos_token_ids=(EOS,),
-                hash_blocks=config.caching,
-            )
+            params = SamplingParams(max_tokens=op.max_tokens, ignore_eos=op.ignore_eos)
+            request = new_request(op, serial, params, config)
             scheduler.add_request(request)
             all_requests.append(request)
         elif isinstance(op, Step):
