@@ -42,30 +42,28 @@ def config(**options: object) -> EngineConfig:
     return EngineConfig(backend="mock", num_kv_blocks=64, **options)  # type: ignore[arg-type]
 
 
+def _take(outputs: EngineCoreOutputs, request_id: str, tokens: list[int]) -> FinishedRequest | None:
+    """Add ``request_id``'s new tokens of one step to ``tokens``; its ending, if in the step."""
+    for rid, new in zip(outputs.req_ids, outputs.new_token_ids, strict=True):
+        if rid == request_id:
+            tokens += new
+    return next((f for f in outputs.finished if f.req_id == request_id), None)
+
+
 def tokens_until_finished(client: MPClient, request_id: str) -> tuple[list[int], FinishedRequest]:
     tokens: list[int] = []
-    while True:
-        outputs = client.get_output()
-        for rid, new in zip(outputs.req_ids, outputs.new_token_ids, strict=True):
-            if rid == request_id:
-                tokens += new
-        for finished in outputs.finished:
-            if finished.req_id == request_id:
-                return tokens, finished
+    while (finished := _take(client.get_output(), request_id, tokens)) is None:
+        pass
+    return tokens, finished
 
 
 async def tokens_until_finished_async(
     client: MPClient, request_id: str
 ) -> tuple[list[int], FinishedRequest]:
     tokens: list[int] = []
-    while True:
-        outputs = await client.get_output_async()
-        for rid, new in zip(outputs.req_ids, outputs.new_token_ids, strict=True):
-            if rid == request_id:
-                tokens += new
-        for finished in outputs.finished:
-            if finished.req_id == request_id:
-                return tokens, finished
+    while (finished := _take(await client.get_output_async(), request_id, tokens)) is None:
+        pass
+    return tokens, finished
 
 
 @pytest.fixture(scope="module")
