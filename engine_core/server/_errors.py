@@ -4,8 +4,10 @@
 cause                                          status  ``error.type`` / ``error.code``
 ============================================  ======  ==============================
 invalid body or parameter                      400     invalid_request_error
+body nested too deep                           400     invalid_request_error
 parameter over an engine limit (max_n, ...)    400     invalid_request_error
 prompt the engine cannot serve                 400     invalid_request_error
+prompt (+ max_tokens) over max_model_len       400     ... / context_length_exceeded
 missing or wrong API key                       401     invalid_request_error / invalid_api_key
 unknown model name                             404     invalid_request_error / model_not_found
 unknown route                                  404     invalid_request_error / not_found
@@ -13,6 +15,10 @@ body over the size limit                       413     invalid_request_error / r
 engine dead or closed                          503     service_unavailable / engine_dead
 engine paused or its queue full                503     service_unavailable / retry_later
 ============================================  ======  ==============================
+
+Every 400 names the request field at fault in ``error.param`` where there is one. Only errors
+raised while a request is being admitted (read, checked, handed to the engine, refused by it) are
+the client's: an exception of the server's own code once outputs flow is a 500.
 """
 
 from __future__ import annotations
@@ -28,12 +34,13 @@ from engine_core.errors import (
     InvalidRequestError,
     RetryableRequestError,
 )
-from engine_core.server._protocol import ErrorBody, ErrorResponse, SamplingFields
+from engine_core.server._protocol import ErrorBody, ErrorResponse
 
 __all__ = ["APIError", "api_error_from", "error_json", "invalid_parameter"]
 
 _ENCODER = msgspec.json.Encoder()
 _PARAM_AT = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+_MISSING = re.compile(r"missing required field `([A-Za-z_][A-Za-z0-9_]*)`")
 _LEADING_NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\b")
 
 
@@ -71,10 +78,11 @@ def invalid_parameter(
     exc: Exception, fields: Iterable[str], renames: Mapping[str, str] | None = None
 ) -> APIError:
     """A 400 for a ``ValueError``/``TypeError`` (or msgspec ``ValidationError``) about a request;
-    ``param`` names the request field the message starts with (or points at), mapped through
-    ``renames`` (SamplingParams name -> request field name)."""
+    ``param`` names the request field the message points at (msgspec's "at `$.x...`"), says is
+    missing, or starts with, mapped through ``renames`` (SamplingParams name -> request field
+    name); None when that is no field of ``fields``."""
     message = str(exc)
-    match = _PARAM_AT.search(message) or _LEADING_NAME.match(message)
+    match = _PARAM_AT.search(message) or _MISSING.search(message) or _LEADING_NAME.match(message)
     param = match.group(1) if match else None
     if param is not None and renames:
         param = renames.get(param, param)
@@ -84,17 +92,36 @@ def invalid_parameter(
 
 
 def api_error_from(
-    exc: Exception, prompt_field: str, grammar_field: str = "structured_outputs"
+    exc: Exception,
+    *,
+    fields: Iterable[str],
+    prompt_field: str,
+    grammar_field: str = "structured_outputs",
+    admitting: bool,
 ) -> APIError | None:
-    """The HTTP error for an exception the engine raised about a request (None: not one).
-    An invalid request names ``grammar_field`` when its grammar failed, else ``prompt_field``."""
+    """The HTTP error for an exception ``AsyncLLM.generate`` raised about a request (None: not
+    one, a server error). ``admitting``: no output has come yet, so a ``ValueError`` or
+    ``TypeError`` is ``generate`` refusing an argument (a 400 naming the field of ``fields`` it
+    names); later one is a bug, not the client's. An invalid request the engine refused names
+    ``stop_token_ids``, ``grammar_field`` (its grammar failed) or else ``prompt_field``."""
     if isinstance(exc, RetryableRequestError):
         return APIError(503, str(exc), type="service_unavailable", code="retry_later")
     if isinstance(exc, InvalidRequestError):
-        param = grammar_field if "structured_outputs" in str(exc) else prompt_field
-        return APIError(400, str(exc), param=param)
-    if isinstance(exc, (ValueError, TypeError)):  # generate() refused an argument
-        return invalid_parameter(exc, SamplingFields.__struct_fields__)
+        message = str(exc)
+        if message.startswith("stop_token_ids"):
+            param = "stop_token_ids"
+        elif "structured_outputs" in message:
+            param = grammar_field
+        else:
+            param = prompt_field
+        return APIError(400, message, param=param)
+    if isinstance(exc, (ValueError, TypeError)):
+        if not admitting:
+            return None
+        error = invalid_parameter(exc, fields)
+        if error.param is None and "prompt" in error.message:
+            error.param = prompt_field  # parse_prompt's "'prompt_token_ids' must be ..."
+        return error
     if isinstance(exc, EngineDeadError):
         return APIError(
             503, f"the engine is dead: {exc}", type="service_unavailable", code="engine_dead"

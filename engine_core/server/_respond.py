@@ -85,18 +85,31 @@ async def _run_one(
     outputs = ctx.state.engine.generate(
         ctx.prompts[index].prompt, params, request_id, priority=ctx.body.priority
     )
+    admitting = True  # no output yet: what generate() raises now is about the request
     try:
         # Closed here, not by the garbage collector, when the response is cancelled: the
         # request is aborted at once, and trio warns of generators it has to finalize.
         async with contextlib.aclosing(outputs):
-            async for output in outputs:
+            while True:
+                try:
+                    output = await outputs.__anext__()
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:
+                    error = api_error_from(
+                        exc,
+                        fields=type(ctx.body).__struct_fields__,
+                        prompt_field=ctx.fields.prompt,
+                        grammar_field=ctx.fields.grammar,
+                        admitting=admitting,
+                    )
+                    if error is None:
+                        raise
+                    raise error from exc
+                admitting = False
                 recorder.observe(output)
+                # Not under the try above: what the server's own code raises is a 500.
                 await handle(index, output)
-    except Exception as exc:
-        error = api_error_from(exc, ctx.fields.prompt, ctx.fields.grammar)
-        if error is None:
-            raise
-        raise error from exc
     finally:
         recorder.close(params.n)
 
