@@ -62,4 +62,12 @@ def check_request(
         if not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {show(cache_salt)}")
         check_text("cache_salt", cache_salt)
-    return check_params(config, params)
+    params = check_params(config, params)
+    queued = config.max_queued_requests
+    if queued is not None and params.n > config.max_num_seqs + queued:
+        # The queue's admission would refuse it as retryable every time.
+        raise ValueError(
+            f"n must be at most {config.max_num_seqs + queued} (max_num_seqs + "
+            f"max_queued_requests), got {params.n}"
+        )
+    return params

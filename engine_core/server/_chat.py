@@ -7,6 +7,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from engine_core._core.checks import show
 from engine_core.outputs import PositionLogprobs, RequestOutput
 from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 from engine_core.server._chat_template import ChatTemplateError
@@ -33,6 +34,8 @@ from engine_core.server._respond import (
 from engine_core.server._serving import (
     PreparedPrompt,
     ServerState,
+    check_lengths,
+    check_sequences,
     prepare_prompt,
     read_body,
     sampling_params,
@@ -67,16 +70,61 @@ def _message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
+_RESERVED_TEMPLATE_KWARGS = ("chat_template", "messages", "tokenize")
+"""What ``chat_template_kwargs`` may not set: the server renders the request's own messages
+with its own template (vLLM refuses ``chat_template`` and ``tokenize`` too)."""
+_TEMPLATE_FLAGS = ("add_generation_prompt", "continue_final_message")
+"""Request fields that ``chat_template_kwargs`` may override, as in vLLM."""
+
+
+def _template_arguments(body: ChatCompletionRequest) -> tuple[dict[str, bool], dict[str, Any]]:
+    """The template's flags (the request's, overridden by ``chat_template_kwargs``) and its
+    other variables; 400 naming ``chat_template_kwargs`` for a name it may not set or a flag
+    that is not a bool."""
+    flags = {
+        "add_generation_prompt": body.add_generation_prompt,
+        "continue_final_message": body.continue_final_message,
+    }
+    kwargs = dict(body.chat_template_kwargs or {})
+    reserved = [name for name in _RESERVED_TEMPLATE_KWARGS if name in kwargs]
+    if reserved:
+        raise APIError(
+            400,
+            f"chat_template_kwargs may not set {', '.join(reserved)}: the server renders the "
+            "request's messages with its own template",
+            param="chat_template_kwargs",
+        )
+    for name in _TEMPLATE_FLAGS:
+        if name in kwargs:
+            value = kwargs.pop(name)
+            if not isinstance(value, bool):
+                raise APIError(
+                    400,
+                    f"chat_template_kwargs.{name} must be a bool, got {show(value)}",
+                    param="chat_template_kwargs",
+                )
+            flags[name] = value
+    if flags["add_generation_prompt"] and flags["continue_final_message"]:
+        raise APIError(
+            400,
+            "continue_final_message and add_generation_prompt cannot both be true (set "
+            "add_generation_prompt to false to continue the final message)",
+            param="continue_final_message",
+        )
+    return flags, kwargs
+
+
 def render_messages(state: ServerState, body: ChatCompletionRequest) -> PreparedPrompt:
     """The prompt of a chat request: the rendered template and its token ids."""
     if body.tools:
         raise APIError(400, "tools are not supported", param="tools")
+    flags, kwargs = _template_arguments(body)
     try:
         text = state.chat_template.render(
             _message_dicts(body),
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            **(body.chat_template_kwargs or {}),
+            add_generation_prompt=flags["add_generation_prompt"],
+            continue_final_message=flags["continue_final_message"],
+            **kwargs,
         )
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
@@ -143,6 +191,13 @@ def _response_format(body: ChatCompletionRequest) -> StructuredOutputsParams | N
     )
 
 
+def _max_tokens_field(body: ChatCompletionRequest) -> str | None:
+    """The field that gives ``max_tokens`` (None: neither does; as many as fit)."""
+    if body.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return "max_tokens" if body.max_tokens is not None else None
+
+
 def _chat_params(body: ChatCompletionRequest) -> SamplingParams:
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
@@ -172,7 +227,9 @@ async def create_chat_completion(
     body = await read_body(request, ChatCompletionRequest, state.max_body_bytes)
     model = state.model_name(body.model)
     params = _chat_params(body)
+    check_sequences(state, 1, params.n, "messages")
     prompts = [render_messages(state, body)]
+    check_lengths(state, prompts, params, _max_tokens_field(body))
     ctx = RequestContext(
         state, body, prompts, params, model, new_id("chatcmpl"), fields=_fields(body)
     )

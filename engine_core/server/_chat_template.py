@@ -34,6 +34,11 @@ def _render_default(messages: list[dict[str, Any]], add_generation_prompt: bool)
     return text + "assistant:" if add_generation_prompt else text
 
 
+def _short(exc: Exception) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
 class ChatTemplateError(ValueError):
     """The messages could not be rendered (the template raised, or the messages do not fit it)."""
 
@@ -92,7 +97,10 @@ class ChatTemplate:
         **kwargs: Any,
     ) -> str:
         """The prompt text. ``continue_final_message`` leaves the last message open (the text
-        ends right after its content) so the model continues it."""
+        ends right after its content) so the model continues it. ``kwargs`` are more variables
+        for the template; ``bos_token`` and ``eos_token`` among them override the tokenizer's
+        (as in Hugging Face's ``apply_chat_template``), ``messages`` and
+        ``add_generation_prompt`` cannot be overridden this way."""
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError(
                 "continue_final_message and add_generation_prompt cannot both be true"
@@ -101,17 +109,14 @@ class ChatTemplate:
             if self._is_default:
                 text = _render_default(messages, add_generation_prompt)
             else:
-                text = self._template.render(
-                    messages=messages,
-                    add_generation_prompt=add_generation_prompt,
-                    bos_token=self.bos_token,
-                    eos_token=self.eos_token,
-                    **kwargs,
-                )
+                variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs}
+                variables["messages"] = messages
+                variables["add_generation_prompt"] = add_generation_prompt
+                text = self._template.render(variables)
         except ChatTemplateError:
             raise
-        except (self._template_error, TypeError, KeyError, AttributeError) as exc:
-            raise ChatTemplateError(f"the chat template failed: {exc}") from exc
+        except Exception as exc:  # the template choked on these messages or variables
+            raise ChatTemplateError(f"the chat template failed: {_short(exc)}") from exc
         if continue_final_message:
             final = messages[-1].get("content") if messages else None
             if not isinstance(final, str) or final not in text:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -22,20 +23,25 @@ from engine_core.server._respond import RequestContext, ResponseStream, new_id, 
 from engine_core.server._serving import (
     PreparedPrompt,
     ServerState,
+    check_lengths,
+    check_sequences,
     prepare_prompt,
     read_body,
     sampling_params,
 )
 from engine_core.server._sse import EventStreamResponse
 
-__all__ = ["create_completion"]
+__all__ = ["DEFAULT_MAX_TOKENS", "create_completion"]
+
+DEFAULT_MAX_TOKENS = 16
+"""OpenAI's ``max_tokens`` when a completion request leaves it out."""
 
 
 def _prepare_prompts(
-    state: ServerState, prompt: str | list[str | int | list[int]]
+    state: ServerState, prompt: str | list[str | int | list[int]], n: int
 ) -> list[PreparedPrompt]:
-    """The prompts of the body: a string, a list of strings, a list of token ids, or a list of
-    lists of token ids."""
+    """The prompts of the body (a string, a list of strings, a list of token ids, or a list of
+    lists of token ids), their number checked (with ``n`` each) before any is tokenized."""
     items: Sequence[str | int | list[int]]
     if isinstance(prompt, str):
         items = [prompt]
@@ -52,6 +58,7 @@ def _prepare_prompts(
             "lists of token ids",
             param="prompt",
         )
+    check_sequences(state, len(items), n, "prompt")
     prepared = []
     for item in items:
         if isinstance(item, str):
@@ -98,8 +105,13 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
         raise APIError(400, "best_of must equal n when given", param="best_of")
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported", param="echo")
-    prompts = _prepare_prompts(state, body.prompt)
-    params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs, renames={})
+    max_tokens = body.max_tokens
+    given: str | None = "max_tokens"
+    if isinstance(max_tokens, msgspec.UnsetType):
+        max_tokens, given = DEFAULT_MAX_TOKENS, None  # the engine stops sooner if it must
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, renames={})
+    prompts = _prepare_prompts(state, body.prompt, params.n)
+    check_lengths(state, prompts, params, given)
     ctx = RequestContext(state, body, prompts, params, model, new_id("cmpl"))
     return await respond(request, ctx, _CompletionStream, Completion, _choices)
 

@@ -82,7 +82,9 @@ class CompletionRequest(SamplingFields, kw_only=True):
     """``POST /v1/completions``."""
 
     prompt: str | list[str | int | list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None | msgspec.UnsetType = msgspec.UNSET
+    """Absent: 16 (OpenAI's default), fewer when the prompt leaves less room; null: as many as
+    fit. Given, the prompt and it must fit ``max_model_len``."""
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -100,6 +102,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
     messages: list[ChatMessage]
     max_tokens: int | None = None
+    """Deprecated by OpenAI for ``max_completion_tokens``, which wins when both are given.
+    Absent: as many as fit in ``max_model_len``; given, the prompt and it must fit."""
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -108,6 +112,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template. As in vLLM, ``add_generation_prompt`` and
+    ``continue_final_message`` here override the fields of the same name, and ``bos_token`` /
+    ``eos_token`` the tokenizer's (as Hugging Face's ``apply_chat_template`` lets them);
+    ``messages``, ``chat_template`` and ``tokenize`` are refused (400)."""
 
 
 # -- responses -----------------------------------------------------------------------------------

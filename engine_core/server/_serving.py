@@ -1,16 +1,25 @@
 """What the completion endpoints share in reading a request: the server's state, the body,
 its prompts' checks, and the :class:`SamplingParams` it asks for (answering it is ``_respond``'s).
+
+Whatever a request could never get is refused here with a 400 naming the field, before the
+engine sees it: a body nested deeper than :data:`MAX_BODY_DEPTH`, token ids outside the
+vocabulary, a prompt with ``max_tokens`` (or ``min_tokens``) past ``max_model_len``, more
+sequences than the engine's running batch and queue hold together.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 
+from engine_core._core.checks import show
 from engine_core._core.tokenizer import PromptInput, Tokenizer
 from engine_core._frontend.async_llm import AsyncLLM
 from engine_core.sampling_params import (
@@ -23,9 +32,24 @@ from engine_core.server._errors import APIError, invalid_parameter
 from engine_core.server._metrics import ServerMetrics
 from engine_core.server._protocol import SamplingFields
 
-__all__ = ["PreparedPrompt", "ServerState", "prepare_prompt", "read_body", "sampling_params"]
+__all__ = [
+    "MAX_BODY_DEPTH",
+    "PreparedPrompt",
+    "ServerState",
+    "check_lengths",
+    "check_sequences",
+    "decode_body",
+    "prepare_prompt",
+    "read_body",
+    "sampling_params",
+]
 
 S = TypeVar("S", bound=msgspec.Struct)
+
+MAX_BODY_DEPTH = 128
+"""Deepest nesting of arrays and objects accepted in a request body: room for a JSON schema at
+the engine's own limit (``MAX_JSON_DEPTH``, 100) inside the body's few levels, and far below
+where decoding or rendering such values would recurse too deep (Python's limit is 1000)."""
 
 
 @dataclass(kw_only=True)
@@ -81,12 +105,68 @@ async def read_body(request: Request, struct: type[S], limit: int) -> S:
             chunks.append(chunk)
     except ClientDisconnect:
         raise APIError(499, "the client closed the connection") from None
+    return decode_body(b"".join(chunks), struct)
+
+
+def decode_body(body: bytes, struct: type[S]) -> S:
+    """``body`` decoded into ``struct``; 400 when it is not JSON, is nested deeper than
+    :data:`MAX_BODY_DEPTH` or does not fit ``struct`` (naming the field where there is one)."""
+    if not _nests_within(body, MAX_BODY_DEPTH):
+        raise _too_deep(body, struct.__struct_fields__)
     try:
-        return msgspec.json.decode(b"".join(chunks), type=struct)
+        return msgspec.json.decode(body, type=struct)
     except msgspec.ValidationError as exc:
         raise invalid_parameter(exc, struct.__struct_fields__) from None
     except msgspec.DecodeError as exc:
         raise APIError(400, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:  # not expected past the depth check; never a 500
+        raise _too_deep(body, struct.__struct_fields__) from None
+
+
+@functools.cache
+def _nesting(depth: int) -> re.Pattern[bytes]:
+    """Matches JSON text (with no escaped quotes or backslashes left in its strings) whose
+    arrays and objects nest at most ``depth`` levels. Every quantifier is possessive, so the
+    match never backtracks: it runs in time linear in the text, at C speed, and a text nested
+    too deep fails where it first goes too deep."""
+    atom = rb'[^\[\]{}"]++|"[^"]*+"'
+    pattern = rb"(?:" + atom + rb")*+"
+    for _ in range(depth):
+        pattern = rb"(?:" + atom + rb"|[\[{]" + pattern + rb"[\]}])*+"
+    return re.compile(pattern)
+
+
+def _nests_within(body: bytes, depth: int) -> bool:
+    """Whether the arrays and objects of the JSON ``body`` nest at most ``depth`` levels deep
+    (brackets inside strings do not count). Invalid JSON may answer False (or True): whoever
+    decodes it says what is wrong with it."""
+    if body.count(b"[") + body.count(b"{") <= depth:
+        return True  # nearly every request: it cannot nest deeper than it has openings
+    if b"\\" in body:
+        # Escaped backslashes first, then escaped quotes: what is left of a string is a quote,
+        # characters that are not quotes, and a quote. Outside strings JSON has no backslash.
+        body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    return _nesting(depth).fullmatch(body) is not None
+
+
+def _too_deep(body: bytes, fields: Collection[str]) -> APIError:
+    """The 400 for a body that fails the depth check: naming the field nested too deep, or
+    saying what else is wrong with the body when it is no JSON at all."""
+    message = f"the body nests arrays and objects deeper than {MAX_BODY_DEPTH} levels"
+    try:
+        top = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except msgspec.ValidationError:
+        return APIError(400, message)  # not an object: no field to name
+    except msgspec.DecodeError as exc:
+        return APIError(400, f"the body is not valid JSON: {exc}")
+    except RecursionError:
+        return APIError(400, message)
+    for name, value in top.items():
+        if not _nests_within(bytes(value), MAX_BODY_DEPTH - 1):
+            if name in fields:
+                return APIError(400, f"{name} is nested too deep: {message}", param=name)
+            break
+    return APIError(400, message)
 
 
 def _too_large(limit: int) -> APIError:
@@ -136,8 +216,9 @@ def sampling_params(
 def prepare_prompt(
     state: ServerState, token_ids: list[int], param: str, text: str | None = None
 ) -> PreparedPrompt:
-    """A prompt of ``token_ids`` (and ``text``, when it came as text), its length checked: 400
-    naming ``param`` when it is empty or leaves no room to generate."""
+    """A prompt of ``token_ids`` (and ``text``, when it came as text), its length and (given as
+    ids) its ids checked: 400 naming ``param`` when it is empty, leaves no room to generate, or
+    holds an id outside the vocabulary."""
     num_tokens = len(token_ids)
     if num_tokens == 0:
         raise APIError(400, "the prompt is empty", param=param)
@@ -150,5 +231,71 @@ def prepare_prompt(
             code="context_length_exceeded",
         )
     if text is None:
+        vocab_size = state.engine.info.vocab_size
+        low, high = min(token_ids), max(token_ids)
+        if low < 0 or high >= vocab_size:
+            bad = show(low if low < 0 else high)
+            raise APIError(
+                400,
+                f"token id {bad} is outside the vocabulary (ids 0 to {vocab_size - 1})",
+                param=param,
+                code="invalid_value",
+            )
         return PreparedPrompt({"prompt_token_ids": token_ids}, num_tokens)
     return PreparedPrompt({"prompt": text, "prompt_token_ids": token_ids}, num_tokens)
+
+
+def check_sequences(state: ServerState, num_prompts: int, n: int, prompt_field: str) -> None:
+    """400 for a request of more sequences (``num_prompts`` x ``n``) than the engine would ever
+    take from one request: ``n`` over ``max_n``, or more sequences than ``max_n`` or the running
+    batch (``max_num_seqs``), whichever is larger, or (with ``max_queued_requests``) than the
+    running batch and the queue hold together. A full queue is a retryable 503; this would
+    never fit, and is refused before any prompt is tokenized."""
+    config = state.engine.config
+    if n > config.max_n:
+        raise APIError(400, f"n must be at most {config.max_n} (max_n), got {n}", param="n")
+    limit, why = max(config.max_n, config.max_num_seqs), "max_n, or max_num_seqs when larger"
+    if config.max_queued_requests is not None:
+        capacity = config.max_num_seqs + config.max_queued_requests
+        if capacity < limit:
+            limit, why = capacity, "max_num_seqs + max_queued_requests"
+    if n > limit:
+        raise APIError(400, f"n must be at most {limit} ({why}), got {n}", param="n")
+    if num_prompts * n > limit:
+        raise APIError(
+            400,
+            f"the request asks for {num_prompts} prompts x n {n} sequences; one request may ask "
+            f"for at most {limit} ({why})",
+            param=prompt_field,
+        )
+
+
+def check_lengths(
+    state: ServerState,
+    prompts: Sequence[PreparedPrompt],
+    params: SamplingParams,
+    max_tokens_field: str | None,
+) -> None:
+    """400 when ``max_tokens``, given by ``max_tokens_field`` (None: a default, which the engine
+    cuts to what fits), or ``min_tokens`` does not fit ``max_model_len`` with the longest
+    prompt."""
+    longest = max(prompt.num_tokens for prompt in prompts)
+    limit = state.max_model_len
+    room = limit - longest
+    if max_tokens_field is not None and params.max_tokens is not None and params.max_tokens > room:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens, but "
+            f"{longest + params.max_tokens} were requested ({longest} in the prompt, "
+            f"{params.max_tokens} for the completion); reduce the prompt or {max_tokens_field}",
+            param=max_tokens_field,
+            code="context_length_exceeded",
+        )
+    if params.min_tokens > room:
+        raise APIError(
+            400,
+            f"min_tokens must be at most {room} (this model's maximum context length, {limit} "
+            f"tokens, less {longest} in the prompt), got {params.min_tokens}",
+            param="min_tokens",
+            code="context_length_exceeded",
+        )
