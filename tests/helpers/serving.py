@@ -15,16 +15,20 @@ from engine_core.server import ServerSettings, serve
 
 
 @contextlib.asynccontextmanager
-async def serving(**engine_config: Any) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncLLM]]:
+async def serving(
+    *, settings: dict[str, Any] | None = None, **engine_config: Any
+) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncLLM]]:
     """A server on a free loopback port over a mock engine (byte tokenizer, ``engine_config``),
-    and an httpx client for it; the server stops when the block ends."""
+    and an httpx client for it; the server stops when the block ends. ``settings``: more
+    :class:`ServerSettings` fields."""
     stop = anyio.Event()
+    server_settings = ServerSettings(port=0, **(settings or {}))
     async with (
         AsyncLLM(backend="mock", tokenizer="byte", **engine_config) as engine,
         anyio.create_task_group() as task_group,
     ):
         url = await task_group.start(
-            functools.partial(serve, engine, ServerSettings(port=0), shutdown_trigger=stop.wait)
+            functools.partial(serve, engine, server_settings, shutdown_trigger=stop.wait)
         )
         try:
             async with httpx.AsyncClient(base_url=url, timeout=10.0) as client:

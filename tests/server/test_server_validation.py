@@ -33,16 +33,21 @@ BAD_BODIES: dict[str, tuple[dict[str, Any], str | None, str]] = {
         "structured_outputs.json is nested deeper than 100 levels",
     ),
     "deep-schema": (
-        {"structured_outputs": {"json": json.loads("[" * 150 + "]" * 150)}},
+        {"structured_outputs": {"json": json.loads("[" * 110 + "]" * 110)}},
         "structured_outputs",
         "got `array` - at `$.structured_outputs.json`",
     ),
     "deep-schema-dict": (
-        {"structured_outputs": {"json": json.loads('{"a":' * 150 + "1" + "}" * 150)}},
+        {"structured_outputs": {"json": json.loads('{"a":' * 110 + "1" + "}" * 110)}},
         "structured_outputs",
         "structured_outputs.json is nested deeper than 100 levels",
     ),
-    "prompt-ids": ({"prompt": [1, 2**64]}, None, "'prompt_token_ids' must be ints of 64 bits"),
+    "deep-body": (
+        {"structured_outputs": {"json": json.loads('{"a":' * 150 + "1" + "}" * 150)}},
+        "structured_outputs",
+        "the body nests arrays and objects deeper than 128 levels",
+    ),
+    "prompt-ids": ({"prompt": [1, 2**64]}, "prompt", "is outside the vocabulary"),
 }
 
 
