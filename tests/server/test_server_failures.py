@@ -25,7 +25,10 @@ def completion(max_tokens: int, stream: bool = False) -> dict[str, Any]:
 
 async def test_dead_engine_gives_503_without_hanging() -> None:
     fault = {"kind": "raise", "at_step": 5}
-    async with serving(multiprocess=True, backend_options={"fault": fault}) as (client, _):
+    # Slow steps: the stream has emitted its first tokens well before the engine dies (the
+    # death replaces outputs its consumer has not taken yet).
+    options = {"fault": fault, "latency": {"step_s": 0.02}}
+    async with serving(multiprocess=True, backend_options=options) as (client, _):
         with anyio.fail_after(10):
             # A stream that is running when the engine dies ends with an error event.
             async with client.stream("POST", "/v1/completions", json=completion(50, True)) as r:
