@@ -16,7 +16,8 @@ import httpx
 import pytest
 from helpers.serving import serving
 
-from engine_core import AsyncLLM
+from engine_core import AsyncLLM, EngineConfig, SamplingParams
+from engine_core._frontend.request_checks import check_request
 from engine_core.errors import InvalidRequestError
 from engine_core.server import _completions
 from engine_core.server._errors import APIError, api_error_from
@@ -352,6 +353,15 @@ async def test_limits_never_met_are_400_even_with_a_full_queue() -> None:
                     await running.aclose()  # the running stream ends; the queued one runs
         assert queued[0].status_code == 200
         await assert_idle(engine)
+
+
+def test_generate_refuses_an_n_the_queue_never_admits() -> None:
+    config = EngineConfig(max_num_seqs=2, max_queued_requests=3)
+    assert check_request(config, SamplingParams(n=5, temperature=1.0)).n == 5
+    with pytest.raises(ValueError, match=r"n must be at most 5 \(max_num_seqs \+ max_queued"):
+        check_request(config, SamplingParams(n=6, temperature=1.0))
+    unlimited = EngineConfig(max_num_seqs=2)
+    assert check_request(unlimited, SamplingParams(n=6, temperature=1.0)).n == 6
 
 
 async def test_many_prompts_are_refused_before_tokenizing() -> None:
