@@ -3,7 +3,8 @@
 ``engine-core backends`` lists installed backends; ``engine-core generate "PROMPT"`` streams a
 completion to stdout; ``engine-core serve`` runs the OpenAI-compatible HTTP server;
 ``engine-core bench throughput|latency|serve`` run benchmarks (see ``_bench_cli``).
-Every :class:`~engine_core.EngineConfig` field is a flag (``--max-num-seqs 64``).
+Every :class:`~engine_core.EngineConfig` field is a flag (``--max-num-seqs 64``); a numeric
+field that may be None takes ``none`` (``--step-timeout-s none``).
 """
 
 from __future__ import annotations
@@ -25,18 +26,29 @@ API_KEY_ENV = "ENGINE_CORE_API_KEY"
 """Environment variable holding the server's API key when ``--api-key`` is not given."""
 
 
+_NONE = object()
+"""What ``none`` parses to for an optional numeric flag: the field set to None."""
+
+
+def _or_none(parse: Any) -> Any:
+    def parse_or_none(text: str) -> Any:
+        return _NONE if text.lower() == "none" else parse(text)
+
+    parse_or_none.__name__ = parse.__name__  # argparse names it in its errors
+    return parse_or_none
+
+
 def _flag_type(annotation: Any) -> tuple[Any, dict[str, Any]]:
     """argparse ``type`` and extra kwargs for one EngineConfig field annotation."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     base = args[0] if len(args) == 1 else annotation
+    optional = len(args) == 1 and type(None) in typing.get_args(annotation)
     if typing.get_origin(base) is typing.Literal:
         return str, {"choices": list(typing.get_args(base))}
     if base is bool or annotation is bool:
         return None, {"action": argparse.BooleanOptionalAction}
-    if base is int:
-        return int, {}
-    if base is float:
-        return float, {}
+    if base in (int, float):
+        return (_or_none(base), {"help": "or 'none'"}) if optional else (base, {})
     if typing.get_origin(base) is dict or base is dict:
         return json.loads, {"metavar": "JSON"}
     return str, {}
@@ -57,10 +69,10 @@ def add_engine_config_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     """The EngineConfig the flags describe (flags not given keep EngineConfig's defaults)."""
-    fields = {
-        name: getattr(args, f"cfg_{name}")
+    fields: dict[str, Any] = {
+        name: None if value is _NONE else value
         for name in EngineConfig.__struct_fields__
-        if getattr(args, f"cfg_{name}", None) is not None
+        if (value := getattr(args, f"cfg_{name}", None)) is not None
     }
     fields.update(overrides)
     return EngineConfig(**fields)

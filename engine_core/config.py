@@ -17,7 +17,7 @@ def _positive(
     if value is None and allow_none:
         return
     kinds = int if integer else (int, float)
-    if not isinstance(value, kinds) or isinstance(value, bool) or value <= 0:
+    if not isinstance(value, kinds) or isinstance(value, bool) or not value > 0:  # NaN too
         raise ValueError(f"{name} must be {'an int ' if integer else ''}> 0, got {value!r}")
 
 
@@ -50,8 +50,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Run the engine core in its own process. None: AsyncLLM does, LLM does not."""
     engine_runtime: Literal["asyncio", "trio"] = "asyncio"
     """Event loop of the engine-core process."""
-    step_timeout_s: float | None = None
-    """A step running longer than this is treated as the engine's death. None: no limit."""
+    step_timeout_s: float | None = 300.0
+    """A model call running longer than this is treated as the engine's death (its process
+    reports a ``TimeoutError`` and exits). None: no limit."""
+    engine_heartbeat_timeout_s: float | None = 10.0
+    """An engine-core process that sends nothing for this long while requests are in flight
+    or a control call waits for its reply is declared dead and killed. It sends a heartbeat
+    while it has work and nothing else went out for a fifth of this, so only a frozen
+    process (stopped, deadlocked, a step holding the GIL) stays silent. None: no check."""
     startup_timeout_s: float = 300.0
     grammar_compile_timeout_s: float = 10.0
     """A structured-output grammar that takes longer to compile fails its request."""
@@ -86,6 +92,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
         _positive("max_num_seqs", self.max_num_seqs, allow_none=False, integer=True)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, integer=True)
         _positive("step_timeout_s", self.step_timeout_s)
+        _positive("engine_heartbeat_timeout_s", self.engine_heartbeat_timeout_s)
         _positive("startup_timeout_s", self.startup_timeout_s, allow_none=False)
         _positive("grammar_compile_timeout_s", self.grammar_compile_timeout_s, allow_none=False)
         _positive("max_queued_requests", self.max_queued_requests, integer=True)

@@ -46,6 +46,13 @@ def test_every_engine_config_field_is_a_serve_flag(capsys: pytest.CaptureFixture
     config = engine_config_from_args(args)
     assert (config.max_num_seqs, config.enable_prefix_caching) == (3, False)
     assert config.backend_options == {"vocab_size": 300}
+    assert (config.step_timeout_s, config.engine_heartbeat_timeout_s) == (300.0, 10.0)
+    timeouts = engine_config_from_args(
+        parser.parse_args(
+            ["serve", "--step-timeout-s", "none", "--engine-heartbeat-timeout-s", "2.5"]
+        )
+    )
+    assert (timeouts.step_timeout_s, timeouts.engine_heartbeat_timeout_s) == (None, 2.5)
     assert (args.port, args.host, args.served_model_name) == (0, "127.0.0.1", ["a", "b"])
     assert (args.runtime, args.api_key) == ("asyncio", None)
     with pytest.raises(SystemExit) as info:

@@ -28,7 +28,8 @@ def test_defaults() -> None:
     assert c.scheduling_policy == "fcfs"
     assert c.multiprocess is None
     assert c.engine_runtime == "asyncio"
-    assert c.step_timeout_s is None
+    assert c.step_timeout_s == 300.0
+    assert c.engine_heartbeat_timeout_s == 10.0
     assert c.startup_timeout_s == 300.0
     assert c.max_queued_requests is None
     assert c.max_n == 128
@@ -64,6 +65,10 @@ def test_backend_options_are_not_shared() -> None:
         ("max_num_batched_tokens", 0),
         ("step_timeout_s", 0.0),
         ("step_timeout_s", -1.0),
+        ("step_timeout_s", float("nan")),
+        ("engine_heartbeat_timeout_s", 0.0),
+        ("engine_heartbeat_timeout_s", -1.0),
+        ("engine_heartbeat_timeout_s", float("nan")),
         ("startup_timeout_s", 0),
         ("max_queued_requests", 0),
         ("max_n", 0),
@@ -163,6 +168,7 @@ def test_msgpack_round_trip() -> None:
         multiprocess=True,
         engine_runtime="trio",
         step_timeout_s=30.0,
+        engine_heartbeat_timeout_s=None,
         max_queued_requests=1000,
         seed=7,
         dtype="bfloat16",
