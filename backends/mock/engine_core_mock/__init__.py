@@ -26,9 +26,10 @@ Tokens (``vocab_size`` V):
   the model's, else 258 with the byte tokenizer, else 32000;
 - ``latency``: ``{"step_s", "per_token_s", "per_context_token_s"}``, each step then lasts
   ``step_s + per_token_s * scheduled tokens + per_context_token_s * context tokens``;
-- ``fault``: ``{"kind": "raise" | "exit" | "hang", "at_step": N}``, at the N-th
-  ``execute_model`` call: raise ``RuntimeError``, exit the process with status 13, or block
-  forever.
+- ``load_s``: seconds that constructing the backend takes (a model load);
+- ``fault``: ``{"kind": "raise" | "exit" | "hang" | "freeze", "at_step": N}``, at the N-th
+  ``execute_model`` call: raise ``RuntimeError``, exit the process with status 13, block
+  forever, or block forever holding the GIL (the whole process stops answering).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ After such an error the backend's state is undefined.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -66,6 +67,8 @@ class MockBackend(Backend):
         self.is_sleeping = False
         self.is_profiling = False
         self.is_closed = False
+        if options.load_s:
+            self._sleep(options.load_s)
 
     # -- startup --------------------------------------------------------------------------------
 
@@ -151,6 +154,12 @@ class MockBackend(Backend):
             raise RuntimeError(f"mock fault injected: raise at step {fault.at_step}")
         if fault.kind == "exit":
             os._exit(FAULT_EXIT_CODE)
+        if fault.kind == "freeze":
+            # libc's sleep called through a PyDLL keeps the GIL: no thread of the process runs
+            # Python again, its event loop included (no step timeout, no heartbeat).
+            libc = ctypes.PyDLL(None)
+            while True:
+                libc.sleep(1 << 20)
         threading.Event().wait()  # hang: nothing ever sets this event
 
     def _drop(self, req_id: str) -> None:

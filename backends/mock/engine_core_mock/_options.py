@@ -22,11 +22,12 @@ OPTION_NAMES = frozenset(
         "weight_bytes",
         "max_model_len",
         "latency",
+        "load_s",
         "fault",
     }
 )
 _LATENCY_KEYS = ("step_s", "per_token_s", "per_context_token_s")
-_FAULT_KINDS = ("raise", "exit", "hang")
+_FAULT_KINDS = ("raise", "exit", "hang", "freeze")
 
 # The synthetic model: a Llama-8B-like KV geometry on a 16 GiB device.
 SYNTHETIC_NUM_LAYERS = 32
@@ -75,7 +76,7 @@ class Latency:
 class Fault:
     """A fault injected at the ``at_step``-th call of ``execute_model`` (1-based)."""
 
-    kind: Literal["raise", "exit", "hang"]
+    kind: Literal["raise", "exit", "hang", "freeze"]
     at_step: int
 
 
@@ -100,6 +101,8 @@ class MockOptions:
     geometry: ModelGeometry
     latency: Latency | None
     fault: Fault | None
+    load_s: float = 0.0
+    """Seconds that constructing the backend takes (a model load)."""
 
 
 def _int_option(name: str, value: Any, *, minimum: int) -> int:
@@ -119,18 +122,19 @@ def _parse_latency(value: Any) -> Latency | None:
             f"backend_options['latency'] has unknown key(s) {unknown}; "
             f"known: {', '.join(_LATENCY_KEYS)}"
         )
-    for key, seconds in value.items():
-        if (
-            not isinstance(seconds, (int, float))
-            or isinstance(seconds, bool)
-            or not seconds >= 0
-            or seconds == float("inf")
-        ):
-            raise ValueError(
-                f"backend_options['latency'][{key!r}] must be a finite number >= 0, got {seconds!r}"
-            )
-    latency = Latency(**{k: float(v) for k, v in value.items()})
+    latency = Latency(**{k: _seconds(f"'latency'][{k!r}", v) for k, v in value.items()})
     return latency if latency != Latency() else None
+
+
+def _seconds(name: str, value: Any) -> float:
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not value >= 0
+        or value == float("inf")
+    ):
+        raise ValueError(f"backend_options[{name}] must be a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 def _parse_fault(value: Any) -> Fault | None:
@@ -237,4 +241,5 @@ def parse_options(config: EngineConfig) -> MockOptions:
         ModelGeometry(**values),
         _parse_latency(options.get("latency")),
         _parse_fault(options.get("fault")),
+        0.0 if options.get("load_s") is None else _seconds("'load_s'", options["load_s"]),
     )

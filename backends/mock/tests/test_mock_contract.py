@@ -242,6 +242,30 @@ def test_hang_fault_blocks_execute_model() -> None:
     assert thread.is_alive()
 
 
+def test_freeze_fault_blocks_the_whole_process() -> None:
+    # Once the step thread freezes, the main thread never runs Python again: it cannot go on
+    # to print and exit (0.3 s later, if it could).
+    script = (
+        "import sys, threading, time; sys.path.insert(0, sys.argv[1]); "
+        "from mock_driver import Driver; d = Driver(fault={'kind': 'freeze', 'at_step': 1}); "
+        "t = threading.Thread(target=d.step, kwargs={'new': [d.new('r', [1])]}, daemon=True); "
+        "print('freezing', flush=True); t.start(); time.sleep(0.01); t.join(0.3); "
+        "print('not reached', flush=True)"
+    )
+    here = __file__.rsplit("/", 1)[0]
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, here], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline() == "freezing\n"
+        with pytest.raises(subprocess.TimeoutExpired):
+            process.wait(timeout=1.5)
+    finally:
+        process.kill()
+        process.wait()
+
+
 # -- latency -------------------------------------------------------------------------------------
 
 
@@ -260,6 +284,12 @@ def test_latency_model_takes_real_time() -> None:
     start = time.perf_counter()
     d.step(new=[d.new("r", [1])])
     assert time.perf_counter() - start >= 0.05
+
+
+def test_load_s_sleeps_at_construction() -> None:
+    slept: list[float] = []
+    d = Driver(load_s=0.25, sleep=slept.append)
+    assert (d.backend.latency, d.backend.step_in_thread, slept) == (None, False, [0.25])
 
 
 def test_no_latency_option_means_no_sleep() -> None:

@@ -98,6 +98,8 @@ def test_unknown_options_are_named() -> None:
         ({"fault": {"kind": "raise"}}, "exactly the keys 'kind' and 'at_step'"),
         ({"fault": {"kind": "melt", "at_step": 1}}, r"\['fault'\]\['kind'\] must be one of"),
         ({"fault": {"kind": "exit", "at_step": 0}}, r"\['at_step'\] must be an int >= 1, got 0"),
+        ({"load_s": -1}, r"backend_options\['load_s'\] must be a finite number >= 0, got -1"),
+        ({"load_s": "1"}, r"backend_options\['load_s'\] must be a finite number >= 0, got '1'"),
     ],
 )
 def test_bad_option_values_are_named(options: dict[str, Any], message: str) -> None:
