@@ -2,7 +2,8 @@
 
 :func:`run_engine_core` is the process entry point: it connects the output socket, binds the
 input socket, builds the engine core (backend, KV spec, block count, allocation) in a worker
-thread, sends ``Ready`` and serves. It exits by itself when its parent dies, shuts down cleanly
+thread, sends ``Ready`` and serves, with a heartbeat while it has work
+(``engine_heartbeat_timeout_s``). It exits by itself when its parent dies, shuts down cleanly
 on SIGTERM or a ``Shutdown`` message, and reports a fatal error as an ``EngineDead`` message
 before exiting with status 1.
 """
@@ -10,6 +11,7 @@ before exiting with status 1.
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
 import os
 import shutil
@@ -29,7 +31,7 @@ from engine_core._engine.sockets import make_socket
 from engine_core._engine.wire import EngineDead, EngineMessage, Ready
 from engine_core.config import EngineConfig
 
-__all__ = ["PARENT_GONE_EXIT_CODE", "run_engine_core"]
+__all__ = ["HEARTBEATS_PER_TIMEOUT", "PARENT_GONE_EXIT_CODE", "run_engine_core"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,9 @@ _OUTPUT_LINGER_MS = 2000
 """How long exiting waits for the last messages (the death notice) to leave."""
 PARENT_GONE_EXIT_CODE = 3
 """Exit status of an engine-core process whose parent died."""
+HEARTBEATS_PER_TIMEOUT = 5
+"""The engine looks whether a heartbeat is due this many times per
+``engine_heartbeat_timeout_s``, so a live one is heard from at least every 2/5 of it."""
 
 
 def run_engine_core(config_msgpack: bytes, output_address: str, input_address: str) -> None:
@@ -124,8 +129,17 @@ class _Server:
         info = core.info
         logger.info("ready: %s, input at %s", info, endpoint)
         self._send(output, Ready(info, endpoint))
+        heartbeat_timeout_s = self.config.engine_heartbeat_timeout_s
         proc = self.proc = EngineCoreProc(
-            core, input_, output, step_timeout_s=self.config.step_timeout_s
+            core,
+            input_,
+            output,
+            step_timeout_s=self.config.step_timeout_s,
+            heartbeat_interval_s=(
+                heartbeat_timeout_s / HEARTBEATS_PER_TIMEOUT
+                if heartbeat_timeout_s is not None and math.isfinite(heartbeat_timeout_s)
+                else None
+            ),
         )
         if self.stop_reason is not None:
             proc.request_shutdown(self.stop_reason)

@@ -8,7 +8,11 @@ stepping task runs control calls and steps between each other, with the blocking
 a worker thread so input keeps flowing meanwhile; with nothing to do it sleeps until input
 arrives. The output task encodes and sends. All three share the event loop's thread, so engine
 state is only ever touched by one of them at a time and by no one while a step's model call
-runs (it touches only the backend).
+runs (it touches only the backend). With a heartbeat interval, a fourth task sends a
+:class:`~engine_core._engine.wire.Heartbeat` whenever the engine has work (requests, a step, a
+control call) and sent nothing since its last look: a client waiting for the engine hears from
+it at least every two intervals for as long as the event loop runs, however long a step takes
+in its worker thread.
 
 The process around it (entry point, handshake, signals, parent watch) is in ``main``.
 """
@@ -36,6 +40,7 @@ from engine_core._engine.sockets import recv_async, send_async
 from engine_core._engine.wire import (
     AbortRequests,
     EngineMessage,
+    Heartbeat,
     RejectedRequest,
     Shutdown,
     UtilityCall,
@@ -95,7 +100,8 @@ class EngineCoreProc:
     """Serves one :class:`EngineCore` over an input (PULL) and an output (PUSH) socket.
 
     ``step_timeout_s``: a model call running longer than this fails :meth:`run` with
-    ``TimeoutError`` (the thread is abandoned; the process must exit).
+    ``TimeoutError`` (the thread is abandoned; the process must exit). ``heartbeat_interval_s``:
+    how often to look whether a heartbeat is due (None: never send one).
     """
 
     def __init__(
@@ -105,15 +111,20 @@ class EngineCoreProc:
         output_socket: zmq.Socket[bytes],
         *,
         step_timeout_s: float | None = None,
+        heartbeat_interval_s: float | None = None,
     ) -> None:
         self.core = core
         self._input = input_socket
         self._output = output_socket
         self._step_timeout_s = step_timeout_s
+        self._heartbeat_interval_s = heartbeat_interval_s
         self._decoder = client_message_decoder()
         self._encoder = msgspec.msgpack.Encoder()
         self._executing = False
+        self._in_call = False
         self._output_busy = False
+        self._num_sent = 0
+        """Messages sent or queued so far: the heartbeat task looks whether it moved."""
         self._calls: deque[UtilityCall] = deque()
         self._waiting_pauses: list[int] = []
         self._wake = anyio.Event()
@@ -140,6 +151,8 @@ class EngineCoreProc:
                     async with anyio.create_task_group() as inner:
                         inner.start_soon(self._input_loop)
                         inner.start_soon(self._grammar_loop, doorbell)
+                        if self._heartbeat_interval_s is not None:
+                            inner.start_soon(self._heartbeat_loop, send, self._heartbeat_interval_s)
                         await self._step_loop(send)
                         inner.cancel_scope.cancel()
         finally:
@@ -222,6 +235,7 @@ class EngineCoreProc:
     def _send(self, out: MemoryObjectSendStream[EngineMessage], message: EngineMessage) -> None:
         """Send ``message`` right away when nothing is queued before it and the socket takes it;
         else queue it for the output task (which waits while the socket is full)."""
+        self._num_sent += 1
         if not self._output_busy and out.statistics().current_buffer_used == 0:
             try:
                 self._output.send(self._encoder.encode(message), zmq.NOBLOCK)
@@ -239,7 +253,11 @@ class EngineCoreProc:
     async def _run_calls(self, out: MemoryObjectSendStream[EngineMessage]) -> None:
         while self._calls:
             call = self._calls.popleft()
-            reply = await self._call(call)
+            self._in_call = True
+            try:
+                reply = await self._call(call)
+            finally:
+                self._in_call = False
             # Requests a call ended (pause "abort") are reported before its reply.
             self._emit(out, self.core.finish_step())
             if reply is not None:
@@ -276,6 +294,33 @@ class EngineCoreProc:
             for call_id in self._waiting_pauses:
                 self._send(out, UtilityReply(call_id))
             self._waiting_pauses = []
+
+    # -- liveness -------------------------------------------------------------------------------
+
+    def _has_work(self) -> bool:
+        """Whether a client may be waiting for this engine: requests in flight (running,
+        waiting, paused, or ended and not yet reported), a step or a control call running, calls
+        queued, pause("wait") replies owed."""
+        return (
+            self._executing
+            or self._in_call
+            or bool(self._calls)
+            or bool(self._waiting_pauses)
+            or self.core.has_unfinished_requests()
+        )
+
+    async def _heartbeat_loop(
+        self, out: MemoryObjectSendStream[EngineMessage], interval_s: float
+    ) -> None:
+        """Every ``interval_s``: a heartbeat when the engine has work and nothing was sent since
+        the last look. A message at most every two intervals, and none while idle or busy
+        sending anyway; one wake-up per interval costs nothing measurable."""
+        num_sent = -1
+        while True:
+            await anyio.sleep(interval_s)
+            if self._num_sent == num_sent and self._has_work():
+                self._send(out, Heartbeat())
+            num_sent = self._num_sent
 
     # -- input and output -----------------------------------------------------------------------
 

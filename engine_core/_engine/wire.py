@@ -6,7 +6,9 @@ One tagged union of msgspec structs per direction, msgpack-encoded, one message 
   (``"add"``), :class:`AbortRequests`, :class:`UtilityCall`, :class:`Shutdown`;
 - up (engine -> client, the output socket): :class:`Ready` (the startup handshake, first),
   :class:`~engine_core._core.protocol.EngineCoreOutputs` (``"out"``, one per step, in columns),
-  :class:`UtilityReply` and :class:`EngineDead` (last).
+  :class:`UtilityReply`, :class:`Heartbeat` (a sign of life while nothing else goes up) and
+  :class:`EngineDead` (last); the client's own process watch posts :class:`EngineDead` and
+  :class:`Silence` into the same socket.
 
 Messages are ``array_like``: encoded as arrays, tag first, fields by position (no field names
 on the wire; new fields go at the end), so a step's outputs for a whole batch are one compact
@@ -33,8 +35,10 @@ __all__ = [
     "ClientMessage",
     "EngineDead",
     "EngineMessage",
+    "Heartbeat",
     "Ready",
     "Shutdown",
+    "Silence",
     "UtilityCall",
     "UtilityReply",
     "RejectedRequest",
@@ -109,7 +113,20 @@ class EngineDead(msgspec.Struct, array_like=True, omit_defaults=True, tag="dead"
     exit_code: int | None = None
 
 
-EngineMessage: TypeAlias = Ready | EngineCoreOutputs | UtilityReply | EngineDead
+class Heartbeat(msgspec.Struct, array_like=True, tag="beat"):
+    """The engine is alive: sent while it has work (requests, a call) and nothing else went up
+    for a while, so that a client waiting for it can tell a long step from a frozen process."""
+
+
+class Silence(msgspec.Struct, array_like=True, tag="silence"):
+    """Posted by the client's own process watch, never sent by the engine: nothing came from
+    the engine for ``engine_heartbeat_timeout_s`` while the client waited for it. The reader
+    declares the engine frozen unless a message of the engine's is queued after all."""
+
+
+EngineMessage: TypeAlias = (
+    Ready | EngineCoreOutputs | UtilityReply | Heartbeat | EngineDead | Silence
+)
 
 
 def client_message_decoder() -> msgspec.msgpack.Decoder[ClientMessage]:

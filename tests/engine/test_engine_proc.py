@@ -27,6 +27,7 @@ from engine_core._engine.wire import (
     AbortRequests,
     ClientMessage,
     EngineMessage,
+    Heartbeat,
     Shutdown,
     UtilityCall,
     UtilityReply,
@@ -95,6 +96,8 @@ class Peer:
         self._encode = msgspec.msgpack.Encoder().encode
         self._decoder = engine_message_decoder()
         self._call_ids = itertools.count(1)
+        self.num_heartbeats = 0
+        """Heartbeats that :meth:`recv` skipped."""
 
     def send(self, *messages: ClientMessage) -> None:
         for message in messages:
@@ -103,9 +106,15 @@ class Peer:
     def send_raw(self, frame: bytes) -> None:
         self._to_engine.send(frame)
 
-    async def recv(self) -> EngineMessage:
+    async def recv_any(self) -> EngineMessage:
         with anyio.fail_after(_TIMEOUT_S):
             return self._decoder.decode(await recv_async(self._from_engine))
+
+    async def recv(self) -> EngineMessage:
+        """The next message other than a heartbeat."""
+        while isinstance(message := await self.recv_any(), Heartbeat):
+            self.num_heartbeats += 1
+        return message
 
     async def outputs(self, count: int) -> list[EngineCoreOutputs]:
         """The next ``count`` messages, which must all be step outputs."""
@@ -144,7 +153,11 @@ class Peer:
 
 
 @contextmanager
-def wired(core: EngineCore, step_timeout_s: float | None = None) -> Iterator[Peer]:
+def wired(
+    core: EngineCore,
+    step_timeout_s: float | None = None,
+    heartbeat_interval_s: float | None = None,
+) -> Iterator[Peer]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     name = uuid.uuid4().hex
     sockets = [
@@ -158,7 +171,13 @@ def wired(core: EngineCore, step_timeout_s: float | None = None) -> Iterator[Pee
         from_engine.bind(f"inproc://{name}-out")
         engine_out.connect(f"inproc://{name}-out")
         to_engine.connect(f"inproc://{name}-in")
-        proc = EngineCoreProc(core, engine_in, engine_out, step_timeout_s=step_timeout_s)
+        proc = EngineCoreProc(
+            core,
+            engine_in,
+            engine_out,
+            step_timeout_s=step_timeout_s,
+            heartbeat_interval_s=heartbeat_interval_s,
+        )
         yield Peer(proc, to_engine, from_engine)
     finally:
         for sock in sockets:
@@ -172,11 +191,13 @@ def make_core(backend_cls: type[MockBackend] = MockBackend, **options: Any) -> E
 
 @asynccontextmanager
 async def serving(
-    backend_cls: type[MockBackend] = MockBackend, **options: Any
+    backend_cls: type[MockBackend] = MockBackend,
+    heartbeat_interval_s: float | None = None,
+    **options: Any,
 ) -> AsyncIterator[Peer]:
     core = make_core(backend_cls, **options)
     try:
-        with wired(core) as peer:
+        with wired(core, heartbeat_interval_s=heartbeat_interval_s) as peer:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(peer.proc.run)
                 yield peer
@@ -421,3 +442,52 @@ async def test_a_step_past_the_timeout_ends_run() -> None:
             )
     finally:
         backend.open()  # the abandoned model thread ends
+
+
+# -- heartbeats ------------------------------------------------------------------------------------
+
+_BEAT_S = 0.02
+
+
+async def test_heartbeats_while_a_step_runs_in_its_thread() -> None:
+    async with serving(GatedMock, heartbeat_interval_s=_BEAT_S) as peer:
+        backend = peer.core.backend
+        assert isinstance(backend, GatedMock)
+        peer.send(request("r1", [1, 2, 3], max_tokens=1))
+        await backend.wait_started()
+        # The event loop is free while the model call blocks: it vouches for the process.
+        assert [await peer.recv_any() for _ in range(3)] == [Heartbeat()] * 3
+        backend.open()
+        assert rows(await peer.outputs(1)) == [(["r1"], [[4]], [FinishedRequest("r1", "length")])]
+
+
+async def test_heartbeats_while_paused_with_requests_in_flight() -> None:
+    async with serving(heartbeat_interval_s=_BEAT_S) as peer:
+        peer.send(request("r1", [1, 2, 3], max_tokens=900))
+        await peer.outputs(1)
+        await peer.reply(peer.start_call("pause_generation", "keep"))
+        # No step runs, but a client still waits for r1.
+        assert [await peer.recv_any() for _ in range(2)] == [Heartbeat()] * 2
+        peer.send(AbortRequests(["r1"]))
+        await peer.call("resume_generation")
+
+
+async def test_no_heartbeat_while_outputs_flow() -> None:
+    async with serving(
+        heartbeat_interval_s=0.1, backend_options={"latency": {"step_s": 0.001}}
+    ) as peer:
+        peer.send(request("r1", [1, 2, 3], max_tokens=200))
+        # ~0.2 s of outputs, one every ~1 ms: each look finds that something was sent.
+        received = await peer.outputs(200)
+        assert received[-1].finished == [FinishedRequest("r1", "length")]
+        assert peer.num_heartbeats == 0
+
+
+async def test_no_heartbeat_while_idle() -> None:
+    async with serving(heartbeat_interval_s=_BEAT_S) as peer:
+        peer.send(request("r1", [1, 2, 3], max_tokens=2))
+        await peer.outputs_until_finished("r1")
+        assert await peer.call("check_health") is None
+        # Nothing is owed to anyone: ten intervals pass in silence (time passing is the test).
+        with anyio.move_on_after(10 * _BEAT_S):
+            pytest.fail(f"an idle engine sent {await peer.recv_any()!r}")
