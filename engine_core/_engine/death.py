@@ -78,9 +78,22 @@ def startup_error(notice: EngineDead | None, exit_code: int | None) -> Exception
     return error
 
 
-def dead_error(notice: EngineDead | None, exit_code: int | None) -> EngineDeadError:
+def dead_error(
+    notice: EngineDead | None, exit_code: int | None, silent_s: float | None = None
+) -> EngineDeadError:
     """The error for a process that died while serving, with the remote traceback as its
-    cause where the engine sent one."""
+    cause where the engine sent one; or for one the client found silent for ``silent_s``
+    seconds and killed, with a ``TimeoutError`` as its cause."""
+    if silent_s is not None and (notice is None or notice.reason is None):
+        error = EngineDeadError(
+            f"the engine core is dead: it stopped answering for {silent_s:.1f} s "
+            "(engine_heartbeat_timeout_s); its process was killed"
+        )
+        error.__cause__ = TimeoutError(
+            f"the engine core sent nothing for {silent_s:.1f} s while requests or calls "
+            "waited for it: its process was stopped, deadlocked or held the GIL"
+        )
+        return error
     if notice is not None and notice.reason is not None:
         message = f"the engine core is dead: {notice.reason}"
         if exit_code is not None:

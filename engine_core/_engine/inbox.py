@@ -7,6 +7,14 @@ In an event loop one task reads at a time (it holds a lock) and the others wait 
 message, then look again for theirs: so a reply read by another task is taken at once, even while
 the reader waits on for its own message. Sync and async reads must not be mixed across threads: a
 client belongs to one thread.
+
+Silence. The inbox also knows whether its client waits for the engine (requests in flight, a
+call's reply) and when it last heard from it. :meth:`EngineInbox.look` (called by the client's
+process watch thread) posts a :class:`~engine_core._engine.wire.Silence` notice into the socket
+once the client has waited ``heartbeat_timeout_s`` with nothing heard; the reader that takes it
+declares the engine frozen only if no message of the engine's is queued behind it, so a client
+that was itself too busy to read never mistakes the backlog for a silence. Nothing on the hot
+path waits with a timeout: the watch keeps the clock.
 """
 
 from __future__ import annotations
@@ -18,12 +26,21 @@ from collections import deque
 from collections.abc import Callable
 
 import anyio
+import msgspec
 import zmq
 from anyio.lowlevel import RunVar
 
 from engine_core._core.protocol import EngineCoreOutputs
 from engine_core._engine.sockets import recv_async
-from engine_core._engine.wire import EngineDead, Ready, UtilityReply, decode, engine_message_decoder
+from engine_core._engine.wire import (
+    EngineDead,
+    Heartbeat,
+    Ready,
+    Silence,
+    UtilityReply,
+    decode,
+    engine_message_decoder,
+)
 
 __all__ = ["EngineInbox"]
 
@@ -46,13 +63,33 @@ class _LoopReaders:
         self.sorted = anyio.Event()
 
 
+_SILENCE_FRAME = msgspec.msgpack.encode(Silence())
+
+
 class EngineInbox:
     """The engine's messages to one client. ``on_notice`` runs when the engine's own death
-    notice is read; :attr:`exit_code` is set by the client once the process has ended."""
+    notice is read; :attr:`exit_code` is set by the client once the process has ended.
 
-    def __init__(self, sock: zmq.Socket[bytes], on_notice: Callable[[], None]) -> None:
+    With ``heartbeat_timeout_s``, ``on_silence(seconds)`` runs in the reader that finds the
+    engine silent that long while it was waited for (and :attr:`listening`); ``post(frame)``
+    puts a frame into the socket from another thread."""
+
+    def __init__(
+        self,
+        sock: zmq.Socket[bytes],
+        on_notice: Callable[[], None],
+        *,
+        heartbeat_timeout_s: float | None = None,
+        on_silence: Callable[[float], None] | None = None,
+        post: Callable[[bytes], None] | None = None,
+    ) -> None:
+        if heartbeat_timeout_s is not None and (on_silence is None or post is None):
+            raise ValueError("a heartbeat timeout needs on_silence and post")
         self._sock = sock
         self._on_notice = on_notice
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._on_silence = on_silence
+        self._post = post
         self._decoder = engine_message_decoder()
         self.outputs: deque[EngineCoreOutputs] = deque()
         self._replies: dict[int, UtilityReply | None] = {}
@@ -61,17 +98,93 @@ class EngineInbox:
         """The engine's own death notice: why it stopped."""
         self.notice_seen = threading.Event()
         self.exit_code: int | None = None
+        self.silent_s: float | None = None
+        """How long the engine had been silent when the client declared it frozen."""
         self._loop_readers: RunVar[_LoopReaders] = RunVar("EngineInbox readers")
+        # Silence (see the module docstring).
+        self.listening = False
+        """Whether a silence counts (the client sets it while it is ready)."""
+        self.in_flight: set[str] = set()
+        """The requests the client waits for: added, and neither finished nor aborted."""
+        self._heard_at = time.monotonic()
+        self._waiting_since = self._heard_at
+        self._silence_posted = False
 
     @property
     def gone(self) -> bool:
-        """Whether nothing more comes: the engine's death notice arrived or its process ended."""
-        return self.notice is not None or self.exit_code is not None
+        """Whether nothing more comes: the engine's death notice arrived, its process ended, or
+        the client declared it frozen."""
+        return self.notice is not None or self.exit_code is not None or self.silent_s is not None
+
+    # -- silence --------------------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the client waits for the engine: requests in flight or a call's reply."""
+        return bool(self.in_flight or self._replies)
+
+    def _start_waiting(self) -> None:
+        if not self.in_flight and not self._replies:
+            self._waiting_since = time.monotonic()  # the engine owed nothing until now
+
+    def track(self, request_id: str) -> None:
+        """Wait for ``request_id`` until its outputs report it finished (or it is untracked)."""
+        self._start_waiting()
+        self.in_flight.add(request_id)
+
+    def untrack(self, request_ids: list[str]) -> None:
+        """Stop waiting for these requests (aborted: no more output comes for them)."""
+        for request_id in request_ids:
+            self.in_flight.discard(request_id)
+
+    def _quiet_s(self) -> float:
+        """How long the client has waited with nothing heard from the engine."""
+        return time.monotonic() - max(self._heard_at, self._waiting_since)
+
+    def look(self) -> float | None:
+        """For the process watch thread: post a :class:`Silence` notice when the engine has been
+        silent for ``heartbeat_timeout_s`` while waited for; how long to wait before looking
+        again (None: never). Reads what the reader writes: a stale value only moves a look."""
+        limit = self.heartbeat_timeout_s
+        if limit is None or self.gone:
+            return None
+        if not self.listening or not self.waiting:
+            return limit  # a wait that starts now cannot time out before the next look
+        left = limit - self._quiet_s()
+        if left > 0:
+            return left
+        if not self._silence_posted:
+            self._silence_posted = True
+            assert self._post is not None
+            self._post(_SILENCE_FRAME)
+        return limit
+
+    def _check_silence(self) -> None:
+        """A :class:`Silence` notice was read: declare the engine frozen unless something of the
+        engine's is queued after all or the wait is not as long as the watch thought."""
+        self._silence_posted = False
+        limit = self.heartbeat_timeout_s
+        if limit is None or self.gone or not self.listening or not self.waiting:
+            return
+        while True:  # a backlog of the engine's messages (the client was busy) is no silence
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._sort(frame)
+            if self.gone:
+                return
+        quiet_s = self._quiet_s()
+        if quiet_s >= limit and self.waiting:
+            self.silent_s = quiet_s
+            assert self._on_silence is not None
+            self._on_silence(quiet_s)
 
     # -- replies --------------------------------------------------------------------------------
 
     def expect_reply(self, call_id: int) -> None:
         """Keep the reply to ``call_id`` when it arrives (others are dropped)."""
+        self._start_waiting()
         self._replies[call_id] = None
 
     def has_reply(self, call_id: int) -> bool:
@@ -87,13 +200,22 @@ class EngineInbox:
         message = decode(self._decoder, frame)
         match message:
             case EngineCoreOutputs():
+                self._heard_at = time.monotonic()
                 self.outputs.append(message)
+                for finished in message.finished:
+                    self.in_flight.discard(finished.req_id)
+            case Heartbeat():
+                self._heard_at = time.monotonic()
+            case Silence():  # from the process watch
+                self._check_silence()
             case UtilityReply(call_id=call_id):
+                self._heard_at = time.monotonic()
                 if call_id in self._replies:
                     self._replies[call_id] = message
                 elif message.error is not None:  # its caller stopped waiting
                     logger.warning("utility call %d failed: %s", call_id, message.error)
             case Ready():
+                self._heard_at = time.monotonic()
                 self.ready = message
             case EngineDead(exit_code=None):  # the engine's own notice
                 if self.notice is None:

@@ -3,7 +3,8 @@
 :class:`ClientSockets` binds the client's output socket (the engine connects to it);
 :class:`EngineProcess` spawns :func:`~engine_core._engine.main.run_engine_core` with the
 ``multiprocessing`` spawn method. A thread watches the process: once it has ended, the thread
-reaps it and hands its exit status to the client. Stopping waits for the clean exit that a
+reaps it and hands its exit status to the client; meanwhile it wakes when the client's ``look``
+asks to (to keep the clock of the engine's silences). Stopping waits for the clean exit that a
 ``Shutdown`` message asks for, then escalates to SIGTERM and SIGKILL.
 """
 
@@ -33,6 +34,7 @@ _SHUTDOWN_TIMEOUT_S = 5.0
 _TERMINATE_TIMEOUT_S = 2.0
 """How long a terminated process may take to exit before it is killed."""
 _WAKE_LINGER_MS = 1000
+_MAX_LOOK_INTERVAL_S = 3600.0
 
 
 class ClientSockets:
@@ -74,6 +76,8 @@ class EngineProcess:
     """One engine-core process and the thread that watches it.
 
     ``on_exit(exit_code)`` runs in the watch thread once the process has ended and been reaped.
+    ``look()`` runs in the watch thread first and then whenever the number of seconds it
+    returned has passed (None: only the exit wakes the thread again).
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class EngineProcess:
         output_address: str,
         input_address: str,
         on_exit: Callable[[int], None],
+        look: Callable[[], float | None] = lambda: None,
     ) -> None:
         self._process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
@@ -91,7 +96,7 @@ class EngineProcess:
         )
         self._process.start()
         self._watch = threading.Thread(
-            target=self._watch_exit, args=(on_exit,), name="EngineCore-watch", daemon=True
+            target=self._watch_exit, args=(on_exit, look), name="EngineCore-watch", daemon=True
         )
         self._watch.start()
 
@@ -99,9 +104,14 @@ class EngineProcess:
     def pid(self) -> int | None:
         return self._process.pid
 
-    def _watch_exit(self, on_exit: Callable[[int], None]) -> None:
+    def _watch_exit(self, on_exit: Callable[[int], None], look: Callable[[], float | None]) -> None:
         process = self._process
-        multiprocessing.connection.wait([process.sentinel])
+        while True:
+            timeout = look()
+            if timeout is not None:
+                timeout = min(timeout, _MAX_LOOK_INTERVAL_S)  # poll() takes no huge timeouts
+            if multiprocessing.connection.wait([process.sentinel], timeout):
+                break
         process.join()  # this thread alone reaps the process
         assert process.exitcode is not None
         on_exit(process.exitcode)
@@ -120,6 +130,10 @@ class EngineProcess:
     def _escalation(self) -> tuple[tuple[float, Callable[[], None]], ...]:
         # How long to wait for the exit, and what to do when it did not come.
         return ((_SHUTDOWN_TIMEOUT_S, self._terminate), (_TERMINATE_TIMEOUT_S, self._process.kill))
+
+    def kill(self) -> None:
+        """SIGKILL the process (a no-op once it has been reaped)."""
+        self._process.kill()
 
     def _terminate(self) -> None:
         logger.warning("the engine core did not shut down in time: terminating it")

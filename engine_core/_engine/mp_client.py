@@ -16,9 +16,14 @@ Liveness. A thread watches the process. When the process ends it records the exi
 then on every call raises :class:`EngineDeadError`) and sends a death notice into the client's
 own output socket, which wakes whoever is reading. A process that dies of an error first sends
 its own notice with the exception, which becomes the error's cause. Hung steps are caught in the
-engine (``step_timeout_s``), which then dies the same way. ``AsyncLLM`` therefore needs no
-separate watch task: its output handler's :meth:`get_output_async` raises
-:class:`EngineDeadError` within the grace period (0.1 s) of a death.
+engine (``step_timeout_s``), which then dies the same way. A frozen process (stopped, deadlocked,
+a step holding the GIL) cannot report anything: while requests are in flight or a call waits
+for its reply, the engine sends something (outputs, else a heartbeat) at least every 2/5 of
+``engine_heartbeat_timeout_s``, and the same watch thread keeps the clock (see ``inbox``). After
+a silence that long the client declares the engine dead and SIGKILLs the process. ``AsyncLLM``
+therefore needs no separate watch task: its output handler's :meth:`get_output_async` raises
+:class:`EngineDeadError` within the grace period (0.1 s) of a death, and within
+``engine_heartbeat_timeout_s`` of a freeze.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import enum
 import functools
 import itertools
 import logging
+import math
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -146,10 +152,23 @@ class MPClient(EngineCoreClient):
         self._call_ids = itertools.count(1)
         # All that the process watch uses exists before the process starts.
         self._sockets = ClientSockets(transport, host)
-        self._inbox = EngineInbox(self._sockets.output, on_notice=self._on_notice)
+        heartbeat_timeout_s = config.engine_heartbeat_timeout_s
+        if heartbeat_timeout_s is not None and math.isinf(heartbeat_timeout_s):
+            heartbeat_timeout_s = None
+        self._inbox = EngineInbox(
+            self._sockets.output,
+            on_notice=self._on_notice,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            on_silence=self._on_silence,
+            post=self._sockets.post_to_self,
+        )
         try:
             self._process = EngineProcess(
-                config, self._sockets.output_endpoint, self._sockets.addresses.input, self._on_exit
+                config,
+                self._sockets.output_endpoint,
+                self._sockets.addresses.input,
+                self._on_exit,
+                self._inbox.look,
             )
         except BaseException:
             self._sockets.close()
@@ -172,7 +191,8 @@ class MPClient(EngineCoreClient):
             raise startup_error(self._inbox.notice, self._inbox.exit_code)
         self.info = ready.info
         self._sockets.input.connect(ready.input_address)
-        self._move(_State.READY)
+        if self._move(_State.READY):
+            self._inbox.listening = True
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -202,7 +222,7 @@ class MPClient(EngineCoreClient):
     def _error(self) -> EngineError:
         if self._closing:
             return EngineClosedError("the engine was shut down")
-        return dead_error(self._inbox.notice, self._inbox.exit_code)
+        return dead_error(self._inbox.notice, self._inbox.exit_code, self._inbox.silent_s)
 
     def _check_usable(self) -> None:
         if self._state is not _State.READY:
@@ -217,11 +237,13 @@ class MPClient(EngineCoreClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         """Send ``request`` to the engine core. Raises :class:`EngineDeadError` once it died."""
         self._check_usable()
+        self._inbox.track(request.request_id)
         self._send(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort requests (no output follows for them); a no-op once the engine is gone."""
         request_ids = list(request_ids)
+        self._inbox.untrack(request_ids)
         if request_ids and self._state is _State.READY:
             self._send(AbortRequests(request_ids))
 
@@ -310,10 +332,24 @@ class MPClient(EngineCoreClient):
     def _on_notice(self) -> None:
         self._move(_State.DEAD)
 
+    def _on_silence(self, silent_s: float) -> None:
+        """From the reader that found the engine silent for ``silent_s`` while waited for: the
+        engine is dead, and its frozen process is killed so that it does not linger."""
+        if not self._move(_State.DEAD):
+            return
+        logger.error(
+            "the engine core sent nothing for %.1f s while requests or calls waited for it "
+            "(engine_heartbeat_timeout_s %s s): killing its process %s",
+            silent_s,
+            self._inbox.heartbeat_timeout_s,
+            self._process.pid,
+        )
+        self._process.kill()
+
     def _on_exit(self, exit_code: int) -> None:
         """From the process watch, once the process has ended: record its exit and wake whoever
         reads with a death notice of the client's own."""
-        if not self._closing:
+        if not self._closing and self._inbox.silent_s is None:
             self._inbox.notice_seen.wait(_DEATH_NOTICE_GRACE_S)
         self._inbox.exit_code = exit_code
         if self._move(_State.DEAD) and self._inbox.notice is None:
@@ -326,6 +362,7 @@ class MPClient(EngineCoreClient):
         """Start closing and ask a live engine to shut down; False when closing already."""
         if not self._move(_State.CLOSING):
             return False
+        self._inbox.listening = False  # a shutdown has its own time limits
         if not self._inbox.gone:
             self._send(Shutdown())
         return True
