@@ -166,19 +166,19 @@ class EngineInbox:
         limit = self.heartbeat_timeout_s
         if limit is None or self.gone or not self.listening or not self.waiting:
             return
-        while True:  # a backlog of the engine's messages (the client was busy) is no silence
+        # A backlog of the engine's messages (the client was too busy to read) is no silence:
+        # the first of them ends the check.
+        while (quiet_s := self._quiet_s()) >= limit and self.waiting:
             try:
                 frame = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
-                break
+                self.silent_s = quiet_s
+                assert self._on_silence is not None
+                self._on_silence(quiet_s)
+                return
             self._sort(frame)
             if self.gone:
                 return
-        quiet_s = self._quiet_s()
-        if quiet_s >= limit and self.waiting:
-            self.silent_s = quiet_s
-            assert self._on_silence is not None
-            self._on_silence(quiet_s)
 
     # -- replies --------------------------------------------------------------------------------
 
