@@ -106,6 +106,9 @@ class EngineInbox:
         """Whether a silence counts (the client sets it while it is ready)."""
         self.in_flight: set[str] = set()
         """The requests the client waits for: added, and neither finished nor aborted."""
+        self._owed: set[int] = set()
+        """The calls whose replies have not come, even where their callers stopped waiting:
+        the engine still owes them (a ``/health`` probe that timed out, say)."""
         self._heard_at = time.monotonic()
         self._waiting_since = self._heard_at
         self._silence_posted = False
@@ -121,10 +124,10 @@ class EngineInbox:
     @property
     def waiting(self) -> bool:
         """Whether the client waits for the engine: requests in flight or a call's reply."""
-        return bool(self.in_flight or self._replies)
+        return bool(self.in_flight or self._owed)
 
     def _start_waiting(self) -> None:
-        if not self.in_flight and not self._replies:
+        if not self.in_flight and not self._owed:
             self._waiting_since = time.monotonic()  # the engine owed nothing until now
 
     def track(self, request_id: str) -> None:
@@ -185,6 +188,7 @@ class EngineInbox:
     def expect_reply(self, call_id: int) -> None:
         """Keep the reply to ``call_id`` when it arrives (others are dropped)."""
         self._start_waiting()
+        self._owed.add(call_id)
         self._replies[call_id] = None
 
     def has_reply(self, call_id: int) -> bool:
@@ -210,6 +214,7 @@ class EngineInbox:
                 self._check_silence()
             case UtilityReply(call_id=call_id):
                 self._heard_at = time.monotonic()
+                self._owed.discard(call_id)
                 if call_id in self._replies:
                     self._replies[call_id] = message
                 elif message.error is not None:  # its caller stopped waiting

@@ -174,6 +174,27 @@ async def test_a_stopped_engine_fails_a_waiting_call(anyio_backend: str) -> None
 
 
 @pytest.mark.anyio
+async def test_the_clock_runs_on_after_a_caller_stops_waiting(anyio_backend: str) -> None:
+    # A health probe that gives up does not reset the clock: the engine still owes its reply.
+    client = await MPClient.start_async(
+        config(engine_runtime=anyio_backend, engine_heartbeat_timeout_s=BEAT_S)
+    )
+    async with client:
+        assert client.pid is not None
+        with process_handle(client.pid):
+            os.kill(client.pid, signal.SIGSTOP)
+            start = time.monotonic()
+            with anyio.move_on_after(0.7 * BEAT_S):
+                await client.call_utility_async("check_health")
+            assert not client.is_dead
+            with anyio.fail_after(_BACKSTOP_S + 5):
+                with pytest.raises(EngineDeadError) as info:
+                    await client.call_utility_async("check_health")
+            assert time.monotonic() - start < BEAT_S + _SLACK_S
+            assert_stopped_answering(info.value)
+
+
+@pytest.mark.anyio
 async def test_a_step_holding_the_gil_is_caught_by_the_heartbeat(anyio_backend: str) -> None:
     # No step timeout can fire in a process whose event loop never gets the GIL back.
     client = await MPClient.start_async(
