@@ -91,7 +91,7 @@ def dead_error(
         )
         error.__cause__ = TimeoutError(
             f"the engine core sent nothing for {silent_s:.1f} s while requests or calls "
-            "waited for it: its process was stopped, deadlocked or held the GIL"
+            "waited for it: it froze (a stopped or deadlocked process, a step holding the GIL)"
         )
         return error
     if notice is not None and notice.reason is not None:
