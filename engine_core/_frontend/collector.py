@@ -1,54 +1,57 @@
 """``RequestOutputCollector``: the hand-off from the output processor to one request's consumer.
 
 The producer (the output processor, driven by the front end's output task) never blocks: each
-:meth:`~RequestOutputCollector.put` merges into the single pending item, so a slow consumer sees
-fewer, larger outputs and memory per request stays bounded.
+:meth:`~RequestOutputCollector.put` merges into the single pending item at a cost proportional
+to what it adds, so a slow consumer sees fewer, larger outputs and memory per request is bounded
+by what the request produced. What an output kind costs beyond that is paid when the consumer
+reads, in the consumer's task: joining merged text, and for CUMULATIVE the copy of everything a
+completion produced so far (:mod:`engine_core._frontend.cumulative`).
 """
 
 from __future__ import annotations
 
 import anyio
 
+from engine_core._frontend.cumulative import CumulativeOutputs
 from engine_core.outputs import CompletionOutput, RequestOutput
 from engine_core.sampling_params import RequestOutputKind
 
 __all__ = ["RequestOutputCollector"]
 
 
-def _merge_delta(pending: CompletionOutput, new: CompletionOutput) -> None:
-    pending.text += new.text
-    pending.token_ids.extend(new.token_ids)
-    if new.logprobs is not None:
-        if pending.logprobs is None:
-            pending.logprobs = list(new.logprobs)
-        else:
-            pending.logprobs.extend(new.logprobs)
-    pending.cumulative_logprob = new.cumulative_logprob
-    pending.finish_reason = new.finish_reason
-    pending.stop_reason = new.stop_reason
-
-
 class RequestOutputCollector:
     """One pending :class:`RequestOutput` (or exception) of one request, and a way to await it.
 
-    ``put`` merges into the pending output, matching completions by ``index``:
+    ``put`` takes what the output processor produces for the collector's ``output_kind``: deltas
+    for DELTA and CUMULATIVE (completions carry the text, tokens and logprobs of their step),
+    whole completions for FINAL_ONLY. It merges into the pending output, matching completions by
+    ``index``:
 
-    - DELTA: text is concatenated, ``token_ids`` and ``logprobs`` extended;
+    - DELTA and CUMULATIVE: text is concatenated, ``token_ids`` and ``logprobs`` extended;
       ``cumulative_logprob``, ``finish_reason`` and ``stop_reason`` take the newer values;
-    - CUMULATIVE and FINAL_ONLY: the newer completion replaces the pending one;
+    - FINAL_ONLY: the newer completion replaces the pending one;
     - a completion with an index not pending yet is appended (n > 1 streams).
 
-    ``finished`` is OR-ed; ``metrics``, ``num_cached_tokens`` and ``error`` take the newer values.
-    An exception replaces whatever is pending and is raised by the next ``get``/``get_nowait``;
-    outputs put after it are dropped. One consumer per collector; works under asyncio and trio.
+    ``finished`` is OR-ed; ``metrics``, ``num_cached_tokens`` and ``error`` take the newer
+    values; ``prompt_logprobs`` are extended (DELTA) or replaced. ``get``/``get_nowait`` hand
+    out the pending output as the kind shows it: for CUMULATIVE, each completion it names with
+    everything that completion produced so far. An exception replaces whatever is pending and is
+    raised by the next ``get``/``get_nowait``; outputs put after it are dropped. One consumer
+    per collector; works under asyncio and trio.
     """
 
-    __slots__ = ("output_kind", "_pending", "_owned", "_event")
+    __slots__ = ("output_kind", "_deltas", "_cumulative", "_pending", "_merged", "_event")
 
     def __init__(self, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         self.output_kind = output_kind
+        self._deltas = output_kind != RequestOutputKind.FINAL_ONLY
+        self._cumulative = (
+            CumulativeOutputs() if output_kind == RequestOutputKind.CUMULATIVE else None
+        )
         self._pending: RequestOutput | BaseException | None = None
-        self._owned = False  # the pending output's lists were copied, so merging may grow them
+        self._merged: dict[int, tuple[CompletionOutput, list[str]]] | None = None
+        """Once a second delta output merged into the pending one: its completions (copies,
+        grown in place) by index, with their text in pieces, joined when taken."""
         self._event: anyio.Event | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
@@ -56,41 +59,48 @@ class RequestOutputCollector:
         pending = self._pending
         if pending is None or isinstance(item, BaseException):
             self._pending = item
-            self._owned = False
+            self._merged = None
         elif isinstance(pending, RequestOutput):
-            self._merge(pending, item)
+            if self._deltas:
+                self._merge(pending, item)
+            else:
+                _replace(pending, item)
         if self._event is not None:
             self._event.set()
 
     def _merge(self, pending: RequestOutput, new: RequestOutput) -> None:
-        delta = self.output_kind == RequestOutputKind.DELTA
-        if delta and not self._owned:
+        merged = self._merged
+        if merged is None:
             # The first output's lists may be shared with the producer; copy before growing.
-            pending.outputs = [_owned_copy(c) for c in pending.outputs]
-            if pending.prompt_logprobs is not None:
+            merged = self._merged = {}
+            outputs = pending.outputs = [_adopt(c, merged) for c in pending.outputs]
+            if pending.prompt_logprobs is not None and self._cumulative is None:
                 pending.prompt_logprobs = list(pending.prompt_logprobs)
-            self._owned = True
-        outputs = pending.outputs
-        by_index = {c.index: i for i, c in enumerate(outputs)}
+        else:
+            outputs = pending.outputs
         for completion in new.outputs:
-            i = by_index.get(completion.index)
-            if i is None:
-                outputs.append(_owned_copy(completion) if delta else completion)
-                by_index[completion.index] = len(outputs) - 1
-            elif delta:
-                _merge_delta(outputs[i], completion)
-            else:
-                outputs[i] = completion
+            entry = merged.get(completion.index)
+            if entry is None:
+                outputs.append(_adopt(completion, merged))
+                continue
+            target, texts = entry
+            if completion.text:
+                texts.append(completion.text)
+            target.token_ids.extend(completion.token_ids)
+            if completion.logprobs is not None:
+                if target.logprobs is None:
+                    target.logprobs = list(completion.logprobs)
+                else:
+                    target.logprobs.extend(completion.logprobs)
+            target.cumulative_logprob = completion.cumulative_logprob
+            target.finish_reason = completion.finish_reason
+            target.stop_reason = completion.stop_reason
         if new.prompt_logprobs is not None:
-            if delta and pending.prompt_logprobs is not None:
+            if self._cumulative is None and pending.prompt_logprobs is not None:
                 pending.prompt_logprobs.extend(new.prompt_logprobs)
             else:
                 pending.prompt_logprobs = new.prompt_logprobs
-        pending.finished = pending.finished or new.finished
-        pending.metrics = new.metrics
-        pending.num_cached_tokens = new.num_cached_tokens
-        if new.error is not None:
-            pending.error = new.error
+        _update_request_fields(pending, new)
 
     def get_nowait(self) -> RequestOutput | None:
         """Take the pending output, or None when there is none; raises a pending exception."""
@@ -100,6 +110,14 @@ class RequestOutputCollector:
         self._pending = None
         if isinstance(pending, BaseException):
             raise pending
+        merged = self._merged
+        if merged is not None:
+            self._merged = None
+            for target, texts in merged.values():
+                if len(texts) > 1:
+                    target.text = "".join(texts)
+        if self._cumulative is not None:
+            return self._cumulative.add(pending)
         return pending
 
     async def get(self) -> RequestOutput:
@@ -120,8 +138,11 @@ class RequestOutputCollector:
         return self._pending is not None
 
 
-def _owned_copy(c: CompletionOutput) -> CompletionOutput:
-    return CompletionOutput(
+def _adopt(
+    c: CompletionOutput, merged: dict[int, tuple[CompletionOutput, list[str]]]
+) -> CompletionOutput:
+    """A copy of ``c`` that merging may grow, registered in ``merged``."""
+    copy = CompletionOutput(
         c.index,
         c.text,
         list(c.token_ids),
@@ -130,3 +151,29 @@ def _owned_copy(c: CompletionOutput) -> CompletionOutput:
         c.finish_reason,
         c.stop_reason,
     )
+    merged[c.index] = (copy, [c.text])
+    return copy
+
+
+def _replace(pending: RequestOutput, new: RequestOutput) -> None:
+    """FINAL_ONLY: the newer completions replace the pending ones with the same index."""
+    outputs = pending.outputs
+    by_index = {c.index: i for i, c in enumerate(outputs)}
+    for completion in new.outputs:
+        i = by_index.get(completion.index)
+        if i is None:
+            outputs.append(completion)
+            by_index[completion.index] = len(outputs) - 1
+        else:
+            outputs[i] = completion
+    if new.prompt_logprobs is not None:
+        pending.prompt_logprobs = new.prompt_logprobs
+    _update_request_fields(pending, new)
+
+
+def _update_request_fields(pending: RequestOutput, new: RequestOutput) -> None:
+    pending.finished = pending.finished or new.finished
+    pending.metrics = new.metrics
+    pending.num_cached_tokens = new.num_cached_tokens
+    if new.error is not None:
+        pending.error = new.error

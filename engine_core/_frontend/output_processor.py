@@ -1,111 +1,42 @@
 """``OutputProcessor``: turns the engine core's per-step outputs into ``RequestOutput``s.
 
 It holds the front end's state of every request it sent: detokenization and stop strings,
-logprobs, output kinds, metrics and parallel sampling (``n > 1`` fans out into ``n`` engine
-requests and gathers their completions back into one output). It is the only per-request Python
-loop of the front end, so per-token work is kept to a decoder step and a few appends.
+logprobs, metrics and parallel sampling (``n > 1`` fans out into ``n`` engine requests and
+gathers their completions back into one output). It is the only per-request Python loop of the
+front end, so per-token work is kept to a decoder step and a few appends, and no step costs more
+for a request because it already produced much: the outputs it emits are deltas, made
+cumulative by their reader (:mod:`engine_core._frontend.output_kinds`).
 
-Requests with a :class:`~engine_core._frontend.collector.RequestOutputCollector` get their outputs pushed
-into it (``AsyncLLM``); the outputs of the others are returned (``LLM``). A request the engine
-fails (``FinishedRequest.error``) ends with an output with finish_reason "error" and ``error``
-set, or, with a collector, with an exception put into it: ``RetryableRequestError`` when the
-engine says retrying may work (it is paused), else ``InvalidRequestError``.
+Requests with a :class:`~engine_core._frontend.collector.RequestOutputCollector` get their
+outputs pushed into it (``AsyncLLM``); the outputs of the others are returned (``LLM``). A
+request the engine fails (``FinishedRequest.error``) ends with an output with finish_reason
+"error" and ``error`` set, or, with a collector, with an exception put into it:
+``RetryableRequestError`` when the engine says retrying may work (it is paused), else
+``InvalidRequestError``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
 from engine_core._core.tokenizer import Tokenizer
 from engine_core._frontend.collector import RequestOutputCollector
 from engine_core._frontend.detokenizer import Detokenizer, LogprobsDecoder
+from engine_core._frontend.output_kinds import (
+    ProcessedOutputs,
+    StepOutputs,
+    abort_output,
+    completion_output,
+)
 from engine_core._frontend.request_state import CompletionState, RequestState
 from engine_core.abc import TokenLogprobs
 from engine_core.errors import InvalidRequestError, RetryableRequestError
-from engine_core.outputs import (
-    CompletionOutput,
-    PositionLogprobs,
-    RequestMetrics,
-    RequestOutput,
-)
-from engine_core.sampling_params import RequestOutputKind, SamplingParams
+from engine_core.outputs import PositionLogprobs
+from engine_core.sampling_params import SamplingParams
 
 __all__ = ["OutputProcessor", "ProcessedOutputs"]
-
-_CUMULATIVE = int(RequestOutputKind.CUMULATIVE)
-_DELTA = int(RequestOutputKind.DELTA)
-_FINAL_ONLY = int(RequestOutputKind.FINAL_ONLY)
-
-
-@dataclass(slots=True)
-class ProcessedOutputs:
-    """What one :meth:`OutputProcessor.process_outputs` call produced."""
-
-    request_outputs: list[RequestOutput] = field(default_factory=list)
-    """Outputs of requests that have no collector."""
-    reqs_to_abort: list[str] = field(default_factory=list)
-    """Engine request ids the front end finished (stop strings); the engine must abort them."""
-
-
-class _StepOutputs:
-    """What one :meth:`OutputProcessor.process_outputs` call gathers: the result it returns, and
-    the changed completions of n > 1 requests, which go out together as one output at the end."""
-
-    __slots__ = ("now", "result", "parents")
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-        self.result = ProcessedOutputs()
-        self.parents: dict[str, tuple[RequestState, list[CompletionOutput]]] = {}
-
-    def emit(self, state: RequestState, output: RequestOutput) -> None:
-        """Hand an output to its request's collector, or to the caller through the result."""
-        if state.collector is not None:
-            state.collector.put(output)
-        else:
-            self.result.request_outputs.append(output)
-
-    def gather(self, state: RequestState, output: CompletionOutput) -> None:
-        """Hold a changed completion of an n > 1 request for its request's output."""
-        pending = self.parents.get(state.request_id)
-        if pending is None:
-            self.parents[state.request_id] = (state, [output])
-        else:
-            pending[1].append(output)
-
-    def finish(self) -> ProcessedOutputs:
-        """Emit the gathered outputs of n > 1 requests; the call's result."""
-        for state, changed in self.parents.values():
-            self.emit(state, _request_output(state, changed))
-        return self.result
-
-
-def _request_output(state: RequestState, outputs: list[CompletionOutput]) -> RequestOutput:
-    """The request as its output kind shows it now, with ``outputs`` as its completions."""
-    prompt_logprobs = state.prompt_logprobs
-    if state.kind == _DELTA and prompt_logprobs is not None:
-        # DELTA sends prompt logprobs once: all of them arrived with the first token.
-        if state.prompt_logprobs_sent:
-            prompt_logprobs = None
-        state.prompt_logprobs_sent = True
-    m = state.metrics
-    if state.kind != _FINAL_ONLY:
-        # Streamed outputs get a snapshot: the live metrics keep changing.
-        m = RequestMetrics(m.arrival_time, m.first_token_time, m.last_token_time, m.finished_time)
-    return RequestOutput(
-        state.external_id,
-        state.prompt,
-        state.prompt_token_ids,
-        outputs,
-        state.finished,
-        state.num_cached_tokens or 0,
-        m,
-        prompt_logprobs,
-        state.error,
-    )
 
 
 def _in_flight(request_id: str) -> ValueError:
@@ -191,6 +122,12 @@ class OutputProcessor:
         """
         if request_id in self._requests or request_id in self._completions:
             raise _in_flight(request_id)
+        if collector is not None and collector.output_kind != params.output_kind:
+            # The collector finishes what the processor starts (CUMULATIVE: from deltas).
+            raise ValueError(
+                f"the collector is for {collector.output_kind.name} outputs, the request asks "
+                f"for {params.output_kind.name}"
+            )
         if params.max_tokens is None and self.max_model_len is not None:
             params = params.clone(max_tokens=max(1, self.max_model_len - len(prompt_token_ids)))
         state = RequestState(
@@ -270,7 +207,7 @@ class OutputProcessor:
             aborted = self._end(state)
             engine_ids.extend(c.request_id for c in aborted)
             if state.collector is not None:
-                state.collector.put(self._abort_output(state, aborted))
+                state.collector.put(abort_output(state, aborted))
         return engine_ids
 
     def propagate_error(self, exc: BaseException) -> None:
@@ -311,7 +248,7 @@ class OutputProcessor:
         """
         completions = self._completions
         now = self.clock()
-        step = _StepOutputs(now)
+        step = StepOutputs(now)
         if outputs.prompt_logprobs:
             self._add_prompt_logprobs(outputs.prompt_logprobs)
         finished = {f.req_id: f for f in outputs.finished} if outputs.finished else None
@@ -345,7 +282,7 @@ class OutputProcessor:
         token_ids: list[int],
         fin: FinishedRequest | None,
         entries: list[TokenLogprobs] | None,
-        step: _StepOutputs,
+        step: StepOutputs,
     ) -> None:
         """Apply one step's tokens (and finish) to one completion and emit its output."""
         if token_ids:
@@ -373,23 +310,11 @@ class OutputProcessor:
         finished = completion.finish_reason is not None
         if finished:
             self._completion_done(completion, step.now)
-        output = self._completion_output(completion, token_ids, step_logprobs, finished)
-        if output is None:
-            return
-        state = completion.request
-        if state.n == 1:
-            step.emit(state, _request_output(state, [output]))
-        elif state.kind == _FINAL_ONLY:
-            state.final_outputs[completion.index] = output
-            if state.finished:
-                done = [c for c in state.final_outputs if c is not None]
-                step.emit(state, _request_output(state, done))
-        else:
-            step.gather(state, output)
+        output = completion_output(completion, token_ids, step_logprobs, finished)
+        if output is not None:
+            step.add(completion.request, output)
 
-    def _finish(
-        self, completion: CompletionState, fin: FinishedRequest, step: _StepOutputs
-    ) -> bool:
+    def _finish(self, completion: CompletionState, fin: FinishedRequest, step: StepOutputs) -> bool:
         """Take the engine's finish of a completion; True when that failed the whole request
         (then it has no output to emit)."""
         if fin.error is None:
@@ -412,7 +337,7 @@ class OutputProcessor:
             state.metrics.finished_time = now
             self._forget(state)
 
-    def _fail(self, completion: CompletionState, fin: FinishedRequest, step: _StepOutputs) -> None:
+    def _fail(self, completion: CompletionState, fin: FinishedRequest, step: StepOutputs) -> None:
         """An engine-reported error of a request with a collector: the collector gets the
         exception and the whole request ends (running siblings are aborted in the engine)."""
         state = completion.request
@@ -421,94 +346,6 @@ class OutputProcessor:
         error = RetryableRequestError if fin.retryable else InvalidRequestError
         assert state.collector is not None and fin.error is not None
         state.collector.put(error(fin.error, state.external_id))
-
-    def _completion_output(
-        self,
-        completion: CompletionState,
-        token_ids: list[int],
-        step_logprobs: list[PositionLogprobs] | None,
-        finished: bool,
-    ) -> CompletionOutput | None:
-        """The completion as its output kind shows it now (None: nothing to show yet)."""
-        kind = completion.request.kind
-        if finished:
-            completion.detokenizer.finish()
-        text = completion.detokenizer.take(finished)
-        if kind == _DELTA:
-            return CompletionOutput(
-                completion.index,
-                text,
-                token_ids,
-                completion.cumulative_logprob,
-                step_logprobs,
-                completion.finish_reason,
-                completion.stop_reason,
-            )
-        completion.token_ids.extend(token_ids)
-        logprobs = completion.logprobs
-        if logprobs is not None and step_logprobs:
-            logprobs.extend(step_logprobs)
-        if kind == _CUMULATIVE:
-            if text:
-                completion.text += text
-            return CompletionOutput(
-                completion.index,
-                completion.text,
-                completion.token_ids.copy(),
-                completion.cumulative_logprob,
-                logprobs.copy() if logprobs is not None else None,
-                completion.finish_reason,
-                completion.stop_reason,
-            )
-        if text:
-            completion.text_parts.append(text)
-        if not finished:
-            return None
-        return self._final_completion(completion)
-
-    @staticmethod
-    def _final_completion(completion: CompletionState) -> CompletionOutput:
-        """Everything a finished (or aborted) completion produced; its state is done."""
-        parts = completion.text_parts
-        return CompletionOutput(
-            completion.index,
-            parts[0] if len(parts) == 1 else "".join(parts),
-            completion.token_ids,
-            completion.cumulative_logprob,
-            completion.logprobs,
-            completion.finish_reason,
-            completion.stop_reason,
-        )
-
-    def _abort_output(self, state: RequestState, aborted: list[CompletionState]) -> RequestOutput:
-        """The last output of an aborted request: its unfinished completions, ended "abort"
-        (FINAL_ONLY: every completion)."""
-        if state.kind == _DELTA:
-            outputs = [
-                CompletionOutput(
-                    c.index,
-                    "",
-                    [],
-                    c.cumulative_logprob,
-                    [] if c.logprobs is not None else None,
-                    "abort",
-                )
-                for c in aborted
-            ]
-        elif state.kind == _CUMULATIVE:
-            outputs = [
-                CompletionOutput(
-                    c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, "abort"
-                )
-                for c in aborted
-            ]
-        else:
-            if not state.final_outputs:
-                state.final_outputs = [None] * state.n
-            for c in aborted:
-                state.final_outputs[c.index] = self._final_completion(c)
-            outputs = [c for c in state.final_outputs if c is not None]
-        return _request_output(state, outputs)
 
     # -- logprobs -------------------------------------------------------------------------------
 

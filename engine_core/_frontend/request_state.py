@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine_core._frontend.collector import RequestOutputCollector
+from engine_core._frontend.cumulative import CumulativeOutputs
 from engine_core._frontend.detokenizer import Detokenizer
 from engine_core.outputs import (
     CompletionOutput,
@@ -10,7 +11,7 @@ from engine_core.outputs import (
     PositionLogprobs,
     RequestMetrics,
 )
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["CompletionState", "RequestState"]
 
@@ -30,6 +31,7 @@ class RequestState:
         "final_outputs",
         "metrics",
         "collector",
+        "cumulative",
         "num_cached_tokens",
         "prompt_logprobs",
         "prompt_logprobs_sent",
@@ -58,6 +60,13 @@ class RequestState:
         """FINAL_ONLY with n > 1: the finished completions by index."""
         self.metrics = RequestMetrics(arrival_time)
         self.collector = collector
+        self.cumulative = (
+            CumulativeOutputs()
+            if collector is None and self.kind == RequestOutputKind.CUMULATIVE
+            else None
+        )
+        """CUMULATIVE without a collector: what makes its outputs cumulative as they are
+        returned (a collector does it for its consumer)."""
         self.num_cached_tokens: int | None = None
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             [] if params.prompt_logprobs is not None else None
@@ -79,7 +88,6 @@ class CompletionState:
         "request",
         "detokenizer",
         "token_ids",
-        "text",
         "text_parts",
         "logprobs",
         "cumulative_logprob",
@@ -99,13 +107,13 @@ class CompletionState:
         self.index = index
         self.request = request
         self.detokenizer = detokenizer
+        # Streamed kinds keep no output here: their outputs are deltas (see output_kinds).
         self.token_ids: list[int] = []
-        """All output tokens (CUMULATIVE and FINAL_ONLY; DELTA keeps none)."""
-        self.text = ""
-        """All output text (CUMULATIVE)."""
+        """All output tokens (FINAL_ONLY)."""
         self.text_parts: list[str] = []
         """Output text pieces, joined when finished (FINAL_ONLY)."""
         self.logprobs: list[PositionLogprobs] | None = [] if logprobs else None
+        """None when no logprobs were asked for; else all of them (FINAL_ONLY)."""
         self.cumulative_logprob: float | None = 0.0 if logprobs else None
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None

@@ -73,10 +73,10 @@ def test_delta_merge_including_the_final_output() -> None:
     assert merged.cumulative_logprob == -1.5
 
 
-def test_cumulative_replaces_by_index_and_appends_new_indices() -> None:
+def test_cumulative_accumulates_deltas_by_index_and_appends_new_indices() -> None:
     collector = RequestOutputCollector(CUMULATIVE)
     collector.put(output(completion(0, "a", [0]), completion(1, "b", [1])))
-    collector.put(output(completion(0, "ab", [0, 2]), completion(2, "c", [3])))
+    collector.put(output(completion(0, "b", [2]), completion(2, "c", [3])))
     got = collector.get_nowait()
     assert got is not None
     assert [(c.index, c.text, c.token_ids) for c in got.outputs] == [
@@ -84,6 +84,42 @@ def test_cumulative_replaces_by_index_and_appends_new_indices() -> None:
         (1, "b", [1]),
         (2, "c", [3]),
     ]
+    # Later outputs name the completions that changed since, with all they produced.
+    collector.put(output(completion(1, "x", [4])))
+    got = collector.get_nowait()
+    assert got is not None
+    assert [(c.index, c.text, c.token_ids) for c in got.outputs] == [(1, "bx", [1, 4])]
+
+
+def test_cumulative_outputs_own_their_lists() -> None:
+    collector = RequestOutputCollector(CUMULATIVE)
+    first_delta = completion(0, "a", [0], cumulative_logprob=-0.5)
+    collector.put(output(first_delta))
+    first = collector.get_nowait()
+    assert first is not None
+    collector.put(output(completion(0, "b", [1], cumulative_logprob=-1.0)))
+    collector.put(
+        output(
+            completion(0, "c", [2], cumulative_logprob=-1.5, finish_reason="length"),
+            finished=True,
+        )
+    )
+    last = collector.get_nowait()
+    assert last is not None and last.finished
+    (c,) = last.outputs
+    assert (c.text, c.token_ids, c.cumulative_logprob, c.finish_reason) == (
+        "abc",
+        [0, 1, 2],
+        -1.5,
+        "length",
+    )
+    assert c.logprobs == [{t: Logprob(-0.5, 1, "x")} for t in (0, 1, 2)]
+    (f,) = first.outputs
+    assert (f.text, f.token_ids, f.cumulative_logprob, f.finish_reason) == ("a", [0], -0.5, None)
+    assert f.logprobs == [{0: Logprob(-0.5, 1, "x")}]
+    assert first_delta.token_ids == [0] and first_delta.logprobs is not None
+    assert len(first_delta.logprobs) == 1  # the producer's delta was not grown in place
+    assert collector.get_nowait() is None
 
 
 def test_delta_appends_unseen_indices() -> None:

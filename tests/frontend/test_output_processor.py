@@ -391,6 +391,13 @@ def test_collector_receives_outputs_and_abort(
     assert (c.text, c.token_ids, c.finish_reason) == (text, token_ids, "abort")
 
 
+def test_a_collector_of_another_output_kind_is_refused() -> None:
+    proc = make_processor()
+    with pytest.raises(ValueError, match="collector is for DELTA outputs, the request asks for"):
+        proc.add_request("r", None, [97], SamplingParams(), collector=RequestOutputCollector(DELTA))
+    assert not proc.has_unfinished_requests()
+
+
 def test_collector_merges_parallel_outputs() -> None:
     proc = make_processor()
     collector = RequestOutputCollector(DELTA)
@@ -408,7 +415,7 @@ def test_collector_merges_parallel_outputs() -> None:
 
 def test_propagate_error_reaches_collectors() -> None:
     proc = make_processor()
-    collector = RequestOutputCollector(DELTA)
+    collector = RequestOutputCollector(CUMULATIVE)
     proc.add_request("r", None, [97], SamplingParams(), collector=collector)
     proc.propagate_error(RuntimeError("engine died"))
     with pytest.raises(RuntimeError, match="engine died"):
@@ -433,7 +440,7 @@ def test_engine_error_is_raised_through_the_collector(
     retryable: bool, error_type: type[RequestError]
 ) -> None:
     proc = make_processor()
-    collector = RequestOutputCollector(DELTA)
+    collector = RequestOutputCollector(CUMULATIVE)
     proc.add_request("r", None, [97], SamplingParams(), external_id="user", collector=collector)
     fin = FinishedRequest("r", "error", None, "the engine is paused", retryable)
     result = proc.process_outputs(step({}, [fin]))
