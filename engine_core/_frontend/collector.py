@@ -85,7 +85,7 @@ class RequestOutputCollector:
                 continue
             target, texts = entry
             if completion.text:
-                texts.append(completion.text)
+                _append_text(texts, completion.text)
             target.token_ids.extend(completion.token_ids)
             if completion.logprobs is not None:
                 if target.logprobs is None:
@@ -114,8 +114,7 @@ class RequestOutputCollector:
         if merged is not None:
             self._merged = None
             for target, texts in merged.values():
-                if len(texts) > 1:
-                    target.text = "".join(texts)
+                target.text = texts[0] if len(texts) == 1 else "".join(texts)
         if self._cumulative is not None:
             return self._cumulative.add(pending)
         return pending
@@ -153,6 +152,17 @@ def _adopt(
     )
     merged[c.index] = (copy, [c.text])
     return copy
+
+
+def _append_text(texts: list[str], text: str) -> None:
+    """Append ``text`` to the pieces of a merged completion's text, joining the last pieces
+    while one is not more than twice as long as the next: a consumer that stopped reading
+    holds a few pieces (their lengths at least halve from one to the next), not one per step,
+    and each character is copied a logarithmic number of times."""
+    texts.append(text)
+    while len(texts) > 1 and len(texts[-2]) <= 2 * len(texts[-1]):
+        last = texts.pop()
+        texts[-1] += last
 
 
 def _replace(pending: RequestOutput, new: RequestOutput) -> None:

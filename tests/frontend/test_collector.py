@@ -122,6 +122,25 @@ def test_cumulative_outputs_own_their_lists() -> None:
     assert collector.get_nowait() is None
 
 
+@pytest.mark.parametrize("kind", [DELTA, CUMULATIVE])
+def test_a_consumer_that_stopped_reading_gets_everything_merged_exactly(
+    kind: RequestOutputKind,
+) -> None:
+    collector = RequestOutputCollector(kind)
+    pieces = ["", "a", "bc", "", "def", "g" * 40, "h", "é"] * 2_000
+    for k, text in enumerate(pieces):
+        collector.put(output(completion(k % 2, text, [k], cumulative_logprob=-0.5 * k)))
+    got = collector.get_nowait()
+    assert got is not None
+    assert [c.index for c in got.outputs] == [0, 1]
+    for c in got.outputs:
+        assert c.text == "".join(pieces[c.index :: 2])
+        assert c.token_ids == list(range(c.index, len(pieces), 2))
+        assert c.logprobs == [{t: Logprob(-0.5, 1, "x")} for t in c.token_ids]
+        assert c.cumulative_logprob == -0.5 * c.token_ids[-1]
+    assert collector.get_nowait() is None
+
+
 def test_delta_appends_unseen_indices() -> None:
     collector = RequestOutputCollector(DELTA)
     collector.put(output(completion(1, "x", [5])))
