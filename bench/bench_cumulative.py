@@ -5,8 +5,10 @@
 - (b) short requests (``--short-tokens`` tokens, one after the other) beside one long CUMULATIVE
   stream: how long each takes, against the same short requests on an idle engine;
 - (c) back-pressure: ``--streams`` streams running while the event loop is blocked for
-  ``--block-s`` seconds; the process's resident memory (VmRSS) before, right after the block,
-  once the streams have caught up and after they ended.
+  ``--block-s`` seconds; resident memory (VmRSS) of this process and of the engine's before,
+  right after the block, half a second later, after the streams ended and after ``malloc_trim``
+  (which tells memory in use from memory the C allocator only keeps), and how long the streams
+  took to end once the loop ran again.
 
 Usage: ``python bench/bench_cumulative.py [--runtime asyncio|trio] [--only a,b,c] [--json PATH]``.
 """
@@ -29,12 +31,15 @@ from engine_core._bench.machine import machine_line
 PROMPT = "The quick brown fox jumps"
 
 
-def rss_mb() -> float:
-    """This process's resident memory in MB (VmRSS)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
+def rss_mb(pid: int | str = "self") -> float:
+    """Resident memory (VmRSS) of this process or of ``pid``, in MB."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return float("nan")
 
 
@@ -128,12 +133,21 @@ async def beside(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def blocked_loop(args: argparse.Namespace) -> dict[str, Any]:
-    marks: dict[str, float] = {}
+    """VmRSS of this process (and of the engine's, where it has one) at each point, in MB, and
+    the seconds from the end of the block to the end of the streams."""
+    marks: dict[str, Any] = {}
     kind = RequestOutputKind[args.block_kind]
     async with _engine(args) as engine:
+        engine_pid = getattr(engine._client, "pid", None)
+
+        def mark(name: str) -> None:
+            marks[name] = rss_mb()
+            if engine_pid is not None:
+                marks[f"{name} (engine)"] = rss_mb(engine_pid)
+
         await _stream(engine, _params(16, RequestOutputKind.DELTA))
         gc.collect()
-        marks["before"] = rss_mb()
+        mark("before")
         started = 0
         all_started = anyio.Event()
 
@@ -146,20 +160,24 @@ async def blocked_loop(args: argparse.Namespace) -> dict[str, Any]:
                     started += 1
                     if started == args.streams:
                         all_started.set()
+                if args.slow_consumers:
+                    await anyio.sleep(0.01)
 
         async with anyio.create_task_group() as tg:
             for _ in range(args.streams):
                 tg.start_soon(one)
             await all_started.wait()
-            marks["running"] = rss_mb()
+            mark("running")
             time.sleep(args.block_s)  # the event loop is blocked: nobody reads
-            marks["after_block"] = rss_mb()
+            mark("after_block")
+            unblocked = time.perf_counter()
             await anyio.sleep(0.5)
-            marks["after_catch_up"] = rss_mb()
+            mark("0.5s_later")
+        marks["drain_s"] = time.perf_counter() - unblocked
         gc.collect()
-        marks["after_streams_end"] = rss_mb()
+        mark("after_streams_end")
         if _malloc_trim():
-            marks["after_malloc_trim"] = rss_mb()
+            mark("after_malloc_trim")
     return marks
 
 
@@ -175,6 +193,9 @@ def main() -> None:
     parser.add_argument("--block-s", type=float, default=10.0)
     parser.add_argument("--block-tokens", type=int, default=20_000)
     parser.add_argument("--block-kind", default="DELTA", choices=("DELTA", "CUMULATIVE"))
+    parser.add_argument(
+        "--slow-consumers", action="store_true", help="(c): each stream sleeps 10 ms per output"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     print(machine_line(), flush=True)
@@ -203,7 +224,9 @@ def main() -> None:
         print(
             f"(c) VmRSS, {args.streams} {args.block_kind} streams x {args.block_tokens} tokens, "
             f"loop blocked {args.block_s:.0f} s: "
-            + ", ".join(f"{k} {v:.0f} MB" for k, v in r.items()),
+            + ", ".join(
+                f"{k} {v:.1f} s" if k.endswith("_s") else f"{k} {v:.0f} MB" for k, v in r.items()
+            ),
             flush=True,
         )
     if args.json:
