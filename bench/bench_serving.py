@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """End-to-end serving overhead through ``AsyncLLM``: zero-latency mock, byte tokenizer.
 
-- (a) throughput: 256 concurrent streams x 256 output tokens, DELTA, ``ignore_eos``;
+- (a) throughput: 256 concurrent streams x 256 output tokens, DELTA (``--kind``), ``ignore_eos``;
 - (b) overhead: 1000 sequential requests of max_tokens 1, time from ``generate()`` to the first
   output (p50, p99);
 - (c) under asyncio and trio, side by side; (d) engine core in its own process vs in-process.
 
-Usage: ``python bench/bench_serving.py [--json PATH] [--streams 256] [--tokens 256]``.
+Usage: ``python bench/bench_serving.py [--json PATH] [--streams 256] [--tokens 256]
+[--kind DELTA|CUMULATIVE|FINAL_ONLY]``.
 """
 
 from __future__ import annotations
@@ -25,15 +26,17 @@ from engine_core._bench.machine import machine_line
 PROMPT = "The quick brown fox jumps"
 
 
-async def _throughput(engine: AsyncLLM, streams: int, tokens: int) -> float:
-    params = SamplingParams(
-        temperature=0.0, max_tokens=tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
-    )
+async def _throughput(
+    engine: AsyncLLM, streams: int, tokens: int, kind: RequestOutputKind
+) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, output_kind=kind)
     counts = [0] * streams
+    delta = kind == RequestOutputKind.DELTA
 
     async def one(i: int) -> None:
         async for output in engine.generate(PROMPT, params):
-            counts[i] += len(output.outputs[0].token_ids)
+            n = len(output.outputs[0].token_ids)
+            counts[i] = counts[i] + n if delta else n
 
     start = time.perf_counter()
     async with anyio.create_task_group() as tg:
@@ -66,7 +69,9 @@ def run(runtime: str, multiprocess: bool, args: argparse.Namespace) -> dict[str,
             backend="mock", tokenizer="byte", multiprocess=multiprocess, max_num_seqs=args.streams
         ) as engine:
             await _first_output(engine, 20)  # warm up
-            tok_s = await _throughput(engine, args.streams, args.tokens)
+            tok_s = await _throughput(
+                engine, args.streams, args.tokens, RequestOutputKind[args.kind]
+            )
             first = await _first_output(engine, args.requests)
         return {
             "throughput_tok_s": tok_s,
@@ -86,12 +91,15 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument(
+        "--kind", default="DELTA", choices=[k.name for k in RequestOutputKind], help="for (a)"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     print(machine_line(), flush=True)
     print(
         f"AsyncLLM, zero-latency mock, byte tokenizer: (a) {args.streams} streams x "
-        f"{args.tokens} tokens DELTA; (b) {args.requests} sequential max_tokens=1 requests"
+        f"{args.tokens} tokens {args.kind}; (b) {args.requests} sequential max_tokens=1 requests"
     )
     results: dict[str, dict[str, Any]] = {}
     for mode, multiprocess in (("multiprocess", True), ("in-process", False)):
