@@ -66,13 +66,10 @@ class StepOutputs:
         else:
             self.result.request_outputs.append(output)
 
-    def add(self, state: RequestState, output: CompletionOutput) -> None:
-        """Route a completion's output: out at once for a single completion; for n > 1, held
-        for the request's output at the end of the call (FINAL_ONLY: until all ``n`` are
-        finished)."""
-        if state.n == 1:
-            self.emit(state, request_output(state, [output]))
-        elif state.kind == _FINAL_ONLY:
+    def add_parallel(self, state: RequestState, output: CompletionOutput) -> None:
+        """Hold the output of one completion of an n > 1 request for the request's output at
+        the end of the call (FINAL_ONLY: until all ``n`` are finished)."""
+        if state.kind == _FINAL_ONLY:
             state.final_outputs[output.index] = output
             if state.finished:
                 done = [c for c in state.final_outputs if c is not None]

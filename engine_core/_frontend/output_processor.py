@@ -29,6 +29,7 @@ from engine_core._frontend.output_kinds import (
     StepOutputs,
     abort_output,
     completion_output,
+    request_output,
 )
 from engine_core._frontend.request_state import CompletionState, RequestState
 from engine_core.abc import TokenLogprobs
@@ -312,7 +313,11 @@ class OutputProcessor:
             self._completion_done(completion, step.now)
         output = completion_output(completion, token_ids, step_logprobs, finished)
         if output is not None:
-            step.add(completion.request, output)
+            state = completion.request
+            if state.n == 1:
+                step.emit(state, request_output(state, [output]))
+            else:
+                step.add_parallel(state, output)
 
     def _finish(self, completion: CompletionState, fin: FinishedRequest, step: StepOutputs) -> bool:
         """Take the engine's finish of a completion; True when that failed the whole request
