@@ -3,7 +3,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from engine_core._frontend.collector import RequestOutputCollector
+from engine_core._frontend.collector import COPY_PACING, RequestOutputCollector
 from engine_core.outputs import CompletionOutput, Logprob, RequestOutput
 from engine_core.sampling_params import RequestOutputKind
 
@@ -73,8 +73,13 @@ def test_delta_merge_including_the_final_output() -> None:
     assert merged.cumulative_logprob == -1.5
 
 
+def frozen() -> float:
+    """A clock that never moves: copies take no time, so no output is held back."""
+    return 0.0
+
+
 def test_cumulative_accumulates_deltas_by_index_and_appends_new_indices() -> None:
-    collector = RequestOutputCollector(CUMULATIVE)
+    collector = RequestOutputCollector(CUMULATIVE, clock=frozen)
     collector.put(output(completion(0, "a", [0]), completion(1, "b", [1])))
     collector.put(output(completion(0, "b", [2]), completion(2, "c", [3])))
     got = collector.get_nowait()
@@ -92,7 +97,7 @@ def test_cumulative_accumulates_deltas_by_index_and_appends_new_indices() -> Non
 
 
 def test_cumulative_outputs_own_their_lists() -> None:
-    collector = RequestOutputCollector(CUMULATIVE)
+    collector = RequestOutputCollector(CUMULATIVE, clock=frozen)
     first_delta = completion(0, "a", [0], cumulative_logprob=-0.5)
     collector.put(output(first_delta))
     first = collector.get_nowait()
@@ -126,7 +131,7 @@ def test_cumulative_outputs_own_their_lists() -> None:
 def test_a_consumer_that_stopped_reading_gets_everything_merged_exactly(
     kind: RequestOutputKind,
 ) -> None:
-    collector = RequestOutputCollector(kind)
+    collector = RequestOutputCollector(kind, clock=frozen)
     pieces = ["", "a", "bc", "", "def", "g" * 40, "h", "é"] * 2_000
     for k, text in enumerate(pieces):
         collector.put(output(completion(k % 2, text, [k], cumulative_logprob=-0.5 * k)))
@@ -207,3 +212,78 @@ async def test_cancelled_get_leaves_collector_usable() -> None:
         await collector.get()
     collector.put(output(completion(0, "a", [0])))
     assert (await collector.get()).outputs[0].text == "a"
+
+
+class Ticking:
+    """A clock that moves on by ``step`` at every reading: each copy takes ``step`` seconds."""
+
+    def __init__(self, step: float) -> None:
+        self.step = step
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_cumulative_reads_are_paced_by_the_time_their_copies_take() -> None:
+    clock = Ticking(1.0)
+    collector = RequestOutputCollector(CUMULATIVE, clock=clock)
+    collector.put(output(completion(0, "a", [0])))
+    first = collector.get_nowait()
+    assert first is not None and first.outputs[0].text == "a"
+    copied_at = clock.now
+    collector.put(output(completion(0, "b", [1])))
+    held = 0
+    while (got := collector.get_nowait()) is None:
+        held += 1
+        assert collector.has_pending
+        collector.put(output(completion(0, "c", [2 + held])))
+    # Held for COPY_PACING times the copy (one tick), the steps meanwhile merged into it.
+    assert clock.now >= copied_at + COPY_PACING
+    assert held > 0
+    (c,) = got.outputs
+    assert (c.text, c.token_ids) == ("ab" + "c" * held, [0, 1, *range(3, 3 + held)])
+
+
+def test_the_last_output_and_errors_are_not_held_back() -> None:
+    collector = RequestOutputCollector(CUMULATIVE, clock=Ticking(1.0))
+    collector.put(output(completion(0, "a", [0])))
+    assert collector.get_nowait() is not None
+    collector.put(output(completion(0, "b", [1])))
+    assert collector.get_nowait() is None
+    collector.put(output(completion(0, "c", [2], finish_reason="length"), finished=True))
+    got = collector.get_nowait()
+    assert got is not None and got.finished
+    assert (got.outputs[0].text, got.outputs[0].token_ids) == ("abc", [0, 1, 2])
+
+    collector = RequestOutputCollector(CUMULATIVE, clock=Ticking(1.0))
+    collector.put(output(completion(0, "a", [0])))
+    assert collector.get_nowait() is not None
+    collector.put(output(completion(0, "b", [1])))
+    collector.put(RuntimeError("engine died"))
+    with pytest.raises(RuntimeError, match="engine died"):
+        collector.get_nowait()
+
+
+@pytest.mark.parametrize("kind", [DELTA, RequestOutputKind.FINAL_ONLY])
+def test_other_kinds_are_not_paced(kind: RequestOutputKind) -> None:
+    collector = RequestOutputCollector(kind, clock=Ticking(1.0))
+    for k in range(3):
+        collector.put(output(completion(0, "a", [k])))
+        assert collector.get_nowait() is not None
+
+
+@pytest.mark.anyio
+async def test_get_waits_until_a_held_output_is_due() -> None:
+    clock = Ticking(0.002)  # each copy takes 2 ms: the next output is due 18 ms later
+    collector = RequestOutputCollector(CUMULATIVE, clock=clock)
+    collector.put(output(completion(0, "a", [0])))
+    with anyio.fail_after(5):
+        assert (await collector.get()).outputs[0].text == "a"
+        copied_at = clock.now
+        collector.put(output(completion(0, "b", [1])))
+        collector.put(output(completion(0, "c", [2])))
+        got = await collector.get()
+    assert clock.now >= copied_at + 0.002 * COPY_PACING
+    assert (got.outputs[0].text, got.outputs[0].token_ids) == ("abc", [0, 1, 2])
