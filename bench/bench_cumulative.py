@@ -2,8 +2,9 @@
 """Long streams through ``AsyncLLM``: zero-latency mock, byte tokenizer, engine in its own process.
 
 - (a) one stream of ``--tokens`` tokens (``ignore_eos``) in each output kind: wall time;
-- (b) short requests (``--short-tokens`` tokens, one after the other) beside one long CUMULATIVE
-  stream: how long each takes, against the same short requests on an idle engine;
+- (b) short requests (``--short-tokens`` tokens, one after the other) beside one long stream
+  (CUMULATIVE, or ``--beside-kind``): how long each takes, against the same short requests on
+  an idle engine;
 - (c) back-pressure: ``--streams`` streams running while the event loop is blocked for
   ``--block-s`` seconds; resident memory (VmRSS) of this process and of the engine's before,
   right after the block, half a second later, after the streams ended and after ``malloc_trim``
@@ -109,6 +110,7 @@ async def _short_requests(
 
 async def beside(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {}
+    beside_kind = RequestOutputKind[args.beside_kind]
     async with _engine(args) as engine:
         idle = await _short_requests(engine, args, None)
         result["idle"] = {"p50_ms": statistics.median(idle) * 1e3, "max_ms": max(idle) * 1e3}
@@ -117,13 +119,13 @@ async def beside(args: argparse.Namespace) -> dict[str, Any]:
 
         async def long_one() -> None:
             nonlocal long_time
-            long_time, _ = await _stream(engine, _params(args.tokens, RequestOutputKind.CUMULATIVE))
+            long_time, _ = await _stream(engine, _params(args.tokens, beside_kind))
             done.set()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(long_one)
             busy = await _short_requests(engine, args, done)
-        result["beside_cumulative"] = {
+        result["beside_long_stream"] = {
             "p50_ms": statistics.median(busy) * 1e3,
             "max_ms": max(busy) * 1e3,
             "requests": len(busy),
@@ -192,6 +194,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--block-s", type=float, default=10.0)
     parser.add_argument("--block-tokens", type=int, default=20_000)
+    parser.add_argument("--beside-kind", default="CUMULATIVE", choices=("DELTA", "CUMULATIVE"))
     parser.add_argument("--block-kind", default="DELTA", choices=("DELTA", "CUMULATIVE"))
     parser.add_argument(
         "--slow-consumers", action="store_true", help="(c): each stream sleeps 10 ms per output"
@@ -211,10 +214,11 @@ def main() -> None:
             )
     if "b" in only:
         r = results["beside"] = anyio.run(beside, args, backend=args.runtime)
-        b = r["beside_cumulative"]
+        b = r["beside_long_stream"]
         print(
             f"(b) {args.short_tokens}-token requests: idle p50 {r['idle']['p50_ms']:.1f} ms "
-            f"max {r['idle']['max_ms']:.1f} ms; beside a {args.tokens}-token CUMULATIVE stream "
+            f"max {r['idle']['max_ms']:.1f} ms; beside a {args.tokens}-token {args.beside_kind} "
+            f"stream "
             f"({b['long_stream_s']:.2f} s): p50 {b['p50_ms']:.1f} ms max {b['max_ms']:.1f} ms "
             f"({b['requests']} requests)",
             flush=True,
