@@ -3,7 +3,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from engine_core._frontend.collector import COPY_PACING, RequestOutputCollector
+from engine_core._frontend.collector import COPY_PACING_S, RequestOutputCollector
 from engine_core.outputs import CompletionOutput, Logprob, RequestOutput
 from engine_core.sampling_params import RequestOutputKind
 
@@ -73,13 +73,26 @@ def test_delta_merge_including_the_final_output() -> None:
     assert merged.cumulative_logprob == -1.5
 
 
-def frozen() -> float:
-    """A clock that never moves: copies take no time, so no output is held back."""
-    return 0.0
+class Clock:
+    """A clock that moves only when told (``now``), or by ``step`` at every reading."""
+
+    def __init__(self, step: float = 0.0) -> None:
+        self.now = 0.0
+        self.step = step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def unpaced() -> Clock:
+    """A clock a second later at every reading: no CUMULATIVE output is held back (holds are
+    nanoseconds per item)."""
+    return Clock(step=1.0)
 
 
 def test_cumulative_accumulates_deltas_by_index_and_appends_new_indices() -> None:
-    collector = RequestOutputCollector(CUMULATIVE, clock=frozen)
+    collector = RequestOutputCollector(CUMULATIVE, clock=unpaced())
     collector.put(output(completion(0, "a", [0]), completion(1, "b", [1])))
     collector.put(output(completion(0, "b", [2]), completion(2, "c", [3])))
     got = collector.get_nowait()
@@ -97,7 +110,7 @@ def test_cumulative_accumulates_deltas_by_index_and_appends_new_indices() -> Non
 
 
 def test_cumulative_outputs_own_their_lists() -> None:
-    collector = RequestOutputCollector(CUMULATIVE, clock=frozen)
+    collector = RequestOutputCollector(CUMULATIVE, clock=unpaced())
     first_delta = completion(0, "a", [0], cumulative_logprob=-0.5)
     collector.put(output(first_delta))
     first = collector.get_nowait()
@@ -131,7 +144,7 @@ def test_cumulative_outputs_own_their_lists() -> None:
 def test_a_consumer_that_stopped_reading_gets_everything_merged_exactly(
     kind: RequestOutputKind,
 ) -> None:
-    collector = RequestOutputCollector(kind, clock=frozen)
+    collector = RequestOutputCollector(kind, clock=unpaced())
     pieces = ["", "a", "bc", "", "def", "g" * 40, "h", "é"] * 2_000
     for k, text in enumerate(pieces):
         collector.put(output(completion(k % 2, text, [k], cumulative_logprob=-0.5 * k)))
@@ -214,40 +227,34 @@ async def test_cancelled_get_leaves_collector_usable() -> None:
     assert (await collector.get()).outputs[0].text == "a"
 
 
-class Ticking:
-    """A clock that moves on by ``step`` at every reading: each copy takes ``step`` seconds."""
-
-    def __init__(self, step: float) -> None:
-        self.step = step
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += self.step
-        return self.now
-
-
-def test_cumulative_reads_are_paced_by_the_time_their_copies_take() -> None:
-    clock = Ticking(1.0)
+def test_cumulative_reads_are_held_back_in_proportion_to_what_the_previous_copied() -> None:
+    clock = Clock()
     collector = RequestOutputCollector(CUMULATIVE, clock=clock)
-    collector.put(output(completion(0, "a", [0])))
-    first = collector.get_nowait()
-    assert first is not None and first.outputs[0].text == "a"
-    copied_at = clock.now
-    collector.put(output(completion(0, "b", [1])))
-    held = 0
-    while (got := collector.get_nowait()) is None:
-        held += 1
-        assert collector.has_pending
-        collector.put(output(completion(0, "c", [2 + held])))
-    # Held for COPY_PACING times the copy (one tick), the steps meanwhile merged into it.
-    assert clock.now >= copied_at + COPY_PACING
-    assert held > 0
+    collector.put(output(completion(0, "a", [0, 1, 2], cumulative_logprob=-0.5)))
+    assert collector.get_nowait() is not None  # 3 token ids and 3 logprobs positions copied
+    collector.put(output(completion(0, "b", [3], cumulative_logprob=-1.0)))
+    assert collector.get_nowait() is None and collector.has_pending
+    collector.put(output(completion(0, "c", [4], cumulative_logprob=-1.5)))
+    clock.now = 5.9 * COPY_PACING_S
+    assert collector.get_nowait() is None
+    clock.now = 6 * COPY_PACING_S
+    got = collector.get_nowait()
+    assert got is not None
     (c,) = got.outputs
-    assert (c.text, c.token_ids) == ("ab" + "c" * held, [0, 1, *range(3, 3 + held)])
+    assert (c.text, c.token_ids, c.cumulative_logprob) == ("abc", [0, 1, 2, 3, 4], -1.5)
+    assert c.logprobs is not None and len(c.logprobs) == 5
+    # The next one waits for the 10 items this one copied.
+    collector.put(output(completion(0, "d", [5], cumulative_logprob=-2.0)))
+    copied_at = clock.now
+    clock.now = copied_at + 9.9 * COPY_PACING_S
+    assert collector.get_nowait() is None
+    clock.now = copied_at + 10 * COPY_PACING_S
+    got = collector.get_nowait()
+    assert got is not None and got.outputs[0].text == "abcd"
 
 
 def test_the_last_output_and_errors_are_not_held_back() -> None:
-    collector = RequestOutputCollector(CUMULATIVE, clock=Ticking(1.0))
+    collector = RequestOutputCollector(CUMULATIVE, clock=Clock())
     collector.put(output(completion(0, "a", [0])))
     assert collector.get_nowait() is not None
     collector.put(output(completion(0, "b", [1])))
@@ -257,7 +264,7 @@ def test_the_last_output_and_errors_are_not_held_back() -> None:
     assert got is not None and got.finished
     assert (got.outputs[0].text, got.outputs[0].token_ids) == ("abc", [0, 1, 2])
 
-    collector = RequestOutputCollector(CUMULATIVE, clock=Ticking(1.0))
+    collector = RequestOutputCollector(CUMULATIVE, clock=Clock())
     collector.put(output(completion(0, "a", [0])))
     assert collector.get_nowait() is not None
     collector.put(output(completion(0, "b", [1])))
@@ -267,8 +274,8 @@ def test_the_last_output_and_errors_are_not_held_back() -> None:
 
 
 @pytest.mark.parametrize("kind", [DELTA, RequestOutputKind.FINAL_ONLY])
-def test_other_kinds_are_not_paced(kind: RequestOutputKind) -> None:
-    collector = RequestOutputCollector(kind, clock=Ticking(1.0))
+def test_other_kinds_are_not_held_back(kind: RequestOutputKind) -> None:
+    collector = RequestOutputCollector(kind, clock=Clock())
     for k in range(3):
         collector.put(output(completion(0, "a", [k])))
         assert collector.get_nowait() is not None
@@ -276,14 +283,24 @@ def test_other_kinds_are_not_paced(kind: RequestOutputKind) -> None:
 
 @pytest.mark.anyio
 async def test_get_waits_until_a_held_output_is_due() -> None:
-    clock = Ticking(0.002)  # each copy takes 2 ms: the next output is due 18 ms later
+    clock = Clock()
     collector = RequestOutputCollector(CUMULATIVE, clock=clock)
-    collector.put(output(completion(0, "a", [0])))
+    long = 100_000  # its copy holds the next output back for 1.8 ms
+    collector.put(output(completion(0, "a" * long, list(range(long)))))
+    received: list[RequestOutput] = []
+
+    async def consume() -> None:
+        received.append(await collector.get())
+
     with anyio.fail_after(5):
-        assert (await collector.get()).outputs[0].text == "a"
-        copied_at = clock.now
-        collector.put(output(completion(0, "b", [1])))
-        collector.put(output(completion(0, "c", [2])))
-        got = await collector.get()
-    assert clock.now >= copied_at + 0.002 * COPY_PACING
-    assert (got.outputs[0].text, got.outputs[0].token_ids) == ("abc", [0, 1, 2])
+        assert len((await collector.get()).outputs[0].token_ids) == long
+        collector.put(output(completion(0, "b", [long])))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await anyio.wait_all_tasks_blocked()
+            assert received == []  # held: the clock has not moved
+            collector.put(output(completion(0, "c", [long + 1])))
+            clock.now = long * COPY_PACING_S
+    (got,) = received
+    (c,) = got.outputs
+    assert (c.text, c.token_ids) == ("a" * long + "bc", list(range(long + 2)))

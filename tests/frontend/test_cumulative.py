@@ -39,9 +39,16 @@ class Clock:
         return self.now
 
 
-def frozen() -> float:
-    """A clock that never moves: CUMULATIVE reads are not paced (tests read right after a put)."""
-    return 0.0
+class Unpaced:
+    """A clock a second later at every reading: no CUMULATIVE output is held back (holds are
+    nanoseconds per item copied), as tests that read right after a put need."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
 
 
 def lp(token: int, logprob: float) -> TokenLogprobs:
@@ -80,7 +87,7 @@ def test_a_step_costs_the_output_handler_the_same_however_long_the_stream(
     """Memory a step allocates in the output handler (the processor and the collector's put)
     is the measure of its work: copying a 50,000-token completion allocates 400 kB per list."""
     proc = OutputProcessor(ByteTokenizer(), clock=Clock())
-    collector = RequestOutputCollector(CUMULATIVE, clock=frozen)
+    collector = RequestOutputCollector(CUMULATIVE, clock=Unpaced())
     params = SamplingParams(n=n, seed=0, logprobs=1, stop="zz", max_tokens=None)
     proc.add_request("r", None, [97], params, collector=collector)
     ids = ["r"] if n == 1 else [f"{i}_r" for i in range(n)]
@@ -285,7 +292,7 @@ def test_cumulative_outputs_are_the_whole_copies_they_always_were(
     model = WholeCopyModel(n, logprobs)
     # Under test: a collector read at random points, and the outputs returned without one.
     streamed = OutputProcessor(ByteTokenizer(), clock=clocks[1])
-    collector = RequestOutputCollector(CUMULATIVE, clock=frozen)
+    collector = RequestOutputCollector(CUMULATIVE, clock=Unpaced())
     streamed.add_request(
         "r", "ab", [97, 98], _params(scenario, CUMULATIVE), external_id="user", collector=collector
     )
