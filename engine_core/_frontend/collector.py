@@ -31,6 +31,9 @@ from engine_core.sampling_params import RequestOutputKind
 
 __all__ = ["COPY_PACING_S", "RequestOutputCollector"]
 
+_CUMULATIVE = RequestOutputKind.CUMULATIVE
+_FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+
 COPY_PACING_S = 18e-9
 """Seconds a CUMULATIVE output that does not finish its request is held back per item the
 previous read copied (copying one costs 1-2 ns; see the module docstring)."""
@@ -61,6 +64,7 @@ class RequestOutputCollector:
     __slots__ = (
         "output_kind",
         "_deltas",
+        "_accumulates",
         "_cumulative",
         "_pending",
         "_merged",
@@ -76,10 +80,10 @@ class RequestOutputCollector:
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.output_kind = output_kind
-        self._deltas = output_kind != RequestOutputKind.FINAL_ONLY
-        self._cumulative = (
-            CumulativeOutputs() if output_kind == RequestOutputKind.CUMULATIVE else None
-        )
+        self._deltas = output_kind != _FINAL_ONLY
+        self._accumulates = output_kind == _CUMULATIVE
+        self._cumulative: CumulativeOutputs | None = None
+        """CUMULATIVE, once the consumer took an output that did not finish the request."""
         self._pending: RequestOutput | BaseException | None = None
         self._merged: dict[int, tuple[CompletionOutput, list[str]]] | None = None
         """Once a second delta output merged into the pending one: its completions (copies,
@@ -109,7 +113,7 @@ class RequestOutputCollector:
             # The first output's lists may be shared with the producer; copy before growing.
             merged = self._merged = {}
             outputs = pending.outputs = [_adopt(c, merged) for c in pending.outputs]
-            if pending.prompt_logprobs is not None and self._cumulative is None:
+            if pending.prompt_logprobs is not None and not self._accumulates:
                 pending.prompt_logprobs = list(pending.prompt_logprobs)
         else:
             outputs = pending.outputs
@@ -131,7 +135,7 @@ class RequestOutputCollector:
             target.finish_reason = completion.finish_reason
             target.stop_reason = completion.stop_reason
         if new.prompt_logprobs is not None:
-            if self._cumulative is None and pending.prompt_logprobs is not None:
+            if not self._accumulates and pending.prompt_logprobs is not None:
                 pending.prompt_logprobs.extend(new.prompt_logprobs)
             else:
                 pending.prompt_logprobs = new.prompt_logprobs
@@ -146,8 +150,8 @@ class RequestOutputCollector:
         if isinstance(pending, BaseException):
             self._pending = None
             raise pending
-        cumulative = self._cumulative
-        if cumulative is not None and not pending.finished and self._clock() < self._ready_at:
+        accumulates, finished = self._accumulates, pending.finished
+        if accumulates and not finished and self._ready_at and self._clock() < self._ready_at:
             return None
         self._pending = None
         merged = self._merged
@@ -155,13 +159,19 @@ class RequestOutputCollector:
             self._merged = None
             for target, texts in merged.values():
                 target.text = texts[0] if len(texts) == 1 else "".join(texts)
-        if cumulative is None:
+        if not accumulates:
             return pending
+        cumulative = self._cumulative
+        if cumulative is None:
+            if finished:
+                return pending  # the first output taken is the last: its deltas are the whole
+            cumulative = self._cumulative = CumulativeOutputs()
         output = cumulative.add(pending)
-        copied = 0
-        for c in output.outputs:
-            copied += len(c.token_ids) if c.logprobs is None else 2 * len(c.token_ids)
-        self._ready_at = self._clock() + copied * COPY_PACING_S
+        if not finished:
+            copied = 0
+            for c in output.outputs:
+                copied += len(c.token_ids) if c.logprobs is None else 2 * len(c.token_ids)
+            self._ready_at = self._clock() + copied * COPY_PACING_S
         return output
 
     async def get(self) -> RequestOutput:

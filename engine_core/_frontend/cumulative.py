@@ -37,12 +37,21 @@ class CumulativeOutputs:
             index = delta.index
             total = completions.get(index)
             if total is None:
-                total = CompletionOutput(
-                    index,
-                    delta.text,
-                    list(delta.token_ids),
-                    logprobs=None if delta.logprobs is None else list(delta.logprobs),
-                )
+                logprobs = None if delta.logprobs is None else list(delta.logprobs)
+                if delta.finish_reason is not None:  # its first output is its last
+                    cumulative.append(
+                        CompletionOutput(
+                            index,
+                            delta.text,
+                            list(delta.token_ids),
+                            delta.cumulative_logprob,
+                            logprobs,
+                            delta.finish_reason,
+                            delta.stop_reason,
+                        )
+                    )
+                    continue
+                total = CompletionOutput(index, delta.text, list(delta.token_ids), None, logprobs)
                 completions[index] = total
             else:
                 if delta.text:

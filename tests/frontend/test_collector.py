@@ -109,6 +109,19 @@ def test_cumulative_accumulates_deltas_by_index_and_appends_new_indices() -> Non
     assert [(c.index, c.text, c.token_ids) for c in got.outputs] == [(1, "bx", [1, 4])]
 
 
+def test_cumulative_merges_leave_the_requests_prompt_logprobs_alone() -> None:
+    prompt_logprobs: list[dict[int, Logprob] | None] = [None, {2: Logprob(-0.5, 1, "x")}]
+    collector = RequestOutputCollector(CUMULATIVE, clock=unpaced())
+    for k in range(3):
+        o = output(completion(0, "a", [k]))
+        o.prompt_logprobs = prompt_logprobs  # every CUMULATIVE output carries the same list
+        collector.put(o)
+    got = collector.get_nowait()
+    assert got is not None and got.outputs[0].token_ids == [0, 1, 2]
+    assert got.prompt_logprobs is prompt_logprobs
+    assert prompt_logprobs == [None, {2: Logprob(-0.5, 1, "x")}]
+
+
 def test_cumulative_outputs_own_their_lists() -> None:
     collector = RequestOutputCollector(CUMULATIVE, clock=unpaced())
     first_delta = completion(0, "a", [0], cumulative_logprob=-0.5)
