@@ -19,68 +19,57 @@ __all__ = ["CumulativeOutputs"]
 class CumulativeOutputs:
     """Everything the completions of one request produced so far, grown by delta outputs."""
 
-    __slots__ = ("_completions",)
+    __slots__ = ("_completions", "copied")
 
     def __init__(self) -> None:
         self._completions: dict[int, CompletionOutput] = {}
         """Unfinished completions by index: their text, tokens and logprobs so far (lists owned
         here, never handed out)."""
+        self.copied = 0
+        """Token ids and logprobs positions the last :meth:`add` copied."""
 
     def add(self, output: RequestOutput) -> RequestOutput:
-        """Fold in ``output``, whose completions are deltas, and turn it into the cumulative
-        output: each of its completions becomes all that completion produced so far, in lists
-        of its own (a finished completion's lists are handed over, no longer kept here).
-        Costs the new tokens plus one copy of what the named completions hold."""
+        """Fold in ``output``, whose completions are deltas the caller owns, and turn it into
+        the cumulative output, in place: each of its completions becomes all that completion
+        produced so far, in lists of its own (a finished completion's lists are handed over,
+        no longer kept here). Costs the new tokens plus one copy of what the named completions
+        hold (counted in :attr:`copied`)."""
         completions = self._completions
-        cumulative: list[CompletionOutput] = []
+        copied = 0
         for delta in output.outputs:
             index = delta.index
             total = completions.get(index)
             if total is None:
-                logprobs = None if delta.logprobs is None else list(delta.logprobs)
-                if delta.finish_reason is not None:  # its first output is its last
-                    cumulative.append(
-                        CompletionOutput(
-                            index,
-                            delta.text,
-                            list(delta.token_ids),
-                            delta.cumulative_logprob,
-                            logprobs,
-                            delta.finish_reason,
-                            delta.stop_reason,
-                        )
+                # The completion's first output: the delta is all of it.
+                if delta.finish_reason is None:
+                    completions[index] = CompletionOutput(
+                        index,
+                        delta.text,
+                        list(delta.token_ids),
+                        None,
+                        None if delta.logprobs is None else list(delta.logprobs),
                     )
-                    continue
-                total = CompletionOutput(index, delta.text, list(delta.token_ids), None, logprobs)
-                completions[index] = total
-            else:
-                if delta.text:
-                    total.text += delta.text
-                total.token_ids.extend(delta.token_ids)
-                if delta.logprobs is not None:
-                    if total.logprobs is None:
-                        total.logprobs = list(delta.logprobs)
-                    else:
-                        total.logprobs.extend(delta.logprobs)
+                continue
+            if delta.text:
+                total.text += delta.text
+            total.token_ids.extend(delta.token_ids)
             logprobs = total.logprobs
+            if delta.logprobs is not None:
+                if logprobs is None:
+                    logprobs = total.logprobs = list(delta.logprobs)
+                else:
+                    logprobs.extend(delta.logprobs)
+            delta.text = total.text
             if delta.finish_reason is not None:
                 # Nothing follows a finished completion: its lists go to the reader as they are.
                 del completions[index]
-                token_ids = total.token_ids
+                delta.token_ids = total.token_ids
             else:
-                token_ids = total.token_ids.copy()
+                delta.token_ids = total.token_ids.copy()
+                copied += len(delta.token_ids)
                 if logprobs is not None:
                     logprobs = logprobs.copy()
-            cumulative.append(
-                CompletionOutput(
-                    index,
-                    total.text,
-                    token_ids,
-                    delta.cumulative_logprob,
-                    logprobs,
-                    delta.finish_reason,
-                    delta.stop_reason,
-                )
-            )
-        output.outputs = cumulative
+                    copied += len(logprobs)
+            delta.logprobs = logprobs
+        self.copied = copied
         return output

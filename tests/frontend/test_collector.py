@@ -243,47 +243,61 @@ async def test_cancelled_get_leaves_collector_usable() -> None:
 def test_cumulative_reads_are_held_back_in_proportion_to_what_the_previous_copied() -> None:
     clock = Clock()
     collector = RequestOutputCollector(CUMULATIVE, clock=clock)
-    collector.put(output(completion(0, "a", [0, 1, 2], cumulative_logprob=-0.5)))
-    assert collector.get_nowait() is not None  # 3 token ids and 3 logprobs positions copied
-    collector.put(output(completion(0, "b", [3], cumulative_logprob=-1.0)))
+    long = 600
+    collector.put(output(completion(0, "a", list(range(long)), cumulative_logprob=-0.5)))
+    assert collector.get_nowait() is not None  # its first output: nothing copied
+    collector.put(output(completion(0, "b", [long], cumulative_logprob=-1.0)))
+    assert collector.get_nowait() is not None  # copies 601 token ids and 601 positions
+    collector.put(output(completion(0, "c", [long + 1], cumulative_logprob=-1.5)))
     assert collector.get_nowait() is None and collector.has_pending
-    collector.put(output(completion(0, "c", [4], cumulative_logprob=-1.5)))
-    clock.now = 5.9 * COPY_PACING_S
+    collector.put(output(completion(0, "d", [long + 2], cumulative_logprob=-2.0)))
+    clock.now = 1201 * COPY_PACING_S
     assert collector.get_nowait() is None
-    clock.now = 6 * COPY_PACING_S
+    clock.now = 1202 * COPY_PACING_S
     got = collector.get_nowait()
     assert got is not None
     (c,) = got.outputs
-    assert (c.text, c.token_ids, c.cumulative_logprob) == ("abc", [0, 1, 2, 3, 4], -1.5)
-    assert c.logprobs is not None and len(c.logprobs) == 5
-    # The next one waits for the 10 items this one copied.
-    collector.put(output(completion(0, "d", [5], cumulative_logprob=-2.0)))
+    assert (c.text, c.token_ids, c.cumulative_logprob) == ("abcd", list(range(long + 3)), -2.0)
+    assert c.logprobs is not None and len(c.logprobs) == long + 3
+    # The next one waits for the 2 * 603 items this one copied.
+    collector.put(output(completion(0, "e", [long + 3], cumulative_logprob=-2.5)))
     copied_at = clock.now
-    clock.now = copied_at + 9.9 * COPY_PACING_S
+    clock.now = copied_at + 1205 * COPY_PACING_S
     assert collector.get_nowait() is None
-    clock.now = copied_at + 10 * COPY_PACING_S
+    clock.now = copied_at + 1206 * COPY_PACING_S
     got = collector.get_nowait()
-    assert got is not None and got.outputs[0].text == "abcd"
+    assert got is not None and got.outputs[0].text == "abcde"
+
+
+def test_small_copies_hold_nothing_back() -> None:
+    collector = RequestOutputCollector(CUMULATIVE, clock=Clock())
+    for k in range(200):
+        collector.put(output(completion(0, "a", [k], cumulative_logprob=-0.5)))
+        got = collector.get_nowait()
+        assert got is not None and got.outputs[0].token_ids == list(range(k + 1))
 
 
 def test_the_last_output_and_errors_are_not_held_back() -> None:
-    collector = RequestOutputCollector(CUMULATIVE, clock=Clock())
-    collector.put(output(completion(0, "a", [0])))
-    assert collector.get_nowait() is not None
-    collector.put(output(completion(0, "b", [1])))
-    assert collector.get_nowait() is None
-    collector.put(output(completion(0, "c", [2], finish_reason="length"), finished=True))
-    got = collector.get_nowait()
-    assert got is not None and got.finished
-    assert (got.outputs[0].text, got.outputs[0].token_ids) == ("abc", [0, 1, 2])
-
-    collector = RequestOutputCollector(CUMULATIVE, clock=Clock())
-    collector.put(output(completion(0, "a", [0])))
-    assert collector.get_nowait() is not None
-    collector.put(output(completion(0, "b", [1])))
-    collector.put(RuntimeError("engine died"))
-    with pytest.raises(RuntimeError, match="engine died"):
-        collector.get_nowait()
+    long = 2000
+    for last in (
+        output(completion(0, "c", [long + 1], finish_reason="length"), finished=True),
+        RuntimeError("engine died"),
+    ):
+        collector = RequestOutputCollector(CUMULATIVE, clock=Clock())
+        collector.put(output(completion(0, "a", list(range(long)))))
+        assert collector.get_nowait() is not None
+        collector.put(output(completion(0, "b", [long])))
+        assert collector.get_nowait() is not None  # copies 2001 token ids
+        collector.put(output(completion(0, "b", [long])))
+        assert collector.get_nowait() is None
+        collector.put(last)
+        if isinstance(last, RuntimeError):
+            with pytest.raises(RuntimeError, match="engine died"):
+                collector.get_nowait()
+        else:
+            got = collector.get_nowait()
+            assert got is not None and got.finished
+            assert got.outputs[0].token_ids == [*range(long), long, long, long + 1]
 
 
 @pytest.mark.parametrize("kind", [DELTA, RequestOutputKind.FINAL_ONLY])
@@ -299,13 +313,15 @@ async def test_get_waits_until_a_held_output_is_due() -> None:
     clock = Clock()
     collector = RequestOutputCollector(CUMULATIVE, clock=clock)
     long = 100_000  # its copy holds the next output back for 1.8 ms
-    collector.put(output(completion(0, "a" * long, list(range(long)))))
+    collector.put(output(completion(0, "a" * (long - 1), list(range(long - 1)))))
     received: list[RequestOutput] = []
 
     async def consume() -> None:
         received.append(await collector.get())
 
     with anyio.fail_after(5):
+        await collector.get()
+        collector.put(output(completion(0, "a", [long - 1])))
         assert len((await collector.get()).outputs[0].token_ids) == long
         collector.put(output(completion(0, "b", [long])))
         async with anyio.create_task_group() as tg:
