@@ -170,6 +170,12 @@ class AsyncLLM:
         """What the engine core reported at startup (blocks, block size, max_model_len...)."""
         return self._started()[0].info
 
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """What the engine core died of, once it died (every call raises it from then on);
+        None while it runs."""
+        return self._dead
+
     def _started(self) -> tuple[EngineCoreClient, OutputProcessor]:
         if self._client is None or self._processor is None:
             raise RuntimeError("use the AsyncLLM inside 'async with'")
