@@ -1,0 +1,318 @@
+"""Hypercorn, under trio or asyncio, its connections kept by a :class:`ConnectionGuard`.
+
+Hypercorn's own ``worker_serve`` accepts every connection and bounds only how long one waits
+for a request (``keep_alive_timeout``, its request's header time included). This module runs
+hypercorn's per-connection ``TCPServer`` from its own accept loop instead, so that the guard
+admits or refuses each connection, and overrides two of its methods:
+
+- ``_idle_timeout`` (the task hypercorn runs while the connection waits for a request, and stops
+  once a request's headers are in) closes the connection at the guard's deadlines, or when the
+  guard evicts it, or when the server stops;
+- ``_read_data`` moves that deadline from ``keep_alive_timeout_s`` to ``header_timeout_s`` when
+  a request's first bytes come in.
+
+Written against hypercorn 0.18's ``TCPServer``. Hypercorn's lifespan protocol is not run (the
+app has no startup or shutdown of its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from typing import Any
+
+import anyio
+import sniffio
+
+from engine_core.server._connections import (
+    REJECT_LINGER_S,
+    TOO_MANY_CONNECTIONS,
+    ConnectionGuard,
+)
+
+__all__ = ["serve_hypercorn"]
+
+_MAX_RECV = 1 << 16
+
+
+async def serve_hypercorn(
+    app: Any,
+    sock: Any,
+    guard: ConnectionGuard,
+    stop: anyio.Event,
+    *,
+    backstop_s: float,
+    access_log: Any,
+    logger: Any,
+) -> None:
+    """Serve ``app`` on the listening ``sock`` until ``stop``; then stop accepting, close the
+    connections that wait for a request, and wait up to ``backstop_s`` for the others to
+    finish before closing them."""
+    from hypercorn.config import Config
+    from hypercorn.utils import wrap_app
+
+    config = Config()
+    config.keep_alive_timeout = guard.limits.keep_alive_timeout_s
+    config.graceful_timeout = backstop_s
+    config.errorlog = logger
+    config.include_server_header = False
+    if access_log is not None:
+        config.accesslog = access_log
+    wrapped = wrap_app(app, config.wsgi_max_body_size, "asgi")
+    if sniffio.current_async_library() == "trio":
+        await _serve_trio(wrapped, config, sock, guard, stop, backstop_s)
+    else:
+        await _serve_asyncio(wrapped, config, sock, guard, stop, backstop_s)
+
+
+# -- trio ----------------------------------------------------------------------------------------
+
+
+async def _serve_trio(
+    app: Any, config: Any, sock: Any, guard: ConnectionGuard, stop: anyio.Event, backstop_s: float
+) -> None:
+    import functools
+
+    import trio
+    from hypercorn.trio.worker_context import WorkerContext
+    from hypercorn.typing import ConnectionState
+
+    connection_class = _trio_connection_class()
+    context = WorkerContext(None)
+    live: set[Any] = set()
+
+    async def handle(stream: trio.SocketStream) -> None:
+        if not guard.admit():
+            await _refuse_trio(stream, guard)
+            return
+        connection = connection_class(guard, app, config, context, ConnectionState({}), stream)
+        live.add(connection)
+        try:
+            await connection.run()
+        finally:
+            live.discard(connection)
+            guard.release(connection)
+
+    listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+    async with trio.open_nursery() as connections:
+        async with trio.open_nursery() as accepting:
+            accepting.start_soon(
+                functools.partial(
+                    trio.serve_listeners, handle, [listener], handler_nursery=connections
+                )
+            )
+            await stop.wait()
+            accepting.cancel_scope.cancel()
+        await trio.aclose_forcefully(listener)
+        # Connections waiting for a request close now (their _idle_timeout sees it), the others
+        # once their response is out (hypercorn keeps no connection alive from then on).
+        await context.terminated.set()
+        with trio.move_on_after(backstop_s):
+            while live:
+                await trio.sleep(0.05)
+        # Past the backstop: hypercorn writes under a shield, so a client that reads nothing
+        # would hold its connection forever; closing the stream ends the write.
+        for connection in list(live):
+            await trio.aclose_forcefully(connection.stream)
+        connections.cancel_scope.cancel()
+
+
+async def _refuse_trio(stream: Any, guard: ConnectionGuard) -> None:
+    import trio
+
+    lingering = guard.linger()
+    try:
+        with trio.move_on_after(REJECT_LINGER_S if lingering else 0.05):
+            await stream.send_all(TOO_MANY_CONNECTIONS)
+            if lingering:
+                await stream.send_eof()
+                while await stream.receive_some(_MAX_RECV):
+                    pass
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        pass
+    finally:
+        if lingering:
+            guard.unlinger()
+        await trio.aclose_forcefully(stream)
+
+
+def _trio_connection_class() -> type[Any]:
+    import trio
+    from hypercorn.events import Closed, RawData
+    from hypercorn.trio.tcp_server import TCPServer
+
+    class Connection(TCPServer):
+        """Hypercorn's trio connection, kept by ``guard``."""
+
+        def __init__(self, guard: ConnectionGuard, *args: Any) -> None:
+            super().__init__(*args)
+            self.guard = guard
+            self.deadline: trio.CancelScope | None = None
+            """The wait for a request under way, while there is one."""
+            self.first_byte_pending = False
+
+        async def _idle_timeout(self) -> None:
+            limits = self.guard.limits
+            deadline = trio.current_time() + limits.keep_alive_timeout_s
+            with trio.CancelScope(deadline=deadline) as scope:
+                self.deadline = scope
+                self.first_byte_pending = True
+                self.guard.waiting(self, scope.cancel)
+                try:
+                    await self.context.terminated.wait()
+                finally:
+                    if self.deadline is scope:  # not yet replaced by the next wait
+                        self.deadline = None
+                        self.guard.busy(self)
+            with trio.CancelScope(shield=True):
+                await self._initiate_server_close()
+
+        def _request_begins(self) -> None:
+            scope = self.deadline
+            if scope is not None and self.first_byte_pending:
+                self.first_byte_pending = False
+                self.guard.busy(self)
+                scope.deadline = trio.current_time() + self.guard.limits.header_timeout_s
+
+        async def _read_data(self) -> None:
+            while True:
+                try:
+                    data = await self.stream.receive_some(_MAX_RECV)
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    break
+                if data:
+                    self._request_begins()
+                await self.protocol.handle(RawData(bytes(data)))
+                if not data:
+                    break
+            await self.protocol.handle(Closed())
+
+    return Connection
+
+
+# -- asyncio -------------------------------------------------------------------------------------
+
+
+async def _serve_asyncio(
+    app: Any, config: Any, sock: Any, guard: ConnectionGuard, stop: anyio.Event, backstop_s: float
+) -> None:
+    from hypercorn.asyncio.worker_context import WorkerContext
+    from hypercorn.typing import ConnectionState
+
+    connection_class = _asyncio_connection_class()
+    loop = asyncio.get_running_loop()
+    context = WorkerContext(None)
+    tasks: set[asyncio.Task[Any]] = set()
+    live: set[Any] = set()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        if not guard.admit():
+            await _refuse_asyncio(reader, writer, guard)
+            return
+        connection = connection_class(
+            guard, app, loop, config, context, ConnectionState({}), reader, writer
+        )
+        live.add(connection)
+        try:
+            await connection.run()
+        finally:
+            live.discard(connection)
+            guard.release(connection)
+
+    server = await asyncio.start_server(handle, sock=sock, backlog=config.backlog)
+    try:
+        await stop.wait()
+    finally:
+        server.close()
+        await context.terminated.set()
+        deadline = time.monotonic() + backstop_s
+        while tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for connection in list(live):
+            connection.writer.transport.abort()
+        for task in list(tasks):
+            task.cancel()
+        if tasks:
+            await asyncio.wait(list(tasks), timeout=1.0)
+
+
+async def _refuse_asyncio(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, guard: ConnectionGuard
+) -> None:
+    lingering = guard.linger()
+    try:
+        writer.write(TOO_MANY_CONNECTIONS)
+        if lingering:
+            if writer.can_write_eof():
+                writer.write_eof()
+            async with asyncio.timeout(REJECT_LINGER_S):
+                while await reader.read(_MAX_RECV):
+                    pass
+    except (OSError, TimeoutError):
+        pass
+    finally:
+        if lingering:
+            guard.unlinger()
+        writer.close()
+
+
+def _asyncio_connection_class() -> type[Any]:
+    from hypercorn.asyncio.tcp_server import TCPServer
+    from hypercorn.events import Closed, RawData
+
+    class Connection(TCPServer):
+        """Hypercorn's asyncio connection, kept by ``guard``."""
+
+        def __init__(self, guard: ConnectionGuard, *args: Any) -> None:
+            super().__init__(*args)
+            self.guard = guard
+            self.deadline: asyncio.Timeout | None = None
+            self.first_byte_pending = False
+
+        async def _idle_timeout(self) -> None:
+            limits = self.guard.limits
+            loop = asyncio.get_running_loop()
+            try:
+                async with asyncio.timeout(limits.keep_alive_timeout_s) as timeout:
+                    self.deadline = timeout
+                    self.first_byte_pending = True
+
+                    def expire() -> None:
+                        timeout.reschedule(loop.time())
+
+                    self.guard.waiting(self, expire)
+                    try:
+                        await self.context.terminated.wait()
+                    finally:
+                        if self.deadline is timeout:
+                            self.deadline = None
+                            self.guard.busy(self)
+            except TimeoutError:
+                pass
+            await asyncio.shield(self._initiate_server_close())
+
+        def _request_begins(self) -> None:
+            timeout = self.deadline
+            if timeout is not None and self.first_byte_pending:
+                self.first_byte_pending = False
+                self.guard.busy(self)
+                loop = asyncio.get_running_loop()
+                timeout.reschedule(loop.time() + self.guard.limits.header_timeout_s)
+
+        async def _read_data(self) -> None:
+            while not self.reader.at_eof():
+                try:
+                    data = await self.reader.read(_MAX_RECV)
+                except (ConnectionError, OSError, TimeoutError, ssl.SSLError):
+                    break
+                if data:
+                    self._request_begins()
+                await self.protocol.handle(RawData(data))
+            await self.protocol.handle(Closed())
+
+    return Connection
