@@ -3,6 +3,9 @@
 Both helpers watch the ASGI ``receive`` channel for ``http.disconnect`` next to the work, in one
 task group: a disconnect cancels the work right there (leaving an ``AsyncLLM.generate`` loop
 aborts its request in the engine), not when a garbage collector gets to a suspended generator.
+When the server ends the response instead (``receive`` raises :class:`APIError`: shutdown past
+its grace, engine death, see ``_request_guard``), the work is cancelled the same way and the
+client gets that error: a stream as its last event before ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -40,20 +43,26 @@ def sse_event(data: bytes) -> bytes:
 
 
 class _Watch:
-    """Waits for the client to go away and cancels ``scope`` then, unless the response is
-    ``complete``: servers report the end of a finished response as a disconnect too."""
+    """Waits for the client to go away, or for the server to end the response (``receive``
+    raises :class:`APIError`, kept as ``error``), and cancels ``scope`` then, unless the
+    response is ``complete``: servers report the end of a finished response as a disconnect
+    too."""
 
-    __slots__ = ("receive", "scope", "complete", "done")
+    __slots__ = ("receive", "scope", "complete", "done", "error")
 
     def __init__(self, receive: Receive, scope: anyio.CancelScope) -> None:
         self.receive = receive
         self.scope = scope
         self.complete = False
         self.done = False
+        self.error: APIError | None = None
 
     async def run(self) -> None:
-        while (await self.receive())["type"] != "http.disconnect":
-            pass
+        try:
+            while (await self.receive())["type"] != "http.disconnect":
+                pass
+        except APIError as exc:
+            self.error = exc
         self.done = True
         if not self.complete:
             self.scope.cancel()
@@ -61,11 +70,13 @@ class _Watch:
 
 async def cancel_on_disconnect(receive: Receive, work: Callable[[], Awaitable[T]]) -> T:
     """Run ``work``; if the client disconnects first, cancel it and raise ``APIError`` 499
-    (nobody will read the answer). Call after the request body has been read."""
+    (nobody will read the answer); if the server ends it first, cancel it and raise the
+    server's error. Call after the request body has been read."""
     result: list[T] = []
     error: Exception | None = None
     async with anyio.create_task_group() as task_group:
-        task_group.start_soon(_Watch(receive, task_group.cancel_scope).run)
+        watch = _Watch(receive, task_group.cancel_scope)
+        task_group.start_soon(watch.run)
         try:
             result.append(await work())
         except Exception as exc:  # raised as itself below, not inside an exception group
@@ -74,7 +85,7 @@ async def cancel_on_disconnect(receive: Receive, work: Callable[[], Awaitable[T]
     if error is not None:
         raise error
     if not result:
-        raise APIError(499, "the client closed the connection")
+        raise watch.error or APIError(499, "the client closed the connection")
     return result[0]
 
 
@@ -97,7 +108,8 @@ class EventStreamResponse:
     and headers (200) go out with the first event, so an :class:`APIError` the producer raises
     before emitting anything becomes a plain JSON error response with its status; an error after
     that is sent as a last ``data: {"error": ...}`` event. A client disconnect cancels the
-    producer at once.
+    producer at once; so does the server ending the response, whose error is then answered the
+    same way.
     """
 
     def __init__(self, producer: Callable[[Emit], Awaitable[bytes]]) -> None:
@@ -116,16 +128,21 @@ class EventStreamResponse:
         failure: tuple[int, bytes] | None = None
         tail = b""
         async with anyio.create_task_group() as task_group:
-            watch = _Watch(receive, task_group.cancel_scope)
-            task_group.start_soon(watch.run)
-            try:
-                tail = await self.producer(emit)
-            except APIError as exc:
-                failure = exc.status, exc.body()
-            except Exception:
-                logger.exception("a streamed response failed")
-                failure = 500, error_json("internal server error", "server_error")
-            watch.complete = True
+            with anyio.CancelScope() as work:
+                watch = _Watch(receive, work)
+                task_group.start_soon(watch.run)
+                try:
+                    tail = await self.producer(emit)
+                except APIError as exc:
+                    failure = exc.status, exc.body()
+                except Exception:
+                    logger.exception("a streamed response failed")
+                    failure = 500, error_json("internal server error", "server_error")
+                watch.complete = True
+            if work.cancelled_caught:
+                if watch.error is None:
+                    return  # the client went away: nobody reads the rest
+                failure = watch.error.status, watch.error.body()
             if failure is not None and not started:
                 await _send_json(send, *failure)
             else:
