@@ -126,14 +126,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Run the OpenAI-compatible server until SIGINT or SIGTERM."""
+    """Run the OpenAI-compatible server until SIGINT or SIGTERM (exit status 0), or until the
+    engine dies (exit status ``ENGINE_DEAD_EXIT_CODE``, 3)."""
     import functools
     import logging
 
     import anyio
 
+    from engine_core.errors import EngineDeadError
+
     try:
-        from engine_core.server import ServerSettings, run_server
+        from engine_core.server import ENGINE_DEAD_EXIT_CODE, ServerSettings, run_server
     except ImportError as exc:
         print(
             f"engine-core serve needs the server extra ({exc.name} is missing): "
@@ -150,6 +153,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_names=tuple(args.served_model_name or ()),
         chat_template=args.chat_template,
         max_request_body_bytes=args.max_request_body_bytes,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
+        shutdown_timeout_s=args.shutdown_timeout,
         access_log=args.access_log,
         http_server=args.http_server,
     )
@@ -161,7 +169,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             url = await task_group.start(functools.partial(run_server, config, settings))
             print(f"engine-core: serving on {url} (Ctrl+C to stop)", file=sys.stderr, flush=True)
 
-    anyio.run(run, **run_options(args.runtime))
+    died: list[BaseException] = []
+    try:
+        anyio.run(run, **run_options(args.runtime))
+    except* EngineDeadError as group:
+        died.extend(group.exceptions)
+    if died:
+        print(f"engine-core: the engine died: {died[0]}", file=sys.stderr)
+        return ENGINE_DEAD_EXIT_CODE
     return 0
 
 
@@ -202,6 +217,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--chat-template", default=None, help="chat template file or text")
     p.add_argument("--max-request-body-bytes", type=int, default=16 << 20)
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="close a connection that waits this long for a request (default 5)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="close a connection whose request headers take longer than this (default 10)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="answer 408 to a request whose body takes longer than this (default 30)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="connections held at once; past it 503 (default: from the open-file limit)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM/Ctrl+C, how long responses in flight may take to finish (default 30)",
+    )
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.add_argument(
         "--http-server",

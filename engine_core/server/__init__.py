@@ -17,10 +17,11 @@ from engine_core.server._chat_template import (
     ChatTemplate,
     load_chat_template,
 )
-from engine_core.server._run import run_server, serve, wait_for_signal
+from engine_core.server._run import ENGINE_DEAD_EXIT_CODE, run_server, serve, wait_for_signal
 
 __all__ = [
     "DEFAULT_CHAT_TEMPLATE",
+    "ENGINE_DEAD_EXIT_CODE",
     "ChatTemplate",
     "ServerSettings",
     "create_app",

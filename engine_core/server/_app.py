@@ -56,8 +56,21 @@ class ServerSettings:
     max_request_body_bytes: int = 16 << 20
     health_timeout_s: float = 5.0
     """``/health`` answers 503 when the engine does not answer within this time."""
-    graceful_timeout_s: float = 5.0
-    """On shutdown, how long in-flight responses may take to finish."""
+    keep_alive_timeout_s: float = 5.0
+    """A connection that waits for a request (before its first, between two) is closed after
+    this long."""
+    header_timeout_s: float = 10.0
+    """A request's headers must be in within this long of its first byte, or its connection
+    is closed."""
+    body_timeout_s: float = 30.0
+    """A request's body must be in within this long of its headers, or it is answered 408."""
+    max_connections: int | None = None
+    """Connections held at once; past it a new one replaces the one that has waited longest
+    for a request, or is answered 503 when all are in a request. None: what the process's
+    file-descriptor limit allows (:func:`default_max_connections`)."""
+    shutdown_timeout_s: float = 30.0
+    """On shutdown, how long in-flight responses may take to finish before they are ended
+    with an error (a stream: an error event and ``data: [DONE]``)."""
     access_log: bool = False
     http_server: Literal["auto", "uvicorn", "hypercorn"] = "auto"
     """``"auto"``: uvicorn under asyncio where it is installed, else hypercorn (trio: always)."""
@@ -75,9 +88,20 @@ class ServerSettings:
             )
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty when given")
-        for name in ("health_timeout_s", "graceful_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in (
+            "health_timeout_s",
+            "keep_alive_timeout_s",
+            "header_timeout_s",
+            "body_timeout_s",
+            "shutdown_timeout_s",
+        ):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise ValueError(f"{name} must be > 0 and finite, got {value!r}")
+        if self.max_connections is not None and not (
+            isinstance(self.max_connections, int) and self.max_connections >= 1
+        ):
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections!r}")
 
 
 def _json(data: Any, status: int = 200) -> Response:

@@ -1,21 +1,37 @@
-"""Running the app on an HTTP server, under asyncio or trio (whichever runs the caller).
+"""Running the app on an HTTP server, under asyncio or trio (whichever runs the caller), and
+stopping it: on a signal, when cancelled, and when the engine dies.
 
 Two servers carry the same ASGI app: uvicorn (with httptools) under asyncio where it is
 installed, the faster of the two by about a third of the server's CPU time per streamed request;
 hypercorn otherwise and always under trio, which uvicorn does not support.
 ``ServerSettings.http_server`` picks one explicitly. Either way this module binds the listening
-socket itself (so ``port=0`` reports the port it got) and stops the server through its own
-graceful shutdown, never by cancelling it.
+socket itself (so ``port=0`` reports the port it got), keeps the connections within the
+settings' limits (``_connections``: idle and header timeouts, ``max_connections``) and the
+requests within theirs (``_request_guard``: the body timeout), and stops the server through its
+own graceful shutdown, never by cancelling it.
+
+Stopping (:func:`serve`):
+
+- on the shutdown trigger (SIGINT or SIGTERM by default) the server stops accepting
+  connections, closes those that wait for a request and lets the responses in flight finish for
+  up to ``shutdown_timeout_s``; then it ends the rest with a 503 (a stream: an error event and
+  ``data: [DONE]``) and returns. A second signal ends them at once;
+- cancelling :func:`serve` does the same at once;
+- when the engine dies, the responses in flight end with a 503 ``engine_dead`` at once, the
+  server stops, and :func:`serve` raises the :class:`EngineDeadError` (``engine-core serve``
+  exits with :data:`ENGINE_DEAD_EXIT_CODE`, so that a supervisor restarts it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import importlib.util
 import logging
 import signal
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -24,16 +40,40 @@ import sniffio
 
 from engine_core._frontend.async_llm import AsyncLLM
 from engine_core.config import EngineConfig
+from engine_core.errors import EngineDeadError
 from engine_core.server._app import ServerSettings, create_app
+from engine_core.server._connections import (
+    ConnectionGuard,
+    ConnectionLimits,
+    default_max_connections,
+)
+from engine_core.server._errors import APIError, api_error_from
+from engine_core.server._request_guard import RequestGuard
 
-__all__ = ["run_server", "serve", "wait_for_signal"]
+__all__ = ["ENGINE_DEAD_EXIT_CODE", "run_server", "serve", "wait_for_signal"]
 
 logger = logging.getLogger("engine_core.server")
+
+ENGINE_DEAD_EXIT_CODE = 3
+"""``engine-core serve``'s exit status when it stopped because the engine died."""
 
 _BACKLOG = 2048
 """Pending connections the listening socket holds (a benchmark opens hundreds at once)."""
 
+_ENGINE_POLL_S = 0.2
+"""How often the server looks whether the engine died."""
+
+_BACKSTOP_S = 5.0
+"""After ``shutdown_timeout_s`` and the error that ends the responses still in flight, how long
+the HTTP server waits for them to be written before it cancels them and closes their
+connections (a client that reads nothing would otherwise hold the shutdown forever)."""
+
+_SHUTTING_DOWN = APIError(
+    503, "the server is shutting down", type="service_unavailable", code="server_shutting_down"
+)
+
 ShutdownTrigger = Callable[[], Awaitable[None]]
+_Runner = Callable[..., Awaitable[None]]
 
 
 async def wait_for_signal() -> None:
@@ -48,11 +88,21 @@ def http_server_for(settings: ServerSettings, runtime: str) -> str:
     """``"uvicorn"`` or ``"hypercorn"``: what serves under ``runtime`` with ``settings``."""
     choice = settings.http_server
     if choice == "auto":
-        uvicorn = importlib.util.find_spec("uvicorn") is not None
+        uvicorn = all(importlib.util.find_spec(m) is not None for m in ("uvicorn", "httptools"))
         return "uvicorn" if runtime == "asyncio" and uvicorn else "hypercorn"
     if choice == "uvicorn" and runtime != "asyncio":
         raise ValueError("http_server 'uvicorn' runs under asyncio only; use 'hypercorn'")
+    if choice == "uvicorn" and importlib.util.find_spec("httptools") is None:
+        raise ValueError("http_server 'uvicorn' needs httptools (pip install httptools)")
     return choice
+
+
+def connection_limits(settings: ServerSettings) -> ConnectionLimits:
+    return ConnectionLimits(
+        keep_alive_timeout_s=settings.keep_alive_timeout_s,
+        header_timeout_s=settings.header_timeout_s,
+        max_connections=settings.max_connections or default_max_connections(),
+    )
 
 
 async def serve(
@@ -63,17 +113,19 @@ async def serve(
     task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``engine`` (started) over HTTP until ``shutdown_trigger`` returns (default: a
-    SIGINT or SIGTERM) or this call is cancelled, then let in-flight responses finish for up to
-    ``graceful_timeout_s``.
+    SIGINT or SIGTERM; a second one ends the responses in flight at once), this call is
+    cancelled, or the engine dies (then :class:`EngineDeadError` is raised once the server
+    stopped). See the module's docstring for what each does to the responses in flight.
 
     With ``task_group.start(serve, ...)`` the base URL (``http://127.0.0.1:PORT``) is reported
     once the socket listens; ``port=0`` picks a free port.
     """
     settings = settings or ServerSettings()
-    runner = _serve_uvicorn
+    runner: _Runner = _serve_uvicorn
     if http_server_for(settings, sniffio.current_async_library()) == "hypercorn":
         runner = _serve_hypercorn
-    app = create_app(engine, settings)
+    limits = connection_limits(settings)
+    app = RequestGuard(create_app(engine, settings), settings.body_timeout_s)
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     sock = socket.create_server((settings.host, settings.port), family=family, backlog=_BACKLOG)
     # Accepted connections inherit it. asyncio sets it itself only on sockets made with
@@ -84,82 +136,156 @@ async def serve(
         sock.setblocking(False)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-        stop = anyio.Event()
-        async with anyio.create_task_group() as task_group:
-            task_group.start_soon(_shielded, runner, app, sock, settings, stop)
-            task_status.started(url)
-            logger.info("serving on %s", url)
-            try:
-                await (shutdown_trigger or wait_for_signal)()
-            finally:
-                stop.set()
+        async with _shutdown_signals(shutdown_trigger) as (first, second):
+            dead = await _serve_until_stopped(
+                engine, settings, runner, app, sock, limits, url, first, second, task_status
+            )
     finally:
         sock.close()
+    if dead is not None:
+        raise dead
 
 
-async def _shielded(
-    runner: Callable[[Any, socket.socket, ServerSettings, anyio.Event], Awaitable[None]],
-    app: Any,
-    sock: socket.socket,
+@contextlib.asynccontextmanager
+async def _shutdown_signals(
+    trigger: ShutdownTrigger | None,
+) -> AsyncIterator[tuple[ShutdownTrigger, ShutdownTrigger]]:
+    """(wait for the shutdown, wait for the order to stop at once): ``trigger`` and never, or
+    the first and the second SIGINT or SIGTERM."""
+    if trigger is not None:
+        yield trigger, anyio.sleep_forever
+        return
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+
+        async def next_signal(message: str) -> None:
+            async for signum in signals:
+                logger.info(message, signal.Signals(signum).name)
+                return
+
+        yield (
+            functools.partial(next_signal, "received %s, shutting down"),
+            functools.partial(next_signal, "received %s again, ending the responses in flight"),
+        )
+
+
+async def _serve_until_stopped(
+    engine: AsyncLLM,
     settings: ServerSettings,
-    stop: anyio.Event,
-) -> None:
-    """Run the server until ``stop``. Shielded: the servers shut down cleanly through their own
-    trigger only (hypercorn's asyncio worker fails when cancelled), so cancelling :func:`serve`
-    sets ``stop`` and waits for the graceful shutdown instead."""
-    with anyio.CancelScope(shield=True):
-        await runner(app, sock, settings, stop)
+    runner: _Runner,
+    app: RequestGuard,
+    sock: socket.socket,
+    limits: ConnectionLimits,
+    url: str,
+    shutdown: ShutdownTrigger,
+    stop_now: ShutdownTrigger,
+    task_status: anyio.abc.TaskStatus[str],
+) -> EngineDeadError | None:
+    stop_server = anyio.Event()
+    stopped = anyio.Event()
+    backstop_s = settings.shutdown_timeout_s + _BACKSTOP_S
+    dead: EngineDeadError | None = None
+
+    async def run() -> None:
+        # Shielded: the servers shut down cleanly through their own trigger only (hypercorn's
+        # asyncio worker fails when cancelled), so cancelling serve() ends the responses and
+        # waits for the server's shutdown instead.
+        with anyio.CancelScope(shield=True):
+            try:
+                await runner(app, sock, settings, ConnectionGuard(limits), stop_server, backstop_s)
+            finally:
+                stopped.set()
+
+    async with anyio.create_task_group() as task_group:
+        task_group.start_soon(run)
+        task_status.started(url)
+        logger.info("serving on %s (max %d connections)", url, limits.max_connections)
+        try:
+            first = await _first(shutdown=shutdown, death=functools.partial(_death, engine))
+            if first == "shutdown":
+                logger.info(
+                    "no longer accepting connections; the responses in flight have %g s to end",
+                    settings.shutdown_timeout_s,
+                )
+                stop_server.set()
+                first = await _first(
+                    stopped=stopped.wait,
+                    timeout=functools.partial(anyio.sleep, settings.shutdown_timeout_s),
+                    stop_now=stop_now,
+                    death=functools.partial(_death, engine),
+                )
+                if first == "timeout":
+                    logger.warning(
+                        "responses still in flight after %g s: ending them",
+                        settings.shutdown_timeout_s,
+                    )
+            if first == "death":
+                dead = engine.dead_error
+                logger.error("the engine died (%s): stopping the server", dead)
+        finally:
+            # Whatever is still in flight ends now: with the engine's death, or the shutdown.
+            error = api_error_from(dead, "prompt") if dead is not None else None
+            app.stop_all(error or _SHUTTING_DOWN)
+            stop_server.set()
+    return dead
+
+
+async def _death(engine: AsyncLLM) -> None:
+    """Return once the engine is dead."""
+    while engine.dead_error is None:
+        await anyio.sleep(_ENGINE_POLL_S)
+
+
+async def _first(**waits: Callable[[], Awaitable[Any]]) -> str:
+    """The name of the first of ``waits`` to return (the others are cancelled)."""
+    winner: list[str] = []
+
+    async def wait(name: str, fn: Callable[[], Awaitable[Any]]) -> None:
+        await fn()
+        if not winner:
+            winner.append(name)
+        task_group.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as task_group:
+        for name, fn in waits.items():
+            task_group.start_soon(wait, name, fn)
+    return winner[0]
 
 
 async def _serve_hypercorn(
-    app: Any, sock: socket.socket, settings: ServerSettings, stop: anyio.Event
+    app: Any,
+    sock: socket.socket,
+    settings: ServerSettings,
+    guard: ConnectionGuard,
+    stop: anyio.Event,
+    backstop_s: float,
 ) -> None:
-    from hypercorn.config import Config, Sockets
-    from hypercorn.utils import wrap_app
+    from engine_core.server._hypercorn import serve_hypercorn
 
-    config = Config()
-    config.backlog = _BACKLOG
-    config.graceful_timeout = settings.graceful_timeout_s
-    config.errorlog = logger
-    config.include_server_header = False
-    if settings.access_log:
-        config.accesslog = logging.getLogger("engine_core.server.access")
-    if sniffio.current_async_library() == "trio":
-        from hypercorn.trio.run import worker_serve
-    else:
-        from hypercorn.asyncio.run import worker_serve  # type: ignore[assignment]
-    await worker_serve(
-        wrap_app(app, config.wsgi_max_body_size, "asgi"),
-        config,
-        sockets=Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[]),
-        shutdown_trigger=stop.wait,
+    access_log = logging.getLogger("engine_core.server.access") if settings.access_log else None
+    await serve_hypercorn(
+        app, sock, guard, stop, backstop_s=backstop_s, access_log=access_log, logger=logger
     )
 
 
 async def _serve_uvicorn(
-    app: Any, sock: socket.socket, settings: ServerSettings, stop: anyio.Event
+    app: Any,
+    sock: socket.socket,
+    settings: ServerSettings,
+    guard: ConnectionGuard,
+    stop: anyio.Event,
+    backstop_s: float,
 ) -> None:
-    import uvicorn
+    from engine_core.server._uvicorn import serve_uvicorn
 
-    config = uvicorn.Config(
+    await serve_uvicorn(
         app,
-        lifespan="off",
-        log_config=None,  # leave the process's logging alone
+        sock,
+        guard,
+        stop,
+        backstop_s=backstop_s,
         access_log=settings.access_log,
         backlog=_BACKLOG,
-        timeout_graceful_shutdown=max(1, round(settings.graceful_timeout_s)),
-        server_header=False,
     )
-    config.load()
-    server = uvicorn.Server(config)
-    server.lifespan = config.lifespan_class(config)
-    await server.startup(sockets=[sock])
-    async with anyio.create_task_group() as task_group:
-        # The main loop refreshes the Date header every second; it ends on should_exit.
-        task_group.start_soon(server.main_loop)
-        await stop.wait()
-        server.should_exit = True
-    await server.shutdown(sockets=[sock])
 
 
 async def run_server(
@@ -170,6 +296,7 @@ async def run_server(
     task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Start an engine from ``config`` and :func:`serve` it; the engine stops with the server.
+    Raises :class:`EngineDeadError` when the server stopped because the engine died.
 
     Meant to own its process: once the engine is up, everything allocated so far (modules,
     tokenizer, engine state) is moved out of the garbage collector's sight (``gc.freeze``), so

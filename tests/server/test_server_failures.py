@@ -1,5 +1,6 @@
-"""The server when the engine fails or is full: each test starts its own server (in this
-process's event loop) under asyncio and trio, and talks to it with httpx's async client."""
+"""The server when the engine is full: each test starts its own server (in this process's event
+loop) under asyncio and trio, and talks to it with httpx's async client. The engine's death is
+in test_server_hygiene.py."""
 
 from __future__ import annotations
 
@@ -21,46 +22,6 @@ def completion(max_tokens: int, stream: bool = False) -> dict[str, Any]:
         "ignore_eos": True,
         "stream": stream,
     }
-
-
-async def test_dead_engine_gives_503_without_hanging() -> None:
-    fault = {"kind": "raise", "at_step": 5}
-    # Slow steps: the stream has emitted its first tokens well before the engine dies (the
-    # death replaces outputs its consumer has not taken yet).
-    options = {"fault": fault, "latency": {"step_s": 0.02}}
-    async with serving(multiprocess=True, backend_options=options) as (client, _):
-        with anyio.fail_after(10):
-            # A stream that is running when the engine dies ends with an error event.
-            async with client.stream("POST", "/v1/completions", json=completion(50, True)) as r:
-                assert r.status_code == 200
-                events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
-            assert events[-1] == "data: [DONE]"
-            assert '"error"' in events[-2] and "engine is dead" in events[-2]
-            health = await client.get("/health")
-            assert health.status_code == 503
-            assert health.json()["error"]["type"] == "service_unavailable"
-            for body in (completion(5), completion(5, stream=True)):
-                response = await client.post("/v1/completions", json=body)
-                assert response.status_code == 503
-                assert response.json()["error"]["code"] == "engine_dead"
-            chat = await client.post(
-                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
-            )
-            assert chat.status_code == 503
-            metrics = await client.get("/metrics")
-            assert metrics.status_code == 200
-            assert "engine_core_generation_tokens_total" in metrics.text
-            assert "engine_core_num_requests_running" not in metrics.text
-
-
-async def test_dead_engine_during_a_whole_response() -> None:
-    fault = {"kind": "exit", "at_step": 3}
-    async with serving(multiprocess=True, backend_options={"fault": fault}) as (client, _):
-        with anyio.fail_after(10):
-            response = await client.post("/v1/completions", json=completion(50))
-            assert response.status_code == 503
-            assert response.json()["error"]["code"] == "engine_dead"
-            assert (await client.get("/health")).status_code == 503
 
 
 async def test_full_queue_gives_503() -> None:
