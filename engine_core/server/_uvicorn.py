@@ -139,7 +139,7 @@ def protocol_class(guard: ConnectionGuard) -> Any:
                 self._timer = None
 
         def _close(self) -> None:
-            self._timer = None
+            self._cancel_timer()
             if not self.transport.is_closing():
                 self.transport.close()
 
