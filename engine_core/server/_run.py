@@ -98,10 +98,18 @@ def http_server_for(settings: ServerSettings, runtime: str) -> str:
 
 
 def connection_limits(settings: ServerSettings) -> ConnectionLimits:
+    fitting = default_max_connections()
+    if settings.max_connections is not None and settings.max_connections > fitting:
+        logger.warning(
+            "max_connections %d is more than the open-file limit leaves room for (%d): "
+            "the process may run out of file descriptors (raise it with ulimit -n)",
+            settings.max_connections,
+            fitting,
+        )
     return ConnectionLimits(
         keep_alive_timeout_s=settings.keep_alive_timeout_s,
         header_timeout_s=settings.header_timeout_s,
-        max_connections=settings.max_connections or default_max_connections(),
+        max_connections=settings.max_connections or fitting,
     )
 
 

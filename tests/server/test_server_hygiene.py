@@ -418,13 +418,15 @@ def test_limits_are_validated(name: str, value: object) -> None:
         ServerSettings(**{name: value})  # type: ignore[arg-type]
 
 
-def test_the_default_connection_limit_fits_the_file_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
-        assert default_max_connections() == (256 - 64) * 7 // 8
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+def test_the_default_connection_limit_fits_the_file_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    limits = {256: (256 - 64) * 7 // 8, 1024: (1024 - 64) * 7 // 8, 80: 16}
+    for soft, expected in limits.items():
+        monkeypatch.setattr(resource, "getrlimit", lambda _, soft=soft: (soft, 1 << 20))
+        assert default_max_connections() == expected
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (resource.RLIM_INFINITY,) * 2)
+    assert default_max_connections() == ((1 << 20) - 64) * 7 // 8
 
 
 # -- the real process: signals, exit status ------------------------------------------------------
@@ -491,12 +493,9 @@ def wait_for(condition: Any, timeout: float) -> None:
 
 
 @pytest.mark.parametrize("runtime", ["asyncio", "trio"])
-def test_serve_with_few_files_under_idle_connections_then_sigterm(runtime: str) -> None:
-    """With 256 files at most and 300 idle connections open, requests are still served; on
-    SIGTERM a short stream finishes, a long one ends with an error event past
-    --shutdown-timeout, and the process exits 0."""
-    flags = ["--shutdown-timeout", "1", "--backend-options", json.dumps(SLOW_STEPS)]
-    with serve_process(runtime, *flags, nofile=256) as (url, process):
+def test_serve_with_few_files_serves_under_idle_connections(runtime: str) -> None:
+    """With 256 files at most and 300 idle connections open, requests are still served."""
+    with serve_process(runtime, nofile=256) as (url, process):
         host, port = url.removeprefix("http://").rsplit(":", 1)
         idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(300)]
         try:
@@ -507,13 +506,27 @@ def test_serve_with_few_files_under_idle_connections_then_sigterm(runtime: str) 
         finally:
             for connection in idle:
                 connection.close()
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=10) == 0
 
+
+@pytest.mark.parametrize("runtime", ["asyncio", "trio"])
+@pytest.mark.parametrize("end", ["shutdown timeout", "second signal"])
+def test_serve_on_sigterm_lets_streams_finish_then_ends_them(runtime: str, end: str) -> None:
+    """On SIGTERM a short stream finishes; a long one ends with an error event and
+    ``data: [DONE]`` past --shutdown-timeout, or at a second signal; the process exits 0."""
+    timeout = "1" if end == "shutdown timeout" else "60"
+    flags = ["--shutdown-timeout", timeout, "--backend-options", json.dumps(SLOW_STEPS)]
+    with serve_process(runtime, *flags) as (url, process):
         short, short_thread = stream_in_thread(url, completion(30, True))
         long, long_thread = stream_in_thread(url, completion(3000, True))
         wait_for(lambda: short and long, timeout=10)
         process.send_signal(signal.SIGTERM)
         start = time.monotonic()
         short_thread.join(10)
+        if end == "second signal":
+            assert long_thread.is_alive()
+            process.send_signal(signal.SIGINT)
         long_thread.join(10)
         assert process.wait(timeout=10) == 0
         assert time.monotonic() - start < 8
