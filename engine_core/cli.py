@@ -243,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="connections held at once; past it 503 (default: from the open-file limit)",
+        help="connections held at once; past it the longest-idle one is closed, else 503 "
+        "(default: from the open-file limit)",
     )
     p.add_argument(
         "--shutdown-timeout",
