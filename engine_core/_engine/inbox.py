@@ -54,7 +54,9 @@ class _LoopReaders:
     __slots__ = ("lock", "sorted")
 
     def __init__(self) -> None:
-        self.lock = anyio.Lock()
+        # fast_acquire: taking the lock when nobody holds it must not yield, or the output
+        # handler would hand the event loop over after every message and never batch outputs.
+        self.lock = anyio.Lock(fast_acquire=True)
         self.sorted = anyio.Event()
 
     def announce(self) -> None:
