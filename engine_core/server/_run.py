@@ -231,7 +231,9 @@ async def _serve_until_stopped(
                 logger.error("the engine died (%s): stopping the server", dead)
         finally:
             # Whatever is still in flight ends now: with the engine's death, or the shutdown.
-            error = api_error_from(dead, "prompt") if dead is not None else None
+            error = None
+            if dead is not None:
+                error = api_error_from(dead, fields=(), prompt_field="prompt", admitting=False)
             app.stop_all(error or _SHUTTING_DOWN)
             stop_server.set()
     return dead
