@@ -22,7 +22,7 @@ import msgspec
 import zmq
 
 from engine_core._engine.main import run_engine_core
-from engine_core._engine.sockets import SocketAddresses, Transport, make_socket
+from engine_core._engine.sockets import OUTPUT_HWM, SocketAddresses, Transport, make_socket
 from engine_core.config import EngineConfig
 
 __all__ = ["ClientSockets", "EngineProcess"]
@@ -45,7 +45,7 @@ class ClientSockets:
     def __init__(self, transport: Transport, host: str) -> None:
         self.addresses = SocketAddresses(transport, host)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.output = make_socket(self._ctx, zmq.PULL)
+        self.output = make_socket(self._ctx, zmq.PULL, hwm=OUTPUT_HWM)
         self.input = make_socket(self._ctx, zmq.PUSH)
         try:
             self.output.bind(self.addresses.output)

@@ -27,7 +27,7 @@ import zmq
 
 from engine_core._engine.core import EngineCore
 from engine_core._engine.proc import EngineCoreProc
-from engine_core._engine.sockets import make_socket
+from engine_core._engine.sockets import OUTPUT_HWM, make_socket
 from engine_core._engine.wire import EngineDead, EngineMessage, Ready
 from engine_core.config import EngineConfig
 
@@ -93,7 +93,7 @@ class _Server:
 
     async def serve(self) -> int:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        output = make_socket(ctx, zmq.PUSH, linger_ms=_OUTPUT_LINGER_MS)
+        output = make_socket(ctx, zmq.PUSH, linger_ms=_OUTPUT_LINGER_MS, hwm=OUTPUT_HWM)
         input_ = make_socket(ctx, zmq.PULL)
         try:
             output.connect(self.output_address)

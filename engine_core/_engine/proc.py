@@ -56,6 +56,12 @@ logger = logging.getLogger(__name__)
 
 _MAX_MESSAGES_PER_WAKE = 256
 """Input messages handled in one go before the other tasks get a turn."""
+_MAX_QUEUED_OUTPUTS = 4
+"""Messages waiting for room in the output socket (its ZMQ queues full: the client is not
+reading) at which the engine stops stepping until the client catches up."""
+_FINAL_DRAIN_S = 2.0
+"""At shutdown, how long the last messages may wait for a client that stopped reading."""
+
 _BACKEND_CALLS = frozenset({"profile", "sleep", "wake_up"})
 """Control calls that reach the backend: they run in a worker thread, like a step."""
 
@@ -123,6 +129,8 @@ class EngineCoreProc:
         self._executing = False
         self._in_call = False
         self._output_busy = False
+        self._backlogged = False
+        """The stepping task waits for the client to take queued outputs."""
         self._num_sent = 0
         """Messages sent or queued so far: the heartbeat task looks whether it moved."""
         self._calls: deque[UtilityCall] = deque()
@@ -155,6 +163,8 @@ class EngineCoreProc:
                             inner.start_soon(self._heartbeat_loop, send, self._heartbeat_interval_s)
                         await self._step_loop(send)
                         inner.cancel_scope.cancel()
+                # The last outputs go out unless the client stopped reading for good.
+                tg.cancel_scope.deadline = anyio.current_time() + _FINAL_DRAIN_S
         finally:
             self.core.set_grammar_waker(None)
             doorbell.close()
@@ -184,17 +194,22 @@ class EngineCoreProc:
             self._answer_pauses(out)
             await self._wait_for_input()
             return True
-        # 4. The step. Only the model call leaves the event loop's thread; aborts arriving
+        # 4. Back-pressure: while the client has not taken what is queued, step no further
+        #    (outputs would pile up in both processes); input is still handled meanwhile.
+        if out.statistics().current_buffer_used >= _MAX_QUEUED_OUTPUTS:
+            await self._wait_for_output_room()
+            return True
+        # 5. The step. Only the model call leaves the event loop's thread; aborts arriving
         #    meanwhile are applied by finish_step before the step's outputs.
         scheduler_output = core.schedule()
         runner_output = None
         if scheduler_output is not None:
             runner_output = await self._execute(scheduler_output)
         outputs = core.finish_step(scheduler_output, runner_output)
-        # 5. The outputs go out before the pause("wait") replies that their requests' ends allow.
+        # 6. The outputs go out before the pause("wait") replies that their requests' ends allow.
         self._emit(out, outputs)
         self._answer_pauses(out)
-        # 6. A step that neither ran nor reported anything waits for input (requests waiting
+        # 7. A step that neither ran nor reported anything waits for input (requests waiting
         #    for their grammar, say); else the input and output tasks get a turn.
         if scheduler_output is None and outputs.is_empty:
             await self._wait_for_input()
@@ -212,6 +227,16 @@ class EngineCoreProc:
             return
         with anyio.move_on_after(deadline):
             await wake.wait()
+
+    async def _wait_for_output_room(self) -> None:
+        """Until the output task has sent enough of the queue, or input arrived (a control
+        call or a shutdown must not wait for a client that stopped reading)."""
+        self._wake = wake = anyio.Event()
+        self._backlogged = True
+        try:
+            await wake.wait()
+        finally:
+            self._backlogged = False
 
     async def _grammar_loop(self, doorbell: _Doorbell) -> None:
         while True:
@@ -380,3 +405,7 @@ class EngineCoreProc:
                     await send_async(sock, encode(message))
                 finally:
                     self._output_busy = False
+                if self._backlogged and (
+                    receive.statistics().current_buffer_used < _MAX_QUEUED_OUTPUTS // 2
+                ):
+                    self._wake.set()

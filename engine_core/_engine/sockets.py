@@ -25,9 +25,21 @@ from typing import Literal
 import anyio
 import zmq
 
-__all__ = ["SocketAddresses", "Transport", "make_socket", "recv_async", "send_async"]
+__all__ = [
+    "OUTPUT_HWM",
+    "SocketAddresses",
+    "Transport",
+    "make_socket",
+    "recv_async",
+    "send_async",
+]
 
 Transport = Literal["ipc", "tcp"]
+
+OUTPUT_HWM = 16
+"""Step outputs ZMQ holds on each side of the engine -> client pipe. A client that stops reading
+(its event loop blocked, say) then holds the engine back (see ``EngineCoreProc``) instead of
+having every step's output pile up in both processes' memory."""
 
 
 class SocketAddresses:
@@ -61,13 +73,13 @@ class SocketAddresses:
 
 
 def make_socket(
-    ctx: zmq.Context[zmq.Socket[bytes]], socket_type: int, *, linger_ms: int = 0
+    ctx: zmq.Context[zmq.Socket[bytes]], socket_type: int, *, linger_ms: int = 0, hwm: int = 0
 ) -> zmq.Socket[bytes]:
-    """A socket with unbounded queues (sends never block on a connected pipe) and the given
-    linger: how long closing waits for unsent messages."""
+    """A socket whose queues hold ``hwm`` messages each way (0: unbounded, so sends never block
+    on a connected pipe) with the given linger: how long closing waits for unsent messages."""
     sock = ctx.socket(socket_type)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.LINGER, linger_ms)
     return sock
 
@@ -83,8 +95,8 @@ async def recv_async(sock: zmq.Socket[bytes]) -> bytes:
 
 
 async def send_async(sock: zmq.Socket[bytes], frame: bytes) -> None:
-    """Send ``frame``, waiting while the socket cannot take it (only before a bound peer
-    connects: the queues are unbounded)."""
+    """Send ``frame``, waiting while the socket cannot take it (before a bound peer connects, or
+    while a bounded queue is full)."""
     while True:
         try:
             sock.send(frame, zmq.NOBLOCK)

@@ -22,7 +22,7 @@ from engine_core_mock import MockBackend
 from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
 from engine_core._engine.core import EngineCore
 from engine_core._engine.proc import EngineCoreProc
-from engine_core._engine.sockets import make_socket, recv_async
+from engine_core._engine.sockets import OUTPUT_HWM, make_socket, recv_async
 from engine_core._engine.wire import (
     AbortRequests,
     ClientMessage,
@@ -162,9 +162,9 @@ def wired(
     name = uuid.uuid4().hex
     sockets = [
         engine_in := make_socket(ctx, zmq.PULL),
-        engine_out := make_socket(ctx, zmq.PUSH),
+        engine_out := make_socket(ctx, zmq.PUSH, hwm=OUTPUT_HWM),
         to_engine := make_socket(ctx, zmq.PUSH),
-        from_engine := make_socket(ctx, zmq.PULL),
+        from_engine := make_socket(ctx, zmq.PULL, hwm=OUTPUT_HWM),
     ]
     try:
         engine_in.bind(f"inproc://{name}-in")
@@ -491,3 +491,32 @@ async def test_no_heartbeat_while_idle() -> None:
         # Nothing is owed to anyone: ten intervals pass in silence (time passing is the test).
         with anyio.move_on_after(10 * _BEAT_S):
             pytest.fail(f"an idle engine sent {await peer.recv_any()!r}")
+
+
+async def _steps_settle(core: EngineCore) -> int:
+    """The step count once it stopped moving for a while (the engine is held back)."""
+    with anyio.fail_after(_TIMEOUT_S):
+        num_steps = -1
+        while core.num_steps != num_steps:
+            num_steps = core.num_steps
+            await anyio.sleep(0.05)
+    return num_steps
+
+
+async def test_a_client_that_stops_reading_holds_the_engine_back() -> None:
+    async with serving() as peer:
+        peer.send(request("r1", [1], max_tokens=100_000))
+        # Nothing is read: the engine steps until the socket's queues (OUTPUT_HWM each way on
+        # an inproc pipe) and the few outputs it queues itself are full, then waits.
+        held = await _steps_settle(peer.core)
+        assert 2 * OUTPUT_HWM <= held <= 2 * OUTPUT_HWM + 8
+        # Input is still handled while it waits: a control call answers once read up to.
+        call_id = peer.start_call("get_stats")
+        before, reply = await peer.reply(call_id)
+        assert reply.result["num_running"] == 1
+        # Reading resumes the steps; the tokens come in order, none lost.
+        received = before + await peer.outputs(200)
+        tokens = [t for m in received for ids in m.new_token_ids for t in ids]
+        vocab = peer.core.vocab_size  # the mock counts up from the prompt's last token
+        assert tokens == [(2 + i) % vocab for i in range(len(received))]
+        assert peer.core.num_steps > held
