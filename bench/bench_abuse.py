@@ -17,11 +17,11 @@ process). Three runs of ``--duration`` seconds against the same server:
 Reported per run: the normal streams' output tok/s, TTFT and ITL percentiles, failures, and the
 server's peak RSS (``VmHWM`` of its front end and of its engine core; a peak only grows);
 for the hostile run, what each hostile case got back. Targets: throughput >= 0.9x and TTFT p99
-<= 2x the clean runs' mean; no 5xx; memory bounded. Flags the server may not have yet
-(``--max-connections``) are passed only when ``engine-core serve --help`` lists them.
+<= 2x the clean runs' mean; no 5xx; memory bounded. The server runs with its default timeouts
+and connection limit, which cut the slow and idle connections the hostile clients hold.
 
 Usage: ``python bench/bench_abuse.py [--runtime asyncio|trio] [--duration 15] [--clients 256]
-[--hostile 50] [--max-tokens 64] [--step-ms 10] [--hold-s 2] [--json PATH]``.
+[--hostile 50] [--max-tokens 64] [--step-ms 10] [--hold-s 30] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -63,19 +63,8 @@ COMPLETIONS = "/v1/completions"
 # -- the server ----------------------------------------------------------------------------------
 
 
-def serve_flags() -> set[str]:
-    """The options ``engine-core serve --help`` lists."""
-    help_text = subprocess.run(
-        [sys.executable, "-m", "engine_core", "serve", "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return {word.strip("[],") for word in help_text.split() if word.startswith(("--", "[--"))}
-
-
 @contextlib.contextmanager
-def server_process(args: argparse.Namespace, extra: list[str]) -> Iterator[tuple[str, int]]:
+def server_process(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
     """``engine-core serve`` on a free loopback port; yields its URL and pid, stops it after."""
     latency = {"latency": {"step_s": args.step_ms / 1000}} if args.step_ms else {}
     command = [
@@ -83,7 +72,7 @@ def server_process(args: argparse.Namespace, extra: list[str]) -> Iterator[tuple
         "--backend", "mock", "--tokenizer", "byte", "--port", "0",
         "--max-num-seqs", str(args.clients + args.hostile), "--served-model-name", MODEL,
         "--runtime", args.runtime, "--log-level", "error", "--multiprocess",
-        "--backend-options", json.dumps(latency), *extra,
+        "--backend-options", json.dumps(latency),
     ]  # fmt: skip
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
@@ -226,24 +215,42 @@ async def _exchange(host: str, port: int, request: bytes) -> str:
         writer.close()
 
 
+async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
+    """Whether the server closes the connection (or answers and closes) within ``seconds``."""
+    try:
+        await asyncio.wait_for(reader.read(), seconds)
+    except TimeoutError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
 async def _slow_headers(host: str, port: int, hold_s: float) -> str:
-    """Headers a line at a time, never finished; the connection is dropped after ``hold_s``."""
+    """Headers a line a second, never finished, for up to ``hold_s``."""
     reader, writer = await asyncio.open_connection(host, port)
+    began = time.monotonic()
     try:
         writer.write(f"POST {CHAT} HTTP/1.1\r\nHost: bench\r\n".encode())
-        for index in range(8):
-            await asyncio.sleep(hold_s / 8)
+        for index in range(int(hold_s)):
+            if await _closed_within(reader, 1.0):
+                return f"closed by the server after {time.monotonic() - began:.0f} s"
             writer.write(f"X-Slow-{index}: {'x' * 20}\r\n".encode())
             await writer.drain()
         return "held"
+    except OSError:
+        return f"closed by the server after {time.monotonic() - began:.0f} s"
     finally:
         writer.close()
 
 
 async def _idle(host: str, port: int, hold_s: float) -> str:
-    _, writer = await asyncio.open_connection(host, port)
+    """A connection that sends nothing, for up to ``hold_s``."""
+    reader, writer = await asyncio.open_connection(host, port)
+    began = time.monotonic()
     try:
-        await asyncio.sleep(hold_s)
+        if await _closed_within(reader, hold_s):
+            return f"closed by the server after {time.monotonic() - began:.0f} s"
         return "held"
     finally:
         writer.close()
@@ -373,7 +380,10 @@ def main() -> None:
         "--step-ms", type=float, default=10.0, help="simulated time of every engine step"
     )
     parser.add_argument(
-        "--hold-s", type=float, default=2.0, help="how long slow and idle connections are held"
+        "--hold-s",
+        type=float,
+        default=30.0,
+        help="how long hostile clients hold slow and idle connections (the server cuts them first)",
     )
     parser.add_argument("--json", default=None)
     parser.add_argument("--hostile-worker", default=None, help=argparse.SUPPRESS)
@@ -382,22 +392,18 @@ def main() -> None:
         hostile_worker(args)
         return
 
-    flags = serve_flags()
-    extra: list[str] = []
-    if "--max-connections" in flags:
-        extra += ["--max-connections", str(2 * (args.clients + args.hostile) + 64)]
     print(machine_line(), flush=True)
     print(
         f"engine-core serve: mock backend ({args.step_ms:g} ms per step), byte tokenizer, "
         f"{args.runtime} ({http_server_for(ServerSettings(), args.runtime)}), engine core in "
         f"its own process; {args.clients} normal streaming chat clients of {args.max_tokens} "
-        f"tokens; {args.hostile} hostile clients; {args.duration:g} s per run; extra server "
-        f"flags: {' '.join(extra) or 'none (no --max-connections in serve --help)'}",
+        f"tokens; {args.hostile} hostile clients; {args.duration:g} s per run; the server's "
+        "default timeouts and connection limit",
         flush=True,
     )
     runs: dict[str, dict[str, Any]] = {}
     hostile_summary: Any = None
-    with server_process(args, extra) as (url, pid):
+    with server_process(args) as (url, pid):
         warm = argparse.Namespace(**{**vars(args), "clients": min(args.clients, 32)})
         anyio.run(normal_load, url, warm, 2.0, **run_options("asyncio"))
         print(HEADER, flush=True)
