@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import statistics
 import time
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import anyio
 
 from engine_core import AsyncLLM, RequestOutputKind, SamplingParams
-from engine_core._bench.machine import machine_line
+from engine_core._bench.machine import machine_line, write_results
 
 PROMPT = "The quick brown fox jumps"
 
@@ -203,7 +202,7 @@ def main() -> None:
     args = parser.parse_args()
     print(machine_line(), flush=True)
     only = set(args.only.split(","))
-    results: dict[str, Any] = {"machine": machine_line()}
+    results: dict[str, Any] = {}
     if "a" in only:
         r = results["long_stream"] = anyio.run(long_stream, args, backend=args.runtime)
         for kind, v in r.items():
@@ -233,10 +232,7 @@ def main() -> None:
             ),
             flush=True,
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-        print("wrote", args.json)
+    write_results(args.json, results)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import statistics
 import time
 from typing import Any
 
-from engine_core._bench.machine import machine_line
+from engine_core._bench.machine import machine_line, write_results
 from engine_core._core.request import Request
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core.abc import ModelRunnerOutput
@@ -180,10 +179,7 @@ def main() -> None:
             f"{dec.get('per_req_us', 0):>10.2f} {r['prefix_cache']['hit_rate']:>8.1%} "
             f"{r['tokens_per_s_cpu_only']:>9.0f}"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine_line(), "runs": results}, f, indent=2)
-        print("wrote", args.json)
+    write_results(args.json, {"runs": results})
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Usage: ``python bench/bench_serving.py [--json PATH] [--streams 256] [--tokens 2
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import anyio
 
 from engine_core import AsyncLLM, RequestOutputKind, SamplingParams
-from engine_core._bench.machine import machine_line
+from engine_core._bench.machine import machine_line, write_results
 
 PROMPT = "The quick brown fox jumps"
 
@@ -115,7 +114,6 @@ def main() -> None:
     if args.json:
         mp = {k.split("/")[1]: v for k, v in results.items() if k.startswith("multiprocess")}
         data = {
-            "machine": machine_line(),
             "throughput_tok_s": {k: v["throughput_tok_s"] for k, v in mp.items()},
             "first_output_us": {
                 k: {"p50": v["first_output_us"]["p50"], "p99": v["first_output_us"]["p99"]}
@@ -123,9 +121,7 @@ def main() -> None:
             },
             "in_process": {k: v for k, v in results.items() if k.startswith("in-process")},
         }
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=2)
-        print("wrote", args.json)
+        write_results(args.json, data)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import statistics
 import time
 from typing import Any
 
-from engine_core._bench.machine import machine_line
+from engine_core._bench.machine import machine_line, write_results
 from engine_core._core.protocol import EngineCoreRequest
 from engine_core._engine.core import EngineCore
 from engine_core.config import EngineConfig
@@ -137,20 +137,14 @@ def main() -> None:
         f"bitmask fill per step ({NUM_REQUESTS} rows, vocab {core.vocab_size}): "
         f"{statistics.median(fill_s) * 1e3:.3f} ms median"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "machine": machine_line(),
-                    "step_ms": args.step_ms,
-                    "plain_ms": plain,
-                    "constrained_ms": constrained,
-                    "sequential_ms": sequential,
-                    "ratios": ratios,
-                },
-                f,
-                indent=2,
-            )
+    results = {
+        "step_ms": args.step_ms,
+        "plain_ms": plain,
+        "constrained_ms": constrained,
+        "sequential_ms": sequential,
+        "ratios": ratios,
+    }
+    write_results(args.json, results)
 
 
 if __name__ == "__main__":
