@@ -128,7 +128,10 @@ class EngineCoreProc:
         self._encoder = msgspec.msgpack.Encoder()
         self._executing = False
         self._in_call = False
-        self._output_busy = False
+        self._num_queued = 0
+        """Messages handed to the output task and not yet sent (a message the task is sending
+        included). Counted here: a message handed to a task already waiting on the stream never
+        shows in its buffer, and a direct send while one is on its way would overtake it."""
         self._backlogged = False
         """The stepping task waits for the client to take queued outputs."""
         self._num_sent = 0
@@ -196,7 +199,7 @@ class EngineCoreProc:
             return True
         # 4. Back-pressure: while the client has not taken what is queued, step no further
         #    (outputs would pile up in both processes); input is still handled meanwhile.
-        if out.statistics().current_buffer_used >= _MAX_QUEUED_OUTPUTS:
+        if self._num_queued >= _MAX_QUEUED_OUTPUTS:
             await self._wait_for_output_room()
             return True
         # 5. The step. Only the model call leaves the event loop's thread; aborts arriving
@@ -261,12 +264,13 @@ class EngineCoreProc:
         """Send ``message`` right away when nothing is queued before it and the socket takes it;
         else queue it for the output task (which waits while the socket is full)."""
         self._num_sent += 1
-        if not self._output_busy and out.statistics().current_buffer_used == 0:
+        if self._num_queued == 0:
             try:
                 self._output.send(self._encoder.encode(message), zmq.NOBLOCK)
                 return
             except zmq.Again:
                 pass
+        self._num_queued += 1
         out.send_nowait(message)
 
     def _emit(self, out: MemoryObjectSendStream[EngineMessage], outputs: EngineCoreOutputs) -> None:
@@ -400,12 +404,7 @@ class EngineCoreProc:
         sock = self._output
         async with receive:
             async for message in receive:
-                self._output_busy = True
-                try:
-                    await send_async(sock, encode(message))
-                finally:
-                    self._output_busy = False
-                if self._backlogged and (
-                    receive.statistics().current_buffer_used < _MAX_QUEUED_OUTPUTS // 2
-                ):
+                await send_async(sock, encode(message))
+                self._num_queued -= 1
+                if self._backlogged and self._num_queued < _MAX_QUEUED_OUTPUTS // 2:
                     self._wake.set()
