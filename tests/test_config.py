@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from helpers import every_field
 
 from engine_core.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 
@@ -150,29 +151,7 @@ def test_from_kwargs() -> None:
 
 
 def test_msgpack_round_trip() -> None:
-    c = EngineConfig(
-        model="/models/m",
-        tokenizer="byte",
-        backend="mock",
-        backend_options={"latency": {"per_step_s": 0.001}, "vocab_size": 512},
-        block_size=32,
-        num_kv_blocks=100,
-        kv_cache_memory_fraction=0.5,
-        max_model_len=4096,
-        max_num_seqs=8,
-        max_num_batched_tokens=4096,
-        enable_chunked_prefill=False,
-        long_prefill_token_threshold=64,
-        enable_prefix_caching=False,
-        scheduling_policy="priority",
-        multiprocess=True,
-        engine_runtime="trio",
-        step_timeout_s=30.0,
-        engine_heartbeat_timeout_s=None,
-        max_queued_requests=1000,
-        seed=7,
-        dtype="bfloat16",
-    )
+    c = every_field.instance(EngineConfig)
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(c), type=EngineConfig)
     assert decoded == c
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(EngineConfig()), type=EngineConfig) == (

@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from helpers import every_field
 
 from engine_core.sampling_params import (
     RequestOutputKind,
@@ -199,28 +200,7 @@ def test_structured_outputs_validation() -> None:
 
 
 def test_msgpack_round_trip() -> None:
-    p = SamplingParams(
-        n=2,
-        temperature=0.7,
-        top_p=0.9,
-        top_k=40,
-        min_p=0.05,
-        seed=11,
-        max_tokens=99,
-        min_tokens=3,
-        stop=["\n\n", "END"],
-        stop_token_ids=[42, 7],
-        ignore_eos=True,
-        include_stop_str_in_output=True,
-        logprobs=5,
-        prompt_logprobs=2,
-        presence_penalty=0.5,
-        frequency_penalty=-0.5,
-        repetition_penalty=1.2,
-        output_kind=RequestOutputKind.DELTA,
-        skip_special_tokens=False,
-        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
-    )
+    p = every_field.instance(SamplingParams)
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams)
     assert decoded == p
     assert decoded.output_kind is RequestOutputKind.DELTA

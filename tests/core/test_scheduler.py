@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from helpers import every_field
 
 from engine_core._core.protocol import EngineCoreOutputs, FinishedRequest
 from engine_core._core.request import InvalidTransition, Request, RequestStatus
@@ -293,16 +294,7 @@ def test_prefix_caching_off_no_hits() -> None:
 
 
 def test_scheduler_config_from_engine_config_copies_every_knob() -> None:
-    engine_config = EngineConfig(
-        max_num_seqs=7,
-        max_num_batched_tokens=999,
-        max_model_len=900,
-        block_size=32,
-        enable_chunked_prefill=False,
-        long_prefill_token_threshold=5,
-        enable_prefix_caching=False,
-        scheduling_policy="priority",
-    )
+    engine_config = every_field.instance(EngineConfig)  # resolved
     config = SchedulerConfig.from_engine_config(engine_config)
     copied = {name: getattr(config, name) for name in SchedulerConfig.__slots__}
     assert copied == {name: getattr(engine_config, name) for name in SchedulerConfig.__slots__}

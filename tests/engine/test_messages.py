@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from helpers import every_field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -118,16 +119,7 @@ def test_hot_messages_are_positional() -> None:
 
 
 def test_stats_reply_converts_back_to_engine_stats() -> None:
-    stats = EngineStats(
-        num_running=1,
-        num_waiting=2,
-        kv_cache_usage=0.5,
-        prefix_cache_hit_rate=0.25,
-        num_preemptions=3,
-        num_steps=4,
-        num_kv_blocks=64,
-        num_free_kv_blocks=32,
-    )
+    stats = every_field.instance(EngineStats)
     reply = engine_message_decoder().decode(encode(UtilityReply(1, stats)))
     assert isinstance(reply, UtilityReply)
     assert msgspec.convert(reply.result, EngineStats) == stats

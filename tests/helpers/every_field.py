@@ -1,0 +1,88 @@
+"""Structs with every field away from its default, for the tests that a struct crosses the wire
+whole or that a conversion copies every field: ``every_field.instance(EngineConfig)``.
+
+``test_every_field.py`` beside this checks that the instances set every field: a field added to a
+struct fails it until ``KWARGS`` sets that field too.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, TypeVar
+
+import msgspec
+
+from engine_core._core.protocol import EngineStats
+from engine_core.config import EngineConfig
+from engine_core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
+    EngineConfig: {  # a resolved config too (max_model_len, max_num_batched_tokens)
+        "model": "/models/m",
+        "tokenizer": "byte",
+        "backend": "mock",
+        "backend_options": {"latency": {"per_step_s": 0.001}, "vocab_size": 512},
+        "block_size": 32,
+        "num_kv_blocks": 100,
+        "kv_cache_memory_fraction": 0.5,
+        "max_model_len": 4096,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 4096,
+        "enable_chunked_prefill": False,
+        "long_prefill_token_threshold": 64,
+        "enable_prefix_caching": False,
+        "scheduling_policy": "priority",
+        "multiprocess": True,
+        "engine_runtime": "trio",
+        "step_timeout_s": 30.0,
+        "engine_heartbeat_timeout_s": None,
+        "startup_timeout_s": 60.0,
+        "grammar_compile_timeout_s": 2.5,
+        "max_queued_requests": 1000,
+        "max_n": 4,
+        "max_stop_strings": 8,
+        "max_stop_string_len": 256,
+        "seed": 7,
+        "dtype": "bfloat16",
+        "tensor_parallel_size": 2,
+        "data_parallel_size": 3,
+    },
+    SamplingParams: {  # all but detokenize (see AT_DEFAULT)
+        "n": 2,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 40,
+        "min_p": 0.05,
+        "seed": 11,
+        "max_tokens": 99,
+        "min_tokens": 3,
+        "stop": ["\n\n", "END"],
+        "stop_token_ids": [42, 7],
+        "ignore_eos": True,
+        "include_stop_str_in_output": True,
+        "logprobs": 5,
+        "prompt_logprobs": 2,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.2,
+        "output_kind": RequestOutputKind.DELTA,
+        "skip_special_tokens": False,
+        "structured_outputs": StructuredOutputsParams(choice=["yes", "no"]),
+    },
+    # Every field (all are numbers) a different number, none 0 (the default of those that have
+    # one), so a field dropped or swapped on the way shows.
+    EngineStats: {f.name: f.type(i) for i, f in enumerate(msgspec.structs.fields(EngineStats), 1)},
+}
+"""Per struct, keyword arguments that set every field away from its default."""
+
+AT_DEFAULT: dict[type[msgspec.Struct], dict[str, str]] = {
+    SamplingParams: {"detokenize": "the stop strings need detokenize=True"},
+}
+"""The fields an instance must leave at their default, and why."""
+
+
+def instance(cls: type[S]) -> S:
+    """A new ``cls`` with every field away from its default (but those in ``AT_DEFAULT``)."""
+    return cls(**copy.deepcopy(KWARGS[cls]))
