@@ -13,33 +13,38 @@ from engine_core.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 
 def test_defaults() -> None:
     c = EngineConfig()
-    assert c.model is None
-    assert c.tokenizer is None
-    assert c.backend == "auto"
-    assert c.backend_options == {}
-    assert c.block_size == 16
-    assert c.num_kv_blocks is None
-    assert c.kv_cache_memory_fraction == 0.9
-    assert c.max_model_len is None
-    assert c.max_num_seqs == 256
-    assert c.max_num_batched_tokens is None
-    assert c.enable_chunked_prefill is True
-    assert c.long_prefill_token_threshold == 0
-    assert c.enable_prefix_caching is True
-    assert c.scheduling_policy == "fcfs"
-    assert c.multiprocess is None
-    assert c.engine_runtime == "asyncio"
-    assert c.step_timeout_s == 300.0
-    assert c.engine_heartbeat_timeout_s == 10.0
-    assert c.startup_timeout_s == 300.0
-    assert c.max_queued_requests is None
-    assert c.max_n == 128
-    assert c.max_stop_strings == 64
-    assert c.max_stop_string_len == 1024
-    assert c.seed == 0
-    assert c.dtype == "auto"
-    assert c.tensor_parallel_size == 1
-    assert c.data_parallel_size == 1
+    assert every_field.typed(c) == every_field.typed(
+        {
+            "model": None,
+            "tokenizer": None,
+            "backend": "auto",
+            "backend_options": {},
+            "block_size": 16,
+            "num_kv_blocks": None,
+            "kv_cache_memory_fraction": 0.9,
+            "max_model_len": None,
+            "max_num_seqs": 256,
+            "max_num_batched_tokens": None,
+            "enable_chunked_prefill": True,
+            "long_prefill_token_threshold": 0,
+            "enable_prefix_caching": True,
+            "scheduling_policy": "fcfs",
+            "multiprocess": None,
+            "engine_runtime": "asyncio",
+            "step_timeout_s": 300.0,
+            "engine_heartbeat_timeout_s": 10.0,
+            "startup_timeout_s": 300.0,
+            "grammar_compile_timeout_s": 10.0,
+            "max_queued_requests": None,
+            "max_n": 128,
+            "max_stop_strings": 64,
+            "max_stop_string_len": 1024,
+            "seed": 0,
+            "dtype": "auto",
+            "tensor_parallel_size": 1,
+            "data_parallel_size": 1,
+        },
+    )
     assert c.tokenizer_name == "byte"
 
 

@@ -19,27 +19,31 @@ from engine_core.sampling_params import (
 
 def test_defaults_equal_vllm() -> None:
     p = SamplingParams()
-    assert p.n == 1
-    assert p.temperature == 1.0
-    assert p.top_p == 1.0
-    assert p.top_k == 0
-    assert p.min_p == 0.0
-    assert p.seed is None
-    assert p.max_tokens == 16
-    assert p.min_tokens == 0
-    assert p.stop == []
-    assert p.stop_token_ids == []
-    assert p.ignore_eos is False
-    assert p.include_stop_str_in_output is False
-    assert p.logprobs is None
-    assert p.prompt_logprobs is None
-    assert p.presence_penalty == 0.0
-    assert p.frequency_penalty == 0.0
-    assert p.repetition_penalty == 1.0
-    assert p.output_kind is RequestOutputKind.CUMULATIVE
-    assert p.detokenize is True
-    assert p.skip_special_tokens is True
-    assert p.structured_outputs is None
+    assert every_field.typed(p) == every_field.typed(
+        {
+            "n": 1,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "min_p": 0.0,
+            "seed": None,
+            "max_tokens": 16,
+            "min_tokens": 0,
+            "stop": [],
+            "stop_token_ids": [],
+            "ignore_eos": False,
+            "include_stop_str_in_output": False,
+            "logprobs": None,
+            "prompt_logprobs": None,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0,
+            "output_kind": RequestOutputKind.CUMULATIVE,
+            "detokenize": True,
+            "skip_special_tokens": True,
+            "structured_outputs": None,
+        },
+    )
     assert p.is_greedy is False
 
 

@@ -1,5 +1,7 @@
-"""Structs with every field away from its default, for the tests that a struct crosses the wire
-whole or that a conversion copies every field: ``every_field.instance(EngineConfig)``.
+"""Every field of a struct: instances with every field away from its default, for the tests
+that a struct crosses the wire whole or that a conversion copies every field
+(``every_field.instance(EngineConfig)``), and ``typed``, for the tests that pin every field's
+value and type.
 
 ``test_every_field.py`` beside this checks that the instances set every field: a field added to a
 struct fails it until ``KWARGS`` sets that field too.
@@ -86,3 +88,11 @@ AT_DEFAULT: dict[type[msgspec.Struct], dict[str, str]] = {
 def instance(cls: type[S]) -> S:
     """A new ``cls`` with every field away from its default (but those in ``AT_DEFAULT``)."""
     return cls(**copy.deepcopy(KWARGS[cls]))
+
+
+def typed(fields: msgspec.Struct | dict[str, Any]) -> dict[str, tuple[type, Any]]:
+    """Each field's type and value: compared, ``False`` is not taken for ``0``, nor ``1`` for
+    ``1.0``."""
+    if isinstance(fields, msgspec.Struct):
+        fields = msgspec.structs.asdict(fields)
+    return {name: (type(value), value) for name, value in fields.items()}
