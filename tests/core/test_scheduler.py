@@ -397,15 +397,21 @@ def test_fcfs_preempts_the_latest_admitted() -> None:
     assert c.num_cached_tokens == 0
 
 
-def test_last_request_preempts_itself_when_nothing_fits() -> None:
+def decode_two_in_four_blocks(a_tokens: int) -> tuple[Scheduler, Request, SchedulerOutput]:
+    """Request a (``a_tokens`` tokens) and b (32 tokens) fill a pool of four blocks (no prefix
+    caching) in their first step; the scheduler, a, and the second step's output."""
     scheduler = make_scheduler(num_blocks=4, enable_prefix_caching=False)
-    a = make_request("a", 31, hash_blocks=False)
-    b = make_request("b", 32, hash_blocks=False)
-    add(scheduler, a, b)
+    a = make_request("a", a_tokens, hash_blocks=False)
+    add(scheduler, a, make_request("b", 32, hash_blocks=False))
     step(scheduler)
+    output, _ = step(scheduler)
+    return scheduler, a, output
+
+
+def test_last_request_preempts_itself_when_nothing_fits() -> None:
     # a's next token fits its two blocks; b needs a third, none is free and b itself is the
     # latest admitted: b is preempted, a is not touched.
-    output, _ = step(scheduler)
+    scheduler, a, output = decode_two_in_four_blocks(a_tokens=31)
     assert output.cached.req_ids == ["a"]
     assert output.cached.new_block_ids == [None]
     assert output.preempted_req_ids == ["b"]
@@ -415,13 +421,8 @@ def test_last_request_preempts_itself_when_nothing_fits() -> None:
 
 
 def test_preemption_frees_blocks_for_the_request_in_need() -> None:
-    scheduler = make_scheduler(num_blocks=4, enable_prefix_caching=False)
-    a = make_request("a", 32, hash_blocks=False)
-    b = make_request("b", 32, hash_blocks=False)
-    add(scheduler, a, b)
-    step(scheduler)
     # Both need a third block and none is free: a preempts b and takes b's first block.
-    output, _ = step(scheduler)
+    _, a, output = decode_two_in_four_blocks(a_tokens=32)
     assert output.cached.req_ids == ["a"]
     assert output.cached.new_block_ids == [[2]]
     assert output.preempted_req_ids == ["b"]
