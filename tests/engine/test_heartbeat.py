@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import anyio
 import msgspec
@@ -80,7 +80,11 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def assert_stopped_answering(error: BaseException) -> None:
+def assert_stopped_answering(error: BaseException, *, since: float | None = None) -> None:
+    """``error`` declares the engine dead for its silence; with ``since``, within the heartbeat
+    timeout (and some slack) of that time."""
+    if since is not None:
+        assert time.monotonic() - since < BEAT_S + _SLACK_S
     assert isinstance(error, EngineDeadError), repr(error)
     assert STOPPED.match(str(error)), str(error)
     assert isinstance(error.__cause__, TimeoutError)
@@ -89,6 +93,44 @@ def assert_stopped_answering(error: BaseException) -> None:
 
 def exited_within(pidfd: int, timeout: float) -> bool:
     return bool(select.select([pidfd], [], [], timeout)[0])
+
+
+@contextlib.asynccontextmanager
+async def stopped_client(runtime: str) -> AsyncIterator[tuple[MPClient, int]]:
+    """A client whose idle engine process (heartbeat timeout ``BEAT_S``) was just stopped
+    (SIGSTOP), and the process's handle (see ``process_handle``)."""
+    client = await MPClient.start_async(
+        config(engine_runtime=runtime, engine_heartbeat_timeout_s=BEAT_S)
+    )
+    async with client:
+        assert client.pid is not None
+        with process_handle(client.pid) as pidfd:
+            os.kill(client.pid, signal.SIGSTOP)
+            yield client, pidfd
+
+
+async def start_with_a_fault(
+    runtime: str, kind: str, *, step_timeout_s: float, engine_heartbeat_timeout_s: float
+) -> MPClient:
+    """A client of an engine process whose second step ``kind``s: "freeze" holds the GIL,
+    "hang" blocks the step's thread."""
+    return await MPClient.start_async(
+        config(
+            engine_runtime=runtime,
+            step_timeout_s=step_timeout_s,
+            engine_heartbeat_timeout_s=engine_heartbeat_timeout_s,
+            backend_options={"fault": {"kind": kind, "at_step": 2}},
+        )
+    )
+
+
+async def outputs_until_dead(client: MPClient) -> tuple[list[EngineCoreOutputs], EngineDeadError]:
+    """The client's outputs until it declares the engine dead, and its error."""
+    received: list[EngineCoreOutputs] = []
+    with pytest.raises(EngineDeadError) as info:
+        while True:
+            received.append(await client.get_output_async())
+    return received, info.value
 
 
 # -- a frozen engine ------------------------------------------------------------------------------
@@ -145,8 +187,7 @@ def test_a_stopped_engine_fails_the_sync_llm() -> None:
             start = time.monotonic()
             with pytest.raises(EngineDeadError) as info:
                 llm.generate(["abc", "xyz"], SamplingParams(max_tokens=5), use_tqdm=False)
-            assert time.monotonic() - start < BEAT_S + _SLACK_S
-            assert_stopped_answering(info.value)
+            assert_stopped_answering(info.value, since=start)
             with pytest.raises(EngineDeadError, match="stopped answering"):
                 llm.generate("abc", SamplingParams(max_tokens=5), use_tqdm=False)
             with pytest.raises(EngineDeadError, match="stopped answering"):
@@ -156,54 +197,35 @@ def test_a_stopped_engine_fails_the_sync_llm() -> None:
 
 @pytest.mark.anyio
 async def test_a_stopped_engine_fails_a_waiting_call(anyio_backend: str) -> None:
-    client = await MPClient.start_async(
-        config(engine_runtime=anyio_backend, engine_heartbeat_timeout_s=BEAT_S)
-    )
-    async with client:
-        assert client.pid is not None
-        with process_handle(client.pid) as pidfd:
-            os.kill(client.pid, signal.SIGSTOP)  # idle: nobody waits, nothing is declared
-            start = time.monotonic()
-            with anyio.fail_after(_BACKSTOP_S + 5):
-                with pytest.raises(EngineDeadError) as info:
-                    await client.call_utility_async("get_stats")
-                assert time.monotonic() - start < BEAT_S + _SLACK_S
-                assert_stopped_answering(info.value)
-                assert client.is_dead
-                await anyio.wait_readable(pidfd)
+    async with stopped_client(anyio_backend) as (client, pidfd):
+        start = time.monotonic()  # stopped idle: nothing is declared while nobody waits
+        with anyio.fail_after(_BACKSTOP_S + 5):
+            with pytest.raises(EngineDeadError) as info:
+                await client.call_utility_async("get_stats")
+            assert_stopped_answering(info.value, since=start)
+            assert client.is_dead
+            await anyio.wait_readable(pidfd)
 
 
 @pytest.mark.anyio
 async def test_the_clock_runs_on_after_a_caller_stops_waiting(anyio_backend: str) -> None:
     # A health probe that gives up does not reset the clock: the engine still owes its reply.
-    client = await MPClient.start_async(
-        config(engine_runtime=anyio_backend, engine_heartbeat_timeout_s=BEAT_S)
-    )
-    async with client:
-        assert client.pid is not None
-        with process_handle(client.pid):
-            os.kill(client.pid, signal.SIGSTOP)
-            start = time.monotonic()
-            with anyio.move_on_after(0.7 * BEAT_S):
+    async with stopped_client(anyio_backend) as (client, _):
+        start = time.monotonic()
+        with anyio.move_on_after(0.7 * BEAT_S):
+            await client.call_utility_async("check_health")
+        assert not client.is_dead
+        with anyio.fail_after(_BACKSTOP_S + 5):
+            with pytest.raises(EngineDeadError) as info:
                 await client.call_utility_async("check_health")
-            assert not client.is_dead
-            with anyio.fail_after(_BACKSTOP_S + 5):
-                with pytest.raises(EngineDeadError) as info:
-                    await client.call_utility_async("check_health")
-            assert time.monotonic() - start < BEAT_S + _SLACK_S
-            assert_stopped_answering(info.value)
+        assert_stopped_answering(info.value, since=start)
 
 
 @pytest.mark.anyio
 async def test_a_step_holding_the_gil_is_caught_by_the_heartbeat(anyio_backend: str) -> None:
     # No step timeout can fire in a process whose event loop never gets the GIL back.
-    client = await MPClient.start_async(
-        config(
-            engine_runtime=anyio_backend,
-            step_timeout_s=0.2,
-            engine_heartbeat_timeout_s=BEAT_S,
-            backend_options={"fault": {"kind": "freeze", "at_step": 2}},
-        )
+    client = await start_with_a_fault(
+        anyio_backend, "freeze", step_timeout_s=0.2, engine_heartbeat_timeout_s=BEAT_S
     )
     async with client:
         assert client.pid is not None
@@ -211,12 +233,8 @@ async def test_a_step_holding_the_gil_is_caught_by_the_heartbeat(anyio_backend: 
             start = time.monotonic()
             client.add_request(request("f1"))
             with anyio.fail_after(_BACKSTOP_S + 5):
-                received = []
-                with pytest.raises(EngineDeadError) as info:
-                    while True:
-                        received.append(await client.get_output_async())
-                assert time.monotonic() - start < BEAT_S + _SLACK_S
-                assert_stopped_answering(info.value)
+                received, error = await outputs_until_dead(client)
+                assert_stopped_answering(error, since=start)
                 assert [m.new_token_ids for m in received] == [[[4]]]
                 await anyio.wait_readable(pidfd)
 
@@ -228,23 +246,16 @@ async def test_a_step_holding_the_gil_is_caught_by_the_heartbeat(anyio_backend: 
 async def test_a_hung_step_still_dies_by_the_step_timeout(anyio_backend: str) -> None:
     # A model call that blocks in its thread leaves the event loop free: the heartbeats go on
     # (for longer than their timeout) and the step timeout ends the engine.
-    client = await MPClient.start_async(
-        config(
-            engine_runtime=anyio_backend,
-            step_timeout_s=1.0,
-            engine_heartbeat_timeout_s=0.3,
-            backend_options={"fault": {"kind": "hang", "at_step": 2}},
-        )
+    client = await start_with_a_fault(
+        anyio_backend, "hang", step_timeout_s=1.0, engine_heartbeat_timeout_s=0.3
     )
     async with client:
         start = time.monotonic()
         client.add_request(request("h1"))
         with anyio.fail_after(_BACKSTOP_S):
-            with pytest.raises(EngineDeadError) as info:
-                while True:
-                    await client.get_output_async()
+            _, error = await outputs_until_dead(client)
         assert 1.0 <= time.monotonic() - start < 1.0 + _SLACK_S
-        assert str(info.value).startswith(
+        assert str(error).startswith(
             "the engine core is dead: TimeoutError: a step ran longer than step_timeout_s (1.0 s)"
         )
 
