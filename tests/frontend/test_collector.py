@@ -54,16 +54,22 @@ def test_delta_merges_pending_outputs() -> None:
     assert collector.get_nowait() is None
 
 
-def test_delta_merge_including_the_final_output() -> None:
-    collector = RequestOutputCollector(DELTA)
-    collector.put(output(completion(0, "a", [0], cumulative_logprob=-0.5)))
-    collector.put(output(completion(0, "b", [1], cumulative_logprob=-1.0)))
-    collector.put(
+def abc_deltas() -> list[RequestOutput]:
+    """Completion 0 in three steps, "a", "b", then "c" and its end, with a logprob per token."""
+    return [
+        output(completion(0, "a", [0], cumulative_logprob=-0.5)),
+        output(completion(0, "b", [1], cumulative_logprob=-1.0)),
         output(
             completion(0, "c", [2], cumulative_logprob=-1.5, finish_reason="length"),
             finished=True,
-        )
-    )
+        ),
+    ]
+
+
+def test_delta_merge_including_the_final_output() -> None:
+    collector = RequestOutputCollector(DELTA)
+    for delta in abc_deltas():
+        collector.put(delta)
     got = collector.get_nowait()
     assert got is not None
     assert got.finished
@@ -91,22 +97,27 @@ def unpaced() -> Clock:
     return Clock(step=1.0)
 
 
+def put_and_get(
+    collector: RequestOutputCollector, *outputs: RequestOutput
+) -> list[tuple[int, str, list[int]]]:
+    """Put ``outputs``, then get what the collector has: each completion's index, text and
+    token ids."""
+    for o in outputs:
+        collector.put(o)
+    got = collector.get_nowait()
+    assert got is not None
+    return [(c.index, c.text, c.token_ids) for c in got.outputs]
+
+
 def test_cumulative_accumulates_deltas_by_index_and_appends_new_indices() -> None:
     collector = RequestOutputCollector(CUMULATIVE, clock=unpaced())
-    collector.put(output(completion(0, "a", [0]), completion(1, "b", [1])))
-    collector.put(output(completion(0, "b", [2]), completion(2, "c", [3])))
-    got = collector.get_nowait()
-    assert got is not None
-    assert [(c.index, c.text, c.token_ids) for c in got.outputs] == [
-        (0, "ab", [0, 2]),
-        (1, "b", [1]),
-        (2, "c", [3]),
-    ]
+    assert put_and_get(
+        collector,
+        output(completion(0, "a", [0]), completion(1, "b", [1])),
+        output(completion(0, "b", [2]), completion(2, "c", [3])),
+    ) == [(0, "ab", [0, 2]), (1, "b", [1]), (2, "c", [3])]
     # Later outputs name the completions that changed since, with all they produced.
-    collector.put(output(completion(1, "x", [4])))
-    got = collector.get_nowait()
-    assert got is not None
-    assert [(c.index, c.text, c.token_ids) for c in got.outputs] == [(1, "bx", [1, 4])]
+    assert put_and_get(collector, output(completion(1, "x", [4]))) == [(1, "bx", [1, 4])]
 
 
 def test_cumulative_merges_leave_the_requests_prompt_logprobs_alone() -> None:
@@ -124,17 +135,13 @@ def test_cumulative_merges_leave_the_requests_prompt_logprobs_alone() -> None:
 
 def test_cumulative_outputs_own_their_lists() -> None:
     collector = RequestOutputCollector(CUMULATIVE, clock=unpaced())
-    first_delta = completion(0, "a", [0], cumulative_logprob=-0.5)
-    collector.put(output(first_delta))
+    deltas = abc_deltas()
+    (first_delta,) = deltas[0].outputs
+    collector.put(deltas[0])
     first = collector.get_nowait()
     assert first is not None
-    collector.put(output(completion(0, "b", [1], cumulative_logprob=-1.0)))
-    collector.put(
-        output(
-            completion(0, "c", [2], cumulative_logprob=-1.5, finish_reason="length"),
-            finished=True,
-        )
-    )
+    for delta in deltas[1:]:
+        collector.put(delta)
     last = collector.get_nowait()
     assert last is not None and last.finished
     (c,) = last.outputs
@@ -174,14 +181,11 @@ def test_a_consumer_that_stopped_reading_gets_everything_merged_exactly(
 
 def test_delta_appends_unseen_indices() -> None:
     collector = RequestOutputCollector(DELTA)
-    collector.put(output(completion(1, "x", [5])))
-    collector.put(output(completion(0, "y", [6]), completion(1, "z", [7])))
-    got = collector.get_nowait()
-    assert got is not None
-    assert [(c.index, c.text, c.token_ids) for c in got.outputs] == [
-        (1, "xz", [5, 7]),
-        (0, "y", [6]),
-    ]
+    assert put_and_get(
+        collector,
+        output(completion(1, "x", [5])),
+        output(completion(0, "y", [6]), completion(1, "z", [7])),
+    ) == [(1, "xz", [5, 7]), (0, "y", [6])]
 
 
 def test_finished_is_ored() -> None:
