@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+from helpers.clock import Clock, unpaced
 
 from engine_core._frontend.collector import COPY_PACING_S, RequestOutputCollector
 from engine_core.outputs import CompletionOutput, Logprob, RequestOutput
@@ -77,24 +78,6 @@ def test_delta_merge_including_the_final_output() -> None:
     assert (merged.text, merged.token_ids, merged.finish_reason) == ("abc", [0, 1, 2], "length")
     assert merged.logprobs is not None and len(merged.logprobs) == 3
     assert merged.cumulative_logprob == -1.5
-
-
-class Clock:
-    """A clock that moves only when told (``now``), or by ``step`` at every reading."""
-
-    def __init__(self, step: float = 0.0) -> None:
-        self.now = 0.0
-        self.step = step
-
-    def __call__(self) -> float:
-        self.now += self.step
-        return self.now
-
-
-def unpaced() -> Clock:
-    """A clock a second later at every reading: no CUMULATIVE output is held back (holds are
-    nanoseconds per item)."""
-    return Clock(step=1.0)
 
 
 def put_and_get(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import pytest
+from helpers.clock import Clock, unpaced
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,26 +30,6 @@ from engine_core.sampling_params import RequestOutputKind, SamplingParams
 CUMULATIVE = RequestOutputKind.CUMULATIVE
 DELTA = RequestOutputKind.DELTA
 FINAL = RequestOutputKind.FINAL_ONLY
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class Unpaced:
-    """A clock a second later at every reading: no CUMULATIVE output is held back (holds are
-    nanoseconds per item copied), as tests that read right after a put need."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
 
 
 def lp(token: int, logprob: float) -> TokenLogprobs:
@@ -86,8 +67,8 @@ def test_a_step_costs_the_output_handler_the_same_however_long_the_stream(
 ) -> None:
     """Memory a step allocates in the output handler (the processor and the collector's put)
     is the measure of its work: copying a 50,000-token completion allocates 400 kB per list."""
-    proc = OutputProcessor(ByteTokenizer(), clock=Clock())
-    collector = RequestOutputCollector(CUMULATIVE, clock=Unpaced())
+    proc = OutputProcessor(ByteTokenizer(), clock=Clock(100.0))
+    collector = RequestOutputCollector(CUMULATIVE, clock=unpaced())
     params = SamplingParams(n=n, seed=0, logprobs=1, stop="zz", max_tokens=None)
     proc.add_request("r", None, [97], params, collector=collector)
     ids = ["r"] if n == 1 else [f"{i}_r" for i in range(n)]
@@ -285,14 +266,14 @@ def test_cumulative_outputs_are_the_whole_copies_they_always_were(
 ) -> None:
     n, logprobs = scenario["n"], bool(scenario["logprobs"])
     assert isinstance(n, int)
-    clocks = [Clock(), Clock(), Clock()]
+    clocks = [Clock(100.0), Clock(100.0), Clock(100.0)]
     # The reference: DELTA outputs (no collector) applied to the model of the old CUMULATIVE.
     reference = OutputProcessor(ByteTokenizer(), clock=clocks[0])
     reference.add_request("r", "ab", [97, 98], _params(scenario, DELTA), external_id="user")
     model = WholeCopyModel(n, logprobs)
     # Under test: a collector read at random points, and the outputs returned without one.
     streamed = OutputProcessor(ByteTokenizer(), clock=clocks[1])
-    collector = RequestOutputCollector(CUMULATIVE, clock=Unpaced())
+    collector = RequestOutputCollector(CUMULATIVE, clock=unpaced())
     streamed.add_request(
         "r", "ab", [97, 98], _params(scenario, CUMULATIVE), external_id="user", collector=collector
     )

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers.clock import Clock
 
 from engine_core._core.protocol import EngineCoreOutputs, FinishedRequest
 from engine_core._core.tokenizer import ByteTokenizer
@@ -16,16 +17,8 @@ DELTA = RequestOutputKind.DELTA
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def make_processor(clock: Clock | None = None) -> OutputProcessor:
-    return OutputProcessor(ByteTokenizer(), max_model_len=64, clock=clock or Clock())
+    return OutputProcessor(ByteTokenizer(), max_model_len=64, clock=clock or Clock(100.0))
 
 
 def step(
@@ -258,7 +251,7 @@ def test_prompt_logprobs(kind: RequestOutputKind) -> None:
 
 
 def test_metrics_and_cached_tokens() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     proc = make_processor(clock)
     proc.add_request("r", None, [97], SamplingParams(max_tokens=2), arrival_time=99.5)
     clock.now = 101.0
