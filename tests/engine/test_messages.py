@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 from helpers import every_field
+from helpers.strategies import HOSTILE, SAMPLING_FIELDS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +35,7 @@ from engine_core._engine.wire import (
 from engine_core._frontend.request_checks import check_request
 from engine_core.abc import TokenLogprobs
 from engine_core.config import EngineConfig
-from engine_core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 
 encode = msgspec.msgpack.Encoder().encode
 
@@ -251,40 +252,6 @@ def test_read_add_request_id(frame: bytes, request_id: str | None) -> None:
 # -- whatever constructs crosses the wire --------------------------------------------------------
 
 
-_HOSTILE = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(2**80), max_value=2**80),
-    st.floats(),
-    st.text(st.characters(exclude_categories=()), max_size=3),
-    st.binary(max_size=2),
-    st.lists(st.integers(min_value=-(2**70), max_value=2**70), max_size=3),
-    st.tuples(st.text(max_size=2)),
-    st.lists(st.one_of(st.text(max_size=2), st.integers()), max_size=3),
-    st.sampled_from(list(RequestOutputKind)),
-)
-_PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
-    "n": st.integers(1, 4),
-    "temperature": st.floats(0.0, 2.0),
-    "top_p": st.floats(0.01, 1.0),
-    "top_k": st.integers(-1, 2**63 - 1),
-    "min_p": st.floats(0.0, 1.0),
-    "seed": st.integers(-(2**63), 2**63 - 1),
-    "max_tokens": st.integers(1, 2**63 - 1),
-    "min_tokens": st.integers(0, 8),
-    "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3),
-    "stop_token_ids": st.lists(st.integers(0, 2**63 - 1), max_size=3),
-    "ignore_eos": st.booleans(),
-    "include_stop_str_in_output": st.booleans(),
-    "logprobs": st.integers(0, 20),
-    "prompt_logprobs": st.integers(0, 20),
-    "presence_penalty": st.floats(-2.0, 2.0),
-    "frequency_penalty": st.floats(-2.0, 2.0),
-    "repetition_penalty": st.floats(0.01, 10.0),
-    "output_kind": st.integers(0, 2),
-    "detokenize": st.booleans(),
-    "skip_special_tokens": st.booleans(),
-}
 _JSON_VALUES = st.recursive(
     st.one_of(
         st.none(),
@@ -324,18 +291,18 @@ def _structured(draw: st.DrawFn) -> Any:
 
 def _mostly(plausible: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     """``plausible`` about nine times in ten, else a hostile value."""
-    return st.integers(0, 9).flatmap(lambda i: _HOSTILE if i == 9 else plausible)
+    return st.integers(0, 9).flatmap(lambda i: HOSTILE if i == 9 else plausible)
 
 
-_FIELDS = {name: _mostly(plausible) for name, plausible in _PLAUSIBLE.items()}
+_FIELDS = {name: _mostly(plausible) for name, plausible in SAMPLING_FIELDS.items()}
 _FIELDS["structured_outputs"] = st.one_of(st.none(), _structured())
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     kwargs=st.fixed_dictionaries({}, optional=_FIELDS),
-    priority=st.one_of(st.integers(-5, 5), _HOSTILE),
-    cache_salt=st.one_of(st.none(), st.text(max_size=3), _HOSTILE),
+    priority=st.one_of(st.integers(-5, 5), HOSTILE),
+    cache_salt=st.one_of(st.none(), st.text(max_size=3), HOSTILE),
 )
 def test_what_constructs_and_passes_the_front_end_round_trips(
     kwargs: dict[str, Any], priority: Any, cache_salt: Any

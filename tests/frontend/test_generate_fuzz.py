@@ -11,48 +11,26 @@ from typing import Any
 import anyio
 import pytest
 from anyio.from_thread import BlockingPortal, start_blocking_portal
+from helpers.strategies import HOSTILE, SAMPLING_FIELDS
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine_core import AsyncLLM, EngineError, RequestOutputKind, SamplingParams
+from engine_core import AsyncLLM, EngineError, SamplingParams
 from engine_core.sampling_params import StructuredOutputsParams
 
 _ENDS_WITHIN_S = 10.0
 
-ODD = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(-(2**70), 2**70),
-    st.sampled_from([0, 1, -1, 2, 2**63, 2**64, -(2**63) - 1]),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=5),
-    st.binary(max_size=3),
-    st.lists(st.one_of(st.integers(-3, 300), st.text(max_size=3)), max_size=4),
-    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
-)
-"""Values of every type a careless or hostile caller might pass for any field."""
-
 FIELDS = {
+    **SAMPLING_FIELDS,
+    # Most requests valid, and short, on the engine below (max_n=3, max_model_len=64).
     "n": st.integers(1, 3),
     "temperature": st.sampled_from([0.7, 1.0]),  # greedy refuses n > 1
-    "top_p": st.floats(0.1, 1.0),
-    "top_k": st.integers(-1, 50),
-    "min_p": st.floats(0.0, 1.0),
-    "seed": st.integers(0, 2**63 - 4),
     "max_tokens": st.integers(3, 8),
     "min_tokens": st.integers(0, 3),
-    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3),
-    "stop_token_ids": st.lists(st.integers(0, 300), max_size=3),
-    "ignore_eos": st.booleans(),
-    "include_stop_str_in_output": st.booleans(),
+    "stop_token_ids": st.lists(st.integers(0, 300), max_size=3),  # some stop a request
     "logprobs": st.integers(0, 5),
     "prompt_logprobs": st.integers(0, 2),
-    "presence_penalty": st.floats(-2.0, 2.0),
-    "frequency_penalty": st.floats(-2.0, 2.0),
-    "repetition_penalty": st.floats(0.5, 2.0),
-    "output_kind": st.sampled_from(list(RequestOutputKind)),
     "detokenize": st.just(True),  # stop strings need it
-    "skip_special_tokens": st.booleans(),
     "structured_outputs": st.builds(
         StructuredOutputsParams, choice=st.lists(st.text(min_size=1, max_size=3), min_size=1)
     ),
@@ -60,7 +38,7 @@ FIELDS = {
 
 
 VALID_FIELDS = st.fixed_dictionaries({}, optional=FIELDS)
-ODD_FIELD = st.tuples(st.sampled_from(sorted(FIELDS)), ODD)
+ODD_FIELD = st.tuples(st.sampled_from(sorted(FIELDS)), HOSTILE)
 
 
 def mostly(valid: st.SearchStrategy[Any], odd: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
@@ -77,16 +55,16 @@ PROMPTS = mostly(
     ),
     st.one_of(
         st.just(""),
-        st.fixed_dictionaries({"prompt_token_ids": st.lists(ODD, max_size=3)}),
+        st.fixed_dictionaries({"prompt_token_ids": st.lists(HOSTILE, max_size=3)}),
         st.fixed_dictionaries({"prompt_token_ids": st.lists(st.integers(250, 300), max_size=3)}),
-        ODD,
+        HOSTILE,
     ),
 )
 ARGUMENTS = st.fixed_dictionaries(
     {},
     optional={
-        "priority": mostly(st.integers(-5, 5), ODD),
-        "cache_salt": mostly(st.text(max_size=4), ODD),
+        "priority": mostly(st.integers(-5, 5), HOSTILE),
+        "cache_salt": mostly(st.text(max_size=4), HOSTILE),
     },
 )
 
