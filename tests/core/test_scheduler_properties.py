@@ -73,6 +73,22 @@ class Reset:
 
 
 @dataclass
+class Held:
+    """What the backend holds of one request."""
+
+    req_id: str
+    table: list[int]
+    tokens: list[int] = field(default_factory=list)
+    fingerprints: list[int] = field(default_factory=list)
+    """Per position, a fingerprint of the tokens up to it."""
+    num_computed_tokens: int = 0
+
+    def append(self, token: int) -> None:
+        self.fingerprints.append(hash((self.fingerprints[-1] if self.tokens else 0, token)))
+        self.tokens.append(token)
+
+
+@dataclass
 class Backend:
     """Follows the scheduler's diffs like a real backend and shadows the KV cache contents."""
 
@@ -81,28 +97,7 @@ class Backend:
     slots: dict[tuple[int, int], int] = field(default_factory=dict)
     """(block id, offset) -> fingerprint of the prefix whose KV the slot holds."""
     slot_tokens: dict[tuple[int, int], int] = field(default_factory=dict)
-    tables: dict[str, list[int]] = field(default_factory=dict)
-    tokens: dict[str, list[int]] = field(default_factory=dict)
-    fingerprints: dict[str, list[int]] = field(default_factory=dict)
-    computed: dict[str, int] = field(default_factory=dict)
-
-    def _know(self, req_id: str, tokens: list[int]) -> None:
-        self.tokens[req_id] = list(tokens)
-        fps: list[int] = []
-        fp = 0
-        for token in tokens:
-            fp = hash((fp, token))
-            fps.append(fp)
-        self.fingerprints[req_id] = fps
-
-    def _append(self, req_id: str, token: int) -> None:
-        self.tokens[req_id].append(token)
-        fps = self.fingerprints[req_id]
-        fps.append(hash((fps[-1], token)))
-
-    def _drop(self, req_id: str) -> None:
-        for d in (self.tables, self.tokens, self.fingerprints, self.computed):
-            d.pop(req_id, None)
+    requests: dict[str, Held] = field(default_factory=dict)
 
     def _fresh(self, block_ids: list[int]) -> None:
         """Blocks handed out anew: whatever they held is garbage from now on."""
@@ -111,62 +106,51 @@ class Backend:
                 self.slots.pop((block_id, offset), None)
                 self.slot_tokens.pop((block_id, offset), None)
 
-    def _slot(self, req_id: str, position: int) -> tuple[int, int]:
-        table = self.tables[req_id]
-        assert position // self.block_size < len(table), (req_id, position, table)
-        return table[position // self.block_size], position % self.block_size
+    def _slot(self, held: Held, position: int) -> tuple[int, int]:
+        assert position // self.block_size < len(held.table), (held.req_id, position, held.table)
+        return held.table[position // self.block_size], position % self.block_size
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        for req_id in output.finished_req_ids:
-            self._drop(req_id)
-        for req_id in output.preempted_req_ids:
-            self._drop(req_id)
-        work: list[tuple[str, int, int]] = []
-        cached = output.cached
-        for req_id, new_blocks, computed, num in zip(
-            cached.req_ids,
-            cached.new_block_ids,
-            cached.num_computed_tokens,
-            cached.num_scheduled_tokens,
-            strict=True,
-        ):
-            assert req_id in self.tables, f"{req_id} unknown to the backend"
-            assert computed == self.computed[req_id], (req_id, computed, self.computed[req_id])
+        for req_id in output.finished_req_ids + output.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        work: list[tuple[Held, int, int]] = []
+        # Raises for an id unknown here or computed tokens other than the backend's.
+        for held, new_blocks, computed, num in output.cached.diffs(self.requests):
             if new_blocks is not None:
-                self.tables[req_id].extend(new_blocks)
+                held.table.extend(new_blocks)
                 self._fresh(new_blocks)
-            work.append((req_id, computed, num))
+            work.append((held, computed, num))
         for new in output.new_reqs:
-            assert new.req_id not in self.tables, f"{new.req_id} sent twice"
-            self.tables[new.req_id] = list(new.block_ids)
+            assert new.req_id not in self.requests, f"{new.req_id} sent twice"
+            held = self.requests[new.req_id] = Held(new.req_id, list(new.block_ids))
+            for token in new.prompt_token_ids + new.output_token_ids:
+                held.append(token)
             # Prefix-cache hits are whole blocks; the blocks after them are new.
             assert new.num_computed_tokens % self.block_size == 0
             self._fresh(new.block_ids[new.num_computed_tokens // self.block_size :])
-            self._know(new.req_id, new.prompt_token_ids + new.output_token_ids)
-            work.append((new.req_id, new.num_computed_tokens, new.num_scheduled_tokens))
+            work.append((held, new.num_computed_tokens, new.num_scheduled_tokens))
         # The whole batch's KV is written before anything is read (as a forward pass does per
         # layer), so a hit on a block another request fills in this same step is valid.
-        for req_id, start, num in work:
+        for held, start, num in work:
             assert num > 0
-            fps = self.fingerprints[req_id]
-            assert start + num <= len(fps), (req_id, start, num, len(fps))
-            tokens = self.tokens[req_id]
+            fps = held.fingerprints
+            assert start + num <= len(fps), (held.req_id, start, num, len(fps))
             for position in range(start, start + num):
-                slot = self._slot(req_id, position)
+                slot = self._slot(held, position)
                 self.slots[slot] = fps[position]
-                self.slot_tokens[slot] = tokens[position]
-            self.computed[req_id] = start + num
+                self.slot_tokens[slot] = held.tokens[position]
+            held.num_computed_tokens = start + num
         for new in output.new_reqs:
-            fps = self.fingerprints[new.req_id]
+            held = self.requests[new.req_id]
             for position in range(new.num_computed_tokens):
-                assert self.slots.get(self._slot(new.req_id, position)) == fps[position], (
+                assert self.slots.get(self._slot(held, position)) == held.fingerprints[position], (
                     f"{new.req_id}: prefix hit at position {position} reads KV of another prefix"
                 )
         sampled = []
-        for req_id, _, _ in work:
-            if self.computed[req_id] >= len(self.tokens[req_id]):
+        for held, _, _ in work:
+            if held.num_computed_tokens >= len(held.tokens):
                 token = self.rng.choice(VOCAB)
-                self._append(req_id, token)
+                held.append(token)
                 sampled.append([token])
             else:
                 sampled.append([])
