@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import statistics
@@ -37,7 +36,7 @@ import sys
 import time
 import urllib.parse
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -50,6 +49,7 @@ from engine_core._bench.client import (
     _request_body,
 )
 from engine_core._bench.machine import machine_line
+from engine_core._bench.server_process import server_process
 from engine_core._frontend.runtime import run_options
 from engine_core.server import ServerSettings
 from engine_core.server._run import http_server_for
@@ -63,38 +63,16 @@ COMPLETIONS = "/v1/completions"
 # -- the server ----------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def server_process(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
-    """``engine-core serve`` on a free loopback port; yields its URL and pid, stops it after."""
+def server_flags(args: argparse.Namespace) -> list[str]:
+    """``engine-core serve``'s flags: the mock on a free loopback port, its engine core in its
+    own process."""
     latency = {"latency": {"step_s": args.step_ms / 1000}} if args.step_ms else {}
-    command = [
-        sys.executable, "-m", "engine_core", "serve",
+    return [
         "--backend", "mock", "--tokenizer", "byte", "--port", "0",
         "--max-num-seqs", str(args.clients + args.hostile), "--served-model-name", MODEL,
         "--runtime", args.runtime, "--log-level", "error", "--multiprocess",
         "--backend-options", json.dumps(latency),
     ]  # fmt: skip
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    try:
-        assert process.stderr is not None
-        url = None
-        deadline = time.monotonic() + 120
-        while url is None and time.monotonic() < deadline:
-            line = process.stderr.readline()
-            if not line:
-                raise RuntimeError(f"the server exited with status {process.wait()}")
-            if "serving on " in line:
-                url = line.split("serving on ", 1)[1].split()[0]
-        if url is None:
-            raise RuntimeError("the server did not start within 120 s")
-        yield url, process.pid
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def _status_kib(pid: int, field: str) -> int | None:
@@ -403,18 +381,18 @@ def main() -> None:
     )
     runs: dict[str, dict[str, Any]] = {}
     hostile_summary: Any = None
-    with server_process(args) as (url, pid):
+    with server_process(server_flags(args)) as (url, process):
         warm = argparse.Namespace(**{**vars(args), "clients": min(args.clients, 32)})
         anyio.run(normal_load, url, warm, 2.0, **run_options("asyncio"))
         print(HEADER, flush=True)
         for name, hostile in (("clean", False), ("hostile", True), ("clean after", False)):
             result, summary = run_phase(args, url, hostile)
-            front, engine = peak_rss_mib(pid)
+            front, engine = peak_rss_mib(process.pid)
             row: dict[str, Any] = {
                 **result.summary(),
                 "front_peak_mib": front,
                 "engine_peak_mib": engine,
-                "front_rss_mib": (_status_kib(pid, "VmRSS") or 0) / 1024,
+                "front_rss_mib": (_status_kib(process.pid, "VmRSS") or 0) / 1024,
             }
             errors = Counter(r.error for r in result.results if r.error)
             row["errors"] = dict(errors.most_common(3))

@@ -24,13 +24,9 @@ Usage: ``python bench/bench_http.py [--rounds 7] [--concurrency 256] [--max-toke
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -38,6 +34,7 @@ import anyio
 from engine_core import AsyncLLM, RequestOutputKind, SamplingParams
 from engine_core._bench.client import LoadResult, RequestResult, run_load
 from engine_core._bench.machine import machine_line
+from engine_core._bench.server_process import server_process
 from engine_core.cli import run_options
 from engine_core.server import ServerSettings, load_chat_template
 from engine_core.server._run import http_server_for
@@ -51,38 +48,15 @@ def backend_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"latency": {"step_s": args.step_ms / 1000}} if args.step_ms else {}
 
 
-@contextlib.contextmanager
-def server_process(args: argparse.Namespace) -> Iterator[str]:
-    """``engine-core serve`` on a free loopback port; yields its URL, stops it after."""
-    command = [
-        sys.executable, "-m", "engine_core", "serve",
+def server_flags(args: argparse.Namespace) -> list[str]:
+    """``engine-core serve``'s flags: the mock on a free loopback port, as the direct runs."""
+    return [
         "--backend", "mock", "--tokenizer", "byte", "--port", "0",
         "--max-num-seqs", str(args.concurrency), "--served-model-name", MODEL,
         "--runtime", args.runtime, "--log-level", "warning",
         "--multiprocess" if args.multiprocess else "--no-multiprocess",
         "--backend-options", json.dumps(backend_options(args)),
     ]  # fmt: skip
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    try:
-        assert process.stderr is not None
-        url = None
-        deadline = time.monotonic() + 120
-        while url is None and time.monotonic() < deadline:
-            line = process.stderr.readline()
-            if not line:
-                raise RuntimeError(f"the server exited with status {process.wait()}")
-            if "serving on " in line:
-                url = line.split("serving on ", 1)[1].split()[0]
-        if url is None:
-            raise RuntimeError("the server did not start within 120 s")
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 async def direct_load(
@@ -243,7 +217,7 @@ def main() -> None:
         f"{http_server_for(ServerSettings(), args.runtime)}",
         flush=True,
     )
-    with server_process(args) as url:
+    with server_process(server_flags(args)) as (url, _):
         result = run(args, url)
     ratios = [r["ratio"] for r in result["rounds"]]
     median = statistics.median(ratios)

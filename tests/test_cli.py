@@ -6,8 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import httpx
 import pytest
 
 from engine_core import EngineConfig
+from engine_core._bench.server_process import server_process
 from engine_core.cli import build_parser, engine_config_from_args, main
 
 MOCK = ["--backend", "mock", "--tokenizer", "byte"]
@@ -89,26 +88,13 @@ def test_bench_latency(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
 @pytest.fixture(params=["asyncio", "trio"])
 def served(request: pytest.FixtureRequest) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """``engine-core serve`` in a subprocess on a free port, its key from the environment."""
-    command = [sys.executable, "-m", "engine_core", "serve", "--port", "0", *MOCK]
-    command += ["--served-model-name", "m", "--max-num-seqs", "8", "--runtime", request.param]
+    flags = ["--port", "0", *MOCK, "--served-model-name", "m", "--max-num-seqs", "8"]
     env = {**os.environ, "ENGINE_CORE_API_KEY": "secret"}
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
-    assert process.stderr is not None
-    try:
-        deadline = time.monotonic() + 60
-        url = None
-        while url is None and time.monotonic() < deadline:
-            line = process.stderr.readline()
-            assert line, "the server exited before serving"
-            if "serving on " in line:
-                url = line.split("serving on ", 1)[1].split()[0]
-        assert url is not None and url.startswith("http://127.0.0.1:")
+    with server_process(
+        [*flags, "--runtime", request.param], start_timeout_s=60, stop_grace_s=None, env=env
+    ) as (url, process):
+        assert url.startswith("http://127.0.0.1:")
         yield url, process
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=10)
-        process.stderr.close()
 
 
 def test_serve_and_bench_serve(

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import resource
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -28,6 +26,7 @@ import httpx
 import pytest
 
 from engine_core import AsyncLLM
+from engine_core._bench.server_process import server_process
 from engine_core.errors import EngineDeadError
 from engine_core.server import ENGINE_DEAD_EXIT_CODE, ServerSettings, create_app, serve
 from engine_core.server._connections import default_max_connections
@@ -442,27 +441,13 @@ def serve_process(
         if nofile is not None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
-    command = [sys.executable, "-m", "engine_core", "serve", "--port", "0", *MOCK]
-    command += ["--runtime", runtime, "--log-level", "warning", *flags]
-    process = subprocess.Popen(
-        command, stderr=subprocess.PIPE, text=True, env=dict(os.environ), preexec_fn=limit_files
-    )
-    assert process.stderr is not None
-    try:
-        deadline = time.monotonic() + 60
-        url = None
-        while url is None and time.monotonic() < deadline:
-            line = process.stderr.readline()
-            assert line, "the server exited before serving"
-            if "serving on " in line:
-                url = line.split("serving on ", 1)[1].split()[0]
-        assert url is not None
-        yield url, process
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=10)
-        process.stderr.close()
+    with server_process(
+        ["--port", "0", *MOCK, "--runtime", runtime, "--log-level", "warning", *flags],
+        start_timeout_s=60,
+        stop_grace_s=None,
+        preexec_fn=limit_files,
+    ) as served:
+        yield served
 
 
 def stream_in_thread(url: str, body: dict[str, Any]) -> tuple[list[str], Any]:
