@@ -266,13 +266,44 @@ async def test_past_max_connections_the_longest_idle_connection_makes_room(
 # -- shutdown ------------------------------------------------------------------------------------
 
 
-async def stream_events(client: httpx.AsyncClient, body: dict[str, Any], events: list[str]) -> None:
-    """POST a streamed completion, collecting its ``data:`` lines into ``events``."""
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                events.append(line.removeprefix("data: "))
+@dataclass
+class InFlight:
+    """Completions sent to a server each in its own task, what comes back collected."""
+
+    client: httpx.AsyncClient
+    task_group: anyio.abc.TaskGroup
+    events: list[str] = field(default_factory=list)
+    """The ``data:`` lines of the streamed completion, as they come."""
+    whole: list[httpx.Response] = field(default_factory=list)
+    """The responses to the completions that are not streamed, as they come."""
+
+    def stream(self, body: dict[str, Any]) -> None:
+        """POST a streamed completion, collecting its ``data:`` lines into ``events``."""
+        self.task_group.start_soon(self._stream, body)
+
+    def post(self, body: dict[str, Any]) -> None:
+        """POST a completion that is not streamed, its response appended to ``whole``."""
+        self.task_group.start_soon(self._post, body)
+
+    async def _stream(self, body: dict[str, Any]) -> None:
+        async with self.client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    self.events.append(line.removeprefix("data: "))
+
+    async def _post(self, body: dict[str, Any]) -> None:
+        self.whole.append(await self.client.post("/v1/completions", json=body))
+
+
+@contextlib.asynccontextmanager
+async def in_flight(url: str) -> AsyncIterator[InFlight]:
+    """An :class:`InFlight` to ``url``; the block ends once every request it sent has."""
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=10) as client,
+        anyio.create_task_group() as task_group,
+    ):
+        yield InFlight(client, task_group)
 
 
 async def refuses_connections(address: tuple[str, int], within: float) -> bool:
@@ -291,16 +322,13 @@ async def test_shutdown_lets_responses_in_flight_finish(stack: tuple[str, str]) 
     settings = {"shutdown_timeout_s": 20.0}
     async with running(stack, settings, multiprocess=False, backend_options=SLOW_STEPS) as (run, _):
         with anyio.fail_after(15):
-            events: list[str] = []
-            async with (
-                httpx.AsyncClient(base_url=run.url, timeout=10) as client,
-                anyio.create_task_group() as task_group,
-            ):
-                task_group.start_soon(stream_events, client, completion(100, True), events)
-                while not events:
+            async with in_flight(run.url) as flight:
+                flight.stream(completion(100, True))
+                while not flight.events:
                     await anyio.sleep(0.01)
                 run.stop.set()
                 assert await refuses_connections(run.address, within=3)
+            events = flight.events
             assert events[-1] == "[DONE]"
             assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
             await run.done.wait()
@@ -314,20 +342,14 @@ async def test_shutdown_timeout_ends_responses_with_an_error(stack: tuple[str, s
         engine,
     ):
         with anyio.fail_after(15):
-            events: list[str] = []
-            whole: list[httpx.Response] = []
-            async with httpx.AsyncClient(base_url=run.url, timeout=10) as client:
-
-                async def post_whole() -> None:
-                    whole.append(await client.post("/v1/completions", json=completion(2000, False)))
-
-                async with anyio.create_task_group() as task_group:
-                    task_group.start_soon(stream_events, client, completion(2000, True), events)
-                    task_group.start_soon(post_whole)
-                    while not events or (await engine.get_stats()).num_running < 2:
-                        await anyio.sleep(0.01)
-                    start = anyio.current_time()
-                    run.stop.set()
+            async with in_flight(run.url) as flight:
+                flight.stream(completion(2000, True))
+                flight.post(completion(2000, False))
+                while not flight.events or (await engine.get_stats()).num_running < 2:
+                    await anyio.sleep(0.01)
+                start = anyio.current_time()
+                run.stop.set()
+            events, whole = flight.events, flight.whole
             assert 0.4 <= anyio.current_time() - start < 5
             assert events[-1] == "[DONE]"
             error = json.loads(events[-2])["error"]
@@ -345,18 +367,12 @@ async def test_engine_death_ends_responses_and_stops_the_server(stack: tuple[str
     fault = {"fault": {"kind": "raise", "at_step": 20}, "latency": {"step_s": 0.02}}
     async with running(stack, {}, multiprocess=True, backend_options=fault) as (run, _):
         with anyio.fail_after(15):
-            events: list[str] = []
-            whole: list[httpx.Response] = []
-            async with httpx.AsyncClient(base_url=run.url, timeout=10) as client:
-
-                async def post_whole() -> None:
-                    whole.append(await client.post("/v1/completions", json=completion(50, False)))
-
-                async with anyio.create_task_group() as task_group:
-                    task_group.start_soon(stream_events, client, completion(50, True), events)
-                    while not events:
-                        await anyio.sleep(0.01)
-                    task_group.start_soon(post_whole)
+            async with in_flight(run.url) as flight:
+                flight.stream(completion(50, True))
+                while not flight.events:
+                    await anyio.sleep(0.01)
+                flight.post(completion(50, False))
+            events, whole = flight.events, flight.whole
             assert events[-1] == "[DONE]"
             error = json.loads(events[-2])["error"]
             assert (error["type"], error["code"]) == ("service_unavailable", "engine_dead")
