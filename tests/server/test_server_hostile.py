@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from helpers.serving import serving
+from helpers.serving import ONE_RUNNING_ONE_QUEUED, engine_full, serving
 
 from engine_core import AsyncLLM, EngineConfig, SamplingParams
 from engine_core._frontend.request_checks import check_request
@@ -313,44 +313,29 @@ def test_value_errors_are_the_clients_only_while_admitting() -> None:
 
 
 async def test_limits_never_met_are_400_even_with_a_full_queue() -> None:
-    async with serving(
-        multiprocess=False,
-        max_num_seqs=1,
-        max_queued_requests=1,
-        backend_options={"latency": {"step_s": 0.002}},
-    ) as (client, engine):
-        queued: list[httpx.Response] = []
+    async with serving(**ONE_RUNNING_ONE_QUEUED) as (client, engine):
         long = {"prompt": "abc", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-
-        async def send_queued() -> None:
-            queued.append(await client.post(COMPLETIONS, json=BASES[COMPLETIONS]))
-
         with anyio.fail_after(15):
-            async with client.stream("POST", COMPLETIONS, json=long) as running:
-                lines = running.aiter_lines()  # kept: dropping it would close the response
-                assert (await anext(lines)).startswith("data: ")
-                async with anyio.create_task_group() as task_group:
-                    task_group.start_soon(send_queued)
-                    while (await engine.get_stats()).num_waiting != 1:
-                        await anyio.sleep(0.005)
-                    # The queue is full: what could fit later is a 503 ...
-                    full = error_of(await post(client, COMPLETIONS, BASES[COMPLETIONS]), 503)
-                    assert full["code"] == "retry_later"
-                    # ... what never could is a 400.
-                    sampled = {"temperature": 1.0}
-                    cases: list[tuple[str, dict[str, Any], str, str]] = [
-                        (COMPLETIONS, {"n": 129, **sampled}, "n", "(max_n)"),
-                        (CHAT, {"n": 129, **sampled}, "n", "(max_n)"),
-                        (COMPLETIONS, {"n": 3, **sampled}, "n", "max_queued_requests"),
-                        (CHAT, {"n": 3, **sampled}, "n", "max_queued_requests"),
-                        (COMPLETIONS, {"prompt": ["a", "b", "c"]}, "prompt", "3 prompts"),
-                        (COMPLETIONS, {"max_tokens": 10**6}, "max_tokens", "context length"),
-                    ]
-                    for path, extra, param, message in cases:
-                        error = error_of(await post(client, path, {**BASES[path], **extra}))
-                        assert error["param"] == param, (extra, error)
-                        assert message in error["message"], (extra, error)
-                    await running.aclose()  # the running stream ends; the queued one runs
+            async with engine_full(
+                client, engine, running=long, queued=BASES[COMPLETIONS]
+            ) as queued:
+                # The queue is full: what could fit later is a 503 ...
+                full = error_of(await post(client, COMPLETIONS, BASES[COMPLETIONS]), 503)
+                assert full["code"] == "retry_later"
+                # ... what never could is a 400.
+                sampled = {"temperature": 1.0}
+                cases: list[tuple[str, dict[str, Any], str, str]] = [
+                    (COMPLETIONS, {"n": 129, **sampled}, "n", "(max_n)"),
+                    (CHAT, {"n": 129, **sampled}, "n", "(max_n)"),
+                    (COMPLETIONS, {"n": 3, **sampled}, "n", "max_queued_requests"),
+                    (CHAT, {"n": 3, **sampled}, "n", "max_queued_requests"),
+                    (COMPLETIONS, {"prompt": ["a", "b", "c"]}, "prompt", "3 prompts"),
+                    (COMPLETIONS, {"max_tokens": 10**6}, "max_tokens", "context length"),
+                ]
+                for path, extra, param, message in cases:
+                    error = error_of(await post(client, path, {**BASES[path], **extra}))
+                    assert error["param"] == param, (extra, error)
+                    assert message in error["message"], (extra, error)
         assert queued[0].status_code == 200
         await assert_idle(engine)
 
