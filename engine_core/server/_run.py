@@ -73,7 +73,6 @@ _SHUTTING_DOWN = APIError(
 )
 
 ShutdownTrigger = Callable[[], Awaitable[None]]
-_Runner = Callable[..., Awaitable[None]]
 
 
 async def wait_for_signal() -> None:
@@ -129,9 +128,7 @@ async def serve(
     once the socket listens; ``port=0`` picks a free port.
     """
     settings = settings or ServerSettings()
-    runner: _Runner = _serve_uvicorn
-    if http_server_for(settings, sniffio.current_async_library()) == "hypercorn":
-        runner = _serve_hypercorn
+    http_server = http_server_for(settings, sniffio.current_async_library())
     limits = connection_limits(settings)
     app = RequestGuard(create_app(engine, settings), settings.body_timeout_s)
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
@@ -146,7 +143,7 @@ async def serve(
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         async with _shutdown_signals(shutdown_trigger) as (first, second):
             dead = await _serve_until_stopped(
-                engine, settings, runner, app, sock, limits, url, first, second, task_status
+                engine, settings, http_server, app, sock, limits, url, first, second, task_status
             )
     finally:
         sock.close()
@@ -179,7 +176,7 @@ async def _shutdown_signals(
 async def _serve_until_stopped(
     engine: AsyncLLM,
     settings: ServerSettings,
-    runner: _Runner,
+    http_server: str,
     app: RequestGuard,
     sock: socket.socket,
     limits: ConnectionLimits,
@@ -191,6 +188,7 @@ async def _serve_until_stopped(
     stop_server = anyio.Event()
     stopped = anyio.Event()
     backstop_s = settings.shutdown_timeout_s + _BACKSTOP_S
+    guard = ConnectionGuard(limits)
     dead: EngineDeadError | None = None
 
     async def run() -> None:
@@ -199,7 +197,9 @@ async def _serve_until_stopped(
         # waits for the server's shutdown instead.
         with anyio.CancelScope(shield=True):
             try:
-                await runner(app, sock, settings, ConnectionGuard(limits), stop_server, backstop_s)
+                await _run_http_server(
+                    http_server, app, sock, settings, guard, stop_server, backstop_s
+                )
             finally:
                 stopped.set()
 
@@ -261,7 +261,8 @@ async def _first(**waits: Callable[[], Awaitable[Any]]) -> str:
     return winner[0]
 
 
-async def _serve_hypercorn(
+async def _run_http_server(
+    http_server: str,
     app: Any,
     sock: socket.socket,
     settings: ServerSettings,
@@ -269,33 +270,27 @@ async def _serve_hypercorn(
     stop: anyio.Event,
     backstop_s: float,
 ) -> None:
-    from engine_core.server._hypercorn import serve_hypercorn
+    """Run ``http_server`` (``"uvicorn"`` or ``"hypercorn"``) on the listening ``sock`` until
+    ``stop``, and through its graceful shutdown (see the two modules)."""
+    if http_server == "hypercorn":
+        from engine_core.server._hypercorn import serve_hypercorn
 
-    access_log = logging.getLogger("engine_core.server.access") if settings.access_log else None
-    await serve_hypercorn(
-        app, sock, guard, stop, backstop_s=backstop_s, access_log=access_log, logger=logger
-    )
+        access_log = logging.getLogger("engine_core.server.access") if settings.access_log else None
+        await serve_hypercorn(
+            app, sock, guard, stop, backstop_s=backstop_s, access_log=access_log, logger=logger
+        )
+    else:
+        from engine_core.server._uvicorn import serve_uvicorn
 
-
-async def _serve_uvicorn(
-    app: Any,
-    sock: socket.socket,
-    settings: ServerSettings,
-    guard: ConnectionGuard,
-    stop: anyio.Event,
-    backstop_s: float,
-) -> None:
-    from engine_core.server._uvicorn import serve_uvicorn
-
-    await serve_uvicorn(
-        app,
-        sock,
-        guard,
-        stop,
-        backstop_s=backstop_s,
-        access_log=settings.access_log,
-        backlog=_BACKLOG,
-    )
+        await serve_uvicorn(
+            app,
+            sock,
+            guard,
+            stop,
+            backstop_s=backstop_s,
+            access_log=settings.access_log,
+            backlog=_BACKLOG,
+        )
 
 
 async def run_server(
