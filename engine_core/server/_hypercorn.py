@@ -11,6 +11,9 @@ admits or refuses each connection, and overrides two of its methods:
 - ``_read_data`` moves that deadline from ``keep_alive_timeout_s`` to ``header_timeout_s`` when
   a request's first bytes come in.
 
+The guard's bookkeeping is the same under both runtimes (``_KeptConnection``); only the deadline
+(a trio cancel scope, an asyncio timeout) and the reading differ.
+
 Written against hypercorn 0.18's ``TCPServer``. Hypercorn's lifespan protocol is not run (the
 app has no startup or shutdown of its own).
 """
@@ -20,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import sniffio
@@ -66,6 +70,61 @@ async def serve_hypercorn(
         await _serve_asyncio(wrapped, config, sock, guard, stop, backstop_s)
 
 
+class _KeptConnection:
+    """What hypercorn's trio and asyncio connections share: the guard's bookkeeping of the wait
+    for a request, under a deadline that the request's first bytes move to the header timeout.
+    Comes before hypercorn's ``TCPServer`` in a connection class's bases."""
+
+    context: Any
+
+    if TYPE_CHECKING:
+
+        async def run(self) -> None: ...  # TCPServer's
+
+    def __init__(self, guard: ConnectionGuard, *args: Any) -> None:
+        super().__init__(*args)
+        self.guard = guard
+        self.deadline: Any = None
+        """The wait for a request under way (a trio cancel scope, an asyncio timeout), while
+        there is one."""
+        self.first_byte_pending = False
+
+    async def run_kept(self, live: set[Any]) -> None:
+        """Run the connection (admitted by the guard), in ``live`` while it runs; the guard
+        releases it after."""
+        live.add(self)
+        try:
+            await self.run()
+        finally:
+            live.discard(self)
+            self.guard.release(self)
+
+    async def _wait_for_request(self, deadline: Any, expire: Callable[[], None]) -> None:
+        """Wait under ``deadline`` (which ``expire`` ends at once) until the server stops;
+        :meth:`_request_begins` moves it, a request's headers in end it (hypercorn cancels
+        ``_idle_timeout``)."""
+        self.deadline = deadline
+        self.first_byte_pending = True
+        self.guard.waiting(self, expire)
+        try:
+            await self.context.terminated.wait()
+        finally:
+            if self.deadline is deadline:  # not yet replaced by the next wait
+                self.deadline = None
+                self.guard.busy(self)
+
+    def _request_begins(self) -> None:
+        deadline = self.deadline
+        if deadline is not None and self.first_byte_pending:
+            self.first_byte_pending = False
+            self.guard.busy(self)
+            self._move_deadline(deadline, self.guard.limits.header_timeout_s)
+
+    def _move_deadline(self, deadline: Any, seconds: float) -> None:
+        """Set ``deadline`` to ``seconds`` from now."""
+        raise NotImplementedError
+
+
 # -- trio ----------------------------------------------------------------------------------------
 
 
@@ -87,12 +146,7 @@ async def _serve_trio(
             await _refuse_trio(stream, guard)
             return
         connection = connection_class(guard, app, config, context, ConnectionState({}), stream)
-        live.add(connection)
-        try:
-            await connection.run()
-        finally:
-            live.discard(connection)
-            guard.release(connection)
+        await connection.run_kept(live)
 
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
     async with trio.open_nursery() as connections:
@@ -142,38 +196,18 @@ def _trio_connection_class() -> type[Any]:
     from hypercorn.events import Closed, RawData
     from hypercorn.trio.tcp_server import TCPServer
 
-    class Connection(TCPServer):
+    class Connection(_KeptConnection, TCPServer):
         """Hypercorn's trio connection, kept by ``guard``."""
 
-        def __init__(self, guard: ConnectionGuard, *args: Any) -> None:
-            super().__init__(*args)
-            self.guard = guard
-            self.deadline: trio.CancelScope | None = None
-            """The wait for a request under way, while there is one."""
-            self.first_byte_pending = False
-
         async def _idle_timeout(self) -> None:
-            limits = self.guard.limits
-            deadline = trio.current_time() + limits.keep_alive_timeout_s
+            deadline = trio.current_time() + self.guard.limits.keep_alive_timeout_s
             with trio.CancelScope(deadline=deadline) as scope:
-                self.deadline = scope
-                self.first_byte_pending = True
-                self.guard.waiting(self, scope.cancel)
-                try:
-                    await self.context.terminated.wait()
-                finally:
-                    if self.deadline is scope:  # not yet replaced by the next wait
-                        self.deadline = None
-                        self.guard.busy(self)
+                await self._wait_for_request(scope, scope.cancel)
             with trio.CancelScope(shield=True):
                 await self._initiate_server_close()
 
-        def _request_begins(self) -> None:
-            scope = self.deadline
-            if scope is not None and self.first_byte_pending:
-                self.first_byte_pending = False
-                self.guard.busy(self)
-                scope.deadline = trio.current_time() + self.guard.limits.header_timeout_s
+        def _move_deadline(self, scope: trio.CancelScope, seconds: float) -> None:
+            scope.deadline = trio.current_time() + seconds
 
         async def _read_data(self) -> None:
             while True:
@@ -217,12 +251,7 @@ async def _serve_asyncio(
         connection = connection_class(
             guard, app, loop, config, context, ConnectionState({}), reader, writer
         )
-        live.add(connection)
-        try:
-            await connection.run()
-        finally:
-            live.discard(connection)
-            guard.release(connection)
+        await connection.run_kept(live)
 
     server = await asyncio.start_server(handle, sock=sock, backlog=config.backlog)
     try:
@@ -265,44 +294,24 @@ def _asyncio_connection_class() -> type[Any]:
     from hypercorn.asyncio.tcp_server import TCPServer
     from hypercorn.events import Closed, RawData
 
-    class Connection(TCPServer):
+    class Connection(_KeptConnection, TCPServer):
         """Hypercorn's asyncio connection, kept by ``guard``."""
 
-        def __init__(self, guard: ConnectionGuard, *args: Any) -> None:
-            super().__init__(*args)
-            self.guard = guard
-            self.deadline: asyncio.Timeout | None = None
-            self.first_byte_pending = False
-
         async def _idle_timeout(self) -> None:
-            limits = self.guard.limits
             loop = asyncio.get_running_loop()
             try:
-                async with asyncio.timeout(limits.keep_alive_timeout_s) as timeout:
-                    self.deadline = timeout
-                    self.first_byte_pending = True
+                async with asyncio.timeout(self.guard.limits.keep_alive_timeout_s) as timeout:
 
                     def expire() -> None:
                         timeout.reschedule(loop.time())
 
-                    self.guard.waiting(self, expire)
-                    try:
-                        await self.context.terminated.wait()
-                    finally:
-                        if self.deadline is timeout:
-                            self.deadline = None
-                            self.guard.busy(self)
+                    await self._wait_for_request(timeout, expire)
             except TimeoutError:
                 pass
             await asyncio.shield(self._initiate_server_close())
 
-        def _request_begins(self) -> None:
-            timeout = self.deadline
-            if timeout is not None and self.first_byte_pending:
-                self.first_byte_pending = False
-                self.guard.busy(self)
-                loop = asyncio.get_running_loop()
-                timeout.reschedule(loop.time() + self.guard.limits.header_timeout_s)
+        def _move_deadline(self, timeout: asyncio.Timeout, seconds: float) -> None:
+            timeout.reschedule(asyncio.get_running_loop().time() + seconds)
 
         async def _read_data(self) -> None:
             while not self.reader.at_eof():
