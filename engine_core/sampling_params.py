@@ -116,19 +116,6 @@ def _str_list(name: str, value: object) -> list[str]:
     return value
 
 
-_FLOAT_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-_INT_FIELDS = ("n", "top_k", "min_tokens")
-_OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
-_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "detokenize", "skip_special_tokens")
-
-
 def _as_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {show(value)}")
@@ -327,3 +314,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def clone(self, **changes: Any) -> SamplingParams:
         """A validated copy with ``changes`` applied."""
         return msgspec.structs.replace(self, **changes)
+
+
+def _fields_annotated(annotation: str) -> tuple[str, ...]:
+    """The fields of :class:`SamplingParams` declared with ``annotation`` (as written)."""
+    return tuple(
+        name for name, declared in SamplingParams.__annotations__.items() if declared == annotation
+    )
+
+
+# The type checks read the field groups off the declarations, so a new field is checked as its
+# annotation says.
+_FLOAT_FIELDS = _fields_annotated("float")
+_INT_FIELDS = _fields_annotated("int")
+_OPTIONAL_INT_FIELDS = _fields_annotated("int | None")
+_BOOL_FIELDS = _fields_annotated("bool")

@@ -360,3 +360,19 @@ def test_structured_outputs_depth_limit_is_exact() -> None:
     with pytest.raises(ValueError, match="nested deeper than 100 levels"):
         StructuredOutputsParams(json={"a": deep_list})
     assert StructuredOutputsParams(choice=("a", "b")).choice == ["a", "b"]  # type: ignore[arg-type]
+
+
+def test_every_field_is_type_checked() -> None:
+    from engine_core import sampling_params as module
+
+    groups = (
+        module._FLOAT_FIELDS,
+        module._INT_FIELDS,
+        module._OPTIONAL_INT_FIELDS,
+        module._BOOL_FIELDS,
+    )
+    grouped = [name for group in groups for name in group]
+    # The rest have checks of their own in _coerce_others.
+    special = ["stop", "stop_token_ids", "output_kind", "structured_outputs"]
+    # A field declared with another annotation than the groups read falls out: this fails.
+    assert sorted(grouped + special) == sorted(SamplingParams.__struct_fields__)
