@@ -9,6 +9,8 @@ Engine state, read from :meth:`AsyncLLM.get_stats` at each scrape:
 - ``engine_core_prefix_cache_hit_rate`` (gauge, 0..1), ``engine_core_prefix_cache_queries_total``
   and ``engine_core_prefix_cache_hits_total`` (counters, tokens)
 - ``engine_core_num_preemptions_total`` (counter)
+- ``engine_core_malformed_messages_total`` (counter): messages the engine could not decode
+  (answered with an error when their request id was readable, else dropped)
 
 Requests served by this server, recorded as their outputs stream:
 
@@ -178,6 +180,11 @@ def _engine_state(stats: EngineStats) -> Iterator[Metric]:
         "engine_core_num_preemptions",
         "Requests preempted to free KV-cache blocks.",
         value=stats.num_preemptions,
+    )
+    yield CounterMetricFamily(
+        "engine_core_malformed_messages",
+        "Messages the engine could not decode.",
+        value=stats.num_malformed_messages,
     )
 
 
