@@ -9,8 +9,6 @@ sequences than the engine's running batch and queue hold together.
 
 from __future__ import annotations
 
-import functools
-import re
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +17,7 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 
-from engine_core._core.checks import show
+from engine_core._core.checks import json_nests_within, show
 from engine_core._core.tokenizer import PromptInput, Tokenizer
 from engine_core._frontend.async_llm import AsyncLLM
 from engine_core.sampling_params import (
@@ -111,7 +109,7 @@ async def read_body(request: Request, struct: type[S], limit: int) -> S:
 def decode_body(body: bytes, struct: type[S]) -> S:
     """``body`` decoded into ``struct``; 400 when it is not JSON, is nested deeper than
     :data:`MAX_BODY_DEPTH` or does not fit ``struct`` (naming the field where there is one)."""
-    if not _nests_within(body, MAX_BODY_DEPTH):
+    if not json_nests_within(body, MAX_BODY_DEPTH):
         raise _too_deep(body, struct.__struct_fields__)
     try:
         return msgspec.json.decode(body, type=struct)
@@ -121,32 +119,6 @@ def decode_body(body: bytes, struct: type[S]) -> S:
         raise APIError(400, f"the body is not valid JSON: {exc}") from None
     except RecursionError:  # not expected past the depth check; never a 500
         raise _too_deep(body, struct.__struct_fields__) from None
-
-
-@functools.cache
-def _nesting(depth: int) -> re.Pattern[bytes]:
-    """Matches JSON text (with no escaped quotes or backslashes left in its strings) whose
-    arrays and objects nest at most ``depth`` levels. Every quantifier is possessive, so the
-    match never backtracks: it runs in time linear in the text, at C speed, and a text nested
-    too deep fails where it first goes too deep."""
-    atom = rb'[^\[\]{}"]++|"[^"]*+"'
-    pattern = rb"(?:" + atom + rb")*+"
-    for _ in range(depth):
-        pattern = rb"(?:" + atom + rb"|[\[{]" + pattern + rb"[\]}])*+"
-    return re.compile(pattern)
-
-
-def _nests_within(body: bytes, depth: int) -> bool:
-    """Whether the arrays and objects of the JSON ``body`` nest at most ``depth`` levels deep
-    (brackets inside strings do not count). Invalid JSON may answer False (or True): whoever
-    decodes it says what is wrong with it."""
-    if body.count(b"[") + body.count(b"{") <= depth:
-        return True  # nearly every request: it cannot nest deeper than it has openings
-    if b"\\" in body:
-        # Escaped backslashes first, then escaped quotes: what is left of a string is a quote,
-        # characters that are not quotes, and a quote. Outside strings JSON has no backslash.
-        body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
-    return _nesting(depth).fullmatch(body) is not None
 
 
 def _too_deep(body: bytes, fields: Collection[str]) -> APIError:
@@ -162,7 +134,7 @@ def _too_deep(body: bytes, fields: Collection[str]) -> APIError:
     except RecursionError:
         return APIError(400, message)
     for name, value in top.items():
-        if not _nests_within(bytes(value), MAX_BODY_DEPTH - 1):
+        if not json_nests_within(bytes(value), MAX_BODY_DEPTH - 1):
             if name in fields:
                 return APIError(400, f"{name} is nested too deep: {message}", param=name)
             break

@@ -17,12 +17,13 @@ import pytest
 from helpers.serving import ONE_RUNNING_ONE_QUEUED, engine_full, serving
 
 from engine_core import AsyncLLM, EngineConfig, SamplingParams
+from engine_core._core.checks import json_nests_within
 from engine_core._frontend.request_checks import check_request
 from engine_core.errors import InvalidRequestError
 from engine_core.server import _completions
 from engine_core.server._errors import APIError, api_error_from
 from engine_core.server._protocol import CompletionRequest
-from engine_core.server._serving import MAX_BODY_DEPTH, _nests_within, decode_body
+from engine_core.server._serving import MAX_BODY_DEPTH, decode_body
 
 pytestmark = pytest.mark.anyio
 
@@ -218,18 +219,18 @@ async def test_deep_json_is_a_400_and_cheap() -> None:
 
 def test_nesting_check_is_exact() -> None:
     limit = 8
-    assert _nests_within(nested(limit), limit)
-    assert not _nests_within(nested(limit + 1), limit)
-    assert _nests_within(b'{"a": ' + nested(limit - 1) + b"}", limit)
-    assert not _nests_within(b'{"a": {"b": ' + nested(limit - 1) + b"}}", limit)
+    assert json_nests_within(nested(limit), limit)
+    assert not json_nests_within(nested(limit + 1), limit)
+    assert json_nests_within(b'{"a": ' + nested(limit - 1) + b"}", limit)
+    assert not json_nests_within(b'{"a": {"b": ' + nested(limit - 1) + b"}}", limit)
     wide = b"[" + b",".join([nested(limit - 1)] * 50) + b"]"
-    assert _nests_within(wide, limit)
-    assert not _nests_within(b"[" + wide + b"]", limit)
+    assert json_nests_within(wide, limit)
+    assert not json_nests_within(b"[" + wide + b"]", limit)
     # Strings hide brackets, escaped quotes and backslashes included.
     tricky = b'["[[[[[[[[[[", "\\"[[[[[[[[[[[", "\\\\", ' + nested(limit - 1) + b"]"
     assert json.loads(tricky)
-    assert _nests_within(tricky, limit)
-    assert not _nests_within(b'["\\\\", ' + nested(limit) + b"]", limit)
+    assert json_nests_within(tricky, limit)
+    assert not json_nests_within(b'["\\\\", ' + nested(limit) + b"]", limit)
 
 
 def test_nesting_check_takes_linear_time() -> None:
@@ -242,7 +243,7 @@ def test_nesting_check_takes_linear_time() -> None:
     ]
     for body in bodies:
         started = time.perf_counter()
-        _nests_within(body, MAX_BODY_DEPTH)
+        json_nests_within(body, MAX_BODY_DEPTH)
         assert time.perf_counter() - started < 1.0  # about 0.05 s on one slow core
 
 
