@@ -35,6 +35,7 @@ from engine_core._engine.sockets import recv_async
 from engine_core._engine.wire import (
     EngineDead,
     Heartbeat,
+    Hello,
     Ready,
     Silence,
     UtilityReply,
@@ -69,8 +70,8 @@ _SILENCE_FRAME = msgspec.msgpack.encode(Silence())
 
 
 class EngineInbox:
-    """The engine's messages to one client. ``on_notice`` runs when the engine's own death
-    notice is read; :attr:`exit_code` is set by the client once the process has ended.
+    """The engine's messages to one client. ``on_hello(hello)`` runs when the process says it
+    listens (the startup handshake), ``on_notice`` when the engine's own death notice is read; :attr:`exit_code` is set by the client once the process has ended.
 
     With ``heartbeat_timeout_s``, ``on_silence(seconds)`` runs in the reader that finds the
     engine silent that long while it was waited for (and :attr:`listening`); ``post(frame)``
@@ -81,6 +82,7 @@ class EngineInbox:
         sock: zmq.Socket[bytes],
         on_notice: Callable[[], None],
         *,
+        on_hello: Callable[[Hello], None] | None = None,
         heartbeat_timeout_s: float | None = None,
         on_silence: Callable[[float], None] | None = None,
         post: Callable[[bytes], None] | None = None,
@@ -89,6 +91,7 @@ class EngineInbox:
             raise ValueError("a heartbeat timeout needs on_silence and post")
         self._sock = sock
         self._on_notice = on_notice
+        self._on_hello = on_hello
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._on_silence = on_silence
         self._post = post
@@ -221,6 +224,10 @@ class EngineInbox:
                     self._replies[call_id] = message
                 elif message.error is not None:  # its caller stopped waiting
                     logger.warning("utility call %d failed: %s", call_id, message.error)
+            case Hello():
+                self._heard_at = time.monotonic()
+                if self._on_hello is not None:
+                    self._on_hello(message)
             case Ready():
                 self._heard_at = time.monotonic()
                 self.ready = message

@@ -1,29 +1,38 @@
-"""What ``MPClient`` launches: the sockets it binds and the engine-core process it spawns.
+"""What ``MPClient`` launches: the sockets it binds and the engine-core process it starts.
 
 :class:`ClientSockets` binds the client's output socket (the engine connects to it);
-:class:`EngineProcess` spawns :func:`~engine_core._engine.main.run_engine_core` with the
-``multiprocessing`` spawn method. A thread watches the process: once it has ended, the thread
-reaps it and hands its exit status to the client; meanwhile it wakes when the client's ``look``
-asks to (to keep the clock of the engine's silences). Stopping waits for the clean exit that a
-``Shutdown`` message asks for, then escalates to SIGTERM and SIGKILL.
+:class:`EngineProcess` starts a fresh interpreter running ``python -m engine_core._engine`` (see
+``main``): unlike ``multiprocessing``'s spawn it never imports the caller's ``__main__``, so a
+script without an ``if __name__ == "__main__":`` guard, ``python -c``, a script on standard
+input, a notebook and the REPL all work. Its command line holds only addresses; the
+configuration goes over the socket (``Hello``, ``Startup``). The interpreter gets the caller's
+``sys.path`` (as ``PYTHONPATH``), so it imports the same ``engine_core`` and backends.
+
+Each process holds one end of a socket pair: it reads end-of-file when the other process is gone,
+so the engine exits when its parent dies and a thread here learns of the engine's exit. That
+thread reaps the process and hands its exit status to the client; meanwhile it wakes when the
+client's ``look`` asks to (to keep the clock of the engine's silences). Stopping waits for the
+clean exit that a ``Shutdown`` message asks for, then escalates to SIGTERM and SIGKILL; an
+interpreter that exits with the engine still running terminates it (SIGTERM: a clean shutdown).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
-import multiprocessing
-import multiprocessing.connection
+import os
+import select
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 
 import anyio
 import anyio.to_thread
-import msgspec
 import zmq
 
-from engine_core._engine.main import run_engine_core
 from engine_core._engine.sockets import OUTPUT_HWM, SocketAddresses, Transport, make_socket
-from engine_core.config import EngineConfig
 
 __all__ = ["ClientSockets", "EngineProcess"]
 
@@ -33,6 +42,8 @@ _SHUTDOWN_TIMEOUT_S = 5.0
 """How long a stopping process may take to exit by itself before it is terminated."""
 _TERMINATE_TIMEOUT_S = 2.0
 """How long a terminated process may take to exit before it is killed."""
+_AT_EXIT_TIMEOUT_S = 5.0
+"""How long an exiting interpreter waits for the engine it terminated."""
 _WAKE_LINGER_MS = 1000
 _MAX_LOOK_INTERVAL_S = 3600.0
 
@@ -72,29 +83,66 @@ class ClientSockets:
         self.addresses.remove()
 
 
+def _engine_command(output_address: str, input_address: str, fd: int) -> list[str]:
+    # -P: the working directory is not put first on the path (a local "zmq.py" would shadow
+    # zmq); the caller's path comes in PYTHONPATH instead.
+    return [
+        sys.executable,
+        "-P",
+        "-m",
+        "engine_core._engine",
+        output_address,
+        input_address,
+        str(fd),
+    ]
+
+
+def _engine_env() -> dict[str, str]:
+    """The caller's environment, with its ``sys.path`` as ``PYTHONPATH`` (entries added at run
+    time, such as a script's directory or a test runner's, included)."""
+    path = [entry or os.getcwd() for entry in sys.path]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
+    return env
+
+
+def _wait_readable(fd: int, timeout: float | None) -> bool:
+    """Whether ``fd`` becomes readable within ``timeout`` seconds (None: no limit)."""
+    return bool(select.select([fd], [], [], timeout)[0])
+
+
 class EngineProcess:
     """One engine-core process and the thread that watches it.
 
-    ``on_exit(exit_code)`` runs in the watch thread once the process has ended and been reaped.
-    ``look()`` runs in the watch thread first and then whenever the number of seconds it
-    returned has passed (None: only the exit wakes the thread again).
+    ``on_exit(exit_code)`` runs in the watch thread once the process has ended and been reaped
+    (negative: killed by that signal). ``look()`` runs in the watch thread first and then
+    whenever the number of seconds it returned has passed (None: only the exit wakes the thread
+    again).
     """
 
     def __init__(
         self,
-        config: EngineConfig,
         output_address: str,
         input_address: str,
         on_exit: Callable[[int], None],
         look: Callable[[], float | None] = lambda: None,
     ) -> None:
-        self._process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core,
-            args=(msgspec.msgpack.encode(config), output_address, input_address),
-            name="EngineCore",
-            daemon=True,  # terminated (SIGTERM: a clean shutdown) if the interpreter exits
-        )
-        self._process.start()
+        # Each end reads end-of-file once the process holding the other one is gone.
+        ours, theirs = socket.socketpair()
+        try:
+            self._process = subprocess.Popen(
+                _engine_command(output_address, input_address, theirs.fileno()),
+                stdin=subprocess.DEVNULL,
+                env=_engine_env(),
+                pass_fds=(theirs.fileno(),),
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._sentinel = ours
+        atexit.register(self._at_exit)
         self._watch = threading.Thread(
             target=self._watch_exit, args=(on_exit, look), name="EngineCore-watch", daemon=True
         )
@@ -105,35 +153,32 @@ class EngineProcess:
         return self._process.pid
 
     def _watch_exit(self, on_exit: Callable[[int], None], look: Callable[[], float | None]) -> None:
-        process = self._process
         while True:
             timeout = look()
             if timeout is not None:
                 timeout = min(timeout, _MAX_LOOK_INTERVAL_S)  # poll() takes no huge timeouts
-            if multiprocessing.connection.wait([process.sentinel], timeout):
+            if _wait_readable(self._sentinel.fileno(), timeout):
                 break
-        process.join()  # this thread alone reaps the process
-        assert process.exitcode is not None
-        on_exit(process.exitcode)
+        on_exit(self._process.wait())  # this thread alone reaps the process
 
     def exited(self, timeout: float | None) -> bool:
         """Whether the process ends within ``timeout`` seconds (None: no limit)."""
-        return bool(multiprocessing.connection.wait([self._process.sentinel], timeout))
+        return _wait_readable(self._sentinel.fileno(), timeout)
 
     async def exited_async(self, timeout: float | None) -> bool:
         """Like :meth:`exited`, waiting in the event loop."""
         with anyio.move_on_after(timeout):
-            await anyio.wait_readable(self._process.sentinel)
+            await anyio.wait_readable(self._sentinel)
             return True
         return False
 
     def _escalation(self) -> tuple[tuple[float, Callable[[], None]], ...]:
         # How long to wait for the exit, and what to do when it did not come.
-        return ((_SHUTDOWN_TIMEOUT_S, self._terminate), (_TERMINATE_TIMEOUT_S, self._process.kill))
+        return ((_SHUTDOWN_TIMEOUT_S, self._terminate), (_TERMINATE_TIMEOUT_S, self.kill))
 
     def kill(self) -> None:
         """SIGKILL the process (a no-op once it has been reaped)."""
-        self._process.kill()
+        self._process.kill()  # Popen signals no process it has reaped
 
     def _terminate(self) -> None:
         logger.warning("the engine core did not shut down in time: terminating it")
@@ -154,6 +199,14 @@ class EngineProcess:
                 return
             escalate()
 
+    def _at_exit(self) -> None:
+        """At interpreter exit, an engine still running is terminated (its socket directory
+        with it) rather than left to notice its parent's death."""
+        if not self.exited(0):
+            self._process.terminate()
+            if not self.exited(_AT_EXIT_TIMEOUT_S):
+                self.kill()
+
     def wait_watch(self, timeout: float | None = None) -> None:
         """Until the watch has handed over the exit status (or ``timeout`` seconds passed)."""
         self._watch.join(timeout)
@@ -164,7 +217,8 @@ class EngineProcess:
 
     def close(self) -> None:
         """Kill the process if it still runs, wait for the watch, release the process."""
+        atexit.unregister(self._at_exit)
         if not self.exited(0):
-            self._process.kill()
+            self.kill()
         self._watch.join()
-        self._process.close()
+        self._sentinel.close()

@@ -1,18 +1,22 @@
 """The engine-core process around one :class:`EngineCoreProc`.
 
-:func:`run_engine_core` is the process entry point: it connects the output socket, binds the
-input socket, builds the engine core (backend, KV spec, block count, allocation) in a worker
-thread, sends ``Ready`` and serves, with a heartbeat while it has work
-(``engine_heartbeat_timeout_s``). It exits by itself when its parent dies, shuts down cleanly
-on SIGTERM or a ``Shutdown`` message, and reports a fatal error as an ``EngineDead`` message
-before exiting with status 1.
+The process is a fresh interpreter running ``python -m engine_core._engine`` (see ``launch``), so
+it never imports its parent's ``__main__``. :func:`main` reads its command line: the client's
+output address, the input address to bind, and the descriptor of its end of a socket pair whose
+other end the parent holds. :func:`run_engine_core` connects the output socket, binds the input
+socket and says :class:`~engine_core._engine.wire.Hello`; the client answers with the
+configuration (:class:`~engine_core._engine.wire.Startup`, msgspec, nothing pickled). It then
+builds the engine core (backend, KV spec, block count, allocation) in a worker thread, sends
+``Ready`` and serves, with a heartbeat while it has work (``engine_heartbeat_timeout_s``). It exits
+by itself when its parent dies (its end of the pair reads end-of-file), shuts down cleanly on
+SIGTERM or a ``Shutdown`` message, and reports a fatal error as an ``EngineDead`` message before
+exiting with status 1.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import multiprocessing
 import os
 import shutil
 import signal
@@ -28,10 +32,10 @@ import zmq
 from engine_core._engine.core import EngineCore
 from engine_core._engine.proc import EngineCoreProc
 from engine_core._engine.sockets import OUTPUT_HWM, make_socket
-from engine_core._engine.wire import EngineDead, EngineMessage, Ready
+from engine_core._engine.wire import EngineDead, EngineMessage, Hello, Ready, startup_decoder
 from engine_core.config import EngineConfig
 
-__all__ = ["HEARTBEATS_PER_TIMEOUT", "PARENT_GONE_EXIT_CODE", "run_engine_core"]
+__all__ = ["HEARTBEATS_PER_TIMEOUT", "PARENT_GONE_EXIT_CODE", "main", "run_engine_core"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,29 +46,47 @@ PARENT_GONE_EXIT_CODE = 3
 HEARTBEATS_PER_TIMEOUT = 5
 """The engine looks whether a heartbeat is due this many times per
 ``engine_heartbeat_timeout_s``, so a live one is heard from at least every 2/5 of it."""
+_USAGE = "usage: python -m engine_core._engine OUTPUT_ADDRESS INPUT_ADDRESS PARENT_FD"
 
 
-def run_engine_core(config_msgpack: bytes, output_address: str, input_address: str) -> None:
-    """Entry point of the engine-core process (a ``multiprocessing`` spawn target).
+def main(argv: list[str] | None = None) -> None:
+    """``python -m engine_core._engine OUTPUT_ADDRESS INPUT_ADDRESS PARENT_FD``: what
+    ``launch`` runs. Never returns."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3 or not args[2].isdigit():
+        print(_USAGE, file=sys.stderr)
+        os._exit(2)
+    run_engine_core(args[0], args[1], int(args[2]))
 
-    ``config_msgpack`` is the msgpack-encoded :class:`EngineConfig`; the process connects its
-    output socket to ``output_address`` and binds its input socket to ``input_address``.
-    """
+
+def run_engine_core(output_address: str, input_address: str, parent_fd: int) -> None:
+    """The engine-core process: connect the output socket to ``output_address``, bind the input
+    socket to ``input_address``, take the configuration from the client, serve; exit when the
+    descriptor ``parent_fd`` reads end-of-file (the parent is gone). Never returns."""
     # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.set_inheritable(parent_fd, False)  # the engine's own children must not hold it open
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=logging.WARNING,
             format="%(asctime)s engine-core[%(process)d] %(levelname)s %(name)s: %(message)s",
         )
     exit_code = 1
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    output = make_socket(ctx, zmq.PUSH, linger_ms=_OUTPUT_LINGER_MS, hwm=OUTPUT_HWM)
+    input_ = make_socket(ctx, zmq.PULL)
     try:
-        config = msgspec.msgpack.decode(config_msgpack, type=EngineConfig)
-        server = _Server(config, output_address, input_address)
-        exit_code = anyio.run(server.serve, backend=config.engine_runtime)
+        server = _Server(output, input_, input_address, parent_fd)
+        output.connect(output_address)
+        config = server.handshake()
+        if config is not None:
+            exit_code = anyio.run(server.serve, config, backend=config.engine_runtime)
     except BaseException:
         logger.exception("the engine-core process failed")
     finally:
+        input_.close()
+        output.close()  # lingers until the last messages are out
+        ctx.term()
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -82,35 +104,55 @@ def _root_cause(exc: BaseException) -> BaseException:
 class _Server:
     """Startup handshake, signals and the final notice around one :class:`EngineCoreProc`."""
 
-    def __init__(self, config: EngineConfig, output_address: str, input_address: str) -> None:
-        self.config = config
-        self.output_address = output_address
+    def __init__(
+        self,
+        output: zmq.Socket[bytes],
+        input_: zmq.Socket[bytes],
+        input_address: str,
+        parent_fd: int,
+    ) -> None:
+        self.output = output
+        self.input = input_
         self.input_address = input_address
+        self.parent_fd = parent_fd
+        self.config: EngineConfig  # set by serve()
         self.encoder = msgspec.msgpack.Encoder()
         self.proc: EngineCoreProc | None = None
         self.stop_reason: str | None = None
         self.startup_scope: anyio.CancelScope | None = None
 
-    async def serve(self) -> int:
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        output = make_socket(ctx, zmq.PUSH, linger_ms=_OUTPUT_LINGER_MS, hwm=OUTPUT_HWM)
-        input_ = make_socket(ctx, zmq.PULL)
+    def handshake(self) -> EngineConfig | None:
+        """Bind the input socket, say :class:`Hello` and wait for the configuration (None: the
+        bind failed, reported to the client). Exits if the parent dies meanwhile."""
         try:
-            output.connect(self.output_address)
-            try:
-                input_.bind(self.input_address)
-            except zmq.ZMQError as exc:
-                return self._die(output, exc)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._exit_when_parent_dies)
-                tg.start_soon(self._watch_signals)
-                exit_code = await self._serve(input_, output)
-                tg.cancel_scope.cancel()
-            return exit_code
-        finally:
-            input_.close()
-            output.close()  # lingers until the last messages are out
-            ctx.term()
+            self.input.bind(self.input_address)
+        except zmq.ZMQError as exc:
+            self._die(self.output, exc)
+            return None
+        self._send(self.output, Hello(self.input.getsockopt_string(zmq.LAST_ENDPOINT)))
+        poller = zmq.Poller()
+        poller.register(self.input, zmq.POLLIN)
+        poller.register(self.parent_fd, zmq.POLLIN)
+        decoder = startup_decoder()
+        while True:
+            ready = dict(poller.poll())
+            if self.parent_fd in ready:
+                self._exit_parent_gone()
+            if self.input in ready:
+                try:
+                    return decoder.decode(self.input.recv()).config
+                except Exception as exc:  # a client of another version, say
+                    self._die(self.output, exc)
+                    return None
+
+    async def serve(self, config: EngineConfig) -> int:
+        self.config = config
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._exit_when_parent_dies)
+            tg.start_soon(self._watch_signals)
+            exit_code = await self._serve(self.input, self.output)
+            tg.cancel_scope.cancel()
+        return exit_code
 
     async def _serve(self, input_: zmq.Socket[bytes], output: zmq.Socket[bytes]) -> int:
         core: EngineCore | None = None
@@ -171,12 +213,12 @@ class _Server:
         return 1
 
     async def _exit_when_parent_dies(self) -> None:
-        """Exit as soon as the parent is gone (its end of a pipe closes), removing the private
+        await anyio.wait_readable(self.parent_fd)
+        self._exit_parent_gone()
+
+    def _exit_parent_gone(self) -> None:
+        """Exit now that the parent is gone (its end of the pair closed), removing the private
         socket directory that the parent can no longer remove."""
-        parent = multiprocessing.parent_process()
-        if parent is None:
-            return
-        await anyio.wait_readable(parent.sentinel)
         logger.warning("the parent process is gone: exiting")
         if self.input_address.startswith("ipc://"):
             shutil.rmtree(os.path.dirname(self.input_address.removeprefix("ipc://")), True)

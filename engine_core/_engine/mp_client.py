@@ -1,6 +1,7 @@
 """``MPClient``: the engine core in its own process, reached over ZMQ.
 
-Construction launches the engine-core process (see ``launch``) and waits for its ``Ready``;
+Construction launches the engine-core process (see ``launch``), answers its ``Hello`` with the
+configuration (``Startup``) and waits for its ``Ready``;
 :meth:`MPClient.start_async` does the same without blocking an event loop. Then requests and
 control calls go down the input socket; per-step outputs, call replies and finally a death notice
 come up the output socket (see ``wire``). Lifecycle: starting -> ready -> closing -> closed, or
@@ -59,7 +60,9 @@ from engine_core._engine.wire import (
     AbortRequests,
     ClientMessage,
     EngineDead,
+    Hello,
     Shutdown,
+    Startup,
     UtilityCall,
     UtilityReply,
 )
@@ -158,13 +161,13 @@ class MPClient(EngineCoreClient):
         self._inbox = EngineInbox(
             self._sockets.output,
             on_notice=self._on_notice,
+            on_hello=self._on_hello,
             heartbeat_timeout_s=heartbeat_timeout_s,
             on_silence=self._on_silence,
             post=self._sockets.post_to_self,
         )
         try:
             self._process = EngineProcess(
-                config,
                 self._sockets.output_endpoint,
                 self._sockets.addresses.input,
                 self._on_exit,
@@ -173,6 +176,11 @@ class MPClient(EngineCoreClient):
         except BaseException:
             self._sockets.close()
             raise
+
+    def _on_hello(self, hello: Hello) -> None:
+        """The process runs and listens: connect to it and send it the configuration."""
+        self._sockets.input.connect(hello.input_address)
+        self._send(Startup(self.config))
 
     def _got_ready(self) -> bool:
         return self._inbox.ready is not None
@@ -190,7 +198,6 @@ class MPClient(EngineCoreClient):
                 )
             raise startup_error(self._inbox.notice, self._inbox.exit_code)
         self.info = ready.info
-        self._sockets.input.connect(ready.input_address)
         if self._move(_State.READY):
             self._inbox.listening = True
 
@@ -230,7 +237,7 @@ class MPClient(EngineCoreClient):
 
     # -- sending --------------------------------------------------------------------------------
 
-    def _send(self, message: ClientMessage) -> None:
+    def _send(self, message: ClientMessage | Startup) -> None:
         # The input socket connects with an unbounded queue: sending never blocks.
         self._sockets.input.send(self._encoder.encode(message), zmq.NOBLOCK)
 

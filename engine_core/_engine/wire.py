@@ -2,9 +2,11 @@
 
 One tagged union of msgspec structs per direction, msgpack-encoded, one message per ZMQ frame:
 
-- down (client -> engine, the input socket): :class:`~engine_core._core.protocol.EngineCoreRequest`
-  (``"add"``), :class:`AbortRequests`, :class:`UtilityCall`, :class:`Shutdown`;
-- up (engine -> client, the output socket): :class:`Ready` (the startup handshake, first),
+- down (client -> engine, the input socket): :class:`Startup` (the configuration, first and
+  once), then :class:`~engine_core._core.protocol.EngineCoreRequest` (``"add"``),
+  :class:`AbortRequests`, :class:`UtilityCall`, :class:`Shutdown`;
+- up (engine -> client, the output socket): :class:`Hello` (the process runs and listens, first),
+  :class:`Ready` (the engine core is built),
   :class:`~engine_core._core.protocol.EngineCoreOutputs` (``"out"``, one per step, in columns),
   :class:`UtilityReply`, :class:`Heartbeat` (a sign of life while nothing else goes up) and
   :class:`EngineDead` (last); the client's own process watch posts :class:`EngineDead` and
@@ -29,6 +31,7 @@ import msgspec
 
 from engine_core._core.checks import show
 from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, EngineInfo
+from engine_core.config import EngineConfig
 
 __all__ = [
     "AbortRequests",
@@ -36,9 +39,11 @@ __all__ = [
     "EngineDead",
     "EngineMessage",
     "Heartbeat",
+    "Hello",
     "Ready",
     "Shutdown",
     "Silence",
+    "Startup",
     "UtilityCall",
     "UtilityReply",
     "RejectedRequest",
@@ -47,6 +52,7 @@ __all__ = [
     "decode_client_message",
     "read_add_request_id",
     "engine_message_decoder",
+    "startup_decoder",
 ]
 
 logger = logging.getLogger(__name__)
@@ -56,6 +62,14 @@ _MAX_ERROR_CHARS = 500
 
 
 # -- down: client -> engine ---------------------------------------------------------------------
+
+
+class Startup(msgspec.Struct, array_like=True, tag="start"):
+    """The client's answer to :class:`Hello`, sent once before anything else: the configuration
+    the engine core is built from. Decoded on its own (:func:`startup_decoder`), before the
+    engine serves; never part of :data:`ClientMessage`."""
+
+    config: EngineConfig
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):
@@ -82,6 +96,14 @@ ClientMessage: TypeAlias = EngineCoreRequest | AbortRequests | UtilityCall | Shu
 
 
 # -- up: engine -> client -----------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, array_like=True, tag="hello"):
+    """The engine-core process runs: its input socket listens at ``input_address`` and it waits
+    for the :class:`Startup` that configures it."""
+
+    input_address: str
+    """Where the engine's input socket listens (its bound endpoint)."""
 
 
 class Ready(msgspec.Struct, array_like=True, tag="ready"):
@@ -125,13 +147,18 @@ class Silence(msgspec.Struct, array_like=True, tag="silence"):
 
 
 EngineMessage: TypeAlias = (
-    Ready | EngineCoreOutputs | UtilityReply | Heartbeat | EngineDead | Silence
+    Hello | Ready | EngineCoreOutputs | UtilityReply | Heartbeat | EngineDead | Silence
 )
 
 
 def client_message_decoder() -> msgspec.msgpack.Decoder[ClientMessage]:
     """The typed decoder of the engine's input socket (create one per socket)."""
     return msgspec.msgpack.Decoder(ClientMessage)
+
+
+def startup_decoder() -> msgspec.msgpack.Decoder[Startup]:
+    """The typed decoder of the first message on the engine's input socket."""
+    return msgspec.msgpack.Decoder(Startup)
 
 
 def engine_message_decoder() -> msgspec.msgpack.Decoder[EngineMessage]:
