@@ -5,13 +5,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING
+from typing import Any
 
 from engine_core.abc import Backend, BackendProvider
+from engine_core.config import EngineConfig
 from engine_core.errors import BackendError
-
-if TYPE_CHECKING:
-    from engine_core.config import EngineConfig
 
 __all__ = ["BackendInfo", "ENTRY_POINT_GROUP", "list_backends", "load_backend", "resolve_backend"]
 
@@ -30,6 +28,20 @@ class BackendInfo:
     """Why it is unusable, or a short description of what it would run on."""
     install_hint: str
     provider: BackendProvider | None
+    usable_with: dict[str, Any] | None = None
+    """Unusable as asked but installed and usable with these ``backend_options`` (the CUDA
+    backend without a GPU: ``{"device": "cpu"}``), from the provider's optional
+    ``fallback_options``."""
+
+
+def _usable_with(provider: BackendProvider, config: EngineConfig | None) -> dict[str, Any] | None:
+    """The provider's ``fallback_options`` when the backend is usable with them."""
+    fallback = getattr(provider, "fallback_options", None)
+    if not isinstance(fallback, dict) or not fallback:
+        return None
+    options = {**(config.backend_options if config is not None else {}), **fallback}
+    usable, _ = provider.is_available(EngineConfig(backend_options=options))
+    return dict(fallback) if usable else None
 
 
 def list_backends(config: EngineConfig | None = None) -> dict[str, BackendInfo]:
@@ -44,7 +56,10 @@ def list_backends(config: EngineConfig | None = None) -> dict[str, BackendInfo]:
             usable, detail = (
                 provider.is_available() if config is None else provider.is_available(config)
             )
-            found[ep.name] = BackendInfo(ep.name, usable, detail, provider.install_hint, provider)
+            usable_with = None if usable else _usable_with(provider, config)
+            found[ep.name] = BackendInfo(
+                ep.name, usable, detail, provider.install_hint, provider, usable_with
+            )
         except Exception as exc:  # a broken plugin must not break discovery
             logger.warning("backend %r failed to load: %s", ep.name, exc)
             found[ep.name] = BackendInfo(ep.name, False, f"failed to load: {exc}", "", None)
@@ -77,7 +92,8 @@ def resolve_backend(name: str, config: EngineConfig | None = None) -> BackendInf
             f"A backend named {name!r} would be installed with: pip install engine-core-{name}"
         )
     if not info.usable:
-        hint = f" ({info.install_hint})" if info.install_hint else ""
+        # Installed and usable otherwise: how to use it is in the detail, not an install.
+        hint = f" ({info.install_hint})" if info.install_hint and not info.usable_with else ""
         raise BackendError(f"backend {name!r} is not usable here: {info.detail}{hint}")
     return info
 

@@ -162,7 +162,13 @@ class BackendProvider(Protocol):
 
     name: str
     install_hint: str
-    """What to install to make this backend usable, e.g. ``pip install engine-core-cuda``."""
+    """What to install to make this backend usable, e.g. ``pip install engine-core-cuda``.
+
+    A provider may also define ``fallback_options``: ``backend_options`` under which the
+    backend runs where :meth:`is_available` says no (the CUDA backend without a GPU:
+    ``{"device": "cpu"}``). ``engine-core backends`` then lists it as installed, and errors do
+    not tell the user to install it; the detail should say how to use them
+    (:func:`engine_core.config.backend_options_hint` writes them as the user types them)."""
 
     def is_available(self, config: EngineConfig | None = None) -> tuple[bool, str]:
         """Whether the backend can run here, and why not (or a short description).

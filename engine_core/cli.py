@@ -10,15 +10,21 @@ field that may be None takes ``none`` (``--step-timeout-s none``).
 from __future__ import annotations
 
 import argparse
+import ast
+import inspect
+import itertools
 import json
 import os
 import sys
+import textwrap
 import typing
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from engine_core._frontend.runtime import run_options
-from engine_core.config import EngineConfig
+from engine_core.config import COMMAND_LINE_ENV, EngineConfig
 
 __all__ = ["API_KEY_ENV", "add_engine_config_flags", "engine_config_from_args", "main"]
 
@@ -54,12 +60,56 @@ def _flag_type(annotation: Any) -> tuple[Any, dict[str, Any]]:
     return str, {}
 
 
+def _field_docs() -> dict[str, str]:
+    """EngineConfig's field docstrings (the string under each field), read from its source;
+    empty where the source is not installed."""
+    try:
+        source = inspect.getsource(EngineConfig)
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(textwrap.dedent(source)).body[0]
+    assert isinstance(body, ast.ClassDef)
+    docs: dict[str, str] = {}
+    for field, doc in itertools.pairwise(body.body):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(field.target, ast.Name)
+            and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)
+        ):
+            docs[field.target.id] = " ".join(doc.value.value.replace("``", "").split())
+    return docs
+
+
+def _shown_default(name: str) -> str:
+    """A field's default as it would be typed on the command line."""
+    value = getattr(EngineConfig(), name)
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return f"--{'' if value else 'no-'}{name.replace('_', '-')}"
+    if isinstance(value, str):
+        return value
+    return msgspec.json.encode(value).decode()
+
+
+def _field_help(doc: str | None, name: str, extra: dict[str, Any]) -> str:
+    parts = [doc or name.replace("_", " "), f"(default: {_shown_default(name)})"]
+    if "help" in extra:  # "or 'none'"
+        parts.append(f"[{extra.pop('help')}]")
+    return " ".join(parts).replace("%", "%%")
+
+
 def add_engine_config_flags(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--flag`` per EngineConfig field (defaults left to EngineConfig)."""
+    """Add one ``--flag`` per EngineConfig field (defaults left to EngineConfig), its help
+    text the field's docstring."""
     hints = typing.get_type_hints(EngineConfig)
+    docs = _field_docs()
     group = parser.add_argument_group("engine configuration")
     for name in EngineConfig.__struct_fields__:
         flag_type, extra = _flag_type(hints[name])
+        extra["help"] = _field_help(docs.get(name), name, extra)
         kwargs: dict[str, Any] = {"default": None, "dest": f"cfg_{name}", **extra}
         if flag_type is not None:
             kwargs["type"] = flag_type
@@ -90,9 +140,10 @@ def cmd_backends(args: argparse.Namespace) -> int:
         return 1
     width = max(len(n) for n in found)
     for info in found.values():
-        state = "usable" if info.usable else "unusable"
-        hint = f"  ({info.install_hint})" if not info.usable and info.install_hint else ""
-        print(f"{info.name:<{width}}  {state:<8}  {info.detail}{hint}")
+        # "installed": usable with other backend_options, which the detail names.
+        state = "usable" if info.usable else "installed" if info.usable_with else "unusable"
+        hint = f"  ({info.install_hint})" if state == "unusable" and info.install_hint else ""
+        print(f"{info.name:<{width}}  {state:<9}  {info.detail}{hint}")
     return 0
 
 
@@ -159,6 +210,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         shutdown_timeout_s=args.shutdown_timeout,
         access_log=args.access_log,
+        log_requests=args.enable_log_requests,
         http_server=args.http_server,
     )
     config = engine_config_from_args(args)
@@ -180,6 +232,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+_RUNTIME_HELP = "event loop of this process: asyncio or trio (default asyncio)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engine_core._bench.cli import add_bench_parsers
 
@@ -190,20 +245,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_backends)
 
     p = sub.add_parser("generate", help="stream a completion of one prompt to stdout")
-    p.add_argument("prompt")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--sampling-seed", dest="seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("prompt", help="the text to complete")
+    p.add_argument(
+        "--max-tokens", type=int, default=64, help="most tokens to generate (default 64)"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)"
+    )
+    p.add_argument(
+        "--sampling-seed", dest="seed", type=int, default=None, help="seed of this sampling"
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--runtime", choices=["asyncio", "trio"], default="asyncio")
+    p.add_argument("--runtime", choices=["asyncio", "trio"], default="asyncio", help=_RUNTIME_HELP)
     add_engine_config_flags(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
-    p.add_argument("--runtime", choices=["asyncio", "trio"], default="asyncio")
+    p.add_argument("--runtime", choices=["asyncio", "trio"], default="asyncio", help=_RUNTIME_HELP)
     p.add_argument(
         "--api-key",
         default=None,
@@ -213,10 +274,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name",
         nargs="+",
         default=None,
-        help="model name(s) clients use (default: --model, else 'engine-core')",
+        help="model name(s) clients use (default: --model as given, else the backend's name, "
+        "e.g. 'mock')",
     )
     p.add_argument("--chat-template", default=None, help="chat template file or text")
-    p.add_argument("--max-request-body-bytes", type=int, default=16 << 20)
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=16 << 20,
+        metavar="N",
+        help="answer 413 to a request body larger than this (default 16 MiB)",
+    )
     p.add_argument(
         "--keep-alive-timeout",
         type=float,
@@ -253,14 +321,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="on SIGTERM/Ctrl+C, how long responses in flight may take to finish (default 30)",
     )
-    p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log one line per completion request: its id, prompt and output token counts, "
+        "finish reason and latency",
+    )
     p.add_argument(
         "--http-server",
         choices=["auto", "uvicorn", "hypercorn"],
         default="auto",
         help="auto: uvicorn under asyncio where installed, else hypercorn (trio: hypercorn)",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="least severe log messages shown (default info)",
+    )
     add_engine_config_flags(p)
     p.set_defaults(func=cmd_serve)
 
@@ -270,11 +349,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Hints in errors show flags, here and in the engine process (which inherits it).
+    previous = os.environ.get(COMMAND_LINE_ENV)
+    os.environ[COMMAND_LINE_ENV] = "1"
     try:
         return int(args.func(args))
     except (ValueError, TypeError, LookupError) as exc:
         print(f"engine-core: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if previous is None:
+            del os.environ[COMMAND_LINE_ENV]
+        else:
+            os.environ[COMMAND_LINE_ENV] = previous
 
 
 if __name__ == "__main__":

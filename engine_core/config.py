@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["EngineConfig"]
+__all__ = ["COMMAND_LINE_ENV", "EngineConfig", "backend_options_hint"]
 
 DEFAULT_MAX_MODEL_LEN = 8192
+
+COMMAND_LINE_ENV = "ENGINE_CORE_COMMAND_LINE"
+"""Set (to 1) by the ``engine-core`` command, and so inherited by its engine process: hints in
+error messages then show flags rather than Python."""
+
+
+def backend_options_hint(options: dict[str, Any]) -> str:
+    """How to pass ``options`` as the user would type them: ``--backend-options '{...}'`` under
+    the ``engine-core`` command, else ``backend_options={...}``."""
+    if os.environ.get(COMMAND_LINE_ENV) == "1":
+        return f"--backend-options '{json.dumps(options)}'"
+    return f"backend_options={options!r}"
 
 
 def _positive(
@@ -34,18 +48,34 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Tokenizer directory, ``"byte"`` for the built-in byte tokenizer, or None (= ``model``,
     else ``"byte"``)."""
     backend: str = "auto"
+    """The backend to run (``engine-core backends`` lists them): ``"mock"``, ``"cuda"``, or
+    ``"auto"``: a usable backend other than the mock where there is one, else the mock."""
     backend_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """The backend's own options, a dict (on the command line: JSON); each backend documents
+    its names."""
     block_size: int = 16
+    """Tokens per KV-cache block."""
     num_kv_blocks: int | None = None
     """Override the number of KV blocks computed from the backend's free memory."""
     kv_cache_memory_fraction: float = 0.9
+    """Share of the device's free memory the engine may use (the KV cache gets it, less what
+    the model's steps need)."""
     max_model_len: int | None = None
+    """Longest sequence (prompt + output) in tokens. None: the model's limit."""
     max_num_seqs: int = 256
+    """Most requests running at once (the batch); more wait in the queue."""
     max_num_batched_tokens: int | None = None
+    """Token budget of one step. None: max(8192, max_num_seqs), at least max_model_len
+    without chunked prefill."""
     enable_chunked_prefill: bool = True
+    """Split a long prompt's prefill over several steps, beside other requests' decodes."""
     long_prefill_token_threshold: int = 0
+    """Most prompt tokens one request prefills in a step (0: no limit but the budget)."""
     enable_prefix_caching: bool = True
+    """Reuse the KV blocks of prompt prefixes already computed."""
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """Order of the waiting requests: first come first served, or by request priority
+    (lower first)."""
     multiprocess: bool | None = None
     """Run the engine core in its own process. None: AsyncLLM does, LLM does not."""
     engine_runtime: Literal["asyncio", "trio"] = "asyncio"
@@ -59,9 +89,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     while it has work and nothing else went out for a fifth of this, so only a frozen
     process (stopped, deadlocked, a step holding the GIL) stays silent. None: no check."""
     startup_timeout_s: float = 300.0
+    """How long the engine may take to start (load the model, allocate the KV cache)."""
     grammar_compile_timeout_s: float = 10.0
     """A structured-output grammar that takes longer to compile fails its request."""
     max_queued_requests: int | None = None
+    """Requests that may wait beyond the running batch; past it new ones fail at once as
+    retryable (the server: 503). None: no limit."""
     max_n: int = 128
     """Most completions one request may ask for (``SamplingParams.n``); OpenAI's limit."""
     max_stop_strings: int = 64
@@ -71,9 +104,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     knows they do not start a stop string, and the stop-string automaton grows with the total
     length of a request's stop strings."""
     seed: int = 0
+    """Seed of the engine's randomness (random weights, benchmark prompts); requests seed
+    their own sampling."""
     dtype: str = "auto"
+    """Model weights' data type (``"auto"``: the backend picks, bf16 on a GPU)."""
     tensor_parallel_size: int = 1
+    """Devices one model is split over (1 so far)."""
     data_parallel_size: int = 1
+    """Model replicas (1 so far: run several engines behind a load balancer)."""
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from engine_core import EngineConfig
 from engine_core._bench.server_process import server_process
 from engine_core.cli import build_parser, engine_config_from_args, main
+from engine_core.config import COMMAND_LINE_ENV
 
 MOCK = ["--backend", "mock", "--tokenizer", "byte"]
 
@@ -125,3 +128,87 @@ def test_serve_and_bench_serve(
 
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=30) == 0
+
+
+def test_serve_prints_where_once_and_logs_requests() -> None:
+    """Without --served-model-name the mock is served as "mock"; "serving on" comes once (read
+    by server_process) and --enable-log-requests logs each request."""
+    flags = ["--port", "0", *MOCK, "--enable-log-requests"]
+    with server_process(flags, start_timeout_s=60, stop_grace_s=None) as (url, process):
+        body = {"model": "mock", "prompt": "abc", "max_tokens": 5, "temperature": 0}
+        response = httpx.post(f"{url}/v1/completions", json=body)
+        assert response.json()["choices"][0]["text"] == "defgh"
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+        assert process.stderr is not None
+        rest = process.stderr.read()
+    assert "serving on" not in rest
+    assert "3 prompt tokens, 5 output tokens, finish_reason length" in rest
+
+
+def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[Any]:
+    """(command path, parser) of every command that takes flags."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+    for sub in subs:
+        for name, child in sub.choices.items():
+            yield from _commands(child, (*path, name))
+
+
+def test_every_flag_has_help_text() -> None:
+    commands = dict(_commands(build_parser()))
+    assert {" ".join(c) for c in commands} >= {
+        "serve",
+        "generate",
+        "bench throughput",
+        "bench latency",
+        "bench serve",
+    }
+    for command, parser in commands.items():
+        for action in parser._actions:
+            if not isinstance(action, argparse._HelpAction):
+                assert action.help, (command, action.option_strings or action.dest)
+    # The engine's flags say what their EngineConfig field's docstring says.
+    serve = commands[("serve",)]
+    flags = {a.dest: a.help for a in serve._actions}
+    assert flags["cfg_max_num_seqs"] == (
+        "Most requests running at once (the batch); more wait in the queue. (default: 256)"
+    )
+    assert flags["cfg_step_timeout_s"] is not None
+    assert "None: no limit. (default: 300.0) [or 'none']" in flags["cfg_step_timeout_s"]
+    assert flags["cfg_enable_prefix_caching"] is not None
+    assert flags["cfg_enable_prefix_caching"].endswith("(default: --enable-prefix-caching)")
+
+
+def test_backend_hints_take_the_command_lines_form(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a GPU the installed CUDA backend is listed as installed, with how to run it on
+    the CPU in flags; asking for it says the same, in flags on the command line and in Python
+    from Python."""
+    pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    import engine_core_cuda._provider as cuda_provider
+
+    from engine_core import LLM
+    from engine_core.errors import BackendError
+
+    monkeypatch.setattr(cuda_provider, "cuda_device_present", lambda: False)
+    monkeypatch.delenv("ENGINE_CORE_CUDA_DEVICE", raising=False)
+    monkeypatch.delenv(COMMAND_LINE_ENV, raising=False)
+    with pytest.raises(BackendError) as info:
+        LLM(backend="cuda", tokenizer="byte")
+    assert "backend_options={'device': 'cpu'}" in str(info.value)
+    assert "pip install" not in str(info.value)
+
+    assert main(["backends"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("cuda"))
+    assert line.split()[:2] == ["cuda", "installed"]
+    assert """--backend-options '{"device": "cpu"}'""" in line
+    assert "pip install" not in line
+    assert main(["generate", "abc", "--backend", "cuda", "--tokenizer", "byte"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("engine-core: error: backend 'cuda' is not usable here")
+    assert """--backend-options '{"device": "cpu"}'""" in error
+    assert COMMAND_LINE_ENV not in os.environ  # main() leaves the environment as it found it

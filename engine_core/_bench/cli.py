@@ -9,6 +9,7 @@ import argparse
 import random
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -94,6 +95,7 @@ def cmd_throughput(args: argparse.Namespace, config_from_args: ConfigFromArgs) -
 
     config = config_from_args(args)
     with LLM.from_config(config) as llm:
+        backend = llm.info.backend
         prompts = _random_prompts(llm.vocab_size, args.num_prompts, args.input_len, config.seed)
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         start = time.perf_counter()
@@ -115,12 +117,32 @@ def cmd_throughput(args: argparse.Namespace, config_from_args: ConfigFromArgs) -
         ("elapsed (s)", f"{elapsed:.2f}"),
     ]
     print_table(
-        f"backend={config.backend} prompts={args.num_prompts} input_len={args.input_len} "
+        f"backend={backend} prompts={args.num_prompts} input_len={args.input_len} "
         f"output_len={args.output_len} max_num_seqs={config.max_num_seqs}",
         rows,
     )
+    print(_in_words(backend, len(outputs), args.input_len, args.output_len, out_tokens, elapsed))
     _write_json(args.json, dict(rows))
     return 0
+
+
+def _in_words(
+    backend: str, num_prompts: int, input_len: int, output_len: int, tokens: int, elapsed: float
+) -> str:
+    """What a throughput run measured, said plainly."""
+    text = (
+        f"Generated {tokens:,} tokens ({num_prompts} requests x {output_len} output tokens, "
+        f"{input_len}-token prompts) in {elapsed:.2f} s: {tokens / elapsed:,.0f} output tokens "
+        "per second."
+    )
+    if backend == "mock":
+        text += (
+            " The mock backend does no model compute (its forward pass returns at once), so "
+            "this is the engine's own overhead: scheduling, KV-cache bookkeeping, "
+            "detokenization and output handling. It is the ceiling the engine allows on this "
+            "machine; with a real model each step also waits for the model's forward pass."
+        )
+    return textwrap.fill(text, 100)
 
 
 # -- bench latency -------------------------------------------------------------------------------
@@ -225,6 +247,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0 if not errors else 1
 
 
+_LENGTH_HELP = {
+    "num_prompts": "prompts of random tokens",
+    "batch_size": "prompts of random tokens in the batch",
+    "input_len": "tokens per prompt",
+    "output_len": "output tokens per prompt (the end-of-sequence token ignored)",
+    "num_iters_warmup": "batches run before timing",
+    "num_iters": "batches timed",
+}
+
+
 def add_bench_parsers(
     sub: argparse._SubParsersAction[argparse.ArgumentParser],
     add_engine_flags: Callable[[argparse.ArgumentParser], None],
@@ -236,8 +268,13 @@ def add_bench_parsers(
     def offline(name: str, help: str, command: OfflineCommand, **lengths: int) -> ArgParser:
         p = bench.add_parser(name, help=help)
         for flag, default in lengths.items():
-            p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=default)
-        p.add_argument("--no-progress", action="store_true")
+            p.add_argument(
+                f"--{flag.replace('_', '-')}",
+                type=int,
+                default=default,
+                help=f"{_LENGTH_HELP[flag]} (default {default})",
+            )
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
         p.add_argument("--json", default=None, help="also write the results to this path")
         add_engine_flags(p)
         p.set_defaults(func=lambda a: command(a, config_from_args))
@@ -264,14 +301,19 @@ def add_bench_parsers(
 
     p = bench.add_parser("serve", help="streaming load against a running OpenAI-compatible server")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
-    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    p.add_argument(
+        "--endpoint",
+        choices=["chat", "completions"],
+        default="chat",
+        help="/v1/chat/completions or /v1/completions (default chat)",
+    )
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
-    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--num-requests", type=int, default=256, help="requests in all (default 256)")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--input-len", type=int, default=32, help="prompt length in characters")
     p.add_argument("--prompt", default=None, help="the prompt text (overrides --input-len)")
     p.add_argument("--model", default=None, help="model name to ask for")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", default=None, help="also write the results to this path")
     p.set_defaults(func=cmd_serve)

@@ -28,7 +28,7 @@ from engine_core._core.protocol import (
 )
 from engine_core._core.request import Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
-from engine_core._plugins import load_backend
+from engine_core._plugins import load_backend, resolve_backend
 from engine_core._structured.manager import StructuredOutputManager
 from engine_core.abc import Backend, ModelRunnerOutput, SchedulerOutput
 from engine_core.config import EngineConfig
@@ -117,6 +117,10 @@ class EngineCore:
                 f"data_parallel_size={config.data_parallel_size}: one engine core serves one "
                 "replica so far; run several engines behind a load balancer"
             )
+        if backend_cls is None:
+            # "auto" becomes the backend it picks, which the engine then reports by name.
+            name = resolve_backend(config.backend, config).name
+            config = msgspec.structs.replace(config, backend=name)
         cls = backend_cls if backend_cls is not None else load_backend(config.backend, config)
         backend = cls(config)
         try:

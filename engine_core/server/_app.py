@@ -50,7 +50,8 @@ class ServerSettings:
     api_key: str | None = None
     """When set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>``."""
     served_model_names: tuple[str, ...] = ()
-    """Names clients may ask for; empty: the model directory, else ``"engine-core"``."""
+    """Names clients may ask for; empty: ``--model`` as given, else the backend's name
+    (``"mock"``)."""
     chat_template: str | None = None
     """A chat template file or text, overriding the tokenizer's."""
     max_request_body_bytes: int = 16 << 20
@@ -72,6 +73,9 @@ class ServerSettings:
     """On shutdown, how long in-flight responses may take to finish before they are ended
     with an error (a stream: an error event and ``data: [DONE]``)."""
     access_log: bool = False
+    log_requests: bool = False
+    """Log one line per request (id, prompt and output token counts, finish reason, latency)
+    to the ``engine_core.server.requests`` logger, at INFO."""
     http_server: Literal["auto", "uvicorn", "hypercorn"] = "auto"
     """``"auto"``: uvicorn under asyncio where it is installed, else hypercorn (trio: always)."""
 
@@ -235,7 +239,8 @@ def _server_state(engine: AsyncLLM, settings: ServerSettings) -> ServerState:
         engine=engine,
         tokenizer=tokenizer,
         chat_template=load_chat_template(config.tokenizer_name, settings.chat_template),
-        model_names=settings.served_model_names or (config.model or "engine-core",),
+        model_names=settings.served_model_names or (config.model or engine.info.backend,),
+        log_requests=settings.log_requests,
         max_model_len=engine.info.max_model_len,
         api_key=(
             hashlib.sha256(settings.api_key.encode()).digest()

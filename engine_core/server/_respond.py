@@ -4,12 +4,15 @@ An endpoint reads its request into a :class:`RequestContext` and says how an out
 choices; the code here runs the prompts through the engine (one ``AsyncLLM.generate`` call per
 prompt, its ``n`` completions included, feeding the metrics as it goes), counts the usage and
 writes the JSON: one body of FINAL_ONLY outputs, or server-sent events of DELTA outputs ending
-with ``[DONE]``.
+with ``[DONE]``. With ``log_requests`` each request ends with one line on the
+``engine_core.server.requests`` logger: its id, prompt and output token counts, finish reasons
+and latency.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -22,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine_core.outputs import RequestOutput
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling_params import RequestOutputKind, SamplingParams
 from engine_core.server._errors import APIError, api_error_from
 from engine_core.server._protocol import ResponseBody, SamplingFields, Usage
 from engine_core.server._serving import PreparedPrompt, ServerState
@@ -34,6 +37,7 @@ B = TypeVar("B", bound=SamplingFields)
 C = TypeVar("C")
 
 _ENCODER = msgspec.json.Encoder()
+request_logger = logging.getLogger("engine_core.server.requests")
 
 _OutputHandler = Callable[[int, RequestOutput], Awaitable[None]]
 """Called with (prompt index, output) for every output of every prompt."""
@@ -127,7 +131,43 @@ def _single_api_error(group: BaseExceptionGroup[Any]) -> APIError | None:
 
 async def _run_prompts(ctx: RequestContext[Any], handle: _OutputHandler) -> None:
     """Generate for every prompt concurrently, handing each output to ``handle``; engine errors
-    become :class:`APIError` (the first one, when several prompts fail)."""
+    become :class:`APIError` (the first one, when several prompts fail). Logs the request when
+    the server logs requests."""
+    if not ctx.state.log_requests:
+        await _generate(ctx, handle)
+        return
+    start = time.perf_counter()
+    delta = ctx.params.output_kind is RequestOutputKind.DELTA
+    num_tokens = [0] * len(ctx.prompts)
+    reasons: set[str] = set()
+
+    async def counted(index: int, output: RequestOutput) -> None:
+        count = sum(len(c.token_ids) for c in output.outputs)
+        num_tokens[index] = num_tokens[index] + count if delta else count
+        reasons.update(c.finish_reason for c in output.outputs if c.finish_reason is not None)
+        await handle(index, output)
+
+    outcome = None
+    try:
+        await _generate(ctx, counted)
+    except anyio.get_cancelled_exc_class():
+        outcome = "cancelled (the client left)"
+        raise
+    except BaseException as exc:
+        outcome = f"failed ({exc.message if isinstance(exc, APIError) else type(exc).__name__})"
+        raise
+    finally:
+        request_logger.info(
+            "%s: %d prompt tokens, %d output tokens, finish_reason %s, %.3f s",
+            ctx.request_id,
+            sum(prompt.num_tokens for prompt in ctx.prompts),
+            sum(num_tokens),
+            outcome or ",".join(sorted(reasons)) or "none",
+            time.perf_counter() - start,
+        )
+
+
+async def _generate(ctx: RequestContext[Any], handle: _OutputHandler) -> None:
     if len(ctx.prompts) == 1:
         await _run_one(ctx, 0, ctx.request_id, handle)
         return

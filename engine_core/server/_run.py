@@ -206,7 +206,8 @@ async def _serve_until_stopped(
     async with anyio.create_task_group() as task_group:
         task_group.start_soon(run)
         task_status.started(url)
-        logger.info("serving on %s (max %d connections)", url, limits.max_connections)
+        # The caller says where it serves (engine-core serve prints it once).
+        logger.debug("serving on %s (max %d connections)", url, limits.max_connections)
         try:
             first = await _first(shutdown=shutdown, death=functools.partial(_death, engine))
             if first == "shutdown":

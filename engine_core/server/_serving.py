@@ -63,6 +63,8 @@ class ServerState:
     """SHA-256 digest of the API key, when one is required."""
     max_body_bytes: int
     health_timeout_s: float
+    log_requests: bool = False
+    """Log one line per request (see ``_respond``)."""
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
 

@@ -11,6 +11,8 @@ import sys
 
 import torch
 
+from engine_core.config import backend_options_hint
+
 __all__ = ["free_memory_bytes", "prepare_triton", "resolve_device", "resolve_dtype"]
 
 _DTYPES = {
@@ -39,7 +41,7 @@ def resolve_device(name: str) -> torch.device:
         if not torch.cuda.is_available():
             raise RuntimeError(
                 f"device {name!r}: torch sees no CUDA device (torch {torch.__version__}); "
-                "backend_options={'device': 'cpu'} runs on the CPU"
+                f"{backend_options_hint({'device': 'cpu'})} runs on the CPU"
             )
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index >= torch.cuda.device_count():
@@ -90,7 +92,7 @@ def prepare_triton(device: torch.device) -> None:
             "Triton was imported in this process before TRITON_INTERPRET=1 was set, so its "
             "kernels cannot run on the CPU; set TRITON_INTERPRET=1 in the environment (or "
             "create the backend before importing anything that imports triton), or use "
-            "backend_options={'kernels': 'torch'}"
+            f"{backend_options_hint({'kernels': 'torch'})}"
         )
 
 

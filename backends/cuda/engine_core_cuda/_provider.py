@@ -7,6 +7,7 @@ import os
 from importlib.util import find_spec
 from typing import TYPE_CHECKING
 
+from engine_core.config import backend_options_hint
 from engine_core_cuda._options import DEVICE_ENV, requested_device
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ class CudaProvider:
 
     name = "cuda"
     install_hint = "pip install engine-core-cuda"
+    fallback_options = {"device": "cpu"}
+    """Where no GPU is present the backend still runs, on the CPU."""
 
     def is_available(self, config: EngineConfig | None = None) -> tuple[bool, str]:
         """Usable when torch and triton are installed and either a CUDA device is present or
@@ -46,7 +49,7 @@ class CudaProvider:
         if cuda_device_present():
             return True, "CUDA GPU (torch + Triton)"
         return False, (
-            "no CUDA device found; backend_options={'device': 'cpu'} (or "
+            f"no CUDA device found; {backend_options_hint(self.fallback_options)} (or "
             f"{DEVICE_ENV}=cpu) runs this backend on the CPU"
         )
 
