@@ -1,23 +1,42 @@
-# Quick start: `make run` (set up + throughput run on the mock backend), `make test` (set up + full suite).
+# Quick start: `make run` (sets up the core and the mock backend, then a throughput run on the
+# mock), `make test` (sets up the rest, torch's CPU build included, then the full suite).
+#
+# TORCH_INDEX_URL: where `make test` takes torch from. The default is PyTorch's CPU index, so a
+# machine without a GPU does not download a multi-GB CUDA build; on a GPU machine pick a CUDA one
+# (make test TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126), or PyPI's default build
+# (TORCH_INDEX_URL=https://pypi.org/simple).
 PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 VENV := .venv
 PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q
+CORE_STAMP := $(VENV)/.core-installed
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint typecheck bench clean
+.PHONY: setup setup-core run test lint typecheck bench clean
 
-# torch first, and its CPU build: anything that pulls torch in before it would fetch a CUDA build.
-$(STAMP): pyproject.toml backends/mock/pyproject.toml backends/cuda/pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q numpy
-	$(PY) -m pip install -q -e '.[all,dev]' -e backends/mock -e 'backends/cuda[test]'
+	$(PIP) --upgrade pip
+
+# The core, the mock and the progress bar: all that `make run` needs (no torch, no Triton).
+$(CORE_STAMP): pyproject.toml backends/mock/pyproject.toml | $(PY)
+	$(PIP) -e '.[progress]' -e backends/mock
+	touch $(CORE_STAMP)
+
+# torch first, from TORCH_INDEX_URL: anything that pulled torch in before it would fetch PyPI's
+# CUDA build. Then the extras, the test tools and the CUDA backend (whose tests run on the CPU).
+$(STAMP): $(CORE_STAMP) backends/cuda/pyproject.toml
+	$(PIP) torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX_URL)
+	$(PIP) -e '.[all,dev]' -e backends/mock -e 'backends/cuda[test]'
 	touch $(STAMP)
+
+setup-core: $(CORE_STAMP)
 
 setup: $(STAMP)
 
-run: $(STAMP)
+run: $(CORE_STAMP)
 	$(PY) -m engine_core bench throughput --backend mock --num-prompts 1000 --input-len 128 --output-len 128
 
 test: $(STAMP)
@@ -30,7 +49,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy engine_core backends/mock/engine_core_mock backends/cuda/engine_core_cuda
 
-bench: $(STAMP)
+bench: $(CORE_STAMP)
 	$(PY) bench/bench_scheduler.py --workload all
 
 clean:
