@@ -25,10 +25,11 @@ $(CORE_STAMP): pyproject.toml backends/mock/pyproject.toml | $(PY)
 	$(PIP) -e '.[progress]' -e backends/mock
 	touch $(CORE_STAMP)
 
-# torch first, from TORCH_INDEX_URL: anything that pulled torch in before it would fetch PyPI's
-# CUDA build. Then the extras, the test tools and the CUDA backend (whose tests run on the CPU).
+# torch first, from TORCH_INDEX_URL (alone: its dependencies come from the usual index with the
+# rest): anything that pulled torch in before it would fetch PyPI's CUDA build. Then the extras,
+# the test tools and the CUDA backend (whose tests run on the CPU).
 $(STAMP): $(CORE_STAMP) backends/cuda/pyproject.toml
-	$(PIP) torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX_URL)
+	$(PIP) --no-deps torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX_URL)
 	$(PIP) -e '.[all,dev]' -e backends/mock -e 'backends/cuda[test]'
 	touch $(STAMP)
 
