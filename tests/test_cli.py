@@ -73,6 +73,9 @@ def test_bench_throughput(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert main([*argv, "--no-progress", "--json", str(out), *MOCK]) == 0
     printed = capsys.readouterr().out
     assert "output tokens/s" in printed and printed.startswith("machine: ")
+    words = " ".join(printed.split())  # what it measured, in words
+    assert "Generated 48 tokens (8 requests x 6 output tokens, 4-token prompts) in " in words
+    assert "does no model compute" in words and "the engine's own overhead" in words
     data = json.loads(out.read_text())
     assert data["machine"].startswith("machine: ")
     assert float(data["requests/s"].replace(",", "")) > 0
