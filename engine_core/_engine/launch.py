@@ -12,13 +12,11 @@ Each process holds one end of a socket pair: it reads end-of-file when the other
 so the engine exits when its parent dies and a thread here learns of the engine's exit. That
 thread reaps the process and hands its exit status to the client; meanwhile it wakes when the
 client's ``look`` asks to (to keep the clock of the engine's silences). Stopping waits for the
-clean exit that a ``Shutdown`` message asks for, then escalates to SIGTERM and SIGKILL; an
-interpreter that exits with the engine still running terminates it (SIGTERM: a clean shutdown).
+clean exit that a ``Shutdown`` message asks for, then escalates to SIGTERM and SIGKILL.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import select
@@ -42,8 +40,6 @@ _SHUTDOWN_TIMEOUT_S = 5.0
 """How long a stopping process may take to exit by itself before it is terminated."""
 _TERMINATE_TIMEOUT_S = 2.0
 """How long a terminated process may take to exit before it is killed."""
-_AT_EXIT_TIMEOUT_S = 5.0
-"""How long an exiting interpreter waits for the engine it terminated."""
 _WAKE_LINGER_MS = 1000
 _MAX_LOOK_INTERVAL_S = 3600.0
 
@@ -142,7 +138,6 @@ class EngineProcess:
         finally:
             theirs.close()
         self._sentinel = ours
-        atexit.register(self._at_exit)
         self._watch = threading.Thread(
             target=self._watch_exit, args=(on_exit, look), name="EngineCore-watch", daemon=True
         )
@@ -199,14 +194,6 @@ class EngineProcess:
                 return
             escalate()
 
-    def _at_exit(self) -> None:
-        """At interpreter exit, an engine still running is terminated (its socket directory
-        with it) rather than left to notice its parent's death."""
-        if not self.exited(0):
-            self._process.terminate()
-            if not self.exited(_AT_EXIT_TIMEOUT_S):
-                self.kill()
-
     def wait_watch(self, timeout: float | None = None) -> None:
         """Until the watch has handed over the exit status (or ``timeout`` seconds passed)."""
         self._watch.join(timeout)
@@ -217,7 +204,6 @@ class EngineProcess:
 
     def close(self) -> None:
         """Kill the process if it still runs, wait for the watch, release the process."""
-        atexit.unregister(self._at_exit)
         if not self.exited(0):
             self.kill()
         self._watch.join()

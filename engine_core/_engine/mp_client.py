@@ -29,6 +29,7 @@ therefore needs no separate watch task: its output handler's :meth:`get_output_a
 
 from __future__ import annotations
 
+import atexit
 import enum
 import functools
 import itertools
@@ -176,6 +177,9 @@ class MPClient(EngineCoreClient):
         except BaseException:
             self._sockets.close()
             raise
+        # A client still open when the interpreter exits shuts its engine down (and removes
+        # the socket directory) rather than leave the engine to find its parent gone.
+        atexit.register(self.shutdown)
 
     def _on_hello(self, hello: Hello) -> None:
         """The process runs and listens: connect to it and send it the configuration."""
@@ -399,6 +403,7 @@ class MPClient(EngineCoreClient):
         """Kill the process if it still runs and release everything (idempotent)."""
         if not self._move(_State.CLOSED):
             return
+        atexit.unregister(self.shutdown)
         self._process.close()
         self._sockets.close()
 

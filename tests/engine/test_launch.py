@@ -106,3 +106,35 @@ def test_entry_point_refuses_a_bad_command_line() -> None:
     )
     assert done.returncode == 2
     assert done.stderr.startswith("usage: python -m engine_core._engine ")
+
+
+def test_an_engine_left_open_ends_with_the_interpreter(tmp_path: Path) -> None:
+    # Never closed: at exit the client shuts its engine down and removes its sockets, and the
+    # engine has no parent death to report.
+    program = (
+        "from engine_core import LLM\n"
+        "llm = LLM(backend='mock', tokenizer='byte', multiprocess=True)\n"
+        "print(llm._client.pid, llm._client._sockets.addresses.directory, flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stderr
+    pid, directory = done.stdout.split()
+    assert not os.path.exists(directory)
+    assert "parent process is gone" not in done.stderr
+    # The engine was reaped by its parent before it exited.
+    assert not os.path.exists(f"/proc/{pid}") or _not_the_engine(int(pid))
+
+
+def _not_the_engine(pid: int) -> bool:
+    """Whether ``pid`` now names another process (its number reused)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"engine_core._engine" not in f.read()
+    except FileNotFoundError:
+        return True
