@@ -206,7 +206,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Parameters for sampling one request; validated at construction.
 
     ``temperature`` below 1e-5 means greedy decoding (``top_p``, ``top_k`` and ``min_p`` are then
-    reset to their neutral values). ``stop`` strings are matched by the front end on the decoded
+    reset to their neutral values); ``n > 1`` with greedy decoding gives ``n`` identical
+    completions, as OpenAI's API does. ``stop`` strings are matched by the front end on the decoded
     text; ``stop_token_ids`` by the engine on token ids.
     """
 
@@ -257,8 +258,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if not math.isfinite(self.temperature):
             raise ValueError(f"temperature must be finite, got {self.temperature!r}")
         _check_range("temperature", self.temperature, 0.0, 2.0)
-        if self.n > 1 and self.is_greedy:
-            raise ValueError(f"n must be 1 with greedy sampling (temperature=0), got n={self.n}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < -1:

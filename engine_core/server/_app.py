@@ -164,19 +164,24 @@ class _App:
         await response(scope, receive, send)
 
 
+def _model_card(state: ServerState, name: str) -> ModelCard:
+    return ModelCard(
+        id=name,
+        created=state.created,
+        owned_by="engine-core",
+        root=state.engine.config.model,
+        max_model_len=state.max_model_len,
+    )
+
+
 async def _models(state: ServerState, request: Request) -> Response:
-    root = state.engine.config.model
-    cards = [
-        ModelCard(
-            id=name,
-            created=state.created,
-            owned_by="engine-core",
-            root=root,
-            max_model_len=state.max_model_len,
-        )
-        for name in state.model_names
-    ]
-    return _json(ModelList(data=cards))
+    return _json(ModelList(data=[_model_card(state, name) for name in state.model_names]))
+
+
+async def _model(state: ServerState, request: Request) -> Response:
+    """``GET /v1/models/{id}``: the card of a served model, 404 for any other id."""
+    name = state.model_name(request.path_params["model_id"])
+    return _json(_model_card(state, name))
 
 
 async def _health(state: ServerState, request: Request) -> Response:
@@ -257,6 +262,8 @@ def create_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> ASGI
     routes = [
         *(Route(path, endpoint, methods=["POST"]) for path, endpoint in hot.items()),
         Route("/v1/models", _api_endpoint(state, _models), methods=["GET"]),
+        # ``path``: served names may hold slashes ("org/model"), which clients percent-encode.
+        Route("/v1/models/{model_id:path}", _api_endpoint(state, _model), methods=["GET"]),
         Route("/health", _open_endpoint(state, _health), methods=["GET"]),
         Route("/version", _open_endpoint(state, _version), methods=["GET"]),
         Route("/metrics", _open_endpoint(state, _metrics), methods=["GET"]),

@@ -45,12 +45,23 @@ from engine_core.server._sse import EventStreamResponse
 __all__ = ["create_chat_completion", "render_messages"]
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+"""The roles OpenAI's chat API knows; any other is a 400 naming ``messages``."""
+
+
 def _message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as templates expect them: content flattened to a string."""
     if not body.messages:
         raise APIError(400, "messages must not be empty", param="messages")
     messages: list[dict[str, Any]] = []
-    for message in body.messages:
+    for index, message in enumerate(body.messages):
+        if message.role not in CHAT_ROLES:
+            raise APIError(
+                400,
+                f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, "
+                f"got {show(message.role)}",
+                param="messages",
+            )
         content = message.content
         if isinstance(content, list):
             texts = []

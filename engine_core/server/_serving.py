@@ -157,6 +157,10 @@ def sampling_params(
     ``structured_outputs`` (from the endpoint's own field) replaces ``body.structured_outputs``.
     Streams get DELTA outputs, whole responses FINAL_ONLY."""
     fields = body.__struct_fields__
+    if body.stream_options is not None and not body.stream:
+        raise APIError(
+            400, "stream_options is only allowed when stream is true", param="stream_options"
+        )
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     kwargs: dict[str, Any] = {

@@ -1,0 +1,165 @@
+"""Where the server answers as OpenAI's API does, driven by the official ``openai`` client under
+asyncio (uvicorn) and trio (hypercorn): model retrieval, ``n > 1`` at temperature 0,
+``logit_bias``, ``stream_options`` without a stream, unknown chat roles, and vLLM's
+``/tokenize`` and ``/detokenize``.
+
+The engine is the in-process mock with the byte tokenizer: greedy decoding counts up from the
+last prompt byte ("abc" continues "def...", the chat prompt "user: hi\\nassistant:" continues
+";<=>...").
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from engine_core import AsyncLLM
+from engine_core.server import ServerSettings, serve
+
+pytestmark = pytest.mark.anyio
+
+T = TypeVar("T")
+API_KEY = "test-key"
+MODEL = "org/mock-model"
+HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("asyncio", "uvicorn"), ("trio", "hypercorn")],
+    ids=lambda stack: "-".join(stack),
+)
+def stack(request: pytest.FixtureRequest) -> tuple[str, str]:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def anyio_backend(stack: tuple[str, str]) -> str:
+    return stack[0]
+
+
+@dataclass
+class Server:
+    url: str
+    client: openai.OpenAI
+    http: httpx.Client
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """A blocking client call in a worker thread, off the server's event loop."""
+        with anyio.fail_after(20):
+            return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+
+@pytest.fixture(scope="module")
+async def server(stack: tuple[str, str]) -> AsyncIterator[Server]:
+    settings = ServerSettings(
+        port=0,
+        api_key=API_KEY,
+        served_model_names=(MODEL, "second"),
+        http_server=stack[1],  # type: ignore[arg-type]
+    )
+    stop = anyio.Event()
+    async with (
+        AsyncLLM(backend="mock", tokenizer="byte", multiprocess=False, max_model_len=256) as engine,
+        anyio.create_task_group() as task_group,
+    ):
+        url = await task_group.start(
+            functools.partial(serve, engine, settings, shutdown_trigger=stop.wait)
+        )
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=10)
+        http = httpx.Client(
+            base_url=url, headers={"authorization": f"Bearer {API_KEY}"}, timeout=10
+        )
+        try:
+            yield Server(url, client, http)
+        finally:
+            client.close()
+            http.close()
+            stop.set()
+
+
+def error_of(info: pytest.ExceptionInfo[openai.APIStatusError]) -> dict[str, Any]:
+    body = info.value.body
+    assert isinstance(body, dict)
+    return body
+
+
+async def test_retrieve_a_model(server: Server) -> None:
+    for name in (MODEL, "second"):  # MODEL holds a slash, which the client percent-encodes
+        card = await server.call(server.client.models.retrieve, name)
+        assert (card.id, card.object, card.owned_by) == (name, "model", "engine-core")
+    with pytest.raises(openai.NotFoundError) as info:
+        await server.call(server.client.models.retrieve, "nope")
+    assert error_of(info)["code"] == "model_not_found"
+    anonymous = await server.call(httpx.get, f"{server.url}/v1/models/second")
+    assert anonymous.status_code == 401
+
+
+async def test_n_with_temperature_zero_gives_identical_choices(server: Server) -> None:
+    chat = await server.call(
+        server.client.chat.completions.create,
+        model=MODEL,
+        messages=HI,
+        n=3,
+        temperature=0,
+        max_tokens=3,
+    )
+    assert [(c.index, c.message.content) for c in chat.choices] == [
+        (0, ";<="),
+        (1, ";<="),
+        (2, ";<="),
+    ]
+    completion = await server.call(
+        server.client.completions.create,
+        model=MODEL,
+        prompt="abc",
+        n=2,
+        temperature=0,
+        max_tokens=2,
+    )
+    assert [c.text for c in completion.choices] == ["de", "de"]
+
+
+async def test_stream_options_without_a_stream_is_a_400(server: Server) -> None:
+    for create, extra in (
+        (server.client.completions.create, {"prompt": "abc"}),
+        (server.client.chat.completions.create, {"messages": HI}),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            await server.call(
+                create, model=MODEL, max_tokens=2, stream_options={"include_usage": True}, **extra
+            )
+        error = error_of(info)
+        assert error["param"] == "stream_options"
+        assert "stream" in error["message"]
+
+
+async def test_unknown_chat_role_is_a_400(server: Server) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]
+    with pytest.raises(openai.BadRequestError) as info:
+        await server.call(
+            server.client.chat.completions.create,
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=2,
+        )
+    error = error_of(info)
+    assert error["param"] == "messages"
+    assert "messages[1].role" in error["message"] and "'wizard'" in error["message"]
+    for role in ("system", "developer"):
+        ok = await server.call(
+            server.client.chat.completions.create,
+            model=MODEL,
+            messages=[{"role": role, "content": "be brief"}, *HI],  # type: ignore[list-item]
+            max_tokens=1,
+            temperature=0,
+        )
+        assert ok.choices[0].message.content == ";"
