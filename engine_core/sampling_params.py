@@ -151,8 +151,8 @@ def _coerce_numbers(params: SamplingParams) -> None:
 
 
 def _coerce_others(params: SamplingParams) -> None:
-    """Type-check and normalize the flags, ``output_kind``, the stop conditions and
-    ``structured_outputs``."""
+    """Type-check and normalize the flags, ``output_kind``, the stop conditions,
+    ``logit_bias`` and ``structured_outputs``."""
     for name in _BOOL_FIELDS:
         value = getattr(params, name)
         if type(value) is not bool:
@@ -166,11 +166,38 @@ def _coerce_others(params: SamplingParams) -> None:
     else:
         params.stop = _str_list("stop", [stop] if isinstance(stop, str) else stop)
     params.stop_token_ids = _int_list("stop_token_ids", params.stop_token_ids)
+    if params.logit_bias is not None:
+        params.logit_bias = _logit_bias(params.logit_bias)
     structured = params.structured_outputs
     if structured is not None and not isinstance(structured, StructuredOutputsParams):
         raise TypeError(
             f"structured_outputs must be a StructuredOutputsParams, got {show(structured)}"
         )
+
+
+MAX_LOGIT_BIAS = 100.0
+"""The largest ``logit_bias`` value either way (OpenAI's bound)."""
+
+
+def _logit_bias(value: object) -> dict[int, float] | None:
+    """``value`` (a dict of token ids to numbers) as a dict of int to float; None when empty."""
+    if not isinstance(value, dict):
+        raise TypeError(f"logit_bias must be a dict of token id to number, got {show(value)}")
+    bias: dict[int, float] = {}
+    for token, number in value.items():
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise TypeError(f"logit_bias keys must be token ids (ints), got {show(token)}")
+        if not 0 <= token <= INT64_MAX:
+            raise ValueError(
+                f"logit_bias keys must be token ids in [0, 2**63 - 1], got {show(token)}"
+            )
+        number = _as_float(f"logit_bias[{token}]", number)
+        if not -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias values must be in [-100, 100], got {show(number)} for token {token}"
+            )
+        bias[token] = number
+    return bias or None
 
 
 def _as_output_kind(kind: object) -> RequestOutputKind:
@@ -232,6 +259,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     detokenize: bool = True
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    """Token id -> a value in [-100, 100] added to that token's logit before sampling, as in
+    OpenAI's API (-100 in effect bans a token, 100 in effect forces it); ids past the
+    vocabulary end the request with an error. Logprobs stay those of the model's own
+    distribution."""
 
     def __post_init__(self) -> None:
         self.validate()

@@ -42,6 +42,7 @@ def test_defaults_equal_vllm() -> None:
             "detokenize": True,
             "skip_special_tokens": True,
             "structured_outputs": None,
+            "logit_bias": None,
         },
     )
     assert p.is_greedy is False
@@ -373,6 +374,6 @@ def test_every_field_is_type_checked() -> None:
     )
     grouped = [name for group in groups for name in group]
     # The rest have checks of their own in _coerce_others.
-    special = ["stop", "stop_token_ids", "output_kind", "structured_outputs"]
+    special = ["stop", "stop_token_ids", "output_kind", "structured_outputs", "logit_bias"]
     # A field declared with another annotation than the groups read falls out: this fails.
     assert sorted(grouped + special) == sorted(SamplingParams.__struct_fields__)

@@ -161,8 +161,6 @@ def sampling_params(
         raise APIError(
             400, "stream_options is only allowed when stream is true", param="stream_options"
         )
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     kwargs: dict[str, Any] = {
         "n": body.n,
         "max_tokens": max_tokens,
@@ -178,6 +176,7 @@ def sampling_params(
         "logprobs": logprobs,
         "output_kind": RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         "structured_outputs": structured_outputs or body.structured_outputs,
+        "logit_bias": _logit_bias(body.logit_bias),
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(body, name)
@@ -187,6 +186,22 @@ def sampling_params(
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
         raise invalid_parameter(exc, fields, renames) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) keyed by int; 400 for a key that
+    is no token id (the values and the ids' range are :class:`SamplingParams`'s checks)."""
+    if not bias:
+        return None
+    converted: dict[int, float] = {}
+    for key, value in bias.items():
+        # No 64-bit id has more than 20 digits; int() would refuse past 4300.
+        if not (key.isascii() and key.isdigit() and len(key) <= 20):
+            raise APIError(
+                400, f"logit_bias keys must be token ids, got {show(key)}", param="logit_bias"
+            )
+        converted[int(key)] = value
+    return converted
 
 
 def prepare_prompt(

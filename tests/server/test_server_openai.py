@@ -163,3 +163,43 @@ async def test_unknown_chat_role_is_a_400(server: Server) -> None:
             temperature=0,
         )
         assert ok.choices[0].message.content == ";"
+
+
+async def test_logit_bias(server: Server) -> None:
+    e, x = ord("e"), ord("x")
+    completion = await server.call(
+        server.client.completions.create,
+        model=MODEL,
+        prompt=["abc", "abc"],
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(e): -100, str(x): 100},
+    )
+    assert [c.text for c in completion.choices] == ["xxxx", "xxxx"]
+    chat = await server.call(
+        server.client.chat.completions.create,
+        model=MODEL,
+        messages=HI,
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(ord(";")): -100},
+    )
+    assert chat.choices[0].message.content == "<=>"
+    for bias, piece in (
+        ({"e": 1}, "logit_bias keys must be token ids, got 'e'"),
+        ({"-1": 1}, "logit_bias keys must be token ids, got '-1'"),
+        ({"9" * 20: 1}, "logit_bias keys must be token ids in [0, 2**63 - 1]"),
+        ({"5": 101}, "logit_bias values must be in [-100, 100], got 101.0 for token 5"),
+        ({"258": 1}, "logit_bias token ids [258] are outside the vocabulary (size 258)"),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            await server.call(
+                server.client.completions.create,
+                model=MODEL,
+                prompt="abc",
+                max_tokens=2,
+                logit_bias=bias,
+            )
+        error = error_of(info)
+        assert error["param"] == "logit_bias", error
+        assert piece in error["message"], error

@@ -14,6 +14,9 @@ Tokens (``vocab_size`` V):
 - while a request has fewer than ``min_tokens`` outputs its EOS and ``stop_token_ids`` are
   masked, and a grammar bitmask masks what it disallows: the mock then takes the first allowed
   token at or after the rule's token, wrapping around;
+- ``logit_bias``: a bias of -100 bans its token, one of +100 forces it (the first forced token
+  at or after the rule's token, among those allowed); with greedy decoding the other values
+  choose the token of highest synthetic logit (below) plus bias; random sampling ignores them;
 - logprobs come from a synthetic distribution centred on the greedy token ``g``:
   rank ``((t - g) % V) + 1`` and logprob ``-rank * ln 2``.
 

@@ -1,8 +1,9 @@
 """``MockBackend``: a deterministic CPU backend that holds real per-request state.
 
 Token rules (see the package docstring): greedy counts up from the last token, random sampling
-hashes (seed, token history), stop ids are masked below ``min_tokens`` and a grammar bitmask
-moves the choice to the next allowed token. Like a real backend it keeps each request's tokens,
+hashes (seed, token history), ``logit_bias`` bans, forces or (greedy) reweighs tokens, stop ids
+are masked below ``min_tokens`` and a grammar bitmask moves the choice to the next allowed
+token. Like a real backend it keeps each request's tokens,
 block table and ``num_computed_tokens`` from the scheduler's diffs, and it checks them: a
 scheduler that breaks the contract gets a ``RuntimeError`` instead of silently wrong tokens.
 After such an error the backend's state is undefined.
@@ -274,6 +275,10 @@ class MockBackend(Backend):
             token = centre if state.greedy else state.random_token(vocab_size)
             words = rows.get(index) if rows is not None else None
             masked = state.masked()
+            if state.logit_bias is not None:
+                token = state.logit_bias.choose(
+                    token, centre, vocab_size, state.greedy, masked, words
+                )
             if masked is not None or words is not None:
                 allowed = next_allowed(token, vocab_size, masked, words)
                 if allowed is None:
