@@ -27,6 +27,7 @@ from engine_core.server._errors import APIError, error_json
 from engine_core.server._protocol import ModelCard, ModelList
 from engine_core.server._serving import ServerState
 from engine_core.server._sse import EventStreamResponse
+from engine_core.server._tokenize import detokenize, tokenize
 
 __all__ = ["ServerSettings", "create_app"]
 
@@ -264,6 +265,8 @@ def create_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> ASGI
         Route("/v1/models", _api_endpoint(state, _models), methods=["GET"]),
         # ``path``: served names may hold slashes ("org/model"), which clients percent-encode.
         Route("/v1/models/{model_id:path}", _api_endpoint(state, _model), methods=["GET"]),
+        Route("/tokenize", _api_endpoint(state, tokenize), methods=["POST"]),
+        Route("/detokenize", _api_endpoint(state, detokenize), methods=["POST"]),
         Route("/health", _open_endpoint(state, _health), methods=["GET"]),
         Route("/version", _open_endpoint(state, _version), methods=["GET"]),
         Route("/metrics", _open_endpoint(state, _metrics), methods=["GET"]),

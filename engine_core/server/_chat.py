@@ -42,7 +42,7 @@ from engine_core.server._serving import (
 )
 from engine_core.server._sse import EventStreamResponse
 
-__all__ = ["create_chat_completion", "render_messages"]
+__all__ = ["chat_prompt", "create_chat_completion", "render_messages"]
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -126,7 +126,14 @@ def _template_arguments(body: ChatCompletionRequest) -> tuple[dict[str, bool], d
 
 
 def render_messages(state: ServerState, body: ChatCompletionRequest) -> PreparedPrompt:
-    """The prompt of a chat request: the rendered template and its token ids."""
+    """The prompt of a chat request: the rendered template and its token ids, checked."""
+    text, token_ids = chat_prompt(state, body)
+    return prepare_prompt(state, token_ids, "messages", text)
+
+
+def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """The rendered template of a chat request's messages and its token ids (400 naming the
+    field for messages or template arguments it cannot render)."""
     if body.tools:
         raise APIError(400, "tools are not supported", param="tools")
     flags, kwargs = _template_arguments(body)
@@ -144,7 +151,7 @@ def render_messages(state: ServerState, body: ChatCompletionRequest) -> Prepared
     if bos is not None and len(token_ids) > 1 and token_ids[0] == token_ids[1] == bos:
         # The template wrote the BOS token and the tokenizer added another one.
         del token_ids[0]
-    return prepare_prompt(state, token_ids, "messages", text)
+    return text, token_ids
 
 
 def _chat_logprobs(positions: list[PositionLogprobs], top: int) -> ChatLogprobs:

@@ -203,3 +203,33 @@ async def test_logit_bias(server: Server) -> None:
         error = error_of(info)
         assert error["param"] == "logit_bias", error
         assert piece in error["message"], error
+
+
+async def test_tokenize_and_detokenize_in_vllms_shapes(server: Server) -> None:
+    post = server.http.post
+    tokenized = await server.call(post, "/tokenize", json={"model": MODEL, "prompt": "abc"})
+    assert tokenized.status_code == 200
+    assert tokenized.json() == {"count": 3, "max_model_len": 256, "tokens": [97, 98, 99]}
+    chat = await server.call(
+        post, "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert chat.json()["tokens"] == list(b"user: hi\nassistant:")
+    # Longer than the context: counted, not refused (clients use it to check the length).
+    long = await server.call(post, "/tokenize", json={"prompt": "x" * 300})
+    assert (long.json()["count"], long.json()["max_model_len"]) == (300, 256)
+    detokenized = await server.call(post, "/detokenize", json={"tokens": [97, 98, 99, 257]})
+    assert detokenized.status_code == 200
+    assert detokenized.json() == {"prompt": "abc</s>"}
+    for path, body, status, param in (
+        ("/tokenize", {"model": "nope", "prompt": "a"}, 404, "model"),
+        ("/tokenize", {"model": MODEL}, 400, "prompt"),
+        ("/tokenize", {"prompt": "a", "return_token_strs": True}, 400, "return_token_strs"),
+        ("/tokenize", {"messages": [{"role": "wizard", "content": "a"}]}, 400, "messages"),
+        ("/detokenize", {"tokens": [97, 258]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ):
+        response = await server.call(post, path, json=body)
+        assert response.status_code == status, (path, body, response.text)
+        assert response.json()["error"]["param"] == param, (path, body, response.text)
+    anonymous = await server.call(httpx.post, f"{server.url}/tokenize", json={"prompt": "a"})
+    assert anonymous.status_code == 401
