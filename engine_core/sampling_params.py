@@ -58,8 +58,16 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool = False
+    """With ``json`` or ``json_object``: compact JSON, with no whitespace between tokens (as
+    vLLM's field of that name); by default the grammar allows any."""
 
     def __post_init__(self) -> None:
+        if type(self.disable_any_whitespace) is not bool:
+            raise TypeError(
+                "structured_outputs.disable_any_whitespace must be a bool, "
+                f"got {show(self.disable_any_whitespace)}"
+            )
         chosen = [name for name in _STRUCTURED_FIELDS if getattr(self, name) is not None]
         if len(chosen) != 1:
             raise ValueError(

@@ -50,13 +50,16 @@ class GrammarSpec:
 
     kind: str
     text: str
+    compact: bool = False
+    """JSON without whitespace between tokens (``disable_any_whitespace``)."""
 
     @classmethod
     def from_params(cls, params: StructuredOutputsParams) -> GrammarSpec:
+        compact = params.disable_any_whitespace
         if params.json is not None:
-            return cls("json", _canonical_json(params.json))
+            return cls("json", _canonical_json(params.json), compact)
         if params.json_object:
-            return cls("json_object", "")
+            return cls("json_object", "", compact)
         if params.regex is not None:
             return cls("regex", params.regex)
         if params.choice is not None:
@@ -148,16 +151,21 @@ def build_tokenizer(tokenizer_name: str, vocab_size: int) -> Any:
         ) from exc
 
 
+_COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+"""llguidance's JSON options for compact JSON: no whitespace anywhere between tokens."""
+
+
 def _grammar_text(llguidance: ModuleType, spec: GrammarSpec) -> str:
     matcher = llguidance.LLMatcher
+    defaults = _COMPACT_JSON if spec.compact else None
     if spec.kind == "json":
         try:
             json.loads(spec.text)
         except (ValueError, RecursionError) as exc:
             raise ValueError(f"not valid JSON ({exc})") from exc
-        return str(matcher.grammar_from_json_schema(spec.text))
+        return str(matcher.grammar_from_json_schema(spec.text, defaults=defaults))
     if spec.kind == "json_object":
-        return str(matcher.grammar_from_json_schema('{"type": "object"}'))
+        return str(matcher.grammar_from_json_schema('{"type": "object"}', defaults=defaults))
     if spec.kind == "regex":
         return str(matcher.grammar_from_regex(spec.text))
     if spec.kind == "choice":

@@ -72,6 +72,9 @@ class ServerSettings:
     shutdown_timeout_s: float = 30.0
     """On shutdown, how long in-flight responses may take to finish before they are ended
     with an error (a stream: an error event and ``data: [DONE]``)."""
+    disable_any_whitespace: bool = False
+    """Compact JSON (no whitespace between tokens) for every request constrained to JSON, as
+    if each set ``structured_outputs.disable_any_whitespace``."""
     access_log: bool = False
     http_server: Literal["auto", "uvicorn", "hypercorn"] = "auto"
     """``"auto"``: uvicorn under asyncio where it is installed, else hypercorn (trio: always)."""
@@ -250,6 +253,7 @@ def _server_state(engine: AsyncLLM, settings: ServerSettings) -> ServerState:
         ),
         max_body_bytes=settings.max_request_body_bytes,
         health_timeout_s=settings.health_timeout_s,
+        disable_any_whitespace=settings.disable_any_whitespace,
     )
 
 

@@ -216,7 +216,7 @@ def _max_tokens_field(body: ChatCompletionRequest) -> str | None:
     return "max_tokens" if body.max_tokens is not None else None
 
 
-def _chat_params(body: ChatCompletionRequest) -> SamplingParams:
+def _chat_params(body: ChatCompletionRequest, compact_json: bool) -> SamplingParams:
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     max_tokens = body.max_completion_tokens
@@ -231,6 +231,7 @@ def _chat_params(body: ChatCompletionRequest) -> SamplingParams:
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         renames=renames,
         structured_outputs=_response_format(body),
+        compact_json=compact_json,
     )
 
 
@@ -244,7 +245,7 @@ async def create_chat_completion(
 ) -> Response | EventStreamResponse:
     body = await read_body(request, ChatCompletionRequest, state.max_body_bytes)
     model = state.model_name(body.model)
-    params = _chat_params(body)
+    params = _chat_params(body, state.disable_any_whitespace)
     check_sequences(state, 1, params.n, "messages")
     prompts = [render_messages(state, body)]
     check_lengths(state, prompts, params, _max_tokens_field(body))

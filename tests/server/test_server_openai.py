@@ -1,7 +1,8 @@
 """Where the server answers as OpenAI's API does, driven by the official ``openai`` client under
 asyncio (uvicorn) and trio (hypercorn): model retrieval, ``n > 1`` at temperature 0,
-``logit_bias``, ``stream_options`` without a stream, unknown chat roles, and vLLM's
-``/tokenize`` and ``/detokenize``.
+``logit_bias``, ``stream_options`` without a stream, unknown chat roles, the SDK's ``parse()``
+at its default temperature, vLLM's ``disable_any_whitespace``, ``/tokenize`` and
+``/detokenize``.
 
 The engine is the in-process mock with the byte tokenizer: greedy decoding counts up from the
 last prompt byte ("abc" continues "def...", the chat prompt "user: hi\\nassistant:" continues
@@ -11,6 +12,7 @@ last prompt byte ("abc" continues "def...", the chat prompt "user: hi\\nassistan
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -18,7 +20,9 @@ from typing import Any, TypeVar
 import anyio
 import httpx
 import openai
+import pydantic
 import pytest
+from helpers.serving import serving
 from openai.types.chat import ChatCompletionMessageParam
 
 from engine_core import AsyncLLM
@@ -233,3 +237,76 @@ async def test_tokenize_and_detokenize_in_vllms_shapes(server: Server) -> None:
         assert response.json()["error"]["param"] == param, (path, body, response.text)
     anonymous = await server.call(httpx.post, f"{server.url}/tokenize", json={"prompt": "a"})
     assert anonymous.status_code == 401
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)
+    age: int
+
+
+async def test_the_sdks_parse_completes_at_the_default_temperature(server: Server) -> None:
+    pytest.importorskip("llguidance")
+    for seed in (None, 1, 2, 3):
+        completion = await server.call(
+            server.client.chat.completions.parse,
+            model=MODEL,
+            messages=HI,
+            response_format=Person,
+            max_tokens=200,
+            seed=seed,
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Person)
+        assert completion.usage is not None and completion.usage.completion_tokens <= 100
+
+
+SCHEMA = Person.model_json_schema() | {"additionalProperties": False}
+
+
+def _outside_strings(text: str) -> str:
+    return re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+
+
+async def test_disable_any_whitespace_per_request(server: Server) -> None:
+    pytest.importorskip("llguidance")
+    texts = []
+    for compact in (False, True):
+        completion = await server.call(
+            server.client.completions.create,
+            model=MODEL,
+            prompt="abc",
+            max_tokens=200,
+            seed=7,
+            extra_body={"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": compact}},
+        )
+        texts.append(completion.choices[0].text)
+    Person.model_validate_json(texts[0])
+    Person.model_validate_json(texts[1])
+    assert re.search(r"\s", _outside_strings(texts[0]))
+    assert not re.search(r"\s", _outside_strings(texts[1]))
+
+
+async def test_disable_any_whitespace_as_the_servers_default() -> None:
+    pytest.importorskip("llguidance")
+    async with serving(multiprocess=False, settings={"disable_any_whitespace": True}) as (
+        client,
+        _,
+    ):
+        for seed in range(5):
+            response = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 200,
+                    "seed": seed,
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "person", "schema": SCHEMA},
+                    },
+                },
+            )
+            assert response.status_code == 200, response.text
+            text = response.json()["choices"][0]["message"]["content"]
+            Person.model_validate_json(text)
+            assert not re.search(r"\s", _outside_strings(text)), text

@@ -19,6 +19,7 @@ __all__ = [
     "bitmask_rows",
     "is_allowed",
     "next_allowed",
+    "nth_allowed",
     "synthetic_logprobs",
 ]
 
@@ -70,12 +71,13 @@ class LogitBias:
     token at or after the rule's token that is allowed), and with greedy decoding the others
     move the choice to the token of highest synthetic logit plus bias."""
 
-    __slots__ = ("bias", "banned", "forced")
+    __slots__ = ("bias", "banned", "forced", "weighted")
 
     def __init__(self, bias: dict[int, float]) -> None:
         self.bias = bias
         self.banned = frozenset(t for t, b in bias.items() if b <= -MAX_BIAS)
         self.forced = sorted(t for t, b in bias.items() if b >= MAX_BIAS)
+        self.weighted = any(-MAX_BIAS < b < MAX_BIAS for b in bias.values())
 
     def choose(
         self,
@@ -91,7 +93,7 @@ class LogitBias:
         forced = [t for t in self.forced if is_allowed(t, banned, words)]
         if forced:
             return min(forced, key=lambda t: (t - token) % vocab_size)
-        if not greedy:
+        if not greedy or not self.weighted:
             return token
         # The synthetic logit of t is -rank(t) * ln 2 (rank 1 at the centre): the best token
         # is the best unbiased one or a biased one.
@@ -143,3 +145,30 @@ def next_allowed(
         if token == vocab_size:
             token = 0
     return None
+
+
+def nth_allowed(
+    draw: int, vocab_size: int, banned: Collection[int] | None, words: Sequence[int]
+) -> int | None:
+    """A token drawn uniformly by ``draw`` (a random integer) among those the bitmask ``words``
+    allows and that are not ``banned``; None when there is none."""
+    masks = [w & 0xFFFFFFFF for w in words[: (vocab_size + 31) >> 5]]
+    if vocab_size & 31:
+        masks[-1] &= (1 << (vocab_size & 31)) - 1
+    for token in banned or ():
+        if token < vocab_size:
+            masks[token >> 5] &= ~(1 << (token & 31))
+    counts = [m.bit_count() for m in masks]
+    total = sum(counts)
+    if total == 0:
+        return None
+    rank = draw % total
+    for index, count in enumerate(counts):
+        if rank >= count:
+            rank -= count
+            continue
+        mask = masks[index]
+        for _ in range(rank):
+            mask &= mask - 1  # clear the lowest set bit
+        return (index << 5) + (mask & -mask).bit_length() - 1
+    raise AssertionError("unreachable: rank < total")

@@ -88,15 +88,19 @@ class RequestState:
             return self.masked_early
         return self.banned_ids or None
 
-    def random_token(self, vocab_size: int) -> int:
-        """The token drawn from the stable hash of (seed, token history)."""
+    def random_draw(self) -> int:
+        """The stable 64-bit hash of (seed, token history): this step's random number."""
         hasher = self.hasher
         assert hasher is not None
         tokens = self.tokens
         if self.num_hashed < len(tokens):
             hasher.update(array("I", tokens[self.num_hashed :]).tobytes())
             self.num_hashed = len(tokens)
-        return hasher.intdigest() % vocab_size
+        return hasher.intdigest()
+
+    def random_token(self, vocab_size: int) -> int:
+        """The token drawn from the stable hash of (seed, token history)."""
+        return self.random_draw() % vocab_size
 
     def block_fingerprint(self, index: int, block_size: int) -> int:
         """Fingerprint of the token prefix that ends with full block ``index``."""
