@@ -3,10 +3,10 @@
 Token rules (see the package docstring): greedy counts up from the last token, random sampling
 hashes (seed, token history), a grammar bitmask leaves the first allowed token that is not
 whitespace (greedy) or one drawn uniformly among the allowed ones, ``logit_bias`` bans, forces
-or (greedy) reweighs tokens, and stop ids are masked below ``min_tokens``. Like a real backend it keeps each request's tokens,
-block table and ``num_computed_tokens`` from the scheduler's diffs, and it checks them: a
-scheduler that breaks the contract gets a ``RuntimeError`` instead of silently wrong tokens.
-After such an error the backend's state is undefined.
+or (greedy) reweighs tokens, and stop ids are masked below ``min_tokens``. Like a real backend
+it keeps each request's tokens, block table and ``num_computed_tokens`` from the scheduler's
+diffs, and it checks them: a scheduler that breaks the contract gets a ``RuntimeError`` instead
+of silently wrong tokens. After such an error the backend's state is undefined.
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ class LogitBias:
     ) -> int:
         """The token to take instead of the rule's ``token`` (itself when the bias changes
         nothing); ``banned`` and ``words`` are what is excluded now."""
-        forced = [t for t in self.forced if is_allowed(t, banned, words)]
+        forced = [t for t in self.forced if t < vocab_size and is_allowed(t, banned, words)]
         if forced:
             return min(forced, key=lambda t: (t - token) % vocab_size)
         if not greedy or not self.weighted:
