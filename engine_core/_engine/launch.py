@@ -18,6 +18,7 @@ clean exit that a ``Shutdown`` message asks for, then escalates to SIGTERM and S
 from __future__ import annotations
 
 import logging
+import math
 import os
 import select
 import socket
@@ -103,8 +104,11 @@ def _engine_env() -> dict[str, str]:
 
 
 def _wait_readable(fd: int, timeout: float | None) -> bool:
-    """Whether ``fd`` becomes readable within ``timeout`` seconds (None: no limit)."""
-    return bool(select.select([fd], [], [], timeout)[0])
+    """Whether ``fd`` becomes readable within ``timeout`` seconds (None: no limit). poll, not
+    select: a process serving many connections has descriptors past select's 1024."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else math.ceil(max(timeout, 0.0) * 1000)))
 
 
 class EngineProcess:

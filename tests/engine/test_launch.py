@@ -138,3 +138,19 @@ def _not_the_engine(pid: int) -> bool:
             return b"engine_core._engine" not in f.read()
     except FileNotFoundError:
         return True
+
+
+def test_engine_starts_and_stops_with_descriptors_past_1024(tmp_path: Path) -> None:
+    # A server holding many connections: the process watch's descriptor is past select()'s
+    # limit.
+    program = (
+        "import os, resource\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+        "held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]\n"
+        "from engine_core import LLM, SamplingParams\n"
+        "llm = LLM(backend='mock', tokenizer='byte', multiprocess=True)\n"
+        "params = SamplingParams(temperature=0, max_tokens=5)\n"
+        "print(llm.generate('abc', params, use_tqdm=False)[0].outputs[0].text)\n"
+        "llm.close()\n"
+    )
+    assert _run(["-c", program], tmp_path) == ["defgh"]
