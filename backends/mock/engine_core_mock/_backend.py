@@ -29,6 +29,7 @@ from engine_core.abc import (
 from engine_core.config import EngineConfig
 from engine_core_mock._blocks import BlockLedger
 from engine_core_mock._options import Fault, parse_options
+from engine_core_mock._replies import Replies
 from engine_core_mock._sampling import bitmask_rows, next_allowed, synthetic_logprobs
 from engine_core_mock._state import RequestState, request_seed
 
@@ -51,6 +52,7 @@ class MockBackend(Backend):
         self.geometry = options.geometry
         self.latency = options.latency
         self.fault = options.fault
+        self._replies = Replies(options.replies, config.tokenizer_name) if options.replies else None
         # Without a latency model or a fault a step is a few microseconds of Python holding the
         # GIL: a worker thread would add its hand-off and no concurrency.
         self.step_in_thread = self.latency is not None or self.fault is not None
@@ -212,8 +214,13 @@ class MockBackend(Backend):
                 )
             if not new.prompt_token_ids:
                 raise RuntimeError(f"new request {req_id!r} has an empty prompt")
+            reply = (
+                self._replies.tokens_for(new.prompt_token_ids)
+                if self._replies is not None
+                else None
+            )
             state = RequestState(
-                new, request_seed(req_id, new.sampling_params.seed, self._engine_seed)
+                new, request_seed(req_id, new.sampling_params.seed, self._engine_seed), reply
             )
             tokens = state.tokens
             if min(tokens) < 0 or max(tokens) >= vocab_size:
@@ -271,7 +278,11 @@ class MockBackend(Backend):
                 continue
             if state.num_prompt_logprobs is not None:
                 prompt_logprobs = self._add_prompt_logprobs(state, prompt_logprobs)
-            token = centre if state.greedy else state.random_token(vocab_size)
+            token = state.reply_token()
+            if token is not None:
+                centre = token
+            else:
+                token = centre if state.greedy else state.random_token(vocab_size)
             words = rows.get(index) if rows is not None else None
             masked = state.masked()
             if masked is not None or words is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine_core.config import EngineConfig
+from engine_core_mock._replies import Reply, parse_replies
 
 __all__ = ["Fault", "Latency", "MockOptions", "ModelGeometry", "parse_options"]
 
@@ -24,6 +25,7 @@ OPTION_NAMES = frozenset(
         "latency",
         "load_s",
         "fault",
+        "replies",
     }
 )
 _LATENCY_KEYS = ("step_s", "per_token_s", "per_context_token_s")
@@ -103,6 +105,8 @@ class MockOptions:
     fault: Fault | None
     load_s: float = 0.0
     """Seconds that constructing the backend takes (a model load)."""
+    replies: tuple[Reply, ...] = ()
+    """Scripted replies (``engine_core_mock._replies``)."""
 
 
 def _int_option(name: str, value: Any, *, minimum: int) -> int:
@@ -242,4 +246,5 @@ def parse_options(config: EngineConfig) -> MockOptions:
         _parse_latency(options.get("latency")),
         _parse_fault(options.get("fault")),
         0.0 if options.get("load_s") is None else _seconds("'load_s'", options["load_s"]),
+        parse_replies(options.get("replies")),
     )
