@@ -1,0 +1,136 @@
+"""Reasoning output (``--reasoning-parser``): the thinking inside ``<think>…</think>`` goes to
+``reasoning_content``, the rest to ``content``; constraints apply after the thinking ends.
+
+- ``qwen3``: an output that starts with ``<think>`` thinks until ``</think>`` (all of it, when
+  the block never closes); any other output is content.
+- ``deepseek_r1``: the template opens the block in the prompt, so the output thinks from its
+  start (a leading ``<think>`` is dropped) until ``</think>``, all of it when that never comes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine_core._core.tokenizer import Tokenizer
+from engine_core.sampling_params import StructuredOutputsParams
+from engine_core.server.tools._calls import held_back
+
+__all__ = [
+    "REASONING_PARSERS",
+    "ReasoningParser",
+    "ReasoningStream",
+    "get_reasoning_parser",
+]
+
+START = "<think>"
+END = "</think>"
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningParser:
+    name: str
+    implicit_start: bool
+    """The output thinks from its start, without a ``<think>`` of its own."""
+
+    def split(self, text: str, final: bool) -> tuple[str, str, bool]:
+        """(reasoning, content, whether the thinking ended) of the text so far; while it is
+        not ``final``, text that could begin a marker is held back from both."""
+        stripped = text.lstrip()
+        if stripped.startswith(START):
+            body = stripped[len(START) :]
+        elif self.implicit_start:
+            body = text
+        elif not final and START.startswith(stripped):
+            return "", "", False  # the output may yet open a block
+        else:
+            return "", text, True
+        end = body.find(END)
+        if end < 0:
+            keep = 0 if final else held_back(body, END)
+            return body[: len(body) - keep], "", False
+        return body[:end], body[end + len(END) :].lstrip(), True
+
+    def reasoning_tokens(self, tokenizer: Tokenizer, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids`` (a whole output) are thinking: up to and with the one
+        that ends the block (all when it never ends; none when the output does not think)."""
+        text = tokenizer.decode(token_ids, skip_special_tokens=False)
+        reasoning, _, ended = self.split(text, final=True)
+        if not reasoning and not ended:
+            return 0
+        if not ended:
+            return len(token_ids)
+        if END not in text:  # no thinking at all
+            return 0
+        low, high = 1, len(token_ids)
+        while low < high:  # the shortest prefix whose text holds the end marker
+            middle = (low + high) // 2
+            if END in tokenizer.decode(token_ids[:middle], skip_special_tokens=False):
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
+    def constrain(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
+        """``params`` applied after the thinking: a Lark grammar that lets the output think
+        first. Regexes and grammars given as such are kept as they are (they constrain the
+        whole output)."""
+        if params.json is not None:
+            schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+            body = "%json " + schema
+        elif params.json_object:
+            body = '%json {"type": "object"}'
+        elif params.choice is not None:
+            body = " | ".join(json.dumps(choice) for choice in params.choice)
+        else:
+            return params
+        start = '"<think>"?' if self.implicit_start else '"<think>"'
+        grammar = (
+            f"start: ({start} thought /[ \\t\\r\\n]*/)? body\n"
+            f'thought[suffix="{END}"]: /(?s:.*)/\n'
+            f"body: {body}\n"
+        )
+        return StructuredOutputsParams(grammar=grammar)
+
+
+REASONING_PARSERS = {
+    "qwen3": ReasoningParser("qwen3", implicit_start=False),
+    "deepseek_r1": ReasoningParser("deepseek_r1", implicit_start=True),
+}
+
+
+def get_reasoning_parser(name: str) -> ReasoningParser:
+    """The parser ``name``; ``ValueError`` listing the known ones otherwise."""
+    if name not in REASONING_PARSERS:
+        raise ValueError(
+            f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}"
+        )
+    return REASONING_PARSERS[name]
+
+
+class ReasoningStream:
+    """Splits a streamed output: each :meth:`feed` gives the new reasoning and content, and
+    counts the pieces' tokens as thinking until the block ends."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.reasoning_tokens = 0
+        self._reasoning_sent = 0
+        self._content_sent = 0
+        self._ended = False
+
+    def feed(self, piece: str, num_tokens: int, final: bool) -> tuple[str, str]:
+        self.text += piece
+        reasoning, content, ended = self.parser.split(self.text, final)
+        if not self._ended:
+            self.reasoning_tokens += num_tokens
+        if ended and not (reasoning or END in self.text):
+            self.reasoning_tokens = 0  # it did not think after all
+        self._ended = ended
+        new_reasoning = reasoning[self._reasoning_sent :]
+        new_content = content[self._content_sent :]
+        self._reasoning_sent = len(reasoning)
+        self._content_sent = len(content)
+        return new_reasoning, new_content
