@@ -70,6 +70,8 @@ class ChatReader:
         content: str | None = text
         if calls:
             content = text.strip() or None
+        elif self.reasoning is not None:
+            content = text or None  # all of it was thinking
         message = AssistantMessage(
             content=content, reasoning_content=reasoning, tool_calls=calls or None
         )
@@ -88,7 +90,11 @@ class ChoiceStream:
     tool-call pieces."""
 
     def __init__(self, reader: ChatReader) -> None:
-        self.reasoning = ReasoningStream(reader.reasoning) if reader.reasoning is not None else None
+        self.reasoning = (
+            ReasoningStream(reader.reasoning, reader.tokenizer)
+            if reader.reasoning is not None
+            else None
+        )
         self.tools = ToolCallStream(reader.tool_parser) if reader.tool_parser else None
 
     @property
@@ -101,7 +107,7 @@ class ChoiceStream:
         text = completion.text
         reasoning = ""
         if self.reasoning is not None:
-            reasoning, text = self.reasoning.feed(text, len(completion.token_ids), final)
+            reasoning, text = self.reasoning.feed(text, completion.token_ids, final)
         calls: list[ToolCallDelta] = []
         if self.tools is not None:
             text, pieces = self.tools.feed(text, final)

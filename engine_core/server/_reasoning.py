@@ -111,26 +111,39 @@ def get_reasoning_parser(name: str) -> ReasoningParser:
 
 class ReasoningStream:
     """Splits a streamed output: each :meth:`feed` gives the new reasoning and content, and
-    counts the pieces' tokens as thinking until the block ends."""
+    counts the pieces' tokens as thinking up to the one that ends the block."""
 
-    def __init__(self, parser: ReasoningParser) -> None:
+    def __init__(self, parser: ReasoningParser, tokenizer: Tokenizer) -> None:
         self.parser = parser
+        self.tokenizer = tokenizer
         self.text = ""
         self.reasoning_tokens = 0
         self._reasoning_sent = 0
         self._content_sent = 0
         self._ended = False
 
-    def feed(self, piece: str, num_tokens: int, final: bool) -> tuple[str, str]:
+    def feed(self, piece: str, token_ids: Sequence[int], final: bool) -> tuple[str, str]:
+        before = self.text
         self.text += piece
         reasoning, content, ended = self.parser.split(self.text, final)
         if not self._ended:
-            self.reasoning_tokens += num_tokens
-        if ended and not (reasoning or END in self.text):
-            self.reasoning_tokens = 0  # it did not think after all
+            if ended and END in self.text and END not in before:
+                self.reasoning_tokens += self._tokens_to_end(before, token_ids)
+            elif ended and END not in self.text:
+                self.reasoning_tokens = 0  # it did not think after all
+            else:
+                self.reasoning_tokens += len(token_ids)
         self._ended = ended
         new_reasoning = reasoning[self._reasoning_sent :]
         new_content = content[self._content_sent :]
         self._reasoning_sent = len(reasoning)
         self._content_sent = len(content)
         return new_reasoning, new_content
+
+    def _tokens_to_end(self, before: str, token_ids: Sequence[int]) -> int:
+        """How many of a piece's tokens it takes to write the end marker."""
+        for count in range(1, len(token_ids)):
+            text = self.tokenizer.decode(token_ids[:count], skip_special_tokens=False)
+            if END in before + text:
+                return count
+        return len(token_ids)

@@ -94,6 +94,11 @@ REPLIES = [
     {"match": r"user: truncated", "text": BROKEN["truncated"]},
     {"match": r"user: think", "text": "<think>\nThe user asks 2+2.\n</think>\n\nThe answer is 4."},
     {"match": r"user: r1 think", "text": "The user asks 2+2.\n</think>\n\nThe answer is 4."},
+    {
+        "match": r"user: call after thinking",
+        "text": "<think>The weather is needed.</think>\n"
+        + json.dumps([{"name": "get_weather", "parameters": WEATHER_ARGS}]),
+    },
     {"match": r"user: json think", "text": '<think>It wants JSON.</think>\n{"answer": 4}'},
     {"match": r"user: agent", "text": _HERMES_WEATHER},
 ]
@@ -102,7 +107,7 @@ TEMPLATE = (
     "{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %};{% endif %}"
     "{% for m in messages %}{{ m.role }}: {{ m.content }}"
     "{% for c in m.tool_calls or [] %}<call {{ c.function.name }} "
-    "{{ c.function.arguments | tojson }}>{% endfor %}\n{% endfor %}"
+    "{{ c.function.arguments | tojson }}>{% endfor %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 """The plain template, with the tools and the assistants' calls written out."""
