@@ -281,7 +281,8 @@ def tool_choice_of(state: ServerState, body: ChatCompletionRequest) -> ToolChoic
 
 def chat_reader(state: ServerState, choice: ToolChoice) -> ChatReader:
     """How the request's outputs become messages."""
-    return ChatReader(state.tokenizer, choice.parser(state.tool_parser), state.reasoning)
+    parser = choice.parser(state.tool_parser)
+    return ChatReader(state.tokenizer, parser, state.reasoning, choice.parallel)
 
 
 def chat_params(

@@ -38,6 +38,8 @@ class ChatReader:
     tokenizer: Tokenizer
     tool_parser: ToolParser | None = None
     reasoning: ReasoningParser | None = None
+    parallel: bool = True
+    """``parallel_tool_calls``: false keeps the first call of an output only."""
     reasoning_tokens: int = 0
     _streams: dict[int, ChoiceStream] = field(default_factory=dict)
 
@@ -61,6 +63,8 @@ class ChatReader:
         calls: list[ToolCall] = []
         if self.tool_parser is not None:
             text, found = extract_tool_calls(self.tool_parser, text)
+            if not self.parallel:
+                found = found[:1]
             calls = [
                 ToolCall(
                     id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)
@@ -96,6 +100,7 @@ class ChoiceStream:
             else None
         )
         self.tools = ToolCallStream(reader.tool_parser) if reader.tool_parser else None
+        self.parallel = reader.parallel
 
     @property
     def reasoning_tokens(self) -> int:
@@ -112,6 +117,8 @@ class ChoiceStream:
         if self.tools is not None:
             text, pieces = self.tools.feed(text, final)
             for piece in pieces:
+                if piece.index > 0 and not self.parallel:
+                    continue
                 function = FunctionDelta(name=piece.name, arguments=piece.arguments)
                 calls.append(
                     ToolCallDelta(

@@ -146,3 +146,18 @@ def test_reasoning_streams_as_it_splits_whole(name: str, text: str, cuts: list[i
         got_reasoning += r
         got_content += c
     assert (got_reasoning, got_content) == (reasoning, content)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"tool_call_parser": "nope"}, "unknown tool-call parser"),
+        ({"enable_auto_tool_choice": True}, "needs a tool_call_parser"),
+        ({"reasoning_parser": "nope"}, "unknown reasoning parser"),
+    ],
+)
+def test_server_settings_check_the_parsers(fields: dict[str, Any], message: str) -> None:
+    from engine_core.server import ServerSettings
+
+    with pytest.raises(ValueError, match=message):
+        ServerSettings(**fields)

@@ -175,6 +175,18 @@ async def test_auto_reads_each_format(servers: ToolServers, server: str, stream:
         check_valid(calls)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_auto_without_parallel_calls_keeps_the_first(
+    servers: ToolServers, stream: bool
+) -> None:
+    kwargs = {"tools": TOOLS, "parallel_tool_calls": False}
+    if stream:
+        _, calls, _ = assembled(await chat_stream(servers, "hermes", "hermes two", **kwargs))
+    else:
+        calls = whole_calls(await chat(servers, "hermes", "hermes two", **kwargs))
+    assert _without_ids(calls) == [("get_weather", WEATHER_ARGS)]
+
+
 @pytest.mark.parametrize(
     ("broken", "stream"),
     [("broken", False), ("broken", True), ("truncated", False)],

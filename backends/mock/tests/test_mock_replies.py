@@ -72,3 +72,11 @@ def test_invalid_replies_are_refused(replies: Any, message: str) -> None:
     config = EngineConfig(backend="mock", tokenizer="byte", backend_options={"replies": replies})
     with pytest.raises(ValueError, match=message):
         parse_options(config)
+
+
+def test_replies_work_in_the_engine_process() -> None:
+    # As `engine-core serve --backend mock` runs it: the engine core in its own process.
+    with LLM(
+        backend="mock", tokenizer="byte", multiprocess=True, backend_options={"replies": REPLIES}
+    ) as llm:
+        assert _text(llm, "the weather in Lima", temperature=0) == "It is sunny."
