@@ -110,40 +110,64 @@ def get_reasoning_parser(name: str) -> ReasoningParser:
 
 
 class ReasoningStream:
-    """Splits a streamed output: each :meth:`feed` gives the new reasoning and content, and
-    counts the pieces' tokens as thinking up to the one that ends the block."""
+    """Splits a streamed output as :meth:`ReasoningParser.split` splits it whole, looking at
+    each piece once (a long thinking costs each piece the same): each :meth:`feed` gives the
+    new reasoning and content, and counts the tokens as thinking up to the one that ends the
+    block."""
 
     def __init__(self, parser: ReasoningParser, tokenizer: Tokenizer) -> None:
         self.parser = parser
         self.tokenizer = tokenizer
-        self.text = ""
         self.reasoning_tokens = 0
-        self._reasoning_sent = 0
-        self._content_sent = 0
-        self._ended = False
+        self._phase = "start"
+        """``start`` (whether the output thinks is not known yet), ``thinking``, ``content``."""
+        self._pending = ""
+        """Text held back: the start of the output, or a tail that could begin ``</think>``."""
+        self._content_started = False
+        """Leading white space of the content after the block is dropped until this is set."""
 
     def feed(self, piece: str, token_ids: Sequence[int], final: bool) -> tuple[str, str]:
-        before = self.text
-        self.text += piece
-        reasoning, content, ended = self.parser.split(self.text, final)
-        if not self._ended:
-            if ended and END in self.text and END not in before:
-                self.reasoning_tokens += self._tokens_to_end(before, token_ids)
-            elif ended and END not in self.text:
-                self.reasoning_tokens = 0  # it did not think after all
-            else:
+        """The new (reasoning, content) once ``piece`` (of ``token_ids``) is added."""
+        phase = self._phase
+        if phase == "content":
+            return "", self._content(piece)
+        text = self._pending + piece
+        self._pending = ""
+        if phase == "start":
+            stripped = text.lstrip()
+            if stripped.startswith(START):
+                text = stripped[len(START) :]
+            elif not final and START.startswith(stripped):
+                self._pending = text  # the output may yet open a block
                 self.reasoning_tokens += len(token_ids)
-        self._ended = ended
-        new_reasoning = reasoning[self._reasoning_sent :]
-        new_content = content[self._content_sent :]
-        self._reasoning_sent = len(reasoning)
-        self._content_sent = len(content)
-        return new_reasoning, new_content
+                return "", ""
+            elif not self.parser.implicit_start:
+                self._phase = "content"
+                self._content_started = True
+                self.reasoning_tokens = 0  # it does not think
+                return "", text
+            self._phase = "thinking"
+        end = text.find(END)
+        if end < 0:
+            kept = 0 if final else held_back(text, END)
+            self._pending = text[len(text) - kept :]
+            self.reasoning_tokens += len(token_ids)
+            return text[: len(text) - kept], ""
+        self._phase = "content"
+        after = text[end + len(END) :]  # all of it from this piece
+        self.reasoning_tokens += self._tokens_to_end(len(piece) - len(after), token_ids)
+        return text[:end], self._content(after)
 
-    def _tokens_to_end(self, before: str, token_ids: Sequence[int]) -> int:
-        """How many of a piece's tokens it takes to write the end marker."""
+    def _content(self, text: str) -> str:
+        if not self._content_started:
+            text = text.lstrip()
+            self._content_started = bool(text)
+        return text
+
+    def _tokens_to_end(self, needed: int, token_ids: Sequence[int]) -> int:
+        """How many of a piece's tokens write its first ``needed`` characters (up to the end
+        of the marker)."""
         for count in range(1, len(token_ids)):
-            text = self.tokenizer.decode(token_ids[:count], skip_special_tokens=False)
-            if END in before + text:
+            if len(self.tokenizer.decode(token_ids[:count], skip_special_tokens=False)) >= needed:
                 return count
         return len(token_ids)

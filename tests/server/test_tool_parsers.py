@@ -161,3 +161,56 @@ def test_server_settings_check_the_parsers(fields: dict[str, Any], message: str)
 
     with pytest.raises(ValueError, match=message):
         ServerSettings(**fields)
+
+
+def test_plain_content_streams_without_parsing_the_text_again() -> None:
+    from engine_core.server.tools.hermes import HermesToolParser
+
+    seen: list[int] = []
+
+    class Counting(HermesToolParser):
+        def parse(self, text: str, final: bool) -> Any:
+            seen.append(len(text))
+            return super().parse(text, final)
+
+    feeder = ToolCallStream(Counting())
+    content = "".join(feeder.feed("word ", final=False)[0] for _ in range(1000))
+    content += feeder.feed("<tool_call>", final=False)[0]
+    assert content == "word " * 1000 and seen == [len("<tool_call>")]
+    # Past the markup's start only the markup is parsed.
+    feeder.feed('{"name": "f", "arguments": {}}</tool_call>', final=True)
+    assert max(seen) == len('<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+
+
+@pytest.mark.parametrize(
+    ("name", "pieces", "reasoning", "content"),
+    [
+        ("qwen3", ["<th", "ink>ab</thi", "nk>\n", "cd"], "ab", "cd"),
+        ("deepseek_r1", ["<th", "ink>ab</thi", "nk>cd"], "ab", "cd"),
+        ("deepseek_r1", ["ab</think>", "cd"], "ab", "cd"),
+        ("qwen3", ["ab</think>cd"], "", "ab</think>cd"),
+    ],
+)
+def test_reasoning_split_across_pieces(
+    name: str, pieces: list[str], reasoning: str, content: str
+) -> None:
+    from engine_core._core.tokenizer import ByteTokenizer
+
+    feeder = ReasoningStream(get_reasoning_parser(name), ByteTokenizer())
+    got = [
+        feeder.feed(piece, list(piece.encode()), final=i == len(pieces) - 1)
+        for i, piece in enumerate(pieces)
+    ]
+    assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == (reasoning, content)
+    text = "".join(pieces)
+    thinking = text[: text.find("</think>") + len("</think>")] if reasoning else ""
+    assert feeder.reasoning_tokens == len(thinking.encode())
+
+
+def test_reasoning_tokens_stop_at_the_marker_in_a_merged_piece() -> None:
+    from engine_core._core.tokenizer import ByteTokenizer
+
+    feeder = ReasoningStream(get_reasoning_parser("qwen3"), ByteTokenizer())
+    text = "<think>ab</think>\n\ncd"
+    assert feeder.feed(text, list(text.encode()), final=True) == ("ab", "cd")
+    assert feeder.reasoning_tokens == len("<think>ab</think>")

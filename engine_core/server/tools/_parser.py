@@ -10,7 +10,7 @@ import importlib
 from collections.abc import Callable
 from typing import ClassVar, TypeVar
 
-from engine_core.server.tools._calls import Parsed
+from engine_core.server.tools._calls import Parsed, held_back
 
 __all__ = ["ToolParser", "get_tool_parser", "register_tool_parser", "tool_parser_names"]
 
@@ -21,17 +21,40 @@ _PARSERS: dict[str, type[ToolParser]] = {}
 
 
 class ToolParser:
-    """Reads tool calls out of a model's text. :meth:`parse` is called with the whole text
-    written so far (``final``: the text is complete), for a stream after every piece; it must
-    read a prefix of the text as it reads the whole (the content and the calls only grow) and
-    never raise on text that breaks its format (``Parsed(text, malformed=True)``)."""
+    """Reads tool calls out of a model's text. :meth:`parse` is called with the text written
+    so far (``final``: the text is complete); it must read a prefix of the text as it reads the
+    whole (the content and the calls only grow) and never raise on text that breaks its format
+    (``Parsed(text, malformed=True)``).
+
+    A stream calls :meth:`markup_start` first: text before the point it gives is content, and
+    :meth:`parse` sees only the text from there, so that plain content costs each piece the
+    same however long the output grows."""
 
     name: ClassVar[str]
     keeps_special_tokens: ClassVar[bool] = False
     """The format's markers are special tokens, which the text must keep."""
+    markers: ClassVar[tuple[str, ...]] = ()
+    """Strings that open the calls' markup (none: it may start anywhere)."""
 
     def parse(self, text: str, final: bool) -> Parsed:
         raise NotImplementedError
+
+    def markup_start(self, text: str, start: int) -> int | None:
+        """Where markup could begin in ``text``, searching from ``start`` (before which none
+        does): the first marker, or a tail that could begin one; None when nothing can, so
+        the text so far is all content. :meth:`parse` must read ``text`` as ``text[:i]`` of
+        content followed by what it reads of ``text[i:]``."""
+        if not self.markers:
+            return 0
+        found: int | None = None
+        for marker in self.markers:
+            index = text.find(marker, start)
+            if index < 0:
+                kept = held_back(text, marker)
+                index = len(text) - kept if kept else -1
+            if index >= 0 and (found is None or index < found):
+                found = index
+        return found
 
 
 def register_tool_parser(name: str) -> Callable[[P], P]:

@@ -51,9 +51,13 @@ class ToolCallStream:
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
-        self.text = ""
+        self._text = ""
+        """The text from ``_base`` on: what is kept to look for markup and to parse."""
+        self._base = 0
         self._content_sent = 0
+        """Content sent so far; while no call went out, a prefix of the text."""
         self._args_sent: list[int] = []
+        self._lookback = max((len(m) for m in parser.markers), default=1) - 1
 
     @property
     def has_calls(self) -> bool:
@@ -62,16 +66,35 @@ class ToolCallStream:
 
     def feed(self, piece: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
         """The new content and call deltas once ``piece`` is added (``final``: the last)."""
-        self.text += piece
-        parsed = self.parser.parse(self.text, final)
+        self._text += piece
+        text, base = self._text, self._base
+        if not self._args_sent:
+            found = self.parser.markup_start(text, max(0, self._content_sent - base))
+            if found is None:  # all content so far: keep only what a marker could start in
+                content = text[self._content_sent - base :]
+                self._content_sent = base + len(text)
+                keep = min(self._lookback, len(text))
+                self._text = text[len(text) - keep :]
+                self._base += len(text) - keep
+                return content, []
+            if found > 0:  # what comes before the markup is content, sent now
+                content_before = text[self._content_sent - base : found]
+                self._content_sent = base + found
+                self._text = text = text[found:]
+                self._base = base = base + found
+            else:
+                content_before = ""
+        else:
+            content_before = ""
+        parsed = self.parser.parse(text, final)
         if parsed.malformed:
             if final and not self._args_sent:
-                content = self.text[self._content_sent :]
-                self._content_sent = len(self.text)
+                content = content_before + text[self._content_sent - base :]
+                self._content_sent = base + len(text)
                 return content, []
-            return "", []
-        content = parsed.content[self._content_sent :]
-        self._content_sent = len(parsed.content)
+            return content_before, []
+        content = content_before + parsed.content[max(0, self._content_sent - base) :]
+        self._content_sent = base + len(parsed.content)
         deltas = []
         for index, call in enumerate(parsed.calls):
             if call.name is None:

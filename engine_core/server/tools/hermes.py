@@ -21,6 +21,8 @@ CLOSE = "</tool_call>"
 
 @register_tool_parser("hermes")
 class HermesToolParser(ToolParser):
+    markers = (OPEN,)
+
     def parse(self, text: str, final: bool) -> Parsed:
         parsed = Parsed()
         pos = 0

@@ -25,3 +25,11 @@ class Llama3JsonToolParser(ToolParser):
         elif text[pos] != "{":
             return Parsed(text)
         return read_objects(text, pos, final, Parsed(), separator=";", closing=None)
+
+    def markup_start(self, text: str, start: int) -> int | None:
+        # Calls are the whole output or nothing: what its first characters say.
+        pos = skip_space(text, 0)
+        head = text[pos : pos + len(PYTHON_TAG)]
+        if pos == len(text) or head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head):
+            return 0
+        return None

@@ -28,6 +28,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.\-]*")
 @register_tool_parser("mistral")
 class MistralToolParser(ToolParser):
     keeps_special_tokens = True
+    markers = (MARKER,)
 
     def parse(self, text: str, final: bool) -> Parsed:
         start = text.find(MARKER)
