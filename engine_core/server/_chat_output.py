@@ -108,8 +108,10 @@ class ChoiceStream:
 
     def delta(self, completion: CompletionOutput) -> tuple[Delta | None, str | None]:
         """The delta of one output (None: nothing new) and the finish reason."""
-        final = completion.finish_reason is not None
         text = completion.text
+        if self.reasoning is None and self.tools is None:  # plain text: as it comes
+            return (Delta(content=text) if text else None), completion.finish_reason
+        final = completion.finish_reason is not None
         reasoning = ""
         if self.reasoning is not None:
             reasoning, text = self.reasoning.feed(text, completion.token_ids, final)
