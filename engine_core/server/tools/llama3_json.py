@@ -20,9 +20,9 @@ class Llama3JsonToolParser(ToolParser):
         pos = skip_space(text, 0)
         if text.startswith(PYTHON_TAG, pos):
             pos += len(PYTHON_TAG)
-        elif pos == len(text) or (not final and PYTHON_TAG.startswith(text[pos:])):
+        elif not final and PYTHON_TAG.startswith(text[pos:]):
             return Parsed()  # nothing yet says whether a call comes
-        elif text[pos] != "{":
+        elif pos == len(text) or text[pos] != "{":
             return Parsed(text)
         return read_objects(text, pos, final, Parsed(), separator=";", closing=None)
 
