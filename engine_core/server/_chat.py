@@ -55,6 +55,7 @@ from engine_core.server.tools._choice import (
 
 __all__ = [
     "chat_params",
+    "chat_prompt",
     "chat_reader",
     "create_chat_completion",
     "max_tokens_field",
@@ -63,12 +64,23 @@ __all__ = [
 ]
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+"""The roles OpenAI's chat API knows; any other is a 400 naming ``messages``."""
+
+
 def _message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as templates expect them: content flattened to a string."""
     if not body.messages:
         raise APIError(400, "messages must not be empty", param="messages")
     messages: list[dict[str, Any]] = []
-    for message in body.messages:
+    for index, message in enumerate(body.messages):
+        if message.role not in CHAT_ROLES:
+            raise APIError(
+                400,
+                f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, "
+                f"got {show(message.role)}",
+                param="messages",
+            )
         content = message.content
         if isinstance(content, list):
             texts = []
@@ -163,8 +175,19 @@ def _template_arguments(body: ChatCompletionRequest) -> tuple[dict[str, bool], d
 def render_messages(
     state: ServerState, body: ChatCompletionRequest, tools: list[FunctionTool] | None = None
 ) -> PreparedPrompt:
-    """The prompt of a chat request: the rendered template (given the ``tools``, as Hugging
-    Face templates take them) and its token ids."""
+    """The prompt of a chat request: the rendered template and its token ids, checked."""
+    text, token_ids = chat_prompt(state, body, tools)
+    return prepare_prompt(state, token_ids, "messages", text)
+
+
+def chat_prompt(
+    state: ServerState, body: ChatCompletionRequest, tools: list[FunctionTool] | None = None
+) -> tuple[str, list[int]]:
+    """The rendered template of a chat request's messages (given its tools, as Hugging Face
+    templates take them: ``tools``, else read from the body) and its token ids (400 naming the
+    field for messages, tools or template arguments it cannot render)."""
+    if tools is None:
+        tools = read_tools(body.tools)
     flags, kwargs = _template_arguments(body)
     if tools:
         kwargs["tools"] = [tool.as_template_tool() for tool in tools]
@@ -182,7 +205,7 @@ def render_messages(
     if bos is not None and len(token_ids) > 1 and token_ids[0] == token_ids[1] == bos:
         # The template wrote the BOS token and the tokenizer added another one.
         del token_ids[0]
-    return prepare_prompt(state, token_ids, "messages", text)
+    return text, token_ids
 
 
 def _chat_logprobs(positions: list[PositionLogprobs], top: int) -> ChatLogprobs:
@@ -265,7 +288,7 @@ def _constraint(
         constraint = tools
     constraint = constraint or body.structured_outputs
     if constraint is not None and state.reasoning is not None:
-        constraint = state.reasoning.constrain(constraint)
+        constraint = state.reasoning.constrain(constraint, compact=state.disable_any_whitespace)
     return constraint
 
 
@@ -302,6 +325,7 @@ def chat_params(
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         renames=renames,
         structured_outputs=_constraint(state, body, choice),
+        compact_json=state.disable_any_whitespace,
     )
     parser = state.tool_parser
     if choice.mode == "auto" and parser is not None and parser.keeps_special_tokens:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from engine_core._core.tokenizer import Tokenizer
+from engine_core._structured.grammar import COMPACT_JSON, close_objects
 from engine_core.sampling_params import StructuredOutputsParams
 from engine_core.server.tools._calls import held_back
 
@@ -72,15 +74,27 @@ class ReasoningParser:
                 low = middle + 1
         return low
 
-    def constrain(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
+    def constrain(
+        self, params: StructuredOutputsParams, *, compact: bool = False
+    ) -> StructuredOutputsParams:
         """``params`` applied after the thinking: a Lark grammar that lets the output think
-        first. Regexes and grammars given as such are kept as they are (they constrain the
-        whole output)."""
-        if params.json is not None:
-            schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-            body = "%json " + schema
-        elif params.json_object:
-            body = '%json {"type": "object"}'
+        first (``compact``: JSON without whitespace, as ``disable_any_whitespace`` asks).
+        Regexes and grammars given as such are kept as they are (they constrain the whole
+        output)."""
+        compact = compact or params.disable_any_whitespace
+        if params.json is not None or params.json_object:
+            schema: Any = {"type": "object"}
+            if isinstance(params.json, str):
+                try:
+                    schema = json.loads(params.json)
+                except (ValueError, RecursionError):
+                    return params  # its compilation says what is wrong
+            elif params.json is not None:
+                schema = params.json
+            schema = close_objects(schema)
+            if compact and isinstance(schema, dict):
+                schema = {**schema, "x-guidance": COMPACT_JSON}
+            body = "%json " + json.dumps(schema)
         elif params.choice is not None:
             body = " | ".join(json.dumps(choice) for choice in params.choice)
         else:

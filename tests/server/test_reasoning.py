@@ -9,8 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-
-from tests.helpers.tool_servers import (
+from helpers.tool_servers import (
     MODEL,
     TOOLS,
     WEATHER_ARGS,

@@ -10,8 +10,7 @@ from typing import Any
 
 import openai
 import pytest
-
-from tests.helpers.tool_servers import (
+from helpers.tool_servers import (
     MODEL,
     WEATHER_ARGS,
     WEATHER_SCHEMA,

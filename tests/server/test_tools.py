@@ -13,9 +13,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
-
-from tests.helpers.tool_servers import (
+from helpers.tool_servers import (
     BROKEN,
     MODEL,
     SCHEMAS,
@@ -26,6 +24,7 @@ from tests.helpers.tool_servers import (
     in_thread,
     tool_servers,
 )
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 pytestmark = pytest.mark.anyio
 

@@ -9,10 +9,9 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from helpers.tool_servers import TOOLS, WEATHER_SCHEMA, tool_servers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from tests.helpers.tool_servers import TOOLS, WEATHER_SCHEMA, tool_servers
 
 pytestmark = pytest.mark.anyio
 
