@@ -65,7 +65,7 @@ class DecodeGraphs:
                 query_start_loc=self.query_start_loc[: n + 1],
                 seq_lens=self.seq_lens[:n],
                 max_query_len=1,
-                num_segments=runner.num_segments(n, 1),
+                num_segments=runner.num_segments(n, 1, runner.max_model_len),
             )
 
             def forward(n: int = n, ctx: AttentionContext = ctx) -> torch.Tensor:
