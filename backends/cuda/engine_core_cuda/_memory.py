@@ -88,7 +88,7 @@ def profile_run(runner: ModelRunner, num_tokens: int, num_seqs: int) -> None:
         output_counts=torch.zeros(rows, vocab, dtype=torch.int32, device=device),
         prompt_mask=torch.zeros(rows, vocab, dtype=torch.bool, device=device),
     )
-    tokens = sample(logits, batch)
+    tokens = sample(logits, batch, runner.ops.impl)
     compute_logprobs(logits, tokens, 20)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

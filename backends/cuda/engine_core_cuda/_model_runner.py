@@ -214,7 +214,7 @@ class ModelRunner:
         batch = build_sampling_batch(
             self.batch, picked, rows, positions, self._bitmask_rows(step, picks, bitmask)
         )
-        tokens = sample(picked_logits, batch)
+        tokens = sample(picked_logits, batch, self.ops.impl)
         self.batch.record_sampled(rows, positions, tokens)
         return tokens
 
