@@ -80,7 +80,11 @@ def _pivots(lo, hi, NUM_PIVOTS: tl.constexpr):
     return tl.minimum(lo + step * (index + 1), hi - 1)
 
 
-@triton.jit
+# Per-row parameters are columns and slices of the step's tensors, read one value per row.
+@triton.jit(
+    do_not_specialize_on_alignment=["seeds_ptr", "positions_ptr", "greedy_ptr",
+                                    "temperature_ptr", "min_p_ptr", "top_k_ptr", "top_p_ptr"]
+)  # fmt: skip
 def _sample_kernel(
     logits_ptr,
     stride_logits,
