@@ -2,7 +2,8 @@
 """What only a GPU can show about the cuda backend, in one run of a few minutes: prints a compact
 table and exits non-zero when a check fails.
 
-Each check runs in its own process under a time limit, writing its rows (``NAME.jsonl``) and its
+Each check runs in its own process under a time limit (and the whole run within ``--budget``,
+540 s by default), writing its rows (``NAME.jsonl``) and its
 output (``NAME.log``) into the output folder (``--out``, default ``$OUT``, else
 ``./gpu_check_out``), so an illegal memory access or a hang in one check does not take the
 others with it: a check that crashes, times out or cannot run (a missing import) is a failed row
@@ -68,6 +69,8 @@ TIMEOUTS_S = {"preflight": 90, "kernels": 120, "startup": 150, "throughput": 180
               "longctx": 120, "prefill": 100, "profile": 120, "parity": 120,
               "conformance": 150}  # fmt: skip
 """Each check's time limit (seconds, scaled by ``--timeout-scale``); typical runs take a fraction."""
+MIN_CHECK_S = 15
+"""A check is not started with less of the ``--budget`` left."""
 NO_CUDA_EXIT = 2
 H200_BF16_DENSE_FLOPS = 989e12
 H200_BANDWIDTH = 4.8e12
@@ -95,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sampling-overhead", type=float, default=0.10,
                    help="most a sampled step may add to a greedy one")  # fmt: skip
     p.add_argument("--timeout-scale", type=float, default=1.0, help="multiplies every limit")
+    p.add_argument("--budget", type=float, default=540.0,
+                   help="seconds for the whole run: checks left when it is spent fail as not run")  # fmt: skip
     p.add_argument("--reference", choices=("auto", "builtin"), default="auto")
     p.add_argument("--child", help=argparse.SUPPRESS)  # runs one check (inside its process)
     args = p.parse_args(argv)
@@ -112,6 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--device must be cuda, cuda:N or cpu, got {args.device!r}")
     if args.timeout_scale <= 0:
         p.error("--timeout-scale must be > 0")
+    if args.budget <= 0:
+        p.error("--budget must be > 0")
     if args.out is None:
         args.out = default_out()
     args.gpu = args.device != "cpu"
@@ -1213,13 +1220,17 @@ def main(argv: list[str] | None = None) -> int:
     all_rows: list[Row] = []
     blocked: str | None = None
     no_gpu = False
+    deadline = time.monotonic() + args.budget
     for name in names:
+        left = deadline - time.monotonic()
+        if blocked is None and left < MIN_CHECK_S:
+            blocked = f"out of time (--budget {args.budget:.0f} s)"
         if blocked is not None:
-            row = Row(f"{name}: not run", f"preflight failed: {blocked}"[:50], "", False)
+            row = Row(f"{name}: not run", blocked[:50], "", False)
             print(row.line(), flush=True)
             all_rows.append(row)
             continue
-        timeout_s = TIMEOUTS_S[name] * args.timeout_scale
+        timeout_s = min(TIMEOUTS_S[name] * args.timeout_scale, left)
         rows, elapsed = run_isolated(name, child_command(argv, args.out, name), args.out, timeout_s,
                                      child_env(args, name))  # fmt: skip
         for row in rows:
@@ -1229,7 +1240,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "preflight":
             failed = [r.check.removeprefix("preflight: ") for r in rows if r.ok is False]
             if failed:
-                blocked = ", ".join(failed)
+                blocked = "preflight failed: " + ", ".join(failed)
                 no_gpu = any(r.check == "preflight: GPU visible" for r in rows if r.ok is False)
     (args.out / "summary.json").write_text(json.dumps([asdict(r) for r in all_rows], indent=1))
     failed = [r for r in all_rows if r.ok is False]

@@ -39,7 +39,7 @@ def test_help_lists_the_options() -> None:
     result = _run("--help")
     assert result.returncode == 0
     for option in ("--only", "--out", "--batch-sizes", "--context", "--bandwidth", "--peak-flops",
-                   "--target", "--device", "--long-context", "--timeout-scale"):  # fmt: skip
+                   "--target", "--device", "--long-context", "--timeout-scale", "--budget"):  # fmt: skip
         assert option in result.stdout
 
 
@@ -51,6 +51,7 @@ def test_help_lists_the_options() -> None:
         (["--batch-sizes", "0,4"], "--batch-sizes must be positive"),
         (["--device", "tpu"], "--device must be cuda, cuda:N or cpu"),
         (["--timeout-scale", "0"], "--timeout-scale must be > 0"),
+        (["--budget", "-1"], "--budget must be > 0"),
     ],
 )
 def test_bad_arguments_are_rejected(
@@ -162,6 +163,17 @@ def test_without_cuda_it_says_so_and_fails(tmp_path: Path) -> None:
     assert rows["kernels: not run"]["value"].startswith("preflight failed: GPU visible")
     assert rows["throughput: not run"]["ok"] is False
     assert (tmp_path / "preflight.log").is_file()
+
+
+def test_checks_past_the_budget_are_failed_rows(tmp_path: Path) -> None:
+    result = _run("--device", "cpu", "--out", str(tmp_path), "--only", "kernels,prefill",
+                  "--budget", "1")  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert [(r["check"], r["value"], r["ok"]) for r in rows] == [
+        (f"{name}: not run", "out of time (--budget 1 s)", False)
+        for name in ("preflight", "kernels", "prefill")
+    ]
 
 
 def test_cpu_smoke_run(tmp_path: Path) -> None:
