@@ -4,12 +4,13 @@ machine, same run.
 
 The tiny Llama of the backend's tests (random weights, 2 layers, hidden size 64) generates
 ``--tokens`` greedy tokens for each of ``--batch-sizes`` identical-length prompts, through
-``LLM.generate`` (engine core in the caller's thread) and through ``model.generate`` of
-transformers, on ``--threads`` torch threads. Each configuration runs ``--rounds`` times,
+``LLM.generate`` (engine core in the caller's thread; token ids only, like transformers, unless
+``--detokenize``) and through ``model.generate`` of transformers, on ``--threads`` torch
+threads. Each configuration runs ``--rounds`` times,
 interleaved; the table shows the median tokens/s and the ratio engine / transformers.
 
 Usage: ``python bench/bench_cpu_hf.py [--batch-sizes 1,32] [--tokens 64] [--rounds 5]
-[--threads 1] [--kernels torch,triton] [--json PATH]``.
+[--threads 1] [--kernels torch,triton] [--detokenize] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def _prompts(batch: int) -> list[list[int]]:
     return [[2 + (i * 7 + j * 13) % 300 for j in range(PROMPT_LEN)] for i in range(batch)]
 
 
-def _engine_rate(llm: LLM, batch: int, tokens: int) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+def _engine_rate(llm: LLM, batch: int, tokens: int, detokenize: bool) -> float:
+    params = SamplingParams(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=detokenize
+    )
     prompts: list[Any] = [{"prompt_token_ids": p} for p in _prompts(batch)]
     started = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -73,6 +76,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--kernels", default="torch", help="comma-separated: torch, triton")
+    p.add_argument("--detokenize", action="store_true",
+                   help="the engine detokenizes its outputs (transformers' generate does not)")  # fmt: skip
     p.add_argument("--json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -80,7 +85,8 @@ def main() -> None:
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     print(machine_line())
     print(f"tiny Llama, greedy, {args.tokens} tokens, prompts of {PROMPT_LEN} tokens, "
-          f"{args.threads} thread(s), {args.rounds} rounds, median tok/s")  # fmt: skip
+          f"{args.threads} thread(s), {args.rounds} rounds, median tok/s, engine "
+          f"{'with' if args.detokenize else 'without'} detokenization")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         model = TinyModel("llama", Path(tmp) / "llama")
         engines = {
@@ -99,12 +105,12 @@ def main() -> None:
         try:
             for b in batch_sizes:  # warm-up
                 for llm in engines.values():
-                    _engine_rate(llm, b, 4)
+                    _engine_rate(llm, b, 4, args.detokenize)
                 _hf_rate(model.hf, b, 4)
             for _ in range(args.rounds):
                 for b in batch_sizes:
                     for k, llm in engines.items():
-                        rates[k][b].append(_engine_rate(llm, b, args.tokens))
+                        rates[k][b].append(_engine_rate(llm, b, args.tokens, args.detokenize))
                     rates["transformers"][b].append(_hf_rate(model.hf, b, args.tokens))
         finally:
             for llm in engines.values():

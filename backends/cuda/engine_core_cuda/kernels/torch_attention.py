@@ -3,10 +3,10 @@ default).
 
 Unlike :func:`engine_core_cuda.kernels.reference.paged_attention_reference`, which loops over
 every sequence, the decode rows of a step (one query each) are computed together: their keys are
-gathered from the cache padded to the longest sequence, and grouped query heads share their KV
-head through a view instead of a copy. Sequences with several queries (prefill chunks) run
-together too, padded to the longest, unless padding would more than double the work (then one at
-a time). It reads the lengths back to the host, so it is not capturable in a CUDA graph.
+gathered from the cache padded to the longest sequence and attended to in one
+``scaled_dot_product_attention`` (grouped query heads share their KV head without a copy).
+Sequences with several queries (prefill chunks) run together too, padded to the longest, unless
+padding would more than double the work (then one at a time). It reads the lengths back to the host, so it is not capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -30,25 +30,23 @@ def _attend(
     """``q``: ``[S, Q, heads, head_size]``, the last ``Q`` positions of ``S`` sequences of
     ``seq_lens`` tokens whose cache blocks are ``blocks`` (``[S, blocks]``). Returns float32
     ``[S, Q, heads, head_size]``."""
-    num_seqs, num_queries, num_heads, head_size = q.shape
-    _, _, num_kv_heads, _ = key_cache.shape
-    group = num_heads // num_kv_heads
+    num_queries = q.shape[1]
     k = key_cache[blocks].flatten(1, 2)[:, :max_len].float()  # [S, L, kv_heads, D]
     v = value_cache[blocks].flatten(1, 2)[:, :max_len].float()
-    # [S, kv_heads, group * Q, D]: the query heads of a KV head stacked, query-major per head.
-    queries = q.float().reshape(num_seqs, num_queries, num_kv_heads, group, head_size)
-    queries = queries.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, -1, head_size)
-    scores = torch.matmul(queries, k.permute(0, 2, 3, 1)) * scale  # [S, kv_heads, G * Q, L]
     # Query i of a sequence of n tokens sits at position n - Q + i and sees keys 0..that.
     key_pos = torch.arange(max_len, device=q.device)
     query_pos = (seq_lens[:, None] - num_queries) + torch.arange(num_queries, device=q.device)
-    hidden = key_pos[None, None, :] > query_pos[:, :, None]  # [S, Q, L]
-    scores = scores.view(num_seqs, num_kv_heads, group, num_queries, max_len)
-    scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(num_seqs, num_kv_heads, -1, max_len)
-    out = torch.matmul(probs, v.transpose(1, 2))  # [S, kv_heads, G * Q, D]
-    out = out.view(num_seqs, num_kv_heads, group, num_queries, head_size)
-    return out.permute(0, 3, 1, 2, 4).reshape(num_seqs, num_queries, num_heads, head_size)
+    visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [S, Q, L]
+    # Query head h reads KV head h // group (enable_gqa), as the kernel's grouping does.
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=visible[:, None],
+        scale=scale,
+        enable_gqa=True,
+    )  # [S, heads, Q, D]
+    return out.transpose(1, 2)
 
 
 def _attend_chunks(
