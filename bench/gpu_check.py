@@ -822,7 +822,7 @@ def _compiled_variants() -> int | None:
 
     try:
         return sum(compiled_variants().values())
-    except (AttributeError, TypeError, KeyError):
+    except (AttributeError, TypeError, KeyError, IndexError):
         return None
 
 

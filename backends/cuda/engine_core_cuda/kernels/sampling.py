@@ -266,6 +266,7 @@ def sample_rows(
     min_p, stride_min_p = _strided(min_p, logits)
     top_k, stride_top_k = _strided(top_k, seeds)
     top_p, stride_top_p = _strided(top_p, logits)
+    block = min(_MAX_BLOCK, triton.next_power_of_2(vocab_size))
     _sample_kernel[(rows,)](
         logits,
         logits.stride(0),
@@ -285,7 +286,8 @@ def sample_rows(
         out,
         vocab_size,
         **flags,
-        BLOCK=min(_MAX_BLOCK, triton.next_power_of_2(vocab_size)),
+        BLOCK=block,
         NUM_PIVOTS=_PIVOTS,
+        num_warps=8 if block >= 1024 else 4,  # the [BLOCK, PIVOTS] tiles of the searches
     )
     return out
