@@ -1,6 +1,6 @@
 """The custom operations of the model, from one implementation chosen once per backend: the
 Triton kernels (``"triton"``) or plain torch (``"torch"``: the references, with attention
-batched over the decode rows and the KV write and rotary embedding in fewer operations).
+batched over the decode rows and the KV write, rotary embedding and norms in fewer operations).
 
 Importing the Triton modules fixes their compile mode, so on the CPU call
 :func:`engine_core_cuda._device.prepare_triton` before creating ``KernelOps("triton")``.
@@ -12,7 +12,12 @@ from typing import Any, Literal
 
 from engine_core_cuda.kernels import reference
 from engine_core_cuda.kernels.torch_attention import paged_attention_torch
-from engine_core_cuda.kernels.torch_ops import rotary_embedding_torch, write_kv_torch
+from engine_core_cuda.kernels.torch_ops import (
+    add_rms_norm_torch,
+    rms_norm_torch,
+    rotary_embedding_torch,
+    write_kv_torch,
+)
 
 __all__ = ["KERNEL_IMPLS", "KernelOps"]
 
@@ -44,8 +49,8 @@ class KernelOps:
         else:
             self.write_kv = write_kv_torch
             self.paged_attention = paged_attention_torch
-            self.rms_norm = reference.rms_norm_reference
-            self.add_rms_norm = reference.add_rms_norm_reference
+            self.rms_norm = rms_norm_torch
+            self.add_rms_norm = add_rms_norm_torch
             self.rotary_embedding = rotary_embedding_torch
             self.silu_and_mul = reference.silu_and_mul_reference
 

@@ -1,4 +1,4 @@
-"""The torch kernels' KV write and rotary embedding: bit-equal to the references."""
+"""The torch kernels' KV write, rotary embedding and norms: bit-equal to the references."""
 
 from __future__ import annotations
 
@@ -6,8 +6,18 @@ import pytest
 import torch
 from engine_core_cuda._hf_config import RopeConfig
 from engine_core_cuda._rope import RotaryTables
-from engine_core_cuda.kernels.reference import rotary_embedding_reference, write_kv_reference
-from engine_core_cuda.kernels.torch_ops import rotary_embedding_torch, write_kv_torch
+from engine_core_cuda.kernels.reference import (
+    add_rms_norm_reference,
+    rms_norm_reference,
+    rotary_embedding_reference,
+    write_kv_reference,
+)
+from engine_core_cuda.kernels.torch_ops import (
+    add_rms_norm_torch,
+    rms_norm_torch,
+    rotary_embedding_torch,
+    write_kv_torch,
+)
 
 
 @pytest.mark.parametrize("padding", [False, True])
@@ -44,3 +54,16 @@ def test_rotary_embedding_equals_the_reference(fused: bool) -> None:
     assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
     if fused:
         assert torch.equal(qkv, expected)  # the value heads untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_norms_equal_the_reference(dtype: torch.dtype, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x, residual = (torch.randn(rows, 96, generator=gen).to(dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype)
+    assert torch.equal(rms_norm_torch(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6))
+    r1, r2 = residual.clone(), residual.clone()
+    got = add_rms_norm_torch(x, r1, weight, 1e-5)
+    assert torch.equal(got, add_rms_norm_reference(x, r2, weight, 1e-5))
+    assert torch.equal(r1, r2)

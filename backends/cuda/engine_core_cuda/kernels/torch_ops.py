@@ -6,16 +6,37 @@ operations per layer.
   (checked on the host: the torch kernels synchronize anyway) instead of masking;
 - :func:`rotary_embedding_torch` rotates the query and key heads together when the key heads
   follow the query heads in memory (the fused QKV projection), with the reference's products and
-  roundings.
+  roundings;
+- :func:`rms_norm_torch` and :func:`add_rms_norm_torch` use torch's one-call ``rms_norm`` in
+  float32 (the same operations as the reference, bit for bit) and add the residual in place.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine_core_cuda.kernels.reference import rotary_embedding_reference, write_kv_reference
+from engine_core_cuda.kernels.reference import (
+    rms_norm_reference,
+    rotary_embedding_reference,
+    write_kv_reference,
+)
 
-__all__ = ["rotary_embedding_torch", "write_kv_torch"]
+__all__ = ["add_rms_norm_torch", "rms_norm_torch", "rotary_embedding_torch", "write_kv_torch"]
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as :func:`engine_core_cuda.kernels.rms_norm.rms_norm`."""
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return rms_norm_reference(x, weight, eps)  # rounds to the model dtype before the weight
+    return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+
+
+def add_rms_norm_torch(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Same contract as :func:`engine_core_cuda.kernels.rms_norm.add_rms_norm`."""
+    residual.add_(x)
+    return rms_norm_torch(residual, weight, eps)
 
 
 def write_kv_torch(
