@@ -36,7 +36,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        self.pool = BlockPool(num_blocks)
         self.stats = PrefixCacheStats()
 
     @property
