@@ -1002,3 +1002,139 @@ def test_prompt_logprobs_reach_the_front_end_once_per_position_across_a_preempti
         delivered += [e.token_ids[0] for e in out.prompt_logprobs.get("a", [])]
     assert delivered == list(range(48))
     assert a.num_preemptions == 1
+
+
+def test_prompt_logprobs_after_a_preemption_that_overlaps_part_of_what_was_sent() -> None:
+    """The first chunk (20 positions) and the chunk recomputed after the preemption (32) end
+    at different positions: the second forwards only its last 12."""
+    scheduler = make_scheduler(max_num_batched_tokens=32, num_blocks=100)
+    b = make_request("b", 12)
+    a = make_request("a", 48, prompt_logprobs=1)
+    add(scheduler, b, a)
+
+    def with_prompt_logprobs(output: SchedulerOutput) -> ModelRunnerOutput:
+        mro = runner_output(scheduler, output)
+        if "a" in num_scheduled(output):
+            start = a.num_computed_tokens - num_scheduled(output)["a"]
+            end = min(a.num_computed_tokens, a.num_prompt_tokens)
+            mro.prompt_logprobs = {
+                "a": [TokenLogprobs([p], [-float(p)], [1]) for p in range(start, end)]
+            }
+        return mro
+
+    def delivered(out: EngineCoreOutputs) -> list[int]:
+        return [e.token_ids[0] for e in out.prompt_logprobs.get("a", [])]
+
+    output = scheduler.schedule()
+    assert num_scheduled(output) == {"b": 12, "a": 20}
+    out = scheduler.update_from_output(output, with_prompt_logprobs(output))
+    assert delivered(out) == list(range(20))
+    scheduler.reset_prefix_cache(reset_running_requests=True)  # preempts both
+    scheduler.finish_requests("b")
+    output = scheduler.schedule()
+    assert num_scheduled(output) == {"a": 32}
+    out = scheduler.update_from_output(output, with_prompt_logprobs(output))
+    assert delivered(out) == list(range(20, 32))
+    assert a.num_prompt_logprobs_sent == 32
+    output = scheduler.schedule()
+    out = scheduler.update_from_output(output, with_prompt_logprobs(output))
+    assert delivered(out) == list(range(32, 48))
+    assert out.req_ids == ["a"]
+
+
+def test_prompt_logprobs_of_a_request_aborted_during_its_step_are_dropped_alone() -> None:
+    scheduler = make_scheduler()
+    a = make_request("a", 3, prompt_logprobs=1)
+    b = make_request("b", 3, prompt_logprobs=1)
+    add(scheduler, a, b)
+    output = scheduler.schedule()
+    mro = runner_output(scheduler, output)
+    lps = {rid: [TokenLogprobs([p], [-1.0], [1]) for p in range(3)] for rid in ("a", "b")}
+    mro.prompt_logprobs = lps
+    scheduler.finish_requests("a")
+    out = scheduler.update_from_output(output, mro)
+    assert out.prompt_logprobs == {"b": lps["b"]}
+    assert out.req_ids == ["b"]
+    assert b.num_prompt_logprobs_sent == 3
+
+
+@pytest.mark.parametrize("order", [["nope", "a", "b"], ["done", "a", "b"], ["a", "a", "b"]])
+def test_an_unknown_or_finished_id_does_not_stop_the_aborts_after_it(order: list[str]) -> None:
+    scheduler = make_scheduler()
+    done = make_request("done", 10, max_tokens=1)
+    a = make_request("a")
+    b = make_request("b")
+    add(scheduler, done, a)
+    step(scheduler)  # done finishes, a runs
+    assert done.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    add(scheduler, b)  # b waits
+    assert scheduler.finish_requests(order) == [a, b]
+    assert a.status is b.status is RequestStatus.FINISHED_ABORTED
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.num_running == scheduler.num_waiting == 0
+    assert_no_leak(scheduler)
+
+
+def test_a_constrained_request_is_capped_at_max_tokens() -> None:
+    scheduler = make_scheduler()
+    grammar = FakeGrammar()
+    request = make_constrained("a", grammar, max_tokens=3)
+    add(scheduler, request)
+    _, outputs = step(scheduler, {"a": [10, 11]})
+    assert outputs.finished == []
+    _, outputs = step(scheduler, {"a": [12, 13, 14]})
+    assert outputs.new_token_ids == [[12]]
+    assert outputs.finished == [FinishedRequest("a", "length", None)]
+    assert request.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    assert grammar.num_accepted == 3
+    assert scheduler.num_constrained == 0
+
+
+def test_priority_preemption_does_not_skip_the_later_running_requests() -> None:
+    """Running [a, b, c]: a needs a block and preempts b (worst priority), which the step has
+    not reached; c, after b, is still scheduled."""
+    scheduler = make_scheduler(
+        num_blocks=6, scheduling_policy="priority", enable_prefix_caching=False
+    )
+    a = make_request("a", 30, priority=0, arrival_time=1.0, hash_blocks=False)
+    b = make_request("b", 20, priority=2, arrival_time=2.0, hash_blocks=False)
+    c = make_request("c", 20, priority=1, arrival_time=3.0, hash_blocks=False)
+    for request in (a, b, c):
+        add(scheduler, request)
+        step(scheduler)
+    assert running_ids(scheduler) == ["a", "b", "c"]
+    assert scheduler.kv.num_free_blocks == 0
+    output, _ = step(scheduler)
+    assert output.preempted_req_ids == ["b"]
+    assert num_scheduled(output) == {"a": 1, "c": 1}
+    assert output.cached.req_ids == ["a", "c"]
+    assert running_ids(scheduler) == ["a", "c"]
+    assert waiting_ids(scheduler) == ["b"]
+
+
+def test_the_last_token_of_the_budget_is_used() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=11, long_prefill_token_threshold=10)
+    add(scheduler, make_request("a", 30), make_request("b", 5))
+    # a takes 10 (the threshold); b is admitted with the one token left.
+    output = scheduler.schedule()
+    assert num_scheduled(output) == {"a": 10, "b": 1}
+    assert output.total_num_scheduled_tokens == 11
+    scheduler.update_from_output(output, runner_output(scheduler, output))
+    # Both running: b gets the last token after a's 10.
+    output = scheduler.schedule()
+    assert num_scheduled(output) == {"a": 10, "b": 1}
+    assert output.cached.req_ids == ["a", "b"]
+
+
+def test_the_preemption_counters_count_every_preemption() -> None:
+    scheduler = make_scheduler()
+    a = make_request("a")
+    b = make_request("b")
+    add(scheduler, a, b)
+    for round_ in (1, 2, 3):
+        step(scheduler)
+        assert running_ids(scheduler) == ["a", "b"]
+        scheduler.reset_prefix_cache(reset_running_requests=True)
+        assert scheduler.num_preemptions == 2 * round_
+        assert a.num_preemptions == b.num_preemptions == round_
+        assert waiting_ids(scheduler) == ["a", "b"]
