@@ -8,7 +8,9 @@ from helpers.tiny_tokenizer import save_tiny_bpe
 
 from engine_core._core.hf_tokenizer import HFTokenizer
 from engine_core._core.tokenizer import ByteTokenizer, IncrementalDecoder
-from engine_core._frontend.detokenizer import Detokenizer
+from engine_core._frontend.detokenizer import Detokenizer, LogprobsDecoder
+from engine_core.abc import TokenLogprobs
+from engine_core.outputs import Logprob
 from engine_core.sampling_params import SamplingParams
 
 BYTES = ByteTokenizer()
@@ -378,3 +380,60 @@ def test_one_character_stops_after_min_tokens_taken_step_by_step() -> None:
     assert detok.update([ord("a")]) == "a"
     assert detok.num_tokens == 3
     assert detok.take(finished=True) == ""
+
+
+def test_without_text_every_update_counts_its_tokens() -> None:
+    detok = Detokenizer(None, [97], SamplingParams())
+    assert detok.update([100, 101]) is None
+    assert detok.update([102]) is None
+    assert detok.num_tokens == 3
+
+
+def test_an_included_stop_string_may_start_in_text_already_taken() -> None:
+    params = SamplingParams(stop="abc", include_stop_str_in_output=True)
+    detok = Detokenizer(BYTES, [97], params)
+    assert stream(detok, chars("xab")) == ["x", "a", "b"]
+    assert detok.update([ord("c"), ord("d")]) == "abc"
+    assert detok.num_tokens == 4
+    assert detok.take(finished=True) == "c"
+
+
+def test_min_tokens_stays_in_force_after_the_buffer_is_trimmed() -> None:
+    detok = Detokenizer(BYTES, [97], SamplingParams(stop=["zab", "ab"], min_tokens=4))
+    # "zab" starts in the first four tokens; "ab" does not.
+    assert stream(detok, chars("wxyza")) == ["", "", "w", "x", "y"]
+    assert detok.update([ord("b")]) == "ab"
+    assert detok.take(finished=True) == "z"
+
+
+class CountingTokenizer(PieceTokenizer):
+    def __init__(self, pieces: Sequence[str]) -> None:
+        super().__init__(pieces)
+        self.decoded: list[tuple[list[int], bool]] = []
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        self.decoded.append((list(token_ids), skip_special_tokens))
+        text = super().decode(token_ids)
+        return text if skip_special_tokens or 99 not in token_ids else text + "<eos>"
+
+
+def test_logprobs_decoder_decodes_each_candidate_once_special_tokens_included() -> None:
+    tok = CountingTokenizer(["a", "b"])
+    decoder = LogprobsDecoder(tok)
+    entry = TokenLogprobs([1, 0, 99], [-0.1, -1.0, -2.0], [1, 2, 3])
+    expected = {1: Logprob(-0.1, 1, "b"), 0: Logprob(-1.0, 2, "a"), 99: Logprob(-2.0, 3, "<eos>")}
+    assert decoder.position(entry, decode=True) == expected
+    assert decoder.position(entry, decode=True) == expected
+    assert tok.decoded == [([1], False), ([0], False), ([99], False)]
+    assert decoder.position(entry, decode=False) == {
+        1: Logprob(-0.1, 1),
+        0: Logprob(-1.0, 2),
+        99: Logprob(-2.0, 3),
+    }
+    assert LogprobsDecoder(None).token_text(0) is None
+    assert LogprobsDecoder(None).position(entry, decode=True)[99] == Logprob(-2.0, 3)
+
+
+def test_logprobs_decoder_rejects_an_entry_of_uneven_lengths() -> None:
+    with pytest.raises(ValueError):
+        LogprobsDecoder(None).position(TokenLogprobs([1, 2], [-0.1], [1, 2]), decode=False)

@@ -65,6 +65,8 @@ def test_a_stop_starting_before_eligible_is_skipped_for_a_suffix_of_it() -> None
 
 def test_automaton_is_shared_per_tuple_of_stops() -> None:
     assert stop_matcher(("x", "y")) is stop_matcher(("x", "y"))
+    assert stop_matcher(("x", "y")).stops == ("x", "y")
+    assert StopMatcher(("ab", "b")).stops == ("ab", "b")
 
 
 def test_cost_per_token_does_not_grow_with_the_number_of_stop_strings() -> None:
