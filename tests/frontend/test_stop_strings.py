@@ -75,8 +75,8 @@ def test_cost_per_token_does_not_grow_with_the_number_of_stop_strings() -> None:
     stops = [f"#{i:05d}!" for i in range(5000)]
     detok = Detokenizer(ByteTokenizer(), [97], SamplingParams(stop=stops))
     text = ("the quick brown fox #0123 jumps " * 700)[:20000].encode()
-    began = time.perf_counter()
+    began = time.thread_time()  # the work, however loaded the machine
     for byte in text:
         assert detok.update([byte]) is None
         detok.take(finished=False)
-    assert time.perf_counter() - began < 5.0
+    assert time.thread_time() - began < 5.0
