@@ -304,9 +304,19 @@ def test_scheduler_config_from_engine_config_copies_every_knob() -> None:
 
 
 def test_scheduler_config_needs_a_resolved_engine_config() -> None:
-    with pytest.raises(ValueError, match="not resolved"):
-        SchedulerConfig.from_engine_config(EngineConfig())
+    message = (
+        "the EngineConfig is not resolved: max_model_len and max_num_batched_tokens must be "
+        "set (EngineConfig.resolved() sets them)"
+    )
     resolved = EngineConfig().resolved(model_max_len=None)
+    for unresolved in (
+        EngineConfig(),
+        msgspec.structs.replace(resolved, max_model_len=None),
+        msgspec.structs.replace(resolved, max_num_batched_tokens=None),
+    ):
+        with pytest.raises(ValueError) as info:
+            SchedulerConfig.from_engine_config(unresolved)
+        assert str(info.value) == message
     config = SchedulerConfig.from_engine_config(resolved)
     assert (config.max_model_len, config.max_num_batched_tokens) == (
         resolved.max_model_len,
@@ -1004,11 +1014,14 @@ def test_prompt_logprobs_reach_the_front_end_once_per_position_across_a_preempti
     assert a.num_preemptions == 1
 
 
-def test_prompt_logprobs_after_a_preemption_that_overlaps_part_of_what_was_sent() -> None:
-    """The first chunk (20 positions) and the chunk recomputed after the preemption (32) end
-    at different positions: the second forwards only its last 12."""
+@pytest.mark.parametrize("first_chunk", [20, 1])
+def test_prompt_logprobs_after_a_preemption_that_overlaps_part_of_what_was_sent(
+    first_chunk: int,
+) -> None:
+    """The first chunk and the chunk recomputed after the preemption (32 positions) end at
+    different positions: the second forwards only the positions after the first's."""
     scheduler = make_scheduler(max_num_batched_tokens=32, num_blocks=100)
-    b = make_request("b", 12)
+    b = make_request("b", 32 - first_chunk)
     a = make_request("a", 48, prompt_logprobs=1)
     add(scheduler, b, a)
 
@@ -1026,15 +1039,15 @@ def test_prompt_logprobs_after_a_preemption_that_overlaps_part_of_what_was_sent(
         return [e.token_ids[0] for e in out.prompt_logprobs.get("a", [])]
 
     output = scheduler.schedule()
-    assert num_scheduled(output) == {"b": 12, "a": 20}
+    assert num_scheduled(output) == {"b": 32 - first_chunk, "a": first_chunk}
     out = scheduler.update_from_output(output, with_prompt_logprobs(output))
-    assert delivered(out) == list(range(20))
+    assert delivered(out) == list(range(first_chunk))
     scheduler.reset_prefix_cache(reset_running_requests=True)  # preempts both
     scheduler.finish_requests("b")
     output = scheduler.schedule()
     assert num_scheduled(output) == {"a": 32}
     out = scheduler.update_from_output(output, with_prompt_logprobs(output))
-    assert delivered(out) == list(range(20, 32))
+    assert delivered(out) == list(range(first_chunk, 32))
     assert a.num_prompt_logprobs_sent == 32
     output = scheduler.schedule()
     out = scheduler.update_from_output(output, with_prompt_logprobs(output))
@@ -1107,6 +1120,7 @@ def test_priority_preemption_does_not_skip_the_later_running_requests() -> None:
     output, _ = step(scheduler)
     assert output.preempted_req_ids == ["b"]
     assert num_scheduled(output) == {"a": 1, "c": 1}
+    assert output.total_num_scheduled_tokens == 2
     assert output.cached.req_ids == ["a", "c"]
     assert running_ids(scheduler) == ["a", "c"]
     assert waiting_ids(scheduler) == ["b"]
@@ -1138,3 +1152,36 @@ def test_the_preemption_counters_count_every_preemption() -> None:
         assert scheduler.num_preemptions == 2 * round_
         assert a.num_preemptions == b.num_preemptions == round_
         assert waiting_ids(scheduler) == ["a", "b"]
+
+
+def test_the_first_running_request_may_take_the_whole_budget() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    add(scheduler, make_request("a", 3), make_request("b", 3), make_request("c", 3))
+    step(scheduler)
+    # a got ten tokens in one step (as a speculating backend may return): catching up takes
+    # the whole next budget, and b and c wait a step.
+    step(scheduler, {"a": [7] * 10, "b": [7], "c": [7]})
+    output, _ = step(scheduler)
+    assert num_scheduled(output) == {"a": 10}
+    assert scheduler.scheduled == []
+    output, _ = step(scheduler)
+    assert num_scheduled(output) == {"a": 1, "b": 1, "c": 1}
+
+
+def test_priority_ties_preempt_the_latest_admitted() -> None:
+    scheduler = make_scheduler(
+        num_blocks=4, scheduling_policy="priority", enable_prefix_caching=False
+    )
+    first = make_request("z", 30, priority=1, arrival_time=1.0, hash_blocks=False)
+    second = make_request("a", 31, priority=1, arrival_time=1.0, hash_blocks=False)
+    add(scheduler, first)
+    step(scheduler)
+    add(scheduler, second)
+    step(scheduler)
+    step(scheduler)
+    assert running_ids(scheduler) == ["z", "a"]
+    assert scheduler.kv.num_free_blocks == 0
+    # z needs a third block; a, admitted last, goes (whatever the ids' order).
+    output, _ = step(scheduler)
+    assert output.preempted_req_ids == ["a"]
+    assert second.status is RequestStatus.PREEMPTED
