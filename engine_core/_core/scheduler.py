@@ -80,7 +80,6 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, num_blocks: int) -> None:
         self.config = config
-        self.block_size = config.block_size
         self.kv = KVCacheManager(
             num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
         )
@@ -266,6 +265,8 @@ class Scheduler:
                 continue
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = len(request.all_token_ids) - num_hit_tokens
+            # Mutation testing: `>=` in this test and the next is equivalent (capping at an
+            # equal value).
             if threshold and num_new > threshold:
                 num_new = threshold
             if num_new > budget:
@@ -291,7 +292,8 @@ class Scheduler:
                     request.block_ids,
                     num_hit_tokens,
                     num_new,
-                    request.output_token_ids if resumed else [],
+                    # Mutation testing: a new request's own output_token_ids are empty too.
+                    request.output_token_ids if resumed else [],  # pragma: no mutate
                     list(request.eos_token_ids),
                 )
             )

@@ -277,12 +277,13 @@ def test_prefix_hits_at_admission_and_statistics() -> None:
     assert stats.hit_rate == 48 / 99
 
 
-def test_prefix_caching_off_no_hits() -> None:
+@pytest.mark.parametrize("hash_blocks", [False, True])
+def test_prefix_caching_off_no_hits(hash_blocks: bool) -> None:
     scheduler = make_scheduler(enable_prefix_caching=False)
     shared = list(range(100, 148))
-    add(scheduler, make_request("a", prompt=shared + [1], hash_blocks=False))
+    add(scheduler, make_request("a", prompt=shared + [1], hash_blocks=hash_blocks))
     step(scheduler)
-    add(scheduler, make_request("b", prompt=shared + [2], hash_blocks=False))
+    add(scheduler, make_request("b", prompt=shared + [2], hash_blocks=hash_blocks))
     output, _ = step(scheduler)
     assert output.new_reqs[0].num_computed_tokens == 0
     assert output.new_reqs[0].num_scheduled_tokens == 49
@@ -912,6 +913,13 @@ def test_add_rejects_a_request_that_is_not_waiting() -> None:
     request.status = RequestStatus.RUNNING
     with pytest.raises(ValueError, match="must be WAITING, got RUNNING"):
         scheduler.add_request(request)
+    # A structured-output request may also wait for its grammar, but not run yet.
+    constrained = make_constrained("c", FakeGrammar())
+    constrained.status = RequestStatus.RUNNING
+    with pytest.raises(ValueError) as info:
+        scheduler.add_request(constrained)
+    assert str(info.value) == "a new request must be WAITING_FOR_GRAMMAR or WAITING, got RUNNING"
+    assert not scheduler.has_unfinished_requests() and scheduler.num_constrained == 0
 
 
 def test_reset_prefix_cache() -> None:
@@ -1185,3 +1193,61 @@ def test_priority_ties_preempt_the_latest_admitted() -> None:
     output, _ = step(scheduler)
     assert output.preempted_req_ids == ["a"]
     assert second.status is RequestStatus.PREEMPTED
+
+
+def test_a_new_scheduler_has_scheduled_nothing() -> None:
+    scheduler = make_scheduler()
+    assert scheduler.scheduled == []
+    assert (scheduler.num_running, scheduler.num_waiting, scheduler.num_preemptions) == (0, 0, 0)
+
+
+def test_a_running_request_with_nothing_to_compute_is_left_out_of_the_step() -> None:
+    scheduler = make_scheduler()
+    add(scheduler, make_request("a", 5), make_request("b", 5))
+    # The backend returned no token for a (its prompt is done): a has nothing to compute.
+    step(scheduler, {"b": [7]})
+    output, _ = step(scheduler)
+    assert num_scheduled(output) == {"b": 1}
+    assert running_ids(scheduler) == ["a", "b"]
+
+
+def test_nothing_is_admitted_in_a_step_that_preempted_even_a_request_ahead_of_the_victim() -> None:
+    """With priorities the victim may go back behind a waiting request that would fit; that
+    request still waits for the next step."""
+    scheduler = make_scheduler(
+        num_blocks=4, scheduling_policy="priority", enable_prefix_caching=False
+    )
+    a = make_request("a", 30, priority=0, arrival_time=1.0, hash_blocks=False)
+    b = make_request("b", 31, priority=2, arrival_time=2.0, hash_blocks=False)
+    w = make_request("w", 5, priority=1, arrival_time=3.0, hash_blocks=False)
+    add(scheduler, a)
+    step(scheduler)
+    add(scheduler, b)
+    step(scheduler)
+    add(scheduler, w)
+    output, _ = step(scheduler)  # the pool is full: w waits
+    assert output.new_reqs == [] and scheduler.kv.num_free_blocks == 0
+    output, _ = step(scheduler)  # a needs a third block: b goes
+    assert output.preempted_req_ids == ["b"]
+    assert scheduler.kv.num_free_blocks == 1
+    assert output.new_reqs == []
+    assert waiting_ids(scheduler) == ["w", "b"]
+    output, _ = step(scheduler)
+    assert [r.req_id for r in output.new_reqs] == ["w"]
+
+
+def test_num_cached_tokens_is_that_of_the_first_admission() -> None:
+    scheduler = make_scheduler(num_blocks=4)
+    a = make_request("a", 32, max_tokens=2)
+    b = make_request("b", 32)
+    add(scheduler, a, b)
+    step(scheduler)
+    assert b.num_cached_tokens == 0
+    output, outputs = step(scheduler)  # a needs a third block: b goes, a finishes
+    assert output.preempted_req_ids == ["b"]
+    assert [f.req_id for f in outputs.finished] == ["a"]
+    # b's first block is still cached: it resumes with a hit but was first admitted without.
+    output, _ = step(scheduler)
+    (resumed,) = output.new_reqs
+    assert resumed.num_computed_tokens == 16
+    assert b.num_cached_tokens == 0
