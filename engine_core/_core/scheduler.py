@@ -205,7 +205,8 @@ class Scheduler:
         the budget left and whether anything was preempted."""
         threshold = self.config.long_prefill_token_threshold
         allocate_slots = self.kv.allocate_slots
-        any_preempted = False
+        # Mutation testing: None is an equivalent start (only its truth is read).
+        any_preempted = False  # pragma: no mutate
         # NOTE: preemption rebinds self.running to a new list instead of editing it, so this
         # loop walks the list it started with, and a victim still ahead in it is skipped by its
         # status: no index to fix up.
