@@ -32,9 +32,12 @@ class FreeBlockQueue:
     __slots__ = ("_head", "_tail", "num_free_blocks")
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
-        self._head = KVCacheBlock(-1)
-        self._tail = KVCacheBlock(-1)
-        self._head.next_free = self._tail
+        # Mutation testing: the sentinels' ids are never read, and an empty queue whose head
+        # links to None instead of the tail behaves the same (popleft and iteration stop at
+        # either), so those mutants are equivalent.
+        self._head = KVCacheBlock(-1)  # pragma: no mutate
+        self._tail = KVCacheBlock(-1)  # pragma: no mutate
+        self._head.next_free = self._tail  # pragma: no mutate
         self._tail.prev_free = self._head
         self.num_free_blocks = 0
         for block in blocks:
@@ -52,7 +55,8 @@ class FreeBlockQueue:
 
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
-        if prev is None or nxt is None:
+        # A block's two links are set and cleared together, so `and` would do as well as `or`.
+        if prev is None or nxt is None:  # pragma: no mutate
             raise ValueError(f"{block!r} is not in the free queue")
         prev.next_free = nxt
         nxt.prev_free = prev
@@ -98,11 +102,10 @@ class BlockPool:
     and is evicted lazily when it is handed out again.
     """
 
-    def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
@@ -167,7 +170,8 @@ class BlockPool:
                     queue.appendleft(block)
                 else:
                     queue.append(block)
-            elif block.ref_cnt < 0:
+            # Mutation testing: `<= 0` and `< 1` are equivalent here (0 is handled above).
+            elif block.ref_cnt < 0:  # pragma: no mutate
                 raise RuntimeError(f"{block!r} freed more often than referenced")
 
     def reset_prefix_cache(self) -> bool:
