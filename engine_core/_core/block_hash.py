@@ -14,7 +14,7 @@ from array import array
 
 from xxhash import xxh3_128_digest
 
-__all__ = ["NONE_HASH", "block_keys", "extra_key_bytes"]
+__all__ = ["NONE_HASH", "block_digests", "block_keys", "extra_key_bytes"]
 
 NONE_HASH = xxh3_128_digest(b"engine-core/prefix-cache/v1")
 """Parent digest of the first block of every sequence."""
@@ -54,3 +54,25 @@ def block_keys(
         keys.append(key)
         parent = xxh3_128_digest(key)
     return keys
+
+
+def block_digests(
+    token_ids: list[int], block_size: int, num_blocks: int, cache_salt: str | None = None
+) -> list[bytes]:
+    """Digests of the first ``num_blocks`` full blocks of ``token_ids`` (at most as many as
+    there are): the names the engines' KV events give those blocks (xxh3-128 of each key)."""
+    num_blocks = min(num_blocks, len(token_ids) // block_size)
+    if num_blocks <= 0:
+        return []
+    data = array("I", token_ids[: num_blocks * block_size]).tobytes()
+    step = block_size * _TOKEN_BYTES
+    parent = NONE_HASH
+    extra = extra_key_bytes(cache_salt)
+    digests = []
+    for offset in range(0, len(data), step):
+        key = parent + data[offset : offset + step]
+        if offset == 0 and extra:
+            key += extra
+        parent = xxh3_128_digest(key)
+        digests.append(parent)
+    return digests

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from engine_core._core.kv_events import KVEventLog
+
 __all__ = ["BlockPool", "FreeBlockQueue", "KVCacheBlock"]
 
 
@@ -109,6 +111,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
+        self.events: KVEventLog | None = None
+        """Where the blocks that start and stop being cached are recorded (data parallelism
+        sets it; None records nothing)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -151,6 +156,8 @@ class BlockPool:
         assert key is not None
         if self.cached.get(key) is block:
             del self.cached[key]
+            if self.events is not None:
+                self.events.removed(key)
         block.key = None
 
     def cache_block(self, block: KVCacheBlock, key: bytes) -> None:
@@ -159,6 +166,8 @@ class BlockPool:
         if key not in self.cached:
             self.cached[key] = block
             block.key = key
+            if self.events is not None:
+                self.events.stored(key)
 
     def free(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference on each block; pass a request's blocks tail first."""
@@ -181,4 +190,6 @@ class BlockPool:
         for block in self.cached.values():
             block.key = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.clear()
         return True

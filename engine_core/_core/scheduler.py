@@ -277,7 +277,6 @@ class Scheduler:
             if not kv.allocate_slots(request, num_new, hits, full_sequence_must_fit=True):
                 break
             waiting.pop()
-            resumed = request.status == _PREEMPTED
             request.set_status(_RUNNING)
             running.append(request)
             admitted.append(request)
@@ -293,8 +292,7 @@ class Scheduler:
                     request.block_ids,
                     num_hit_tokens,
                     num_new,
-                    # Mutation testing: a new request's own output_token_ids are empty too.
-                    request.output_token_ids if resumed else [],  # pragma: no mutate
+                    request.output_token_ids,  # after a preemption or a resume elsewhere
                     list(request.eos_token_ids),
                 )
             )

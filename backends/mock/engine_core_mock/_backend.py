@@ -58,7 +58,10 @@ class MockBackend(Backend):
         options = parse_options(config)
         self.geometry = options.geometry
         self.latency = options.latency
-        self.fault = options.fault
+        fault = options.fault
+        self.fault = (
+            fault if fault is None or fault.rank in (None, config.data_parallel_rank) else None
+        )
         self._replies = Replies(options.replies, config.tokenizer_name) if options.replies else None
         # Without a latency model or a fault a step is a few microseconds of Python holding the
         # GIL: a worker thread would add its hand-off and no concurrency.

@@ -80,6 +80,8 @@ class Fault:
 
     kind: Literal["raise", "exit", "hang", "freeze"]
     at_step: int
+    rank: int | None = None
+    """Only the engine of this ``data_parallel_rank`` fails (None: every engine)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,11 +146,18 @@ def _seconds(name: str, value: Any) -> float:
 def _parse_fault(value: Any) -> Fault | None:
     if value is None:
         return None
-    if not isinstance(value, dict) or set(value) != {"kind", "at_step"}:
+    if not isinstance(value, dict) or not {"kind", "at_step"} <= set(value) <= {
+        "kind",
+        "at_step",
+        "rank",
+    }:
         raise ValueError(
-            "backend_options['fault'] must be a dict with exactly the keys 'kind' and "
-            f"'at_step', got {value!r}"
+            "backend_options['fault'] must be a dict with the keys 'kind' and 'at_step' "
+            f"(and optionally 'rank'), got {value!r}"
         )
+    rank = value.get("rank")
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+        raise ValueError(f"backend_options['fault']['rank'] must be an int >= 0, got {rank!r}")
     kind = value["kind"]
     if kind not in _FAULT_KINDS:
         raise ValueError(
@@ -160,7 +169,7 @@ def _parse_fault(value: Any) -> Fault | None:
         raise ValueError(
             f"backend_options['fault']['at_step'] must be an int >= 1, got {at_step!r}"
         )
-    return Fault(kind, at_step)
+    return Fault(kind, at_step, rank)
 
 
 def dtype_bytes(dtype: str, name: str) -> int:
