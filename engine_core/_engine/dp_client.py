@@ -212,13 +212,19 @@ class DPClient(EngineCoreClient):
         )
         if self.config.dp_restart_engines:
             self._start_restart(engine)
+        if not any(self._alive):
+            # The deployment's death: every request in flight gets EngineDeadError.
+            if self._wakeup is not None:
+                self._wakeup.set()
+            return
         mode = self.config.dp_failover
         for request_id in lost:
+            if not any(self._alive):
+                break  # a later death took the last engine: EngineDeadError for the rest
             tracked = self._tracked.get(request_id)
             if tracked is None or tracked.engine != engine:
                 continue
-            pinned = tracked.request.data_parallel_rank is not None
-            if any(self._alive) and not pinned:
+            if tracked.request.data_parallel_rank is None:
                 if tracked.num_tokens == 0 and mode != "fail":
                     self._send(tracked, tracked.request, "failover")
                     continue
