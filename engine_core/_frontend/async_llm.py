@@ -177,6 +177,14 @@ class AsyncLLM:
         return self._started()[0].info
 
     @property
+    def data_parallel(self) -> Any:
+        """The data-parallel client (its ``metrics``, ``engine_status()``), or None with one
+        engine."""
+        from engine_core._engine.dp_client import DPClient
+
+        return self._client if isinstance(self._client, DPClient) else None
+
+    @property
     def dead_error(self) -> EngineDeadError | None:
         """What the engine core died of, once it died (every call raises it from then on);
         None while it runs."""

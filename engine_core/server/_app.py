@@ -212,6 +212,9 @@ async def _health(state: ServerState, request: Request) -> Response:
         reason = "it did not answer" if isinstance(exc, TimeoutError) else str(exc)
         body = error_json(f"the engine is unhealthy: {reason}", "service_unavailable")
         return Response(body, 503, media_type="application/json")
+    dp = state.engine.data_parallel
+    if dp is not None:  # healthy while one engine is alive: say which are
+        return _json({"engines": dp.engine_status()})
     return Response(b"", 200)
 
 
@@ -229,7 +232,9 @@ async def _metrics(state: ServerState, request: Request) -> Response:
             stats = await state.engine.get_stats()
     except (EngineError, TimeoutError):
         stats = None  # a dead engine: the server's own metrics still count
-    return Response(state.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+    dp = state.engine.data_parallel
+    router = None if dp is None else dp.metrics
+    return Response(state.metrics.render(stats, router), media_type=CONTENT_TYPE_LATEST)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

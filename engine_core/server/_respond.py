@@ -10,6 +10,7 @@ with ``[DONE]``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -83,6 +84,8 @@ class RequestContext(Generic[B]):
     """The response's id; the engine requests' ids derive from it."""
     created: int = field(default_factory=lambda: int(time.time()))
     fields: Fields = Fields()
+    data_parallel_rank: int | None = None
+    """The engine the ``X-Data-Parallel-Rank`` header pins the request to."""
 
 
 async def _run_one(
@@ -91,7 +94,11 @@ async def _run_one(
     recorder = ctx.state.metrics.recorder()
     params = ctx.params
     outputs = ctx.state.engine.generate(
-        ctx.prompts[index].prompt, params, request_id, priority=ctx.body.priority
+        ctx.prompts[index].prompt,
+        params,
+        request_id,
+        priority=ctx.body.priority,
+        data_parallel_rank=ctx.data_parallel_rank,
     )
     admitting = True  # no output yet: what generate() raises now is about the request
     try:
@@ -167,11 +174,32 @@ async def respond(
     """The answer to ``request``: streamed by ``stream(ctx)`` when the body asks for a stream,
     else a whole ``response`` with the choices ``choices_of`` makes of each prompt's output
     (and the usage's ``details()``, when given)."""
+    rank = _data_parallel_rank(request, ctx.state.engine.config.data_parallel_size)
+    if rank is not None:
+        ctx = dataclasses.replace(ctx, data_parallel_rank=rank)
     if ctx.body.stream:
         return EventStreamResponse(stream(ctx).run)
     return await cancel_on_disconnect(
         request.receive, lambda: _whole(ctx, response, choices_of, details)
     )
+
+
+def _data_parallel_rank(request: Request, size: int) -> int | None:
+    """The engine the ``X-Data-Parallel-Rank`` header names (as vLLM reads it), or None."""
+    header = request.headers.get("x-data-parallel-rank")
+    if header is None:
+        return None
+    try:
+        rank = int(header)
+    except ValueError:
+        rank = -1
+    if not 0 <= rank < size:
+        raise APIError(
+            400,
+            f"X-Data-Parallel-Rank must be an engine rank in [0, {size}), got {header!r}",
+            param="X-Data-Parallel-Rank",
+        )
+    return rank
 
 
 async def _whole(
