@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from xxhash import xxh3_64_intdigest
 
-from engine_core._core.block_hash import block_digests
+from engine_core._core.block_hash import iter_block_digests
 from engine_core._core.protocol import EngineLoad, KVEvents
 
 __all__ = ["POLICIES", "REASONS", "RouteDecision", "Router"]
@@ -134,10 +134,7 @@ class Router:
         if self.policy == "least_loaded":
             engine = min(alive, key=lambda e: (inflight[e], -self._free_estimate(e)))
             return self._commit(request_id, engine, "policy", 0, [], len(prompt), blocks)
-        digests = (
-            block_digests(prompt, bs, (len(prompt) - 1) // bs, cache_salt) if self.caching else []
-        )
-        depth = self.depths(digests, alive)
+        depth, digests = self._walk(prompt, cache_salt, alive)
         lo = min(inflight[e] for e in alive)
         limit = max(lo + self.balance_abs, lo * self.balance_rel)
         window = [e for e in alive if inflight[e] <= limit]
@@ -176,6 +173,37 @@ class Router:
         if free is None:
             return float("inf")
         return free - self.pending_blocks[engine]
+
+    def _walk(
+        self, prompt: list[int], cache_salt: str | None, engines: list[int]
+    ) -> tuple[list[int], list[bytes]]:
+        """Each engine's longest cached prefix of ``prompt`` (blocks, by rank), and the digests
+        of the blocks looked at: hashing stops at the first block that no engine holds (it and
+        the blocks before are what a provisional entry needs)."""
+        depth = [0] * self.num_engines
+        digests: list[bytes] = []
+        if not self.caching:
+            return depth, digests
+        live = 0
+        for e in engines:
+            live |= 1 << e
+        index, pending = self.index, self._pending_mask
+        bs = self.block_size
+        for digest in iter_block_digests(prompt, bs, (len(prompt) - 1) // bs, cache_salt):
+            digests.append(digest)
+            held = (index.get(digest, 0) | pending.get(digest, 0)) & live
+            dropped = live & ~held
+            if dropped:
+                for e in engines:
+                    if dropped >> e & 1:
+                        depth[e] = len(digests) - 1
+            live = held
+            if not live:
+                return depth, digests
+        for e in engines:
+            if live >> e & 1:
+                depth[e] = len(digests)
+        return depth, digests
 
     def depths(self, digests: list[bytes], engines: list[int]) -> list[int]:
         """For each engine (by rank; 0 for those not in ``engines``), how many leading blocks

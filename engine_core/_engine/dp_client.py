@@ -296,6 +296,8 @@ class DPClient(EngineCoreClient):
         logger.error("engine %d could not be restarted; giving up", engine)
 
     def _take_rejoined(self) -> None:
+        if not self._rejoined:
+            return
         while self._rejoined:
             engine, client = self._rejoined.popleft()
             old = self._clients[engine]
@@ -305,6 +307,8 @@ class DPClient(EngineCoreClient):
             self.metrics.engine_restarts[engine] += 1
             logger.info("engine %d restarted and rejoined", engine)
             old.shutdown()
+        if self._wakeup is not None:  # a reader waiting for the others reads this one too
+            self._wakeup.set()
 
     # -- requests -------------------------------------------------------------------------------
 

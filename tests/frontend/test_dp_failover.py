@@ -134,3 +134,26 @@ async def test_when_every_engine_dies_the_deployment_is_dead() -> None:
         with pytest.raises(EngineDeadError):
             async for _ in engine.generate("abc", PARAMS):
                 pass
+
+
+async def test_a_dead_engine_restarts_and_rejoins() -> None:
+    engine = AsyncLLM(
+        backend="mock",
+        tokenizer="byte",
+        data_parallel_size=2,
+        dp_restart_engines=True,
+        backend_options={"fault": {"kind": "exit", "at_step": 2, "rank": 1}},
+    )
+    async with engine:
+        client = engine._client
+        assert isinstance(client, DPClient)
+        with pytest.raises(RetryableRequestError, match="engine 1"):
+            async for _ in engine.generate("abc", PARAMS, data_parallel_rank=1):
+                pass
+        with anyio.fail_after(30):
+            while (await engine.get_stats()).num_engines_alive < 2:
+                await anyio.sleep(0.05)
+        assert client.metrics.engine_restarts == [0, 1]
+        one = SamplingParams(temperature=0.0, max_tokens=1)
+        outs = [o async for o in engine.generate("abc", one, data_parallel_rank=1)]
+        assert outs[-1].outputs[0].text == "d"
