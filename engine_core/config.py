@@ -84,8 +84,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     ``"round_robin"``."""
     router_balance_abs: int | None = None
     """An engine is near the least loaded while it has at most this many more requests in
-    flight (or ``router_balance_rel`` times as many). None: ``max(2, max_num_seqs // 8)``."""
-    router_balance_rel: float = 1.5
+    flight (or ``router_balance_rel`` times as many). None: ``max(4, max_num_seqs // 2)``."""
+    router_balance_rel: float = 1.0
     dp_failover: Literal["retry", "fail", "resume"] = "retry"
     """When an engine dies, its requests that had streamed nothing go to another engine
     (``"retry"``, ``"resume"``) or end with a retryable error (``"fail"``); those that had
@@ -106,7 +106,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
         """``router_balance_abs``, or its default."""
         if self.router_balance_abs is not None:
             return self.router_balance_abs
-        return max(2, self.max_num_seqs // 8)
+        return max(4, self.max_num_seqs // 2)
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):

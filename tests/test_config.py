@@ -46,14 +46,14 @@ def test_defaults() -> None:
             "data_parallel_rank": 0,
             "router": None,
             "router_balance_abs": None,
-            "router_balance_rel": 1.5,
+            "router_balance_rel": 1.0,
             "dp_failover": "retry",
             "dp_restart_engines": False,
         },
     )
     assert c.router_policy == "prefix"
     assert EngineConfig(enable_prefix_caching=False).router_policy == "least_loaded"
-    assert c.balance_abs == 32
+    assert c.balance_abs == 128
     assert c.tokenizer_name == "byte"
 
 

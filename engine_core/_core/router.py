@@ -9,8 +9,8 @@ Policy ``"prefix"``: among the live engines within a balance window of the least
 requests at most ``balance_abs`` more, or ``balance_rel`` times as many) that have room for the
 request's uncached blocks, the one holding the longest prefix wins (ties: fewer in flight, fewer
 prefill tokens pending, then a stable hash). A prompt cached nowhere (a cold prefix) goes where a
-rendezvous hash of its first block says, so identical cold prompts arriving together do not
-scatter while unrelated ones spread. ``"least_loaded"`` and ``"round_robin"`` ignore prefixes.
+rendezvous hash of its first block says among the least loaded (within one request), so
+identical cold prompts meet while unrelated ones spread. ``"least_loaded"`` and ``"round_robin"`` ignore prefixes.
 A request may pin an engine.
 """
 
@@ -152,9 +152,14 @@ class Router:
             ),
         )
         if depth[best] == 0:
-            # Cold here: a stable place for this prefix among the candidates, whatever their
-            # small load differences, so identical prompts sent together meet.
-            best = max(candidates, key=lambda e: xxh3_64_intdigest(stable, seed=e))
+            # Cold everywhere: a stable place for this prefix among the least loaded (within
+            # one request), so that identical prompts meet even without provisional entries
+            # (another front end, a restart) while cold traffic stays balanced.
+            least = min(inflight[e] for e in candidates)
+            best = max(
+                (e for e in candidates if inflight[e] <= least + 1),
+                key=lambda e: xxh3_64_intdigest(stable, seed=e),
+            )
         deepest = max(depth[e] for e in alive)
         reason = "balance" if depth[best] < deepest else "affinity" if deepest else "cold"
         hit = depth[best] * bs
