@@ -79,10 +79,12 @@ class RouterMetrics:
 
 
 def _resumable(request: EngineCoreRequest) -> bool:
-    """Whether another engine can continue the request exactly from its tokens: greedy, with
+    """Whether another engine can continue the request exactly from its tokens: greedy, or
+    seeded (both shipped backends draw from a pure function of the seed and the position), with
     no grammar state or prompt logprobs that would not carry over."""
     params = request.sampling_params
-    return params.is_greedy and params.structured_outputs is None and params.prompt_logprobs is None
+    exact = params.is_greedy or params.seed is not None
+    return exact and params.structured_outputs is None and params.prompt_logprobs is None
 
 
 class DPClient(EngineCoreClient):
@@ -414,6 +416,9 @@ class DPClient(EngineCoreClient):
 
     async def _wait_for_any(self) -> None:
         """Until an engine has outputs or is gone, or the client ended requests itself."""
+        if self.num_engines == 1:  # nothing to fail over to, nothing to rejoin
+            await self._clients[0].wait_for_output()
+            return
         self._wakeup = wakeup = anyio.Event()
         try:
             async with anyio.create_task_group() as tg:

@@ -157,3 +157,30 @@ async def test_a_dead_engine_restarts_and_rejoins() -> None:
         one = SamplingParams(temperature=0.0, max_tokens=1)
         outs = [o async for o in engine.generate("abc", one, data_parallel_rank=1)]
         assert outs[-1].outputs[0].text == "d"
+
+
+async def test_resume_continues_seeded_sampling_exactly() -> None:
+    seeded = SamplingParams(
+        temperature=0.8,
+        seed=7,
+        max_tokens=12,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+    with LLM(backend="mock", tokenizer="byte") as single:
+        expected = [o.outputs[0].text for o in single.generate(PROMPTS, seeded, use_tqdm=False)]
+    async with _engine("resume") as engine:
+        texts: dict[int, str] = {}
+
+        async def run(i: int) -> None:
+            async for out in engine.generate(PROMPTS[i], seeded):
+                texts[i] = out.outputs[0].text
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for i in range(len(PROMPTS)):
+                    tg.start_soon(run, i)
+        client = engine._client
+        assert isinstance(client, DPClient)
+        assert client.metrics.requests[0, "failover"] > 0
+        assert [texts[i] for i in range(len(PROMPTS))] == expected
