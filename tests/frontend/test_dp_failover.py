@@ -184,3 +184,20 @@ async def test_resume_continues_seeded_sampling_exactly() -> None:
         assert isinstance(client, DPClient)
         assert client.metrics.requests[0, "failover"] > 0
         assert [texts[i] for i in range(len(PROMPTS))] == expected
+
+
+def test_offline_llm_resumes_after_an_engine_dies() -> None:
+    expected = _expected()
+    final = PARAMS.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+    with LLM(
+        backend="mock",
+        tokenizer="byte",
+        multiprocess=True,
+        data_parallel_size=2,
+        max_num_seqs=4,
+        dp_failover="resume",
+        backend_options={"latency": {"step_s": 0.002}, "fault": FAULT},
+    ) as llm:
+        outs = llm.generate(PROMPTS, final, use_tqdm=False)
+        assert [o.outputs[0].text for o in outs] == expected
+        assert llm.get_stats().num_engines_alive == 1
