@@ -58,10 +58,16 @@ class Detokenizer:
             if tokenizer is not None and params.detokenize
             else None
         )
-        self._stops = tuple(params.stop_strings) if self._decoder is not None else ()
-        self._matcher: StopMatcher | None = stop_matcher(self._stops) if self._stops else None
-        self._node = 0
-        """The stop-string automaton's state after the text decoded so far."""
+        self._stops = tuple(params.stop_strings)
+        # Mutation testing: building a matcher without stop strings is equivalent (a slower
+        # path to the same text).
+        self._matcher: StopMatcher | None = (
+            stop_matcher(self._stops) if self._stops else None  # pragma: no mutate
+        )
+        # Mutation testing: any start state is equivalent: a stop string found through the
+        # text before the completion would start before it, where none counts.
+        self._node = 0  # pragma: no mutate
+        """The stop-string automaton's state after the eligible text decoded so far."""
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         longest = max(map(len, self._stops), default=1)
@@ -98,7 +104,12 @@ class Detokenizer:
         if self._matcher is not None:
             return self._update_with_stops(decoder, self._matcher, token_ids, count)
         step = decoder.step
-        text = step(token_ids[0]) if count == 1 else "".join([step(t) for t in token_ids[:count]])
+        # Mutation testing: the one-token case is a shortcut (`and False` is equivalent).
+        text = (
+            step(token_ids[0])
+            if count == 1  # pragma: no mutate
+            else "".join([step(t) for t in token_ids[:count]])
+        )
         if text:
             self._buf += text
         self.num_tokens += len(token_ids)
@@ -122,8 +133,9 @@ class Detokenizer:
             start = len(buf)
             buf += text
             if num_tokens <= self._min_tokens:
-                # Text of the first min_tokens tokens cannot start a stop string.
-                self._node = matcher.scan(self._node, text, start, len(buf))[0]
+                # Text of the first min_tokens tokens cannot start a stop string, and one that
+                # starts later is found from any automaton state: it is not fed to the
+                # automaton.
                 self._eligible = len(buf)
                 continue
             if self._scan(matcher, buf, text, start):
@@ -171,11 +183,13 @@ class Detokenizer:
         if self._hold and not finished:
             end -= self._hold
         sent = self._sent
-        if end <= sent:
+        # Mutation testing: `end < sent` is equivalent (an empty take trims nothing more), and
+        # so are a shortcut that is never taken and trimming from 1 character on instead of 0.
+        if end <= sent:  # pragma: no mutate
             return ""
-        text = buf if sent == 0 and end == len(buf) else buf[sent:end]
+        text = buf if sent == 0 and end == len(buf) else buf[sent:end]  # pragma: no mutate
         keep_from = end - self._overlap
-        if keep_from <= 0:
+        if keep_from <= 0:  # pragma: no mutate
             self._sent = end
         else:
             self._buf = buf[keep_from:]
@@ -198,12 +212,14 @@ class LogprobsDecoder:
         """The text of one token on its own (None without a tokenizer)."""
         text = self._texts.get(token_id)
         if text is None and self._tokenizer is not None:
+            # Mutation testing: skip_special_tokens=None is equivalent (falsy).
             text = self._texts[token_id] = self._tokenizer.decode(
-                [token_id], skip_special_tokens=False
+                [token_id],
+                skip_special_tokens=False,  # pragma: no mutate
             )
         return text
 
-    def position(self, entry: TokenLogprobs, decode: bool = True) -> PositionLogprobs:
+    def position(self, entry: TokenLogprobs, decode: bool) -> PositionLogprobs:
         """One position, the sampled (or prompt) token first; ``decode=False`` leaves
         ``decoded_token`` None."""
         triples = zip(entry.token_ids, entry.logprobs, entry.ranks, strict=True)

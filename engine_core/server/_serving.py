@@ -29,6 +29,8 @@ from engine_core.server._chat_template import ChatTemplate
 from engine_core.server._errors import APIError, invalid_parameter
 from engine_core.server._metrics import ServerMetrics
 from engine_core.server._protocol import SamplingFields
+from engine_core.server._reasoning import ReasoningParser
+from engine_core.server.tools import ToolParser
 
 __all__ = [
     "MAX_BODY_DEPTH",
@@ -67,6 +69,12 @@ class ServerState:
     """Log one line per request (see ``_respond``)."""
     disable_any_whitespace: bool = False
     """Compact JSON for every JSON-constrained request (each may also ask for it)."""
+    tool_parser: ToolParser | None = None
+    """The parser of ``tool_choice: "auto"`` (``--tool-call-parser``)."""
+    auto_tool_choice: bool = False
+    """Whether ``tool_choice: "auto"`` is served (``--enable-auto-tool-choice``)."""
+    reasoning: ReasoningParser | None = None
+    """``--reasoning-parser``: the thinking goes to ``reasoning_content``."""
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
 

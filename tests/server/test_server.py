@@ -308,16 +308,32 @@ async def test_chat_stream_stop(server: Server) -> None:
 
 
 async def test_async_client_stream(server: Server, anyio_backend: str) -> None:
-    """The openai async client, where it runs."""
-    if anyio_backend != "asyncio":
-        pytest.skip("the openai async client runs on asyncio only")
-    async with openai.AsyncOpenAI(
-        base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=10.0
-    ) as client:
-        stream = await client.chat.completions.create(
-            model=MODEL, messages=HI, max_tokens=3, temperature=0, stream=True
+    """A client streaming in the server's own event loop: the openai async client under
+    asyncio (where it runs), httpx's async client under trio."""
+    if anyio_backend == "asyncio":
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=10.0
+        ) as client:
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=HI, max_tokens=3, temperature=0, stream=True
+            )
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    else:
+        body = {"model": MODEL, "messages": HI, "max_tokens": 3, "temperature": 0, "stream": True}
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with (
+            httpx.AsyncClient(timeout=10.0) as client,
+            client.stream(
+                "POST", f"{server.url}/v1/chat/completions", json=body, headers=headers
+            ) as response,
+        ):
+            assert response.status_code == 200
+            events = [line async for line in response.aiter_lines() if line]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+        text = "".join(
+            c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
         )
-        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     assert text == ";<="
 
 

@@ -20,7 +20,7 @@ from engine_core.abc import Backend, KVCacheSpec, ModelRunnerOutput, SchedulerOu
 from engine_core.config import EngineConfig
 from engine_core_cuda._cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine_core_cuda._hf_config import load_model_config
-from engine_core_cuda._memory import available_kv_cache_memory
+from engine_core_cuda._memory import available_kv_cache_memory, graph_max_batch_size
 from engine_core_cuda._model_runner import ModelRunner
 from engine_core_cuda._options import parse_options
 
@@ -106,7 +106,7 @@ class CudaBackend(Backend):
             logger.warning("CUDA graphs need kernels='triton'; running without them")
             return
         started = time.perf_counter()
-        max_batch = min(options.max_graph_batch_size, self.config.max_num_seqs)
+        max_batch = graph_max_batch_size(runner)
         graphs = DecodeGraphs(runner, graph_batch_sizes(max_batch))
         with torch.inference_mode():
             graphs.capture()

@@ -70,6 +70,12 @@ class CausalLM(nn.Module):
             x, residual = layer(positions, x, residual, cache, ctx)
         return self.model.norm(x, ctx.ops, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[rows, vocab_size]`` of hidden states ``[rows, hidden_size]``."""
-        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits ``[rows, vocab_size]`` of hidden states ``[rows, hidden_size]``,
+        written into ``out`` (contiguous float32) when given."""
+        weight = self.lm_head_weight
+        if out is None:
+            return torch.nn.functional.linear(hidden, weight).float()
+        if weight.dtype == torch.float32:
+            return torch.matmul(hidden, weight.t(), out=out)
+        return out.copy_(torch.nn.functional.linear(hidden, weight))

@@ -19,7 +19,7 @@ import torch
 
 from engine_core.abc import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from engine_core.config import EngineConfig
-from engine_core_cuda._attention import AttentionContext, KVCache
+from engine_core_cuda._attention import AttentionContext, KVCache, split_kv_segments
 from engine_core_cuda._device import prepare_triton, resolve_device, resolve_dtype
 from engine_core_cuda._hf_config import ModelConfig
 from engine_core_cuda._input_batch import InputBatch
@@ -161,18 +161,16 @@ class ModelRunner:
             query_start_loc=step.query_start_loc,
             seq_lens=step.seq_lens,
             max_query_len=step.max_query_len,
-            num_segments=self.num_segments(len(step.states), step.max_query_len),
+            num_segments=self.num_segments(
+                len(step.states), step.max_query_len, max(step.starts) + step.max_query_len
+            ),
         )
 
-    def num_segments(self, num_seqs: int, max_query_len: int) -> int:
-        """Split-KV segments: only for decode batches too small to fill the GPU."""
-        if self._sm_count == 0 or max_query_len > 1:
-            return 1
-        programs = num_seqs * self.model_config.num_kv_heads
-        target = 2 * self._sm_count
-        if programs >= target:
-            return 1
-        return min(16, 1 << (-(-target // programs) - 1).bit_length())
+    def num_segments(self, num_seqs: int, max_query_len: int, max_seq_len: int) -> int:
+        """Split-KV segments: only for decode batches too small to fill the GPU, more for
+        longer sequences (:func:`~engine_core_cuda._attention.split_kv_segments`)."""
+        return split_kv_segments(num_seqs, self.model_config.num_kv_heads, self._sm_count,
+                                 max_seq_len, max_query_len)  # fmt: skip
 
     def sample_tokens(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
         forward = self._forward
@@ -216,7 +214,7 @@ class ModelRunner:
         batch = build_sampling_batch(
             self.batch, picked, rows, positions, self._bitmask_rows(step, picks, bitmask)
         )
-        tokens = sample(picked_logits, batch)
+        tokens = sample(picked_logits, batch, self.ops.impl)
         self.batch.record_sampled(rows, positions, tokens)
         return tokens
 

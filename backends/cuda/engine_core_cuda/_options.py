@@ -61,8 +61,9 @@ class CudaOptions:
     - ``device``: ``"cuda"``, ``"cuda:N"`` or ``"cpu"`` (default: the ``ENGINE_CORE_CUDA_DEVICE``
       environment variable, else ``"cuda"``);
     - ``kernels``: ``"triton"`` (the Triton kernels: paged attention, KV write, norms, rotary
-      embedding, activation; default) or ``"torch"`` (their pure-torch references: simple, and
-      fast on the CPU where Triton is interpreted);
+      embedding, activation; the default on a GPU) or ``"torch"`` (plain torch: the references,
+      with attention batched over decode rows; the default on the CPU, where Triton is
+      interpreted);
     - ``cuda_graphs``: capture decode steps in CUDA graphs (default True; GPU and Triton kernels
       only);
     - ``max_graph_batch_size``: largest decode batch captured (default ``min(max_num_seqs, 512)``);
@@ -105,7 +106,8 @@ def parse_options(config: EngineConfig) -> CudaOptions:
         raise ValueError(
             f"backend_options['device'] must be 'cuda', 'cuda:N' or 'cpu', got {device!r}"
         )
-    kernels = options.get("kernels", "triton")
+    # On the CPU Triton is interpreted (several times slower than the torch path).
+    kernels = options.get("kernels", "torch" if device == "cpu" else "triton")
     if kernels not in KERNEL_IMPLS:
         raise ValueError(
             f"backend_options['kernels'] must be one of {', '.join(KERNEL_IMPLS)}, got {kernels!r}"

@@ -30,6 +30,7 @@ from engine_core.abc import (
 from engine_core.config import EngineConfig
 from engine_core_mock._blocks import BlockLedger
 from engine_core_mock._options import Fault, parse_options
+from engine_core_mock._replies import Replies
 from engine_core_mock._sampling import (
     bitmask_rows,
     next_allowed,
@@ -57,7 +58,11 @@ class MockBackend(Backend):
         options = parse_options(config)
         self.geometry = options.geometry
         self.latency = options.latency
-        self.fault = options.fault
+        fault = options.fault
+        self.fault = (
+            fault if fault is None or fault.rank in (None, config.data_parallel_rank) else None
+        )
+        self._replies = Replies(options.replies, config.tokenizer_name) if options.replies else None
         # Without a latency model or a fault a step is a few microseconds of Python holding the
         # GIL: a worker thread would add its hand-off and no concurrency.
         self.step_in_thread = self.latency is not None or self.fault is not None
@@ -220,8 +225,13 @@ class MockBackend(Backend):
                 )
             if not new.prompt_token_ids:
                 raise RuntimeError(f"new request {req_id!r} has an empty prompt")
+            reply = (
+                self._replies.tokens_for(new.prompt_token_ids)
+                if self._replies is not None
+                else None
+            )
             state = RequestState(
-                new, request_seed(req_id, new.sampling_params.seed, self._engine_seed)
+                new, request_seed(req_id, new.sampling_params.seed, self._engine_seed), reply
             )
             tokens = state.tokens
             if min(tokens) < 0 or max(tokens) >= vocab_size:
@@ -279,7 +289,11 @@ class MockBackend(Backend):
                 continue
             if state.num_prompt_logprobs is not None:
                 prompt_logprobs = self._add_prompt_logprobs(state, prompt_logprobs)
-            token = self._choose(state, centre, rows.get(index) if rows is not None else None)
+            reply = state.reply_token()
+            if reply is not None:
+                centre = reply
+            words = rows.get(index) if rows is not None else None
+            token = self._choose(state, centre, words, reply)
             tokens.append(token)
             sampled.append([token])
             if state.num_logprobs is not None:
@@ -290,14 +304,19 @@ class MockBackend(Backend):
                 ]
         return ModelRunnerOutput(self._batch_ids, sampled, logprobs, prompt_logprobs)
 
-    def _choose(self, state: RequestState, centre: int, words: list[int] | None) -> int:
-        """The token of a request off the hot path: the rule's token (``centre`` when greedy,
-        else the random one) or, under a grammar (``words``), the grammar's choice; then the
-        logit bias; then the first token at or after it that nothing masks."""
+    def _choose(
+        self, state: RequestState, centre: int, words: list[int] | None, reply: int | None
+    ) -> int:
+        """The token of a request off the hot path: the scripted ``reply``'s token, else the
+        rule's token (``centre`` when greedy, else the random one) or, under a grammar
+        (``words``), the grammar's choice; then the logit bias; then the first token at or
+        after it that nothing masks."""
         vocab_size = self._vocab_size
         masked = state.masked()
         token: int | None
-        if words is None:
+        if reply is not None:
+            token = reply
+        elif words is None:
             token = centre if state.greedy else state.random_token(vocab_size)
         elif state.greedy:
             # Not whitespace where the grammar allows more: JSON's flexible whitespace would

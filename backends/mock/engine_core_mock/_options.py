@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine_core.config import EngineConfig
+from engine_core_mock._replies import Reply, parse_replies
 
 __all__ = ["Fault", "Latency", "MockOptions", "ModelGeometry", "parse_options"]
 
@@ -24,6 +25,7 @@ OPTION_NAMES = frozenset(
         "latency",
         "load_s",
         "fault",
+        "replies",
     }
 )
 _LATENCY_KEYS = ("step_s", "per_token_s", "per_context_token_s")
@@ -78,6 +80,8 @@ class Fault:
 
     kind: Literal["raise", "exit", "hang", "freeze"]
     at_step: int
+    rank: int | None = None
+    """Only the engine of this ``data_parallel_rank`` fails (None: every engine)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +107,8 @@ class MockOptions:
     fault: Fault | None
     load_s: float = 0.0
     """Seconds that constructing the backend takes (a model load)."""
+    replies: tuple[Reply, ...] = ()
+    """Scripted replies (``engine_core_mock._replies``)."""
 
 
 def _int_option(name: str, value: Any, *, minimum: int) -> int:
@@ -140,11 +146,18 @@ def _seconds(name: str, value: Any) -> float:
 def _parse_fault(value: Any) -> Fault | None:
     if value is None:
         return None
-    if not isinstance(value, dict) or set(value) != {"kind", "at_step"}:
+    if not isinstance(value, dict) or not {"kind", "at_step"} <= set(value) <= {
+        "kind",
+        "at_step",
+        "rank",
+    }:
         raise ValueError(
-            "backend_options['fault'] must be a dict with exactly the keys 'kind' and "
-            f"'at_step', got {value!r}"
+            "backend_options['fault'] must be a dict with the keys 'kind' and 'at_step' "
+            f"(and optionally 'rank'), got {value!r}"
         )
+    rank = value.get("rank")
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+        raise ValueError(f"backend_options['fault']['rank'] must be an int >= 0, got {rank!r}")
     kind = value["kind"]
     if kind not in _FAULT_KINDS:
         raise ValueError(
@@ -156,7 +169,7 @@ def _parse_fault(value: Any) -> Fault | None:
         raise ValueError(
             f"backend_options['fault']['at_step'] must be an int >= 1, got {at_step!r}"
         )
-    return Fault(kind, at_step)
+    return Fault(kind, at_step, rank)
 
 
 def dtype_bytes(dtype: str, name: str) -> int:
@@ -242,4 +255,5 @@ def parse_options(config: EngineConfig) -> MockOptions:
         _parse_latency(options.get("latency")),
         _parse_fault(options.get("fault")),
         0.0 if options.get("load_s") is None else _seconds("'load_s'", options["load_s"]),
+        parse_replies(options.get("replies")),
     )
