@@ -19,7 +19,7 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 async def test_health_metrics_and_the_rank_header() -> None:
-    body = {"model": "engine-core", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
+    body = {"model": "mock", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
     async with serving(data_parallel_size=2) as (client, _engine):
         health = await client.get("/health")
         assert health.status_code == 200
