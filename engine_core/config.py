@@ -46,6 +46,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    async_scheduling: bool | None = None
+    """Schedule step n+1 while step n runs on the device (its sampled tokens are placeholders
+    until its results arrive). None: on when the backend supports it; True with a backend that
+    does not fails at startup."""
     multiprocess: bool | None = None
     """Run the engine core in its own process. None: AsyncLLM does, LLM does not."""
     engine_runtime: Literal["asyncio", "trio"] = "asyncio"

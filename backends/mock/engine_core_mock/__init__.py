@@ -27,8 +27,8 @@ Tokens (``vocab_size`` V):
 - ``latency``: ``{"step_s", "per_token_s", "per_context_token_s"}``, each step then lasts
   ``step_s + per_token_s * scheduled tokens + per_context_token_s * context tokens``;
 - ``load_s``: seconds that constructing the backend takes (a model load);
-- ``fault``: ``{"kind": "raise" | "exit" | "hang" | "freeze", "at_step": N}``, at the N-th
-  ``execute_model`` call: raise ``RuntimeError``, exit the process with status 13, block
+- ``fault``: ``{"kind": "raise" | "exit" | "hang" | "freeze", "at_step": N}``, in the N-th step
+  (``execute_model`` call), when its results are waited for: raise ``RuntimeError``, exit the process with status 13, block
   forever, or block forever holding the GIL (the whole process stops answering).
 """
 

@@ -6,6 +6,12 @@ moves the choice to the next allowed token. Like a real backend it keeps each re
 block table and ``num_computed_tokens`` from the scheduler's diffs, and it checks them: a
 scheduler that breaks the contract gets a ``RuntimeError`` instead of silently wrong tokens.
 After such an error the backend's state is undefined.
+
+The latency model runs on a device timeline: a step launched by ``execute_model`` starts when
+the previous one ends (or at once when the device is idle) and ends its modelled duration
+later; the results wait for that absolute deadline (``sample_tokens``, or the handle of
+``sample_tokens_async`` under async scheduling), so a host that launches the next step while
+one runs keeps the modelled device busy, and timer overshoot never accumulates.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from engine_core.abc import (
+    AsyncModelRunnerOutput,
     Backend,
     CachedRequestData,
     KVCacheSpec,
@@ -38,13 +45,41 @@ FAULT_EXIT_CODE = 13
 """Exit status of the process when the ``exit`` fault fires."""
 
 
+class _MockHandle(AsyncModelRunnerOutput):
+    """A launched mock step: its results, known at launch, are released at its deadline."""
+
+    __slots__ = ("_output", "_deadline", "_fault", "_wait")
+
+    def __init__(
+        self,
+        output: ModelRunnerOutput,
+        deadline: float | None,
+        fault: Fault | None,
+        wait: Callable[[float | None, Fault | None], None],
+    ) -> None:
+        self._output = output
+        self._deadline = deadline
+        self._fault = fault
+        self._wait = wait
+
+    def get_output(self) -> ModelRunnerOutput:
+        self._wait(self._deadline, self._fault)
+        return self._output
+
+
 class MockBackend(Backend):
     """A deterministic backend with a synthetic (or HF-config) KV geometry, a latency model and
     fault injection; see ``engine_core_mock`` for the options. ``sleep`` is the function the
-    latency model waits with."""
+    latency model waits with, ``clock`` the one its device timeline reads."""
+
+    supports_async_scheduling = True
 
     def __init__(
-        self, config: EngineConfig, *, sleep: Callable[[float], None] = time.sleep
+        self,
+        config: EngineConfig,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(config)
         options = parse_options(config)
@@ -55,6 +90,14 @@ class MockBackend(Backend):
         # GIL: a worker thread would add its hand-off and no concurrency.
         self.step_in_thread = self.latency is not None or self.fault is not None
         self._sleep = sleep
+        self._clock = clock
+        self._device_free_at = 0.0
+        """When the last launched step ends on the modelled device."""
+        self._deadline: float | None = None
+        """When the step launched by the last execute_model ends (None: no latency model)."""
+        self._step_fault: Fault | None = None
+        """The fault of the step launched by the last execute_model, fired when its results
+        are waited for (a device fails while it runs a step, not when the step is launched)."""
         self._vocab_size = self.geometry.vocab_size
         self._block_size = config.block_size
         self._engine_seed = config.seed
@@ -129,8 +172,8 @@ class MockBackend(Backend):
         if self._batch is not None:
             raise RuntimeError("execute_model called twice without sample_tokens in between")
         self.num_steps += 1
-        if self.fault is not None and self.num_steps == self.fault.at_step:
-            self._inject(self.fault)
+        fault = self.fault
+        self._step_fault = fault if fault is not None and self.num_steps == fault.at_step else None
         for req_id in scheduler_output.finished_req_ids:
             self._drop(req_id)
         for req_id in scheduler_output.preempted_req_ids:
@@ -145,7 +188,8 @@ class MockBackend(Backend):
             )
         if self.latency is not None:
             context = sum(r.num_computed_tokens for r in batch)
-            self._sleep(self.latency.duration(total, context))
+            start = max(self._clock(), self._device_free_at)
+            self._deadline = self._device_free_at = start + self.latency.duration(total, context)
         self._batch = batch
         self._batch_ids = scheduler_output.req_ids
 
@@ -245,7 +289,28 @@ class MockBackend(Backend):
     def _holders(self, block_id: int) -> list[str]:
         return [r.req_id for r in self._requests.values() if block_id in r.block_ids]
 
+    def _wait(self, deadline: float | None, fault: Fault | None) -> None:
+        """Until the step's deadline; then its fault, if it has one."""
+        if deadline is not None:
+            remaining = deadline - self._clock()
+            if remaining > 0:
+                self._sleep(remaining)
+        if fault is not None:
+            self._inject(fault)
+
     def sample_tokens(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
+        output = self._sample(grammar_bitmask)
+        self._wait(self._deadline, self._step_fault)
+        return output
+
+    def sample_tokens_async(self, grammar_bitmask: Any | None) -> AsyncModelRunnerOutput:
+        """The tokens are drawn at once (the mock's sampling is host work) and released at the
+        step's deadline on the device timeline."""
+        return _MockHandle(
+            self._sample(grammar_bitmask), self._deadline, self._step_fault, self._wait
+        )
+
+    def _sample(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
         batch = self._batch
         if batch is None:
             raise RuntimeError("sample_tokens called without a preceding execute_model")
