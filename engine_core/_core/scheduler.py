@@ -435,8 +435,6 @@ class Scheduler:
                 continue  # partial prefill chunk
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
-            elif request.status is _PREEMPTED:
-                continue  # sync: preempted before the step, not in it (never happens)
             num_before = len(request.all_token_ids)
             grammar = request.grammar
             if grammar is None:
