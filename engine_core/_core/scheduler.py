@@ -277,8 +277,11 @@ class Scheduler:
             request = waiting.peek()
             if request is None:
                 break
-            if request.status == _WAITING_FOR_GRAMMAR:
-                skipped.append(waiting.pop())  # does not hold up the others
+            if request.status == _WAITING_FOR_GRAMMAR or request.num_output_placeholders:
+                # Neither holds up the others: a grammar still compiling, or (async scheduling)
+                # a request preempted while a step computes its next token, which it must have
+                # before it resumes.
+                skipped.append(waiting.pop())
                 continue
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = len(request.all_token_ids) - num_hit_tokens
