@@ -11,6 +11,9 @@ Engine state, read from :meth:`AsyncLLM.get_stats` at each scrape:
 - ``engine_core_num_preemptions_total`` (counter)
 - ``engine_core_malformed_messages_total`` (counter): messages the engine could not decode
   (answered with an error when their request id was readable, else dropped)
+- ``engine_core_device_busy_seconds_total`` (counter): seconds during which the backend had a
+  step in flight; its rate against wall time is the fraction of time the host kept the device
+  fed (1.0: never idle while there was work)
 
 Requests served by this server, recorded as their outputs stream:
 
@@ -185,6 +188,11 @@ def _engine_state(stats: EngineStats) -> Iterator[Metric]:
         "engine_core_malformed_messages",
         "Messages the engine could not decode.",
         value=stats.num_malformed_messages,
+    )
+    yield CounterMetricFamily(
+        "engine_core_device_busy_seconds",
+        "Seconds during which the backend had a step in flight.",
+        value=stats.device_busy_s,
     )
 
 
