@@ -16,7 +16,13 @@ from typing import Any, Literal
 
 import torch
 
-from engine_core.abc import Backend, KVCacheSpec, ModelRunnerOutput, SchedulerOutput
+from engine_core.abc import (
+    AsyncModelRunnerOutput,
+    Backend,
+    KVCacheSpec,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from engine_core.config import EngineConfig
 from engine_core_cuda._cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine_core_cuda._hf_config import load_model_config
@@ -49,7 +55,10 @@ def _check_model_dir(config: EngineConfig, load_format: str) -> Path:
 
 class CudaBackend(Backend):
     """Runs an HF Llama/Mistral/Qwen2/Qwen3 checkpoint with torch, Triton paged attention and
-    on-device sampling; see ``engine_core_cuda`` for the ``backend_options``."""
+    on-device sampling; see ``engine_core_cuda`` for the ``backend_options``. It supports async
+    scheduling: sampled tokens stay on the device as the next step's input ids."""
+
+    supports_async_scheduling = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -132,6 +141,10 @@ class CudaBackend(Backend):
     def sample_tokens(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
         with torch.inference_mode():
             return self.runner.sample_tokens(grammar_bitmask)
+
+    def sample_tokens_async(self, grammar_bitmask: Any | None) -> AsyncModelRunnerOutput:
+        with torch.inference_mode():
+            return self.runner.sample_tokens_async(grammar_bitmask)
 
     # -- control --------------------------------------------------------------------------------
 

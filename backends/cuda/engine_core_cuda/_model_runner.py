@@ -5,6 +5,13 @@ decode batches when captured) and keeps the last position's logits of every requ
 ``sample_tokens`` samples on the device, writes the tokens back into the persistent batch and
 returns them. No host synchronization happens between the two, so the forward pass runs while
 the engine core computes the grammar bitmask.
+
+Under async scheduling ``sample_tokens_async`` launches the sampling and returns at once: the
+tokens are written into the persistent rows on the device (the next step's input ids are
+gathered from there, so they never go through the host) and copied to pinned host memory with a
+non-blocking copy and an event; the handle waits on that event only when the core asks for the
+step's results, after it has launched the next step. Steps asking for logprobs or prompt
+logprobs are sampled synchronously and handed back as a ready handle.
 """
 
 from __future__ import annotations
@@ -17,7 +24,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine_core.abc import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from engine_core.abc import (
+    AsyncModelRunnerOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from engine_core.config import EngineConfig
 from engine_core_cuda._attention import AttentionContext, KVCache
 from engine_core_cuda._device import prepare_triton, resolve_device, resolve_dtype
@@ -35,7 +47,7 @@ from engine_core_cuda._step_inputs import StepInputs, apply_scheduler_output, bu
 if TYPE_CHECKING:
     from engine_core_cuda._cuda_graphs import DecodeGraphs
 
-__all__ = ["ModelRunner"]
+__all__ = ["AsyncSampled", "ModelRunner"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +62,42 @@ class _Forward:
     """``[requests, vocab]`` float32 logits of each request's last scheduled position."""
     hidden: torch.Tensor | None
     """Every token's final hidden state, kept only when prompt logprobs are due."""
+
+
+class AsyncSampled(AsyncModelRunnerOutput):
+    """A launched step's sampled tokens on their way to pinned host memory."""
+
+    __slots__ = ("_req_ids", "_picks", "_host", "_event", "_ready")
+
+    def __init__(
+        self,
+        req_ids: list[str],
+        picks: list[int],
+        host: torch.Tensor | None,
+        event: torch.cuda.Event | None,
+        ready: ModelRunnerOutput | None = None,
+    ) -> None:
+        self._req_ids = req_ids
+        self._picks = picks
+        self._host = host
+        self._event = event
+        self._ready = ready
+
+    @classmethod
+    def done(cls, output: ModelRunnerOutput) -> AsyncSampled:
+        """A handle whose results are already on the host."""
+        return cls(output.req_ids, [], None, None, output)
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._ready is not None:
+            return self._ready
+        if self._event is not None:
+            self._event.synchronize()
+        sampled: list[list[int]] = [[] for _ in self._req_ids]
+        if self._host is not None:
+            for i, token in zip(self._picks, self._host.tolist(), strict=True):
+                sampled[i] = [token]
+        return ModelRunnerOutput(self._req_ids, sampled)
 
 
 class ModelRunner:
@@ -203,6 +251,35 @@ class ModelRunner:
             ]
             prompt = prompt_logprobs(self.batch, forward.hidden, self.model.compute_logits, entries)
         return ModelRunnerOutput(forward.req_ids, sampled, logprobs, prompt)
+
+    def sample_tokens_async(self, grammar_bitmask: Any | None) -> AsyncSampled:
+        """Launch sampling; the handle's ``get_output`` waits for the tokens (see the module
+        docs)."""
+        forward = self._forward
+        if forward is None:
+            raise RuntimeError("sample_tokens called without a preceding execute_model")
+        step = forward.step
+        if (
+            step is None
+            or forward.logits is None
+            or forward.hidden is not None
+            or any(s.params.logprobs is not None for s in step.states)
+        ):
+            return AsyncSampled.done(self.sample_tokens(grammar_bitmask))
+        self._forward = None
+        picks = [i for i, s in enumerate(step.samples) if s]
+        if not picks:
+            return AsyncSampled(forward.req_ids, [], None, None)
+        tokens = self._sample(step, forward.logits, picks, grammar_bitmask)
+        for i in picks:
+            step.states[i].num_tokens += 1
+        if self.device.type != "cuda":
+            return AsyncSampled(forward.req_ids, picks, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return AsyncSampled(forward.req_ids, picks, host, event)
 
     def _sample(
         self, step: StepInputs, logits: torch.Tensor, picks: list[int], bitmask: Any | None
