@@ -13,12 +13,14 @@ non-zero when a check fails.
 4. throughput: decode steps of a Llama-3-8B-shaped model with random bfloat16 weights at each
    batch size (context ``--context``), next to the memory-bandwidth roofline (weight bytes + KV
    bytes read per step / ``--bandwidth``), with CUDA graphs on and off; the ratio must reach
-   ``--target`` at batch 1 and at the largest batch.
+   ``--target`` at batch 1 and at the largest batch;
+5. overlap: decode throughput of the same model through the engine core (real scheduler, CUDA
+   graphs on) with async scheduling off and on, at each batch size (information only).
 
 ``--device cpu`` runs the same code at toy sizes on the CPU (Triton interpreted) to check the
 script itself; the throughput targets are then not enforced.
 
-Usage: ``python bench/gpu_check.py [--only kernels,parity,conformance,throughput]
+Usage: ``python bench/gpu_check.py [--only kernels,parity,conformance,throughput,overlap]
 [--batch-sizes 1,64,256] [--context 512] [--steps 32] [--layers 32] [--device cuda|cpu]
 [--reference auto|builtin] [--json PATH]``.
 """
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CHECKS = ("kernels", "parity", "conformance", "throughput")
+CHECKS = ("kernels", "parity", "conformance", "throughput", "overlap")
 NO_CUDA_EXIT = 2
 
 
@@ -560,6 +562,63 @@ def check_throughput(table: Table, args: argparse.Namespace, root: Path) -> None
                       f"{'same' if same else 'different'} tokens", "", None)  # fmt: skip
 
 
+def _engine_decode(model_dir: Path, args: argparse.Namespace, batch_size: int, context: int,
+                   steps: int, async_scheduling: bool) -> float:  # fmt: skip
+    """Output tokens per second of ``batch_size`` greedy requests decoding ``steps`` tokens
+    after their prompt, stepped by an in-process engine core (timed after the first steps)."""
+    from engine_core_cuda import CudaBackend
+
+    from engine_core import SamplingParams
+    from engine_core._core.protocol import EngineCoreRequest
+    from engine_core._engine.core import EngineCore
+    from engine_core.config import EngineConfig
+
+    gpu = args.device != "cpu"
+    config = EngineConfig(
+        model=str(model_dir), backend="cuda", dtype="bfloat16" if gpu else "float32",
+        backend_options={"device": args.device, "load_format": "dummy",
+                         "max_graph_batch_size": batch_size},
+        max_model_len=context + steps + 64, max_num_seqs=batch_size,
+        max_num_batched_tokens=max(batch_size * (context + 1), 8192),
+        num_kv_blocks=batch_size * (-(-(context + steps + 64) // 16)) + 1,
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
+    core = EngineCore(config, backend_cls=CudaBackend)
+    try:
+        rng = random.Random(batch_size)
+        vocab = core.vocab_size
+        params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+        for i in range(batch_size):
+            prompt = [rng.randrange(vocab) for _ in range(context)]
+            core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
+        num_tokens = 0
+        started = 0.0
+        for n in range(steps + 4):
+            out = core.step()
+            if n == 3:  # prefill and the first decode steps are not timed
+                started = time.perf_counter()
+            elif n > 3:
+                num_tokens += sum(len(t) for t in out.new_token_ids)
+            if not core.has_unfinished_requests():
+                break
+        return num_tokens / (time.perf_counter() - started)
+    finally:
+        core.close()
+
+
+def check_overlap(table: Table, args: argparse.Namespace, root: Path) -> None:
+    gpu = args.device != "cpu"
+    shape = {**(LLAMA3_8B if gpu else TOY_8B), "num_hidden_layers": args.layers if gpu else 2}
+    model_dir = write_config(root, "llama3-8b-shaped-engine", shape)
+    batch_sizes = sorted(set(args.batch_sizes if gpu else [min(b, 4) for b in args.batch_sizes]))
+    context, steps = (args.context, max(args.steps, 32)) if gpu else (24, 6)
+    for b in batch_sizes:
+        off = _engine_decode(model_dir, args, b, context, steps, async_scheduling=False)
+        on = _engine_decode(model_dir, args, b, context, steps, async_scheduling=True)
+        table.add(f"engine decode b={b}: async off / on", f"{off:,.0f} / {on:,.0f} tok/s",
+                  f"x{on / off:.2f}", None)  # fmt: skip
+
+
 # -- main -------------------------------------------------------------------------------------
 
 
@@ -606,6 +665,7 @@ def main(argv: list[str] | None = None) -> int:
             "parity": lambda: check_parity(table, args, root),
             "conformance": lambda: check_conformance(table, args, root),
             "throughput": lambda: check_throughput(table, args, root),
+            "overlap": lambda: check_overlap(table, args, root),
         }
         for name in args.only:
             started = time.perf_counter()
