@@ -67,6 +67,8 @@ def arrivals(draw: st.DrawFn, index: int) -> Arrival:
     if draw(st.integers(0, 5)) == 0:
         choices = draw(st.lists(st.text("abcxyz", min_size=1, max_size=4), min_size=1, max_size=3))
         params["structured_outputs"] = StructuredOutputsParams(choice=choices)
+        # Stop tokens masked below min_tokens could mask every token the grammar allows.
+        params["min_tokens"], params["stop_token_ids"] = 0, []
     request = EngineCoreRequest(
         f"r{index}",
         prompt,
@@ -231,3 +233,26 @@ def test_device_busy_s_counts_the_time_a_step_is_in_flight() -> None:
             assert core.get_stats().device_busy_s == 3.0
         finally:
             core.close()
+
+
+def test_a_victim_scheduled_ahead_in_the_same_step_gives_back_its_placeholder() -> None:
+    # Priority: "low" (admitted first) runs ahead of "high" in the batch; when "high" needs a
+    # block that is not free, "low" is preempted after it was already scheduled in that step
+    # (with the placeholder of the step in flight), and resumes with every token.
+    config = {
+        "num_kv_blocks": 6,
+        "max_model_len": 24,
+        "max_num_seqs": 4,
+        "scheduling_policy": "priority",
+        "enable_prefix_caching": False,
+    }
+    low = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    workload = [
+        Arrival(EngineCoreRequest("low", [1, 2, 3], low, priority=2), 0, None),
+        Arrival(EngineCoreRequest("high", [40, 41, 42, 43, 44], low, priority=0), 1, None),
+    ]
+    sync, _ = run_workload(config, workload, async_scheduling=False)
+    asynchronous, preemptions = run_workload(config, workload, async_scheduling=True)
+    assert preemptions > 0
+    assert asynchronous == sync
+    assert sync["low"].tokens == list(range(4, 18)) and sync["high"].tokens == list(range(45, 59))
