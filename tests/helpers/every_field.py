@@ -36,6 +36,7 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "long_prefill_token_threshold": 64,
         "enable_prefix_caching": False,
         "scheduling_policy": "priority",
+        "async_scheduling": False,
         "multiprocess": True,
         "engine_runtime": "trio",
         "step_timeout_s": 30.0,
