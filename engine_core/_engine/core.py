@@ -82,10 +82,12 @@ class _InFlight:
 
 def resolve_async_scheduling(config: EngineConfig, backend: Backend) -> bool:
     """Whether the engine schedules asynchronously: ``config.async_scheduling``, or when None
-    whether the backend supports it; ``ValueError`` when asked of a backend that does not."""
+    whether the backend supports it and its step waits on a device (``step_in_thread``: a step
+    that holds the GIL throughout leaves nothing to overlap, and a step in flight would only
+    delay its outputs); ``ValueError`` when asked of a backend that does not support it."""
     supported = bool(getattr(backend, "supports_async_scheduling", False))
     if config.async_scheduling is None:
-        return supported
+        return supported and backend.step_in_thread
     if config.async_scheduling and not supported:
         raise ValueError(
             f"async_scheduling=True but the {type(backend).__name__} backend does not support "

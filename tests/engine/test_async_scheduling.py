@@ -184,9 +184,16 @@ def test_a_request_preempted_with_a_token_in_flight_keeps_that_token() -> None:
 
 
 def test_none_turns_async_scheduling_on_where_the_backend_supports_it() -> None:
-    core = EngineCore(EngineConfig(backend="mock", tokenizer="byte"))
+    latency = {"latency": {"step_s": 0.001}}
+    core = EngineCore(EngineConfig(backend="mock", tokenizer="byte", backend_options=latency))
     try:
         assert core.async_scheduling and core.config.async_scheduling is True
+    finally:
+        core.close()
+    # Without a latency model the mock's step is brief work holding the GIL: nothing to overlap.
+    core = EngineCore(EngineConfig(backend="mock", tokenizer="byte"))
+    try:
+        assert not core.async_scheduling and core.config.async_scheduling is False
     finally:
         core.close()
 
@@ -202,7 +209,9 @@ def test_async_scheduling_true_fails_with_a_backend_that_lacks_it() -> None:
             EngineConfig(backend="mock", tokenizer="byte", async_scheduling=True),
             backend_cls=SyncOnly,
         )
-    core = EngineCore(EngineConfig(backend="mock", tokenizer="byte"), backend_cls=SyncOnly)
+    latency = {"latency": {"step_s": 0.001}}
+    config = EngineConfig(backend="mock", tokenizer="byte", backend_options=latency)
+    core = EngineCore(config, backend_cls=SyncOnly)
     try:
         assert not core.async_scheduling
     finally:
