@@ -550,6 +550,12 @@ class EngineCore:
             raise RuntimeError(
                 "cannot sleep while requests are in flight; pause generation or let them finish"
             )
+        # A step launched for requests that ended meanwhile (async scheduling) ends first; its
+        # results are all discarded, so nothing is left to report.
+        while self._in_flight:
+            done = self.execute_async(None)
+            if done is not None:
+                self.scheduler.update_from_output(*done)
         self.backend.sleep(level)
         self.scheduler.reset_prefix_cache()
 

@@ -265,3 +265,27 @@ def test_a_victim_scheduled_ahead_in_the_same_step_gives_back_its_placeholder() 
     assert preemptions > 0
     assert asynchronous == sync
     assert sync["low"].tokens == list(range(4, 18)) and sync["high"].tokens == list(range(45, 59))
+
+
+def test_sleep_lets_a_step_in_flight_for_ended_requests_finish_first() -> None:
+    latency = {"latency": {"step_s": 0.001}}
+    core = EngineCore(EngineConfig(backend="mock", tokenizer="byte", backend_options=latency))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=50, stop_token_ids=[6])
+        core.add_request(EngineCoreRequest("r", [1, 2, 3], params))
+        finished = []
+        while not finished:
+            finished = core.step().finished
+        # "r" stopped on token 6 while its next step was already launched.
+        assert core.num_in_flight == 1 and not core.scheduler.requests
+        core.sleep()
+        assert core.num_in_flight == 0 and core.backend.is_sleeping  # type: ignore[attr-defined]
+        core.wake_up()
+        core.add_request(EngineCoreRequest("r", [1, 2, 3], params))
+        tokens = []
+        while core.has_unfinished_requests():
+            out = core.step()
+            tokens += [t for ts in out.new_token_ids for t in ts]
+        assert tokens == [4, 5, 6]
+    finally:
+        core.close()
