@@ -16,7 +16,8 @@ with ``async_scheduling`` off and on (several rounds, medians):
 - **engine busy**: the engine's own ``device_busy_s`` over the wall time, as a cross-check.
 - **tok/s**: output tokens per second.
 
-Usage: ``python bench/bench_overlap.py [--rounds 3] [--tokens 128] [--json PATH]``.
+Usage: ``python bench/bench_overlap.py [--rounds 3] [--tokens 128] [--cases 10x1,10x256,2x256]
+[--json PATH]``.
 """
 
 from __future__ import annotations
@@ -111,10 +112,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument(
+        "--cases",
+        default=",".join(f"{s * 1e3:g}x{n}" for s, n in CASES),
+        help="step milliseconds x streams, comma-separated",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    cases = [
+        (float(ms) / 1e3, int(n)) for ms, n in (case.split("x") for case in args.cases.split(","))
+    ]
     print(machine_line(), flush=True)
-    steps = {s for s, _ in CASES}
+    steps = {s for s, _ in cases}
     calibrated = {
         (s, pipelined): calibrate(s, pipelined) for s in sorted(steps) for pipelined in (0, 1)
     }
@@ -134,7 +143,7 @@ def main() -> None:
     )
     print(header)
     results: list[dict[str, Any]] = []
-    for step_s, streams in CASES:
+    for step_s, streams in cases:
         for runtime in ("asyncio", "trio"):
             row: dict[str, Any] = {"step_ms": step_s * 1e3, "streams": streams, "runtime": runtime}
             for mode, on in (("off", False), ("on", True)):
