@@ -17,7 +17,13 @@ from xxhash import xxh3_64_intdigest
 
 from engine_core._core.protocol import EngineCoreRequest, FinishedRequest
 from engine_core._engine.core import EngineCore
-from engine_core.abc import CachedRequestData, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from engine_core.abc import (
+    AsyncModelRunnerOutput,
+    CachedRequestData,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 from engine_core.testing import BACKEND_CHECKS, check_backend
@@ -70,6 +76,31 @@ class NoPromptLogprobs(MockBackend):
         output = super().sample_tokens(grammar_bitmask)
         output.prompt_logprobs = None
         return output
+
+
+class TokensKnownOnlyOnTheHost(MockBackend):
+    """Claims async scheduling but learns a step's sampled tokens only when the core takes
+    them, so it cannot run the next step, scheduled before that."""
+
+    def sample_tokens_async(self, grammar_bitmask: Any | None) -> AsyncModelRunnerOutput:
+        batch = list(self._batch or [])
+        sizes = [len(state.tokens) for state in batch]
+        output = self._sample(grammar_bitmask)
+        for state, size in zip(batch, sizes, strict=True):
+            del state.tokens[size:]  # forget them until get_output
+
+        class Later(AsyncModelRunnerOutput):
+            def get_output(self) -> ModelRunnerOutput:
+                for state, tokens in zip(batch, output.sampled_token_ids, strict=True):
+                    state.tokens += tokens
+                return output
+
+        return Later()
+
+
+def test_suite_runs_async_backends_with_a_step_in_flight() -> None:
+    with pytest.raises(RuntimeError, match="cannot schedule 1 tokens after"):
+        check_backend(TokensKnownOnlyOnTheHost)
 
 
 @pytest.mark.parametrize(
