@@ -158,6 +158,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout,
         max_connections=args.max_connections,
         shutdown_timeout_s=args.shutdown_timeout,
+        disable_any_whitespace=args.disable_any_whitespace,
         access_log=args.access_log,
         http_server=args.http_server,
     )
@@ -252,6 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         metavar="S",
         help="on SIGTERM/Ctrl+C, how long responses in flight may take to finish (default 30)",
+    )
+    p.add_argument(
+        "--disable-any-whitespace",
+        action="store_true",
+        help="compact JSON (no whitespace between tokens) for every JSON-constrained request",
     )
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.add_argument(

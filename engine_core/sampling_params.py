@@ -58,8 +58,16 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool = False
+    """With ``json`` or ``json_object``: compact JSON, with no whitespace between tokens (as
+    vLLM's field of that name); by default the grammar allows any."""
 
     def __post_init__(self) -> None:
+        if type(self.disable_any_whitespace) is not bool:
+            raise TypeError(
+                "structured_outputs.disable_any_whitespace must be a bool, "
+                f"got {show(self.disable_any_whitespace)}"
+            )
         chosen = [name for name in _STRUCTURED_FIELDS if getattr(self, name) is not None]
         if len(chosen) != 1:
             raise ValueError(
@@ -151,8 +159,8 @@ def _coerce_numbers(params: SamplingParams) -> None:
 
 
 def _coerce_others(params: SamplingParams) -> None:
-    """Type-check and normalize the flags, ``output_kind``, the stop conditions and
-    ``structured_outputs``."""
+    """Type-check and normalize the flags, ``output_kind``, the stop conditions,
+    ``logit_bias`` and ``structured_outputs``."""
     for name in _BOOL_FIELDS:
         value = getattr(params, name)
         if type(value) is not bool:
@@ -166,11 +174,38 @@ def _coerce_others(params: SamplingParams) -> None:
     else:
         params.stop = _str_list("stop", [stop] if isinstance(stop, str) else stop)
     params.stop_token_ids = _int_list("stop_token_ids", params.stop_token_ids)
+    if params.logit_bias is not None:
+        params.logit_bias = _logit_bias(params.logit_bias)
     structured = params.structured_outputs
     if structured is not None and not isinstance(structured, StructuredOutputsParams):
         raise TypeError(
             f"structured_outputs must be a StructuredOutputsParams, got {show(structured)}"
         )
+
+
+MAX_LOGIT_BIAS = 100.0
+"""The largest ``logit_bias`` value either way (OpenAI's bound)."""
+
+
+def _logit_bias(value: object) -> dict[int, float] | None:
+    """``value`` (a dict of token ids to numbers) as a dict of int to float; None when empty."""
+    if not isinstance(value, dict):
+        raise TypeError(f"logit_bias must be a dict of token id to number, got {show(value)}")
+    bias: dict[int, float] = {}
+    for token, number in value.items():
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise TypeError(f"logit_bias keys must be token ids (ints), got {show(token)}")
+        if not 0 <= token <= INT64_MAX:
+            raise ValueError(
+                f"logit_bias keys must be token ids in [0, 2**63 - 1], got {show(token)}"
+            )
+        number = _as_float(f"logit_bias[{token}]", number)
+        if not -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias values must be in [-100, 100], got {show(number)} for token {token}"
+            )
+        bias[token] = number
+    return bias or None
 
 
 def _as_output_kind(kind: object) -> RequestOutputKind:
@@ -206,7 +241,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Parameters for sampling one request; validated at construction.
 
     ``temperature`` below 1e-5 means greedy decoding (``top_p``, ``top_k`` and ``min_p`` are then
-    reset to their neutral values). ``stop`` strings are matched by the front end on the decoded
+    reset to their neutral values); ``n > 1`` with greedy decoding gives ``n`` identical
+    completions, as OpenAI's API does. ``stop`` strings are matched by the front end on the decoded
     text; ``stop_token_ids`` by the engine on token ids.
     """
 
@@ -231,6 +267,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     detokenize: bool = True
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    """Token id -> a value in [-100, 100] added to that token's logit before sampling, as in
+    OpenAI's API (-100 in effect bans a token, 100 in effect forces it); ids past the
+    vocabulary end the request with an error. Logprobs stay those of the model's own
+    distribution."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -257,8 +298,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if not math.isfinite(self.temperature):
             raise ValueError(f"temperature must be finite, got {self.temperature!r}")
         _check_range("temperature", self.temperature, 0.0, 2.0)
-        if self.n > 1 and self.is_greedy:
-            raise ValueError(f"n must be 1 with greedy sampling (temperature=0), got n={self.n}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < -1:

@@ -42,6 +42,7 @@ def test_defaults_equal_vllm() -> None:
             "detokenize": True,
             "skip_special_tokens": True,
             "structured_outputs": None,
+            "logit_bias": None,
         },
     )
     assert p.is_greedy is False
@@ -91,7 +92,6 @@ def test_invalid_value_names_the_parameter(name: str, value: Any) -> None:
     "kwargs,message",
     [
         ({"min_tokens": 5, "max_tokens": 4}, r"^min_tokens must be <= max_tokens \(4\), got 5"),
-        ({"n": 2, "temperature": 0.0}, r"^n must be 1 with greedy sampling"),
         ({"stop": ["x"], "detokenize": False}, r"^stop strings need detokenize=True"),
         # Invalid values are reported even though greedy sampling would reset them.
         ({"temperature": 0.0, "top_p": 5.0}, r"^top_p must be in \(0, 1\], got 5.0"),
@@ -140,6 +140,7 @@ def test_wrong_type_names_the_parameter(name: str, value: Any) -> None:
         {"max_tokens": None, "min_tokens": 100},
         {"min_tokens": 4, "max_tokens": 4},
         {"n": 3, "temperature": 0.5},
+        {"n": 3, "temperature": 0.0},  # n identical completions, as OpenAI's API gives
         {"logprobs": 0, "prompt_logprobs": 20},
         {"logprobs": 20},
         {"stop_token_ids": [0, 5]},
@@ -373,6 +374,6 @@ def test_every_field_is_type_checked() -> None:
     )
     grouped = [name for group in groups for name in group]
     # The rest have checks of their own in _coerce_others.
-    special = ["stop", "stop_token_ids", "output_kind", "structured_outputs"]
+    special = ["stop", "stop_token_ids", "output_kind", "structured_outputs", "logit_bias"]
     # A field declared with another annotation than the groups read falls out: this fails.
     assert sorted(grouped + special) == sorted(SamplingParams.__struct_fields__)

@@ -205,8 +205,8 @@ class HFTokenizer:
     def all_special_ids(self) -> frozenset[int]:
         return self._special_ids
 
-    def encode(self, text: str) -> list[int]:
-        ids: list[int] = self._tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:

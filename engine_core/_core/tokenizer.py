@@ -62,8 +62,9 @@ class Tokenizer(Protocol):
     @property
     def all_special_ids(self) -> frozenset[int]: ...
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, with the special tokens the tokenizer adds by itself."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, with the special tokens the tokenizer adds by itself (a BOS,
+        say) unless ``add_special_tokens`` is False."""
         ...
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -141,8 +142,8 @@ class ByteTokenizer:
     def all_special_ids(self) -> frozenset[int]:
         return frozenset((self.BOS, self.EOS))
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))  # it adds no special tokens
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         decoder = _ByteDecoder(skip_special_tokens)

@@ -206,6 +206,9 @@ class EngineCore:
         bad_stop = [t for t in request.sampling_params.stop_token_ids or () if t >= vocab]
         if bad_stop:
             return f"stop_token_ids {bad_stop[:5]} are outside the vocabulary (size {vocab})"
+        bad_bias = [t for t in request.sampling_params.logit_bias or () if t >= vocab]
+        if bad_bias:
+            return f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary (size {vocab})"
         return None
 
     def add_request(self, request: EngineCoreRequest) -> None:

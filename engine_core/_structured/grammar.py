@@ -50,13 +50,16 @@ class GrammarSpec:
 
     kind: str
     text: str
+    compact: bool = False
+    """JSON without whitespace between tokens (``disable_any_whitespace``)."""
 
     @classmethod
     def from_params(cls, params: StructuredOutputsParams) -> GrammarSpec:
+        compact = params.disable_any_whitespace
         if params.json is not None:
-            return cls("json", _canonical_json(params.json))
+            return cls("json", _canonical_json(params.json), compact)
         if params.json_object:
-            return cls("json_object", "")
+            return cls("json_object", "", compact)
         if params.regex is not None:
             return cls("regex", params.regex)
         if params.choice is not None:
@@ -148,16 +151,63 @@ def build_tokenizer(tokenizer_name: str, vocab_size: int) -> Any:
         ) from exc
 
 
+_COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+"""llguidance's JSON options for compact JSON: no whitespace anywhere between tokens."""
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SUBSCHEMA_VALUES = ("items", "additionalItems", "not", "if", "then", "else")
+
+
+def close_objects(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object schema that lists
+    ``properties`` and says nothing about other properties, as vLLM's default grammar backend
+    (xgrammar's strict mode) and OpenAI's strict structured outputs read a schema.
+
+    What is generated still validates against the schema as given; the model is only kept from
+    inventing keys the schema does not name, which would otherwise be a way never to close the
+    object. A schema that wants them says so (``"additionalProperties": true`` or a schema, or
+    ``patternProperties``). Branches of ``allOf`` are left as they are: each names only part of
+    the object's keys.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    if (
+        isinstance(schema.get("properties"), dict)
+        and "additionalProperties" not in schema
+        and "patternProperties" not in schema
+        and "unevaluatedProperties" not in schema
+        and "allOf" not in schema
+        and "$ref" not in schema
+    ):
+        closed["additionalProperties"] = False
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            closed[key] = [close_objects(item) for item in schema[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            closed[key] = {name: close_objects(item) for name, item in schema[key].items()}
+    for key in _SUBSCHEMA_VALUES:
+        if key in schema:
+            closed[key] = close_objects(schema[key])
+    if isinstance(schema.get("additionalProperties"), dict):
+        closed["additionalProperties"] = close_objects(schema["additionalProperties"])
+    return closed
+
+
 def _grammar_text(llguidance: ModuleType, spec: GrammarSpec) -> str:
     matcher = llguidance.LLMatcher
+    defaults = _COMPACT_JSON if spec.compact else None
     if spec.kind == "json":
         try:
-            json.loads(spec.text)
+            schema = close_objects(json.loads(spec.text))
         except (ValueError, RecursionError) as exc:
             raise ValueError(f"not valid JSON ({exc})") from exc
-        return str(matcher.grammar_from_json_schema(spec.text))
+        return str(matcher.grammar_from_json_schema(json.dumps(schema), defaults=defaults))
     if spec.kind == "json_object":
-        return str(matcher.grammar_from_json_schema('{"type": "object"}'))
+        return str(matcher.grammar_from_json_schema('{"type": "object"}', defaults=defaults))
     if spec.kind == "regex":
         return str(matcher.grammar_from_regex(spec.text))
     if spec.kind == "choice":

@@ -27,6 +27,7 @@ from engine_core.server._errors import APIError, error_json
 from engine_core.server._protocol import ModelCard, ModelList
 from engine_core.server._serving import ServerState
 from engine_core.server._sse import EventStreamResponse
+from engine_core.server._tokenize import detokenize, tokenize
 
 __all__ = ["ServerSettings", "create_app"]
 
@@ -71,6 +72,9 @@ class ServerSettings:
     shutdown_timeout_s: float = 30.0
     """On shutdown, how long in-flight responses may take to finish before they are ended
     with an error (a stream: an error event and ``data: [DONE]``)."""
+    disable_any_whitespace: bool = False
+    """Compact JSON (no whitespace between tokens) for every request constrained to JSON, as
+    if each set ``structured_outputs.disable_any_whitespace``."""
     access_log: bool = False
     http_server: Literal["auto", "uvicorn", "hypercorn"] = "auto"
     """``"auto"``: uvicorn under asyncio where it is installed, else hypercorn (trio: always)."""
@@ -164,19 +168,24 @@ class _App:
         await response(scope, receive, send)
 
 
+def _model_card(state: ServerState, name: str) -> ModelCard:
+    return ModelCard(
+        id=name,
+        created=state.created,
+        owned_by="engine-core",
+        root=state.engine.config.model,
+        max_model_len=state.max_model_len,
+    )
+
+
 async def _models(state: ServerState, request: Request) -> Response:
-    root = state.engine.config.model
-    cards = [
-        ModelCard(
-            id=name,
-            created=state.created,
-            owned_by="engine-core",
-            root=root,
-            max_model_len=state.max_model_len,
-        )
-        for name in state.model_names
-    ]
-    return _json(ModelList(data=cards))
+    return _json(ModelList(data=[_model_card(state, name) for name in state.model_names]))
+
+
+async def _model(state: ServerState, request: Request) -> Response:
+    """``GET /v1/models/{id}``: the card of a served model, 404 for any other id."""
+    name = state.model_name(request.path_params["model_id"])
+    return _json(_model_card(state, name))
 
 
 async def _health(state: ServerState, request: Request) -> Response:
@@ -244,6 +253,7 @@ def _server_state(engine: AsyncLLM, settings: ServerSettings) -> ServerState:
         ),
         max_body_bytes=settings.max_request_body_bytes,
         health_timeout_s=settings.health_timeout_s,
+        disable_any_whitespace=settings.disable_any_whitespace,
     )
 
 
@@ -257,6 +267,10 @@ def create_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> ASGI
     routes = [
         *(Route(path, endpoint, methods=["POST"]) for path, endpoint in hot.items()),
         Route("/v1/models", _api_endpoint(state, _models), methods=["GET"]),
+        # ``path``: served names may hold slashes ("org/model"), which clients percent-encode.
+        Route("/v1/models/{model_id:path}", _api_endpoint(state, _model), methods=["GET"]),
+        Route("/tokenize", _api_endpoint(state, tokenize), methods=["POST"]),
+        Route("/detokenize", _api_endpoint(state, detokenize), methods=["POST"]),
         Route("/health", _open_endpoint(state, _health), methods=["GET"]),
         Route("/version", _open_endpoint(state, _version), methods=["GET"]),
         Route("/metrics", _open_endpoint(state, _metrics), methods=["GET"]),

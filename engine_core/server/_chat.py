@@ -42,7 +42,11 @@ from engine_core.server._serving import (
 )
 from engine_core.server._sse import EventStreamResponse
 
-__all__ = ["create_chat_completion", "render_messages"]
+__all__ = ["chat_prompt", "create_chat_completion", "render_messages"]
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+"""The roles OpenAI's chat API knows; any other is a 400 naming ``messages``."""
 
 
 def _message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -50,7 +54,14 @@ def _message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     if not body.messages:
         raise APIError(400, "messages must not be empty", param="messages")
     messages: list[dict[str, Any]] = []
-    for message in body.messages:
+    for index, message in enumerate(body.messages):
+        if message.role not in CHAT_ROLES:
+            raise APIError(
+                400,
+                f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, "
+                f"got {show(message.role)}",
+                param="messages",
+            )
         content = message.content
         if isinstance(content, list):
             texts = []
@@ -115,7 +126,14 @@ def _template_arguments(body: ChatCompletionRequest) -> tuple[dict[str, bool], d
 
 
 def render_messages(state: ServerState, body: ChatCompletionRequest) -> PreparedPrompt:
-    """The prompt of a chat request: the rendered template and its token ids."""
+    """The prompt of a chat request: the rendered template and its token ids, checked."""
+    text, token_ids = chat_prompt(state, body)
+    return prepare_prompt(state, token_ids, "messages", text)
+
+
+def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """The rendered template of a chat request's messages and its token ids (400 naming the
+    field for messages or template arguments it cannot render)."""
     if body.tools:
         raise APIError(400, "tools are not supported", param="tools")
     flags, kwargs = _template_arguments(body)
@@ -133,7 +151,7 @@ def render_messages(state: ServerState, body: ChatCompletionRequest) -> Prepared
     if bos is not None and len(token_ids) > 1 and token_ids[0] == token_ids[1] == bos:
         # The template wrote the BOS token and the tokenizer added another one.
         del token_ids[0]
-    return prepare_prompt(state, token_ids, "messages", text)
+    return text, token_ids
 
 
 def _chat_logprobs(positions: list[PositionLogprobs], top: int) -> ChatLogprobs:
@@ -198,7 +216,7 @@ def _max_tokens_field(body: ChatCompletionRequest) -> str | None:
     return "max_tokens" if body.max_tokens is not None else None
 
 
-def _chat_params(body: ChatCompletionRequest) -> SamplingParams:
+def _chat_params(body: ChatCompletionRequest, compact_json: bool) -> SamplingParams:
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     max_tokens = body.max_completion_tokens
@@ -213,6 +231,7 @@ def _chat_params(body: ChatCompletionRequest) -> SamplingParams:
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         renames=renames,
         structured_outputs=_response_format(body),
+        compact_json=compact_json,
     )
 
 
@@ -226,7 +245,7 @@ async def create_chat_completion(
 ) -> Response | EventStreamResponse:
     body = await read_body(request, ChatCompletionRequest, state.max_body_bytes)
     model = state.model_name(body.model)
-    params = _chat_params(body)
+    params = _chat_params(body, state.disable_any_whitespace)
     check_sequences(state, 1, params.n, "messages")
     prompts = [render_messages(state, body)]
     check_lengths(state, prompts, params, _max_tokens_field(body))

@@ -109,7 +109,13 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
     given: str | None = "max_tokens"
     if isinstance(max_tokens, msgspec.UnsetType):
         max_tokens, given = DEFAULT_MAX_TOKENS, None  # the engine stops sooner if it must
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, renames={})
+    params = sampling_params(
+        body,
+        max_tokens=max_tokens,
+        logprobs=body.logprobs,
+        renames={},
+        compact_json=state.disable_any_whitespace,
+    )
     prompts = _prepare_prompts(state, body.prompt, params.n)
     check_lengths(state, prompts, params, given)
     ctx = RequestContext(state, body, prompts, params, model, new_id("cmpl"))

@@ -103,13 +103,13 @@ def api_error_from(
     one, a server error). ``admitting``: no output has come yet, so a ``ValueError`` or
     ``TypeError`` is ``generate`` refusing an argument (a 400 naming the field of ``fields`` it
     names); later one is a bug, not the client's. An invalid request the engine refused names
-    ``stop_token_ids``, ``grammar_field`` (its grammar failed) or else ``prompt_field``."""
+    ``stop_token_ids`` or ``logit_bias``, ``grammar_field`` (its grammar failed) or else ``prompt_field``."""
     if isinstance(exc, RetryableRequestError):
         return APIError(503, str(exc), type="service_unavailable", code="retry_later")
     if isinstance(exc, InvalidRequestError):
         message = str(exc)
-        if message.startswith("stop_token_ids"):
-            param = "stop_token_ids"
+        if message.startswith(("stop_token_ids", "logit_bias")):
+            param = message.split(" ", 1)[0]
         elif "structured_outputs" in message:
             param = grammar_field
         else:

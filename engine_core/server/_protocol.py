@@ -118,6 +118,29 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     ``messages``, ``chat_template`` and ``tokenize`` are refused (400)."""
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /tokenize``: a ``prompt`` (its completion form) or ``messages`` (its chat
+    form, rendered with the chat template as ``/v1/chat/completions`` renders them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    """The completion form only: add the special tokens the tokenizer adds by itself (a BOS,
+    say); default true. The chat form gives the ids ``/v1/chat/completions`` uses."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /detokenize``."""
+
+    tokens: list[int]
+    model: str | None = None
+
+
 # -- responses -----------------------------------------------------------------------------------
 
 
@@ -205,6 +228,16 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
 
 class ChatCompletionChunk(ResponseBody[ChatChunkChoice], kw_only=True):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    prompt: str
 
 
 class ModelCard(msgspec.Struct, kw_only=True):

@@ -63,6 +63,8 @@ class ServerState:
     """SHA-256 digest of the API key, when one is required."""
     max_body_bytes: int
     health_timeout_s: float
+    disable_any_whitespace: bool = False
+    """Compact JSON for every JSON-constrained request (each may also ask for it)."""
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -152,13 +154,22 @@ def sampling_params(
     logprobs: int | None,
     renames: dict[str, str],
     structured_outputs: StructuredOutputsParams | None = None,
+    compact_json: bool = False,
 ) -> SamplingParams:
     """The engine's parameters for ``body``; 400 naming the field when one is invalid.
-    ``structured_outputs`` (from the endpoint's own field) replaces ``body.structured_outputs``.
-    Streams get DELTA outputs, whole responses FINAL_ONLY."""
+    ``structured_outputs`` (from the endpoint's own field) replaces ``body.structured_outputs``;
+    ``compact_json`` (the server's default) turns on its ``disable_any_whitespace``. Streams get
+    DELTA outputs, whole responses FINAL_ONLY."""
     fields = body.__struct_fields__
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    structured_outputs = structured_outputs or body.structured_outputs
+    if compact_json and structured_outputs is not None:
+        structured_outputs = msgspec.structs.replace(
+            structured_outputs, disable_any_whitespace=True
+        )
+    if body.stream_options is not None and not body.stream:
+        raise APIError(
+            400, "stream_options is only allowed when stream is true", param="stream_options"
+        )
     kwargs: dict[str, Any] = {
         "n": body.n,
         "max_tokens": max_tokens,
@@ -173,7 +184,8 @@ def sampling_params(
         "skip_special_tokens": body.skip_special_tokens,
         "logprobs": logprobs,
         "output_kind": RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
-        "structured_outputs": structured_outputs or body.structured_outputs,
+        "structured_outputs": structured_outputs,
+        "logit_bias": _logit_bias(body.logit_bias),
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(body, name)
@@ -183,6 +195,22 @@ def sampling_params(
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
         raise invalid_parameter(exc, fields, renames) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) keyed by int; 400 for a key that
+    is no token id (the values and the ids' range are :class:`SamplingParams`'s checks)."""
+    if not bias:
+        return None
+    converted: dict[int, float] = {}
+    for key, value in bias.items():
+        # No 64-bit id has more than 20 digits; int() would refuse past 4300.
+        if not (key.isascii() and key.isdigit() and len(key) <= 20):
+            raise APIError(
+                400, f"logit_bias keys must be token ids, got {show(key)}", param="logit_bias"
+            )
+        converted[int(key)] = value
+    return converted
 
 
 def prepare_prompt(

@@ -85,6 +85,21 @@ def test_hf_tokenizer_round_trip_and_special_ids(tmp_path: Path) -> None:
     assert tok.decode([0, *ids, 1], skip_special_tokens=False) == f"<s>{text}</s>"
 
 
+def test_hf_encode_adds_the_post_processors_tokens_unless_told_not_to(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    path = build_bpe_dir(tmp_path / "tok")
+    raw = RawTokenizer.from_file(str(path / "tokenizer.json"))
+    raw.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    raw.save(str(path / "tokenizer.json"))
+    tok = load_tokenizer(str(path))
+    plain = tok.encode("hello world", add_special_tokens=False)
+    assert plain and 0 not in plain
+    assert tok.encode("hello world") == [0, *plain]
+    assert ByteTokenizer().encode("ab", add_special_tokens=True) == [97, 98]
+
+
 @pytest.mark.parametrize(("generation_eos", "expected"), [(2, (1, 2)), ([1, 2], (1, 2)), (1, (1,))])
 def test_hf_eos_merges_generation_config(
     tmp_path: Path, generation_eos: object, expected: tuple[int, ...]

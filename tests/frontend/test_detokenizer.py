@@ -32,7 +32,7 @@ class PieceTokenizer:
     bos_token_id = None
     all_special_ids = frozenset({99})
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [self.pieces.index(text)]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -124,6 +124,15 @@ def test_parallel_sampling(llm: LLM) -> None:
         assert math.isclose(c.cumulative_logprob, math.fsum(sampled), rel_tol=1e-9)
 
 
+def test_greedy_parallel_sampling_gives_identical_completions(llm: LLM) -> None:
+    (out,) = llm.generate("abc", SamplingParams(n=3, temperature=0, max_tokens=4), use_tqdm=False)
+    assert [(c.index, c.text, c.finish_reason) for c in out.outputs] == [
+        (0, "defg", "length"),
+        (1, "defg", "length"),
+        (2, "defg", "length"),
+    ]
+
+
 def test_child_seeds_match_single_requests(llm: LLM) -> None:
     (parent,) = llm.generate("abc", SamplingParams(n=2, seed=5, max_tokens=4), use_tqdm=False)
     singles = llm.generate(

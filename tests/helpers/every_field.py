@@ -36,7 +36,7 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "long_prefill_token_threshold": 64,
         "enable_prefix_caching": False,
         "scheduling_policy": "priority",
-        "async_scheduling": False,
+        "async_scheduling": True,
         "multiprocess": True,
         "engine_runtime": "trio",
         "step_timeout_s": 30.0,
@@ -73,6 +73,7 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "output_kind": RequestOutputKind.DELTA,
         "skip_special_tokens": False,
         "structured_outputs": StructuredOutputsParams(choice=["yes", "no"]),
+        "logit_bias": {5: 1.5, 9: -100.0},
     },
     # Every field (all are numbers) a different number, none 0 (the default of those that have
     # one), so a field dropped or swapped on the way shows.

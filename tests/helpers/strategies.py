@@ -45,7 +45,11 @@ SAMPLING_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "output_kind": st.one_of(st.sampled_from(list(RequestOutputKind)), st.integers(0, 2)),
     "detokenize": st.booleans(),
     "skip_special_tokens": st.booleans(),
+    "logit_bias": st.one_of(
+        st.none(),
+        st.dictionaries(st.integers(0, 2**63 - 1), st.floats(-100.0, 100.0), max_size=3),
+    ),
 }
 """Each ``SamplingParams`` field but ``structured_outputs`` (whose tests build their own): values
 of its type in its valid range, up to the limits of the wire. A combination may still be invalid
-(``min_tokens`` above ``max_tokens``, greedy with ``n`` > 1, stop strings without detokenize)."""
+(``min_tokens`` above ``max_tokens``, stop strings without detokenize)."""

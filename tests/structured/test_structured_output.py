@@ -561,3 +561,23 @@ def test_compile_timeout_comes_from_the_engine_config() -> None:
     assert core.structured_output.compile_timeout_s == 2.5
     with pytest.raises(ValueError, match="grammar_compile_timeout_s must be > 0"):
         EngineConfig(grammar_compile_timeout_s=0)
+
+
+def test_disable_any_whitespace_keys_its_own_json_grammar() -> None:
+    from engine_core._structured.grammar import GrammarSpec
+
+    schema = {"type": "object"}
+    flexible = GrammarSpec.from_params(StructuredOutputsParams(json=schema))
+    compact = GrammarSpec.from_params(
+        StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    )
+    assert (flexible.compact, compact.compact) == (False, True) and flexible != compact
+    assert GrammarSpec.from_params(
+        StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    ).compact
+    # Other grammars have no JSON whitespace to drop: one cache entry either way.
+    assert GrammarSpec.from_params(
+        StructuredOutputsParams(regex="a+", disable_any_whitespace=True)
+    ) == GrammarSpec.from_params(StructuredOutputsParams(regex="a+"))
+    with pytest.raises(TypeError, match="disable_any_whitespace must be a bool"):
+        StructuredOutputsParams(json=schema, disable_any_whitespace=1)  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """On-device sampling of one step: logits in, token ids (and logprobs) out.
 
-Order, as in vLLM: penalties (repetition over prompt and output, frequency and presence over the
+Order, as in vLLM: the logit bias (:func:`apply_logit_bias`, its own step), penalties (repetition over prompt and output, frequency and presence over the
 output), then the masks (stop tokens below ``min_tokens``, the grammar bitmask), then greedy rows
 take the argmax; the others divide by their temperature, apply min-p, top-k and top-p, and draw
 with counter-based noise (:mod:`engine_core_cuda._random`). Logprobs are those of the raw logits
@@ -15,7 +15,14 @@ import torch
 
 from engine_core_cuda._random import exponential_noise
 
-__all__ = ["LogprobsTensors", "SamplingBatch", "compute_logprobs", "sample", "unpack_bitmask"]
+__all__ = [
+    "LogprobsTensors",
+    "SamplingBatch",
+    "apply_logit_bias",
+    "compute_logprobs",
+    "sample",
+    "unpack_bitmask",
+]
 
 
 @dataclass(slots=True)
@@ -49,6 +56,9 @@ class SamplingBatch:
     """(row indices, token ids) masked this step (stop tokens below ``min_tokens``)."""
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     """(row indices ``[K]``, allowed-token mask ``[K, V]``) from the grammar bitmask."""
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """(row indices ``[B]``, token ids ``[B]``, float32 biases ``[B]``) of every row's
+    ``logit_bias`` entries."""
 
 
 @dataclass(slots=True)
@@ -117,8 +127,19 @@ def _random_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
+def apply_logit_bias(
+    logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """``logits`` ``[N, V]`` with each (row, token, value) of ``bias`` added: a new tensor, so
+    the raw logits (which logprobs report) stay as they are."""
+    rows, token_ids, values = bias
+    return logits.index_put((rows, token_ids), values, accumulate=True)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Token ids ``[N]`` (int64) from float32 ``logits`` ``[N, V]``."""
+    if batch.logit_bias is not None:
+        logits = apply_logit_bias(logits, batch.logit_bias)
     if batch.output_counts is not None:
         logits = _apply_penalties(logits, batch)
     if batch.banned is not None or batch.allowed is not None:

@@ -42,6 +42,25 @@ def _banned(
     return packed[0], packed[1]
 
 
+def _logit_bias(
+    states: list[RequestState], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(row index, token id, bias) of every ``logit_bias`` entry of ``states``."""
+    index: list[int] = []
+    tokens: list[int] = []
+    values: list[float] = []
+    for k, state in enumerate(states):
+        bias = state.params.logit_bias
+        if bias:
+            index.extend([k] * len(bias))
+            tokens.extend(bias)
+            values.extend(bias.values())
+    if not index:
+        return None
+    packed = torch.tensor([index, tokens], dtype=torch.int64).to(device)
+    return packed[0], packed[1], torch.tensor(values, dtype=torch.float32).to(device)
+
+
 def build_sampling_batch(
     batch: InputBatch,
     states: list[RequestState],
@@ -82,6 +101,7 @@ def build_sampling_batch(
         if any(p.repetition_penalty != 1.0 for p in penalized):
             result.repetition_penalty = floats[:, REPETITION]
     result.banned = _banned(states, device)
+    result.logit_bias = _logit_bias(states, device)
     if bitmask_rows is not None:
         index, words = bitmask_rows
         allowed = unpack_bitmask(words, batch.vocab_size)

@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 from engine_core_cuda._random import request_seed, uniform
-from engine_core_cuda._sampler import SamplingBatch, compute_logprobs, sample, unpack_bitmask
+from engine_core_cuda._sampler import (
+    SamplingBatch,
+    apply_logit_bias,
+    compute_logprobs,
+    sample,
+    unpack_bitmask,
+)
 
 VOCAB = 6
 LOGITS = torch.tensor(
@@ -39,6 +45,19 @@ def test_greedy_is_the_argmax() -> None:
 def test_banned_tokens_are_masked_then_the_next_best_wins() -> None:
     banned = (torch.tensor([0, 1]), torch.tensor([5, 2]))
     assert sample(LOGITS, _batch(2, banned=banned)).tolist() == [0, 4]
+
+
+def test_logit_bias_is_added_before_the_argmax_and_leaves_the_logits_as_they_were() -> None:
+    raw = LOGITS.clone()
+    # Row 0: token 5 banned, token 1 raised by 1.5 (2.5 beats 2.0); row 1: token 0 forced.
+    bias = (torch.tensor([0, 0, 1]), torch.tensor([5, 1, 0]), torch.tensor([-100.0, 1.5, 100.0]))
+    biased = apply_logit_bias(LOGITS, bias)
+    assert biased[0].tolist() == [2.0, 2.5, 0.5, 0.0, -1.0, -97.0]
+    assert sample(LOGITS, _batch(2, logit_bias=bias)).tolist() == [1, 0]
+    assert torch.equal(LOGITS, raw)
+    # Random rows see it too: a forced token is drawn whatever the noise.
+    forced = (torch.tensor([0, 1]), torch.tensor([3, 3]), torch.tensor([100.0, 100.0]))
+    assert sample(LOGITS, _random(2, logit_bias=forced)).tolist() == [3, 3]
 
 
 def test_grammar_bitmask_keeps_only_allowed_tokens() -> None:

@@ -146,6 +146,31 @@ def test_stop_tokens_are_masked_until_min_tokens(tiny: dict[str, TinyModel]) -> 
     assert out.finish_reason == "stop"
 
 
+def test_logit_bias_bans_and_forces_tokens(tiny: dict[str, TinyModel]) -> None:
+    model = tiny["llama"]
+    with model.llm() as llm:
+        greedy_params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+        plain = llm.generate(PROMPTS[2], greedy_params, use_tqdm=False)[0].outputs[0]
+        first = plain.token_ids[0]
+        banned = llm.generate(
+            PROMPTS[2], greedy_params.clone(logit_bias={first: -100.0}), use_tqdm=False
+        )[0].outputs[0]
+        forced = llm.generate(
+            [PROMPTS[2], PROMPTS[0]],
+            [
+                greedy_params.clone(logit_bias={7: 100.0}),
+                SEEDED.clone(max_tokens=6, logit_bias={7: 100.0}),
+            ],
+            use_tqdm=False,
+        )
+    assert banned.token_ids[0] != first and first not in banned.token_ids
+    for out in forced:
+        assert out.outputs[0].token_ids == [7] * 6
+    # Logprobs are the model's own: the forced token's is not raised to ~0.
+    assert plain.logprobs is not None and banned.logprobs is not None
+    assert banned.logprobs[0][banned.token_ids[0]].rank != 1
+
+
 def test_grammar_bitmask_restricts_the_sampled_token(tiny: dict[str, TinyModel]) -> None:
     model = tiny["qwen2"]
     config = EngineConfig(

@@ -11,9 +11,15 @@ Tokens (``vocab_size`` V):
 - otherwise: ``xxh3_64(seed, token history) % V``, where the seed is ``SamplingParams.seed`` or
   is derived from ``EngineConfig.seed`` and the request id; identical across runs, processes and
   batch compositions. ``top_p``, ``top_k``, ``min_p`` and penalties are ignored;
+- under a grammar, greedy decoding takes the first allowed token at or after the rule's token
+  (wrapping around) that is not whitespace, when the grammar allows any such token; random
+  sampling draws uniformly among the allowed tokens (from the same stable hash). So JSON with
+  flexible whitespace completes instead of filling ``max_tokens`` with whitespace;
 - while a request has fewer than ``min_tokens`` outputs its EOS and ``stop_token_ids`` are
-  masked, and a grammar bitmask masks what it disallows: the mock then takes the first allowed
-  token at or after the rule's token, wrapping around;
+  masked: the mock then takes the first token at or after its choice that is not masked;
+- ``logit_bias``: a bias of -100 bans its token, one of +100 forces it (the first forced token
+  at or after the rule's token, among those allowed); with greedy decoding the other values
+  choose the token of highest synthetic logit (below) plus bias; random sampling ignores them;
 - logprobs come from a synthetic distribution centred on the greedy token ``g``:
   rank ``((t - g) % V) + 1`` and logprob ``-rank * ln 2``.
 

@@ -1,11 +1,12 @@
 """``MockBackend``: a deterministic CPU backend that holds real per-request state.
 
 Token rules (see the package docstring): greedy counts up from the last token, random sampling
-hashes (seed, token history), stop ids are masked below ``min_tokens`` and a grammar bitmask
-moves the choice to the next allowed token. Like a real backend it keeps each request's tokens,
-block table and ``num_computed_tokens`` from the scheduler's diffs, and it checks them: a
-scheduler that breaks the contract gets a ``RuntimeError`` instead of silently wrong tokens.
-After such an error the backend's state is undefined.
+hashes (seed, token history), a grammar bitmask leaves the first allowed token that is not
+whitespace (greedy) or one drawn uniformly among the allowed ones, ``logit_bias`` bans, forces
+or (greedy) reweighs tokens, and stop ids are masked below ``min_tokens``. Like a real backend
+it keeps each request's tokens, block table and ``num_computed_tokens`` from the scheduler's
+diffs, and it checks them: a scheduler that breaks the contract gets a ``RuntimeError`` instead
+of silently wrong tokens. After such an error the backend's state is undefined.
 
 The latency model runs on a device timeline: a step launched by ``execute_model`` starts when
 the previous one ends (or at once when the device is idle) and ends its modelled duration
@@ -36,8 +37,14 @@ from engine_core.abc import (
 from engine_core.config import EngineConfig
 from engine_core_mock._blocks import BlockLedger
 from engine_core_mock._options import Fault, parse_options
-from engine_core_mock._sampling import bitmask_rows, next_allowed, synthetic_logprobs
+from engine_core_mock._sampling import (
+    bitmask_rows,
+    next_allowed,
+    nth_allowed,
+    synthetic_logprobs,
+)
 from engine_core_mock._state import RequestState, request_seed
+from engine_core_mock._whitespace import whitespace_token_ids
 
 __all__ = ["FAULT_EXIT_CODE", "MockBackend"]
 
@@ -105,6 +112,7 @@ class MockBackend(Backend):
         self._blocks: BlockLedger | None = None
         self._batch: list[RequestState] | None = None
         self._batch_ids: list[str] = []
+        self._whitespace: frozenset[int] | None = None
         self.num_steps = 0
         """Calls of :meth:`execute_model` so far."""
         self.is_sleeping = False
@@ -336,14 +344,7 @@ class MockBackend(Backend):
                 continue
             if state.num_prompt_logprobs is not None:
                 prompt_logprobs = self._add_prompt_logprobs(state, prompt_logprobs)
-            token = centre if state.greedy else state.random_token(vocab_size)
-            words = rows.get(index) if rows is not None else None
-            masked = state.masked()
-            if masked is not None or words is not None:
-                allowed = next_allowed(token, vocab_size, masked, words)
-                if allowed is None:
-                    raise RuntimeError(f"request {state.req_id!r}: every token is masked")
-                token = allowed
+            token = self._choose(state, centre, rows.get(index) if rows is not None else None)
             tokens.append(token)
             sampled.append([token])
             if state.num_logprobs is not None:
@@ -353,6 +354,41 @@ class MockBackend(Backend):
                     synthetic_logprobs(token, centre, state.num_logprobs, vocab_size)
                 ]
         return ModelRunnerOutput(self._batch_ids, sampled, logprobs, prompt_logprobs)
+
+    def _choose(self, state: RequestState, centre: int, words: list[int] | None) -> int:
+        """The token of a request off the hot path: the rule's token (``centre`` when greedy,
+        else the random one) or, under a grammar (``words``), the grammar's choice; then the
+        logit bias; then the first token at or after it that nothing masks."""
+        vocab_size = self._vocab_size
+        masked = state.masked()
+        token: int | None
+        if words is None:
+            token = centre if state.greedy else state.random_token(vocab_size)
+        elif state.greedy:
+            # Not whitespace where the grammar allows more: JSON's flexible whitespace would
+            # otherwise take every token up to the length limit.
+            whitespace = self._whitespace_ids()
+            token = next_allowed(
+                centre, vocab_size, masked | whitespace if masked else whitespace, words
+            )
+        else:
+            token = nth_allowed(state.random_draw(), vocab_size, masked, words)
+        if token is None:
+            token = centre
+        if state.logit_bias is not None:
+            token = state.logit_bias.choose(token, centre, vocab_size, state.greedy, masked, words)
+        if masked is not None or words is not None:
+            allowed = next_allowed(token, vocab_size, masked, words)
+            if allowed is None:
+                raise RuntimeError(f"request {state.req_id!r}: every token is masked")
+            token = allowed
+        return token
+
+    def _whitespace_ids(self) -> frozenset[int]:
+        """The tokenizer's whitespace-only token ids (read once, at the first need)."""
+        if self._whitespace is None:
+            self._whitespace = whitespace_token_ids(self.config.tokenizer_name)
+        return self._whitespace
 
     def _add_prompt_logprobs(
         self,

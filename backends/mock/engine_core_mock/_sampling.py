@@ -13,9 +13,18 @@ from typing import Any
 
 from engine_core.abc import TokenLogprobs
 
-__all__ = ["LN2", "bitmask_rows", "next_allowed", "synthetic_logprobs"]
+__all__ = [
+    "LN2",
+    "LogitBias",
+    "bitmask_rows",
+    "is_allowed",
+    "next_allowed",
+    "nth_allowed",
+    "synthetic_logprobs",
+]
 
 LN2 = math.log(2.0)
+MAX_BIAS = 100.0
 
 
 def synthetic_logprobs(token: int, centre: int, num_top: int, vocab_size: int) -> TokenLogprobs:
@@ -49,6 +58,64 @@ def bitmask_rows(bitmask: Any, vocab_size: int, req_ids: Sequence[str]) -> list[
     return rows
 
 
+def is_allowed(token: int, banned: Collection[int] | None, words: Sequence[int] | None) -> bool:
+    """Whether ``token`` is neither ``banned`` nor disallowed by the bitmask ``words``."""
+    if banned is not None and token in banned:
+        return False
+    return words is None or (words[token >> 5] >> (token & 31)) & 1 == 1
+
+
+class LogitBias:
+    """A request's ``logit_bias`` as the mock applies it, deterministically: a bias of -100 bans
+    its token (:attr:`banned`, masked like stop tokens), one of +100 forces it (the first forced
+    token at or after the rule's token that is allowed), and with greedy decoding the others
+    move the choice to the token of highest synthetic logit plus bias."""
+
+    __slots__ = ("bias", "banned", "forced", "weighted")
+
+    def __init__(self, bias: dict[int, float]) -> None:
+        self.bias = bias
+        self.banned = frozenset(t for t, b in bias.items() if b <= -MAX_BIAS)
+        self.forced = sorted(t for t, b in bias.items() if b >= MAX_BIAS)
+        self.weighted = any(-MAX_BIAS < b < MAX_BIAS for b in bias.values())
+
+    def choose(
+        self,
+        token: int,
+        centre: int,
+        vocab_size: int,
+        greedy: bool,
+        banned: Collection[int] | None,
+        words: Sequence[int] | None,
+    ) -> int:
+        """The token to take instead of the rule's ``token`` (itself when the bias changes
+        nothing); ``banned`` and ``words`` are what is excluded now."""
+        forced = [t for t in self.forced if t < vocab_size and is_allowed(t, banned, words)]
+        if forced:
+            return min(forced, key=lambda t: (t - token) % vocab_size)
+        if not greedy or not self.weighted:
+            return token
+        # The synthetic logit of t is -rank(t) * ln 2 (rank 1 at the centre): the best token
+        # is the best unbiased one or a biased one.
+        bias = self.bias
+        excluded = bias.keys() if banned is None else bias.keys() | banned
+        best = next_allowed(centre, vocab_size, excluded, words)
+        best_score = -math.inf
+        if best is not None:
+            best_score = -((best - centre) % vocab_size + 1) * LN2
+        for t, b in bias.items():
+            if t >= vocab_size or not is_allowed(t, banned, words):
+                continue
+            score = -((t - centre) % vocab_size + 1) * LN2 + b
+            if score > best_score or (
+                score == best_score
+                and best is not None
+                and (t - centre) % vocab_size < (best - centre) % vocab_size
+            ):
+                best, best_score = t, score
+        return token if best is None else best
+
+
 def next_allowed(
     start: int,
     vocab_size: int,
@@ -78,3 +145,30 @@ def next_allowed(
         if token == vocab_size:
             token = 0
     return None
+
+
+def nth_allowed(
+    draw: int, vocab_size: int, banned: Collection[int] | None, words: Sequence[int]
+) -> int | None:
+    """A token drawn uniformly by ``draw`` (a random integer) among those the bitmask ``words``
+    allows and that are not ``banned``; None when there is none."""
+    masks = [w & 0xFFFFFFFF for w in words[: (vocab_size + 31) >> 5]]
+    if vocab_size & 31:
+        masks[-1] &= (1 << (vocab_size & 31)) - 1
+    for token in banned or ():
+        if token < vocab_size:
+            masks[token >> 5] &= ~(1 << (token & 31))
+    counts = [m.bit_count() for m in masks]
+    total = sum(counts)
+    if total == 0:
+        return None
+    rank = draw % total
+    for index, count in enumerate(counts):
+        if rank >= count:
+            rank -= count
+            continue
+        mask = masks[index]
+        for _ in range(rank):
+            mask &= mask - 1  # clear the lowest set bit
+        return (index << 5) + (mask & -mask).bit_length() - 1
+    raise AssertionError("unreachable: rank < total")

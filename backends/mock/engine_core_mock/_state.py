@@ -7,6 +7,7 @@ from array import array
 from xxhash import xxh3_64, xxh3_64_intdigest
 
 from engine_core.abc import NewRequestData
+from engine_core_mock._sampling import LogitBias
 
 __all__ = ["RequestState", "request_seed"]
 _ROOT_FINGERPRINT = xxh3_64_intdigest(b"engine-core-mock/kv/v1")
@@ -35,6 +36,9 @@ class RequestState:
         "greedy",
         "min_tokens",
         "masked_ids",
+        "logit_bias",
+        "banned_ids",
+        "masked_early",
         "num_logprobs",
         "num_prompt_logprobs",
         "constrained",
@@ -54,6 +58,9 @@ class RequestState:
         self.greedy = params.is_greedy
         self.min_tokens = params.min_tokens
         self.masked_ids = frozenset(new.eos_token_ids) | frozenset(params.stop_token_ids or ())
+        self.logit_bias = LogitBias(params.logit_bias) if params.logit_bias else None
+        self.banned_ids = self.logit_bias.banned if self.logit_bias is not None else frozenset()
+        self.masked_early = self.masked_ids | self.banned_ids
         self.num_logprobs = params.logprobs
         # A resumed request already delivered its prompt logprobs before the preemption.
         self.num_prompt_logprobs = None if new.output_token_ids else params.prompt_logprobs
@@ -64,6 +71,7 @@ class RequestState:
             and self.num_logprobs is None
             and self.num_prompt_logprobs is None
             and not self.constrained
+            and self.logit_bias is None
         )
         self.step_start = new.num_computed_tokens
         self.hasher = None if self.greedy else xxh3_64(seed=seed)
@@ -74,20 +82,25 @@ class RequestState:
         return len(self.tokens) - self.num_prompt_tokens
 
     def masked(self) -> frozenset[int] | None:
-        """Token ids excluded now (stop ids while fewer than ``min_tokens`` outputs exist)."""
+        """Token ids excluded now: those ``logit_bias`` bans, and stop ids while fewer than
+        ``min_tokens`` outputs exist."""
         if self.masked_ids and self.num_output_tokens < self.min_tokens:
-            return self.masked_ids
-        return None
+            return self.masked_early
+        return self.banned_ids or None
 
-    def random_token(self, vocab_size: int) -> int:
-        """The token drawn from the stable hash of (seed, token history)."""
+    def random_draw(self) -> int:
+        """The stable 64-bit hash of (seed, token history): this step's random number."""
         hasher = self.hasher
         assert hasher is not None
         tokens = self.tokens
         if self.num_hashed < len(tokens):
             hasher.update(array("I", tokens[self.num_hashed :]).tobytes())
             self.num_hashed = len(tokens)
-        return hasher.intdigest() % vocab_size
+        return hasher.intdigest()
+
+    def random_token(self, vocab_size: int) -> int:
+        """The token drawn from the stable hash of (seed, token history)."""
+        return self.random_draw() % vocab_size
 
     def block_fingerprint(self, index: int, block_size: int) -> int:
         """Fingerprint of the token prefix that ends with full block ``index``."""

@@ -238,14 +238,20 @@ def _words(*allowed: int, vocab_size: int = 258) -> list[int]:
 
 def test_bitmask_picks_the_first_allowed_token_at_or_after_the_rule() -> None:
     d = Driver()
-    first = d.step(new=[d.new("r", [14], structured_outputs=CONSTRAINED)], bitmask=[_words(10, 20)])
-    second = d.step(cached=[("r", 1, 1, None)], bitmask=[_words(10, 20)])
+    first = d.step(new=[d.new("r", [14], structured_outputs=CONSTRAINED)], bitmask=[_words(8, 20)])
+    second = d.step(cached=[("r", 1, 1, None)], bitmask=[_words(8, 20)])
     third = d.step(cached=[("r", 2, 1, None)], bitmask=[_words(5, 31)])
-    assert [first.sampled_token_ids, second.sampled_token_ids, third.sampled_token_ids] == [
-        [[20]],
-        [[10]],
-        [[31]],
-    ]
+    # Whitespace (a newline, 10; a space, 32) only when nothing else is allowed, and then by
+    # the same rule (after 33 comes 34: wrapping around, 10 is the first).
+    fourth = d.step(cached=[("r", 3, 1, None)], bitmask=[_words(10, 33)])
+    fifth = d.step(cached=[("r", 4, 1, None)], bitmask=[_words(10, 32)])
+    assert [
+        first.sampled_token_ids,
+        second.sampled_token_ids,
+        third.sampled_token_ids,
+        fourth.sampled_token_ids,
+        fifth.sampled_token_ids,
+    ] == [[[20]], [[8]], [[31]], [[33]], [[10]]]
 
 
 def test_bitmask_rows_follow_the_constrained_requests_of_the_batch() -> None:
