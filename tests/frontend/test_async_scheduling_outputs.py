@@ -109,6 +109,11 @@ async def _stream(engine: AsyncLLM, index: int, stop_after: int | None) -> Any:
         stop=["q"] if index % 3 == 0 else [],
         logprobs=1 if index % 4 == 0 else None,
         output_kind=RequestOutputKind.DELTA,
+        structured_outputs=(
+            StructuredOutputsParams(choice=["yes", "no way", "maybe so"])
+            if index % 6 == 5
+            else None
+        ),
     )
     text, tokens, logprobs, finish = "", [], [], None
     async for out in engine.generate(f"prompt {index} " * (index % 5 + 1), params, f"r{index}"):
