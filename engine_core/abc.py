@@ -123,6 +123,12 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 class AsyncModelRunnerOutput(abc.ABC):
     """A launched step's results, on their way to the host."""
 
+    device_time_s: float | None = None
+    """Seconds the device spent on the step, when the backend measures it (known once
+    :meth:`get_output` returned). While every step reports it, ``EngineStats.device_busy_s``
+    sums these instead of the time steps were in flight, which overstates the device's work
+    when the host is the slower side."""
+
     @abc.abstractmethod
     def get_output(self) -> ModelRunnerOutput:
         """Block until the step has run and its results are on the host, and return them.

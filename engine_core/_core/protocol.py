@@ -79,8 +79,9 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Input frames the engine process could not decode. Those that carried a readable request
     id were answered with an error for that request; the others were dropped."""
     device_busy_s: float = 0.0
-    """Seconds during which the backend had a step in flight (cumulative): against wall time,
-    how much of it the host kept the device fed."""
+    """Seconds during which the backend had a step in flight (cumulative; under async
+    scheduling the device time its steps report, where the backend measures it): against wall
+    time, how much of it the host kept the device fed."""
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):

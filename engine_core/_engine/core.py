@@ -175,6 +175,9 @@ class EngineCore:
         """Async scheduling: launched steps whose results were not applied, oldest first."""
         self._device_busy_s = 0.0
         self._busy_since = 0.0
+        self._measured_busy_s = 0.0
+        self._all_measured = True
+        """Every async step so far reported its device time."""
         self._ended_outside_steps: list[FinishedRequest] = []
         """Requests rejected at arrival, failed grammars and engine-initiated aborts, reported
         with the next step's outputs."""
@@ -424,6 +427,11 @@ class EngineCore:
         assert handle is not None
         try:
             runner_output = handle.get_output()
+            device_time_s = handle.device_time_s
+            if device_time_s is None:
+                self._all_measured = False
+            else:
+                self._measured_busy_s += device_time_s
         finally:
             in_flight.popleft()
             if not in_flight:
@@ -513,7 +521,10 @@ class EngineCore:
 
     @property
     def device_busy_s(self) -> float:
-        """Seconds so far during which the backend had a step in flight."""
+        """Seconds so far during which the backend had a step in flight: under async scheduling
+        the device time its steps reported, when all of them did."""
+        if self.async_scheduling and self._all_measured:
+            return self._measured_busy_s
         busy = self._device_busy_s
         if self._in_flight:
             busy += self.clock() - self._busy_since

@@ -12,7 +12,8 @@ Engine state, read from :meth:`AsyncLLM.get_stats` at each scrape:
 - ``engine_core_malformed_messages_total`` (counter): messages the engine could not decode
   (answered with an error when their request id was readable, else dropped)
 - ``engine_core_device_busy_seconds_total`` (counter): seconds during which the backend had a
-  step in flight; its rate against wall time is the fraction of time the host kept the device
+  step in flight (under async scheduling, the device time the steps report where the backend
+  measures it); its rate against wall time is the fraction of time the host kept the device
   fed (1.0: never idle while there was work)
 
 Requests served by this server, recorded as their outputs stream:

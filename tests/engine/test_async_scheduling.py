@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest
 from engine_core._engine.core import EngineCore
+from engine_core.abc import AsyncModelRunnerOutput, ModelRunnerOutput
 from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -218,6 +219,27 @@ def test_async_scheduling_true_fails_with_a_backend_that_lacks_it() -> None:
         core.close()
 
 
+class _Unmeasured(AsyncModelRunnerOutput):
+    """A handle that reports no device time."""
+
+    def __init__(self, inner: AsyncModelRunnerOutput) -> None:
+        self._inner = inner
+
+    def get_output(self) -> ModelRunnerOutput:
+        return self._inner.get_output()
+
+
+def _three_steps(core: EngineCore) -> float:
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        core.add_request(EngineCoreRequest("r", [1, 2], params))
+        while core.has_unfinished_requests():
+            core.step()
+        return core.get_stats().device_busy_s
+    finally:
+        core.close()
+
+
 def test_device_busy_s_counts_the_time_a_step_is_in_flight() -> None:
     now = [0.0]
     for async_scheduling in (False, True):
@@ -232,16 +254,36 @@ def test_device_busy_s_counts_the_time_a_step_is_in_flight() -> None:
             backend_execute(output)
 
         core.backend.execute_model = execute  # type: ignore[method-assign]
-        try:
-            params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-            core.add_request(EngineCoreRequest("r", [1, 2], params))
-            while core.has_unfinished_requests():
-                core.step()
-            # Three steps: the synchronous core is busy for each launch; the asynchronous one
-            # from its first launch until the last step's results arrived.
-            assert core.get_stats().device_busy_s == 3.0
-        finally:
-            core.close()
+        launch_sampling = core.backend.sample_tokens_async
+
+        def unmeasured(bitmask: Any, launch_sampling: Any = launch_sampling) -> Any:
+            return _Unmeasured(launch_sampling(bitmask))
+
+        core.backend.sample_tokens_async = unmeasured  # type: ignore[method-assign]
+        # Three steps: the synchronous core is busy for each launch; the asynchronous one,
+        # whose handles report no device time here, from its first launch until the last
+        # step's results arrived.
+        assert _three_steps(core) == 3.0
+
+
+def test_device_busy_s_sums_the_device_time_the_steps_report() -> None:
+    # The mock reports each step's modelled duration: 3 steps of 2 ms, whatever the host did
+    # around them (the fake clock would count 3 s of launches).
+    now = [0.0]
+    latency = {"latency": {"step_s": 0.002}}
+    core = EngineCore(
+        EngineConfig(backend="mock", tokenizer="byte", backend_options=latency),
+        clock=lambda: now[0],
+    )
+    assert core.async_scheduling
+    backend_execute = core.backend.execute_model
+
+    def execute(output: Any) -> None:
+        now[0] += 1.0
+        backend_execute(output)
+
+    core.backend.execute_model = execute  # type: ignore[method-assign]
+    assert _three_steps(core) == pytest.approx(0.006)
 
 
 def test_a_victim_scheduled_ahead_in_the_same_step_gives_back_its_placeholder() -> None:

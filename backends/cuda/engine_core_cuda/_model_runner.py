@@ -67,32 +67,38 @@ class _Forward:
 class AsyncSampled(AsyncModelRunnerOutput):
     """A launched step's sampled tokens on their way to pinned host memory."""
 
-    __slots__ = ("_req_ids", "_picks", "_host", "_event", "_ready")
+    __slots__ = ("_req_ids", "_picks", "_host", "_events", "_ready", "device_time_s")
 
     def __init__(
         self,
         req_ids: list[str],
         picks: list[int],
         host: torch.Tensor | None,
-        event: torch.cuda.Event | None,
+        events: tuple[torch.cuda.Event, torch.cuda.Event] | None,
         ready: ModelRunnerOutput | None = None,
     ) -> None:
         self._req_ids = req_ids
         self._picks = picks
         self._host = host
-        self._event = event
+        self._events = events
+        """(step start, results copied): timing events on the device's stream."""
         self._ready = ready
+        self.device_time_s: float | None = None
 
     @classmethod
-    def done(cls, output: ModelRunnerOutput) -> AsyncSampled:
+    def done(
+        cls, output: ModelRunnerOutput, events: tuple[torch.cuda.Event, torch.cuda.Event] | None
+    ) -> AsyncSampled:
         """A handle whose results are already on the host."""
-        return cls(output.req_ids, [], None, None, output)
+        return cls(output.req_ids, [], None, events, output)
 
     def get_output(self) -> ModelRunnerOutput:
+        if self._events is not None:
+            start, end = self._events
+            end.synchronize()
+            self.device_time_s = start.elapsed_time(end) / 1e3
         if self._ready is not None:
             return self._ready
-        if self._event is not None:
-            self._event.synchronize()
         sampled: list[list[int]] = [[] for _ in self._req_ids]
         if self._host is not None:
             for i, token in zip(self._picks, self._host.tolist(), strict=True):
@@ -130,6 +136,8 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = []
         self._kv_tensor: torch.Tensor | None = None
         self._forward: _Forward | None = None
+        self._step_start: torch.cuda.Event | None = None
+        """Timing event recorded where the last step's forward pass starts (CUDA only)."""
         self.graphs: DecodeGraphs | None = None
         self._sm_count = (
             torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -173,6 +181,9 @@ class ModelRunner:
             raise RuntimeError("execute_model called twice without sample_tokens in between")
         if self._kv_tensor is None:
             raise RuntimeError("execute_model called without a KV cache (initialize_kv_cache)")
+        if self.device.type == "cuda":
+            self._step_start = torch.cuda.Event(enable_timing=True)
+            self._step_start.record()
         states, starts, counts = apply_scheduler_output(self.batch, scheduler_output)
         total = sum(counts)
         if total != scheduler_output.total_num_scheduled_tokens:
@@ -265,11 +276,12 @@ class ModelRunner:
             or forward.hidden is not None
             or any(s.params.logprobs is not None for s in step.states)
         ):
-            return AsyncSampled.done(self.sample_tokens(grammar_bitmask))
+            output = self.sample_tokens(grammar_bitmask)
+            return AsyncSampled.done(output, self._step_events())
         self._forward = None
         picks = [i for i, s in enumerate(step.samples) if s]
         if not picks:
-            return AsyncSampled(forward.req_ids, [], None, None)
+            return AsyncSampled(forward.req_ids, [], None, self._step_events())
         tokens = self._sample(step, forward.logits, picks, grammar_bitmask)
         for i in picks:
             step.states[i].num_tokens += 1
@@ -277,9 +289,17 @@ class ModelRunner:
             return AsyncSampled(forward.req_ids, picks, tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return AsyncSampled(forward.req_ids, picks, host, event)
+        return AsyncSampled(forward.req_ids, picks, host, self._step_events())
+
+    def _step_events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """The last step's start event and one recorded now, after its work (CUDA only)."""
+        start = self._step_start
+        if start is None or self.device.type != "cuda":
+            return None
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._step_start = None
+        return start, end
 
     def _sample(
         self, step: StepInputs, logits: torch.Tensor, picks: list[int], bitmask: Any | None

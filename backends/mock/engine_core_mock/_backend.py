@@ -55,7 +55,7 @@ FAULT_EXIT_CODE = 13
 class _MockHandle(AsyncModelRunnerOutput):
     """A launched mock step: its results, known at launch, are released at its deadline."""
 
-    __slots__ = ("_output", "_deadline", "_fault", "_wait")
+    __slots__ = ("_output", "_deadline", "_fault", "_wait", "device_time_s")
 
     def __init__(
         self,
@@ -63,7 +63,9 @@ class _MockHandle(AsyncModelRunnerOutput):
         deadline: float | None,
         fault: Fault | None,
         wait: Callable[[float | None, Fault | None], None],
+        device_time_s: float,
     ) -> None:
+        self.device_time_s = device_time_s
         self._output = output
         self._deadline = deadline
         self._fault = fault
@@ -102,6 +104,8 @@ class MockBackend(Backend):
         """When the last launched step ends on the modelled device."""
         self._deadline: float | None = None
         """When the step launched by the last execute_model ends (None: no latency model)."""
+        self._duration = 0.0
+        """The modelled duration of the step launched by the last execute_model."""
         self._step_fault: Fault | None = None
         """The fault of the step launched by the last execute_model, fired when its results
         are waited for (a device fails while it runs a step, not when the step is launched)."""
@@ -197,7 +201,8 @@ class MockBackend(Backend):
         if self.latency is not None:
             context = sum(r.num_computed_tokens for r in batch)
             start = max(self._clock(), self._device_free_at)
-            self._deadline = self._device_free_at = start + self.latency.duration(total, context)
+            self._duration = self.latency.duration(total, context)
+            self._deadline = self._device_free_at = start + self._duration
         self._batch = batch
         self._batch_ids = scheduler_output.req_ids
 
@@ -315,7 +320,11 @@ class MockBackend(Backend):
         """The tokens are drawn at once (the mock's sampling is host work) and released at the
         step's deadline on the device timeline."""
         return _MockHandle(
-            self._sample(grammar_bitmask), self._deadline, self._step_fault, self._wait
+            self._sample(grammar_bitmask),
+            self._deadline,
+            self._step_fault,
+            self._wait,
+            self._duration,
         )
 
     def _sample(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
