@@ -243,7 +243,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ``temperature`` below 1e-5 means greedy decoding (``top_p``, ``top_k`` and ``min_p`` are then
     reset to their neutral values); ``n > 1`` with greedy decoding gives ``n`` identical
     completions, as OpenAI's API does. ``stop`` strings are matched by the front end on the decoded
-    text; ``stop_token_ids`` by the engine on token ids.
+    text of the output (never the prompt's); ``stop_token_ids`` by the engine on token ids.
+
+    ``min_tokens``: before that many tokens, EOS and ``stop_token_ids`` are not sampled, and a
+    stop string counts only if it *ends* in the text of a later token (it may begin earlier):
+    vLLM's rule, so that both engines stop a request at the same token.
     """
 
     n: int = 1

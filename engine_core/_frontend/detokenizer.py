@@ -42,7 +42,6 @@ class Detokenizer:
         "_overlap",
         "_buf",
         "_sent",
-        "_eligible",
         "num_tokens",
         "stop_string",
     )
@@ -64,10 +63,9 @@ class Detokenizer:
         self._matcher: StopMatcher | None = (
             stop_matcher(self._stops) if self._stops else None  # pragma: no mutate
         )
-        # Mutation testing: any start state is equivalent: a stop string found through the
-        # text before the completion would start before it, where none counts.
-        self._node = 0  # pragma: no mutate
-        """The stop-string automaton's state after the eligible text decoded so far."""
+        self._node = 0
+        """The stop-string automaton's state after the text decoded so far (a stop string
+        begins in the completion, never in the prompt)."""
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         longest = max(map(len, self._stops), default=1)
@@ -77,8 +75,6 @@ class Detokenizer:
         # before it, which a stop string completed by the next token may start in.
         self._buf = ""
         self._sent = 0
-        self._eligible = 0
-        """Index in _buf where text produced after ``min_tokens`` tokens starts."""
         self.num_tokens = 0
         self.stop_string: str | None = None
 
@@ -133,10 +129,9 @@ class Detokenizer:
             start = len(buf)
             buf += text
             if num_tokens <= self._min_tokens:
-                # Text of the first min_tokens tokens cannot start a stop string, and one that
-                # starts later is found from any automaton state: it is not fed to the
-                # automaton.
-                self._eligible = len(buf)
+                # Text of the first min_tokens tokens cannot end a stop string (it may begin
+                # one that ends later, as in vLLM).
+                self._node = matcher.advance(self._node, text)
                 continue
             if self._scan(matcher, buf, text, start):
                 self.num_tokens = num_tokens
@@ -148,7 +143,7 @@ class Detokenizer:
     def _scan(self, matcher: StopMatcher, buf: str, text: str, start: int) -> bool:
         """Feed ``text`` (at ``start`` in ``buf``) to the automaton. On a stop string, ``_buf``
         becomes ``buf`` truncated before or after it and True is returned."""
-        self._node, index, end = matcher.scan(self._node, text, start, self._eligible)
+        self._node, index, end = matcher.scan(self._node, text, start)
         if index < 0:
             return False
         stop = matcher.stops[index]
@@ -177,7 +172,6 @@ class Detokenizer:
             if not buf:
                 return ""
             self._buf = ""
-            self._eligible = 0
             return buf
         end = len(buf)
         if self._hold and not finished:
@@ -194,7 +188,6 @@ class Detokenizer:
         else:
             self._buf = buf[keep_from:]
             self._sent = end - keep_from
-            self._eligible = max(0, self._eligible - keep_from)
         return text
 
 

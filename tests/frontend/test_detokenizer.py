@@ -178,26 +178,22 @@ def test_min_tokens_makes_early_text_ineligible() -> None:
     assert detok.take(finished=True) == "aabc"
 
 
-@pytest.mark.parametrize(
-    ("stop", "min_tokens", "early", "streamed", "then"),
-    [
-        # The first "ab" starts in the first (min_tokens) token; the next one is eligible.
-        ("ab", 1, "ab", ["", "a"], "ab"),
-        # Single-character stops within min_tokens are text; one step at a time.
-        ("a", 2, "aa", ["a", "a"], "ba"),
-    ],
-    ids=["two-character-stop", "one-character-stop"],
-)
-def test_min_tokens_stop_must_start_after_min_tokens(
-    stop: str, min_tokens: int, early: str, streamed: list[str], then: str
-) -> None:
-    """``early`` streams as ``streamed`` without stopping; of the two tokens of ``then``, the
-    first does not stop either and the second completes the stop string."""
-    detok = Detokenizer(BYTES, [97], SamplingParams(stop=stop, min_tokens=min_tokens))
-    assert stream(detok, chars(early)) == streamed
-    before, last = then
-    assert detok.update([ord(before)]) is None
-    assert detok.update([ord(last)]) == stop
+def test_min_tokens_stop_counts_when_it_ends_after_min_tokens() -> None:
+    # As in vLLM: prompt "a", greedy "bcdef", stop "bc", min_tokens=1: "bc" begins in the first
+    # token and ends in the second, so it stops the completion there.
+    detok = Detokenizer(BYTES, [97], SamplingParams(stop="bc", min_tokens=1))
+    assert stream(detok, chars("b")) == [""]
+    assert detok.update([ord("c")]) == "bc"
+    assert detok.num_tokens == 2
+    assert detok.take(finished=True) == ""
+
+
+def test_min_tokens_stop_within_min_tokens_is_text() -> None:
+    # Single-character stops within min_tokens are text; one step at a time.
+    detok = Detokenizer(BYTES, [97], SamplingParams(stop="a", min_tokens=2))
+    assert stream(detok, chars("aa")) == ["a", "a"]
+    assert detok.update([ord("b")]) is None
+    assert detok.update([ord("a")]) == "a"
     assert detok.take(finished=True) == "b"
 
 
