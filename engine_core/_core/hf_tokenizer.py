@@ -14,24 +14,47 @@ from engine_core._core.tokenizer import IncrementalDecoder
 __all__ = ["HFTokenizer"]
 
 # Prompt tokens replayed into a fresh decoder so the first generated token decodes with the
-# right context (leading spaces, merges); a few are enough.
-_PRIME_TOKENS = 5
+# right context (its leading space, merges): a few are enough, more when they begin inside a
+# run of bytes.
+_PRIME_SIZES = (5, 10, 20)
+# Trailing prompt tokens dropped at most from that context: the bytes of a character the prompt
+# leaves unfinished, and special tokens after them.
+_MAX_DROPPED = 8
 # Tokens the window decoder keeps before dropping decoded history.
 _WINDOW_TRIM = 64
+
+_REPLACEMENT = "\ufffd"
+
+
+def _prime(tokenizer: Any, prompt_token_ids: Sequence[int], skip: bool) -> list[int]:
+    """The prompt tokens a fresh decoder replays: the last few, widened at the start and cut at
+    the end until their text does not end in U+FFFD (an unfinished character).
+
+    NOTE: the bytes of a character the prompt leaves unfinished are prompt text, not context:
+    the output never completes them. Its text is what its own tokens decode to (a leading
+    continuation byte is U+FFFD), and no part of the prompt reaches it or a stop string.
+    """
+    num_tokens = len(prompt_token_ids)
+    for end in range(num_tokens, max(num_tokens - _MAX_DROPPED, 0), -1):
+        for size in _PRIME_SIZES:
+            start = max(0, end - size)
+            prime = list(prompt_token_ids[start:end])
+            if not tokenizer.decode(prime, skip_special_tokens=skip).endswith(_REPLACEMENT):
+                return prime
+            if start == 0:
+                break
+    return []
 
 
 class _StreamDecoder:
     """``tokenizers.decoders.DecodeStream``: one native ``step`` per token."""
 
-    __slots__ = ("_tokenizer", "_skip_special", "_stream", "_prime", "_last", "_held")
+    __slots__ = ("_tokenizer", "_skip_special", "_stream", "_held")
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip: bool) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip
-        self._prime = list(prompt_token_ids[-_PRIME_TOKENS:])
-        self._stream = self._new_stream(self._prime)
-        self._last: int | None = None
-        """The last token that produced text: the context :meth:`flush` decodes after."""
+        self._stream = self._new_stream(_prime(tokenizer, prompt_token_ids, skip))
         self._held: list[int] = []
         """Ids that produced no text yet (an unfinished character, a skipped special token)."""
 
@@ -50,30 +73,39 @@ class _StreamDecoder:
         try:
             text = self._stream.step(self._tokenizer, token_id)
         except Exception:
-            # The stream rejects a prefix that no longer decodes the same way ("Invalid
-            # prefix"); start a fresh stream at this token.
-            self._stream = self._new_stream([])
-            try:
-                text = self._stream.step(self._tokenizer, token_id)
-            except Exception:
-                text = None
+            # The stream rejects a context that no longer decodes the same way ("Invalid
+            # prefix": byte-fallback tokens that join the bytes before them into one invalid
+            # run); the tokens not decoded yet start a fresh stream.
+            return self._restart(token_id)
         if not text:
             self._held.append(token_id)
             return ""
-        if self._held:
-            self._held.clear()
-        self._last = token_id
+        self._held.clear()
         return str(text)
 
+    def _restart(self, token_id: int) -> str:
+        pending, self._held = [*self._held, token_id], []
+        self._stream = self._new_stream([])
+        pieces = []
+        for held_id in pending:
+            try:
+                text = self._stream.step(self._tokenizer, held_id)
+            except Exception:
+                text = None
+            if text:
+                pieces.append(str(text))
+                self._held.clear()
+            else:
+                self._held.append(held_id)
+        return "".join(pieces)
+
     def flush(self) -> str:
+        # The held tokens come after text that ended on a whole character: they decode alone.
         if not self._held:
             return ""
-        decode, skip = self._tokenizer.decode, self._skip_special
-        context = self._prime if self._last is None else [self._last]
-        before = decode(context, skip_special_tokens=skip)
-        text: str = decode(context + self._held, skip_special_tokens=skip)
+        text: str = self._tokenizer.decode(self._held, skip_special_tokens=self._skip_special)
         self._held.clear()
-        return text[len(before) :] if len(text) > len(before) else ""
+        return text
 
 
 class _WindowDecoder:
@@ -84,19 +116,30 @@ class _WindowDecoder:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip: bool) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip
-        self._ids = list(prompt_token_ids[-_PRIME_TOKENS:])
+        self._ids = _prime(tokenizer, prompt_token_ids, skip)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+
+    def _texts(self) -> tuple[str, str]:
+        """The text of the context (prefix to read offset) and of the whole window. When the
+        unread tokens change how the context decodes (byte-fallback tokens joining the bytes
+        before them), the context is dropped: the unread tokens decode alone."""
+        ids, decode, skip = self._ids, self._tokenizer.decode, self._skip_special
+        prefix_text: str = decode(
+            ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip
+        )
+        new_text: str = decode(ids[self._prefix_offset :], skip_special_tokens=skip)
+        if not new_text.startswith(prefix_text):
+            self._prefix_offset = self._read_offset
+            prefix_text, new_text = "", decode(ids[self._read_offset :], skip_special_tokens=skip)
+        return prefix_text, new_text
 
     def step(self, token_id: int) -> str:
         ids = self._ids
         ids.append(token_id)
-        decode = self._tokenizer.decode
-        skip = self._skip_special
-        prefix_text = decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
-        new_text = decode(ids[self._prefix_offset :], skip_special_tokens=skip)
+        prefix_text, new_text = self._texts()
         # A trailing U+FFFD means an unfinished UTF-8 character: wait for its next byte.
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(ids)
@@ -107,14 +150,15 @@ class _WindowDecoder:
         return new_text[len(prefix_text) :]
 
     def flush(self) -> str:
+        # The unread tokens come after text that ended on a whole character: they decode alone.
         ids = self._ids
         if self._read_offset >= len(ids):
             return ""
-        decode, skip = self._tokenizer.decode, self._skip_special
-        prefix_text = decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
-        new_text: str = decode(ids[self._prefix_offset :], skip_special_tokens=skip)
+        text: str = self._tokenizer.decode(
+            ids[self._read_offset :], skip_special_tokens=self._skip_special
+        )
         self._prefix_offset = self._read_offset = len(ids)
-        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        return text
 
 
 def _has_decode_stream() -> bool:
