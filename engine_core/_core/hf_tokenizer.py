@@ -5,6 +5,7 @@ library has it, else a short window of trailing tokens re-decoded per token."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,54 @@ class _WindowDecoder:
         return text
 
 
+_ANCHOR_TEXT = "a"
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The characters byte-level BPE pieces are written in, to the bytes they stand for (GPT-2's
+    table: printable bytes stand for themselves, the others are shifted past U+0100)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    alphabet = {chr(b): b for b in printable}
+    shifted = 0
+    for byte in range(256):
+        if byte not in printable:
+            alphabet[chr(0x100 + shifted)] = byte
+            shifted += 1
+    return alphabet
+
+
+class _Pieces:
+    """What the vocabulary's pieces say about their bytes, read off the tokenizer once."""
+
+    __slots__ = ("anchor", "_byte_level", "_byte_fallback", "_added")
+
+    def __init__(self, tokenizer: Any, added: dict[int, Any]) -> None:
+        anchor = tokenizer.token_to_id(_ANCHOR_TEXT)
+        if anchor is None or tokenizer.decode([anchor]) != _ANCHOR_TEXT:
+            ids = tokenizer.encode(_ANCHOR_TEXT, add_special_tokens=False).ids
+            anchor = ids[0] if len(ids) == 1 else None
+        self.anchor: int | None = anchor
+        """A token that decodes to "a" alone, or None."""
+        decoder = json.loads(tokenizer.decoder.__getstate__()) if tokenizer.decoder else {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+        self._byte_level = _byte_level_alphabet() if "ByteLevel" in kinds else None
+        self._byte_fallback = "ByteFallback" in kinds
+        self._added = frozenset(t.content for t in added.values())
+
+    def raw_bytes(self, piece: str | None) -> bytes | None:
+        """The bytes of a piece that stands for bytes (byte-level BPE, a byte-fallback piece);
+        None for others."""
+        if piece is None or piece in self._added:
+            return None
+        if self._byte_fallback and (match := _BYTE_PIECE.fullmatch(piece)):
+            return bytes((int(match[1], 16),))
+        alphabet = self._byte_level
+        if alphabet is not None and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+        return None
+
+
 def _has_decode_stream() -> bool:
     try:
         from tokenizers.decoders import DecodeStream  # noqa: F401
@@ -232,6 +281,7 @@ class HFTokenizer:
         if bos is None and isinstance(generation.get("bos_token_id"), int):
             bos = generation["bos_token_id"]
         self._bos_token_id: int | None = bos
+        self._pieces = _Pieces(self._tokenizer, added)
 
     @property
     def vocab_size(self) -> int:
@@ -263,6 +313,21 @@ class HFTokenizer:
     ) -> IncrementalDecoder:
         cls = _StreamDecoder if self._use_decode_stream else _WindowDecoder
         return cls(self._tokenizer, prompt_token_ids, skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        if not 0 <= token_id < self._vocab_size:
+            return ""
+        # After a word, so that the decoder's strip of the text's leading space (SentencePiece)
+        # leaves the token's own.
+        anchor = self._pieces.anchor
+        if anchor is None:
+            return self.decode([token_id], skip_special_tokens=False)
+        text = self.decode([anchor, token_id], skip_special_tokens=False)
+        return text[len(_ANCHOR_TEXT) :]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        raw = self._pieces.raw_bytes(self._tokenizer.id_to_token(token_id))
+        return self.token_text(token_id).encode() if raw is None else raw
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r})"

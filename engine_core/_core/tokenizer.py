@@ -77,6 +77,16 @@ class Tokenizer(Protocol):
         """A decoder for the tokens generated after ``prompt_token_ids``."""
         ...
 
+    def token_text(self, token_id: int) -> str:
+        """The text one token adds after a word (a word-start piece keeps its leading space;
+        special tokens show; part of a character is U+FFFD)."""
+        ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of :meth:`token_text`, but a token holding part of a character has its
+        own bytes."""
+        ...
+
 
 # -- byte tokenizer ----------------------------------------------------------------------------
 
@@ -155,6 +165,14 @@ class ByteTokenizer:
     ) -> IncrementalDecoder:
         # Byte tokens never merge across the prompt boundary, so the prompt is not needed.
         return _ByteDecoder(skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if 0 <= token_id < 256:
+            return _BYTES[token_id]
+        return self.token_text(token_id).encode()
 
     def __repr__(self) -> str:
         return "ByteTokenizer()"

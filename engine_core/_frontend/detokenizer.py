@@ -193,7 +193,8 @@ class Detokenizer:
 
 class LogprobsDecoder:
     """Turns the engine's :class:`~engine_core.abc.TokenLogprobs` into ``{token_id: Logprob}``,
-    decoding each candidate token once (special tokens included)."""
+    decoding each candidate token once: the text it adds after a word (a word-start piece keeps
+    its leading space, special tokens show)."""
 
     __slots__ = ("_tokenizer", "_texts")
 
@@ -202,14 +203,10 @@ class LogprobsDecoder:
         self._texts: dict[int, str] = {}
 
     def token_text(self, token_id: int) -> str | None:
-        """The text of one token on its own (None without a tokenizer)."""
+        """The text of one token (None without a tokenizer)."""
         text = self._texts.get(token_id)
         if text is None and self._tokenizer is not None:
-            # Mutation testing: skip_special_tokens=None is equivalent (falsy).
-            text = self._texts[token_id] = self._tokenizer.decode(
-                [token_id],
-                skip_special_tokens=False,  # pragma: no mutate
-            )
+            text = self._texts[token_id] = self._tokenizer.token_text(token_id)
         return text
 
     def position(self, entry: TokenLogprobs, decode: bool) -> PositionLogprobs:
