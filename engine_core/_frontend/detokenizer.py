@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine_core._core.tokenizer import IncrementalDecoder, Tokenizer
+from engine_core._core.tokenizer import IncrementalDecoder, Tokenizer, output_decoder
 from engine_core._frontend.stop_strings import StopMatcher, stop_matcher
 from engine_core.abc import TokenLogprobs
 from engine_core.outputs import Logprob, PositionLogprobs
@@ -53,7 +53,12 @@ class Detokenizer:
         params: SamplingParams,
     ) -> None:
         self._decoder: IncrementalDecoder | None = (
-            tokenizer.decode_stream(prompt_token_ids, params.skip_special_tokens)
+            output_decoder(
+                tokenizer,
+                prompt_token_ids,
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
+            )
             if tokenizer is not None and params.detokenize
             else None
         )

@@ -11,7 +11,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine_core._core.tokenizer import Tokenizer
+from engine_core._core.tokenizer import Tokenizer, output_decoder
 from engine_core.outputs import PositionLogprobs, RequestOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.server._errors import APIError
@@ -84,7 +84,12 @@ class _TextOffsets:
     def __init__(
         self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
-        self._decoder = tokenizer.decode_stream(prompt_token_ids, params.skip_special_tokens)
+        self._decoder = output_decoder(
+            tokenizer,
+            prompt_token_ids,
+            params.skip_special_tokens,
+            params.spaces_between_special_tokens,
+        )
         self.offset = 0
 
     def of(self, token_ids: list[int]) -> list[int]:

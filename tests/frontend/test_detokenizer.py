@@ -94,8 +94,10 @@ def test_hf_skip_special_tokens(tmp_path: Path, use_decode_stream: bool) -> None
     ids = [*tok.encode("hello"), 1]
     skipped = Detokenizer(tok, [0], SamplingParams())
     kept = Detokenizer(tok, [0], SamplingParams(skip_special_tokens=False))
+    unspaced = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False)
     assert "".join(stream(skipped, [[t] for t in ids])) == "hello"
-    assert "".join(stream(kept, [[t] for t in ids])) == "hello</s>"
+    assert "".join(stream(kept, [[t] for t in ids])) == "hello </s>"
+    assert "".join(stream(Detokenizer(tok, [0], unspaced), [[t] for t in ids])) == "hello</s>"
 
 
 def test_stop_string_excluded_and_held_back() -> None:
@@ -199,7 +201,7 @@ def test_min_tokens_stop_within_min_tokens_is_text() -> None:
 
 @pytest.mark.parametrize(
     ("include", "skip_special", "expected"),
-    [(False, False, "d"), (True, False, "d</s>"), (True, True, "d")],
+    [(False, False, "d"), (True, False, "d </s>"), (True, True, "d")],
 )
 def test_stop_by_eos_token(include: bool, skip_special: bool, expected: str) -> None:
     params = SamplingParams(include_stop_str_in_output=include, skip_special_tokens=skip_special)
@@ -433,3 +435,21 @@ def test_logprobs_decoder_decodes_each_candidate_once_special_tokens_included() 
 def test_logprobs_decoder_rejects_an_entry_of_uneven_lengths() -> None:
     with pytest.raises(ValueError):
         LogprobsDecoder(None).position(TokenLogprobs([1, 2], [-0.1], [1, 2]), decode=False)
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "spaced", "unspaced"),
+    [
+        ([98, 257, 99], "b </s> c", "b</s>c"),
+        ([256, 257], "<s> </s>", "<s></s>"),  # nothing before the first: no space
+        ([98, 0xC3, 257, 0xC3, 0xA9], "b\ufffd </s> \u00e9", "b\ufffd</s>\u00e9"),
+    ],
+)
+def test_spaces_between_special_tokens(token_ids: list[int], spaced: str, unspaced: str) -> None:
+    for spaces, expected in [(True, spaced), (False, unspaced)]:
+        params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        detok = Detokenizer(BYTES, [97], params)
+        assert finished_text(detok, [[t] for t in token_ids]) == expected
+    # Skipped special tokens leave no space behind.
+    detok = Detokenizer(BYTES, [97], SamplingParams(spaces_between_special_tokens=True))
+    assert finished_text(detok, [[t] for t in token_ids]) == BYTES.decode(token_ids)

@@ -83,6 +83,7 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "repetition_penalty": 1.2,
         "output_kind": RequestOutputKind.DELTA,
         "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
         "structured_outputs": StructuredOutputsParams(choice=["yes", "no"]),
         "logit_bias": {5: 1.5, 9: -100.0},
     },
