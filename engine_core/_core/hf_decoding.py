@@ -123,13 +123,22 @@ def _decode_alone(tokenizer: Any, pieces: Pieces, token_ids: list[int], skip: bo
 class StreamDecoder:
     """``tokenizers.decoders.DecodeStream``: one native ``step`` per token."""
 
-    __slots__ = ("_tokenizer", "_pieces", "_skip_special", "_stream", "_held", "_after_byte")
+    __slots__ = (
+        "_tokenizer",
+        "_pieces",
+        "_byte_ids",
+        "_skip_special",
+        "_stream",
+        "_held",
+        "_after_byte",
+    )
 
     def __init__(
         self, tokenizer: Any, pieces: Pieces, prompt_token_ids: Sequence[int], skip: bool
     ) -> None:
         self._tokenizer = tokenizer
         self._pieces = pieces
+        self._byte_ids = pieces.byte_ids
         self._skip_special = skip
         prime = prime_tokens(tokenizer, prompt_token_ids, skip)
         self._stream = self._new_stream(prime)
@@ -150,7 +159,7 @@ class StreamDecoder:
             return stream
 
     def step(self, token_id: int) -> str:
-        if self._after_byte and not self._held and token_id in self._pieces.byte_ids:
+        if self._after_byte and not self._held and token_id in self._byte_ids:
             self._stream = self._new_stream(self._pieces.context)  # a run of its own
         try:
             text = self._stream.step(self._tokenizer, token_id)
@@ -164,8 +173,9 @@ class StreamDecoder:
         if not text:
             self._held.append(token_id)
             return ""
-        self._held.clear()
-        self._after_byte = token_id in self._pieces.byte_ids
+        if self._held:
+            self._held.clear()
+        self._after_byte = token_id in self._byte_ids
         return str(text)
 
     def _restart(self, token_id: int) -> str:
