@@ -45,6 +45,12 @@ class PieceTokenizer:
     ) -> IncrementalDecoder:
         return self
 
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.token_text(token_id).encode()
+
     def step(self, token_id: int) -> str:
         return "" if token_id == 99 else self.pieces[token_id]
 
