@@ -403,32 +403,40 @@ def test_an_included_stop_string_may_start_in_text_already_taken() -> None:
 
 
 def test_min_tokens_stays_in_force_after_the_buffer_is_trimmed() -> None:
-    detok = Detokenizer(BYTES, [97], SamplingParams(stop=["zab", "ab"], min_tokens=4))
-    # "zab" starts in the first four tokens; "ab" does not.
-    assert stream(detok, chars("wxyza")) == ["", "", "w", "x", "y"]
+    detok = Detokenizer(BYTES, [97], SamplingParams(stop=["ab"], min_tokens=6))
+    # The first "ab" ends within the first six tokens; the second after them.
+    assert stream(detok, chars("wxabyza")) == ["", "w", "x", "a", "b", "y", "z"]
     assert detok.update([ord("b")]) == "ab"
-    assert detok.take(finished=True) == "z"
+    assert detok.num_tokens == 8
+    assert detok.take(finished=True) == ""
+
+
+def test_a_stop_string_may_begin_within_min_tokens_and_end_after() -> None:
+    detok = Detokenizer(BYTES, [97], SamplingParams(stop=["zab"], min_tokens=4))
+    # "zab" begins at the fourth token and ends at the sixth: it counts (vLLM's rule).
+    assert stream(detok, chars("wxyza")) == ["", "", "w", "x", "y"]
+    assert detok.update([ord("b")]) == "zab"
+    assert detok.take(finished=True) == ""
 
 
 class CountingTokenizer(PieceTokenizer):
     def __init__(self, pieces: Sequence[str]) -> None:
         super().__init__(pieces)
-        self.decoded: list[tuple[list[int], bool]] = []
+        self.asked: list[int] = []
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        self.decoded.append((list(token_ids), skip_special_tokens))
-        text = super().decode(token_ids)
-        return text if skip_special_tokens or 99 not in token_ids else text + "<eos>"
+    def token_text(self, token_id: int) -> str:
+        self.asked.append(token_id)
+        return "<eos>" if token_id == 99 else super().token_text(token_id)
 
 
-def test_logprobs_decoder_decodes_each_candidate_once_special_tokens_included() -> None:
+def test_logprobs_decoder_asks_each_candidates_text_once_special_tokens_included() -> None:
     tok = CountingTokenizer(["a", "b"])
     decoder = LogprobsDecoder(tok)
     entry = TokenLogprobs([1, 0, 99], [-0.1, -1.0, -2.0], [1, 2, 3])
     expected = {1: Logprob(-0.1, 1, "b"), 0: Logprob(-1.0, 2, "a"), 99: Logprob(-2.0, 3, "<eos>")}
     assert decoder.position(entry, decode=True) == expected
     assert decoder.position(entry, decode=True) == expected
-    assert tok.decoded == [([1], False), ([0], False), ([99], False)]
+    assert tok.asked == [1, 0, 99]
     assert decoder.position(entry, decode=False) == {
         1: Logprob(-0.1, 1),
         0: Logprob(-1.0, 2),

@@ -91,8 +91,8 @@ def test_cost_per_token_does_not_grow_with_the_number_of_stop_strings() -> None:
 def test_a_broken_partial_match_falls_back_to_the_longest_real_suffix() -> None:
     matcher = StopMatcher(("abc",))
     # After "ab", "b" leaves no suffix that starts "abc": nothing must complete at the "c".
-    assert matcher.scan(0, "abbc", 0, 0)[1] == -1
-    assert matcher.scan(0, "ababc", 0, 0)[1:] == (0, 5)
+    assert matcher.scan(0, "abbc", 0)[1] == -1
+    assert matcher.scan(0, "ababc", 0)[1:] == (0, 5)
     matcher = StopMatcher(("xyz", "yq"))
-    assert matcher.scan(0, "xyyq", 0, 0)[1:] == (1, 4)
-    assert matcher.scan(0, "xyyz", 0, 0)[1] == -1
+    assert matcher.scan(0, "xyyq", 0)[1:] == (1, 4)
+    assert matcher.scan(0, "xyyz", 0)[1] == -1
