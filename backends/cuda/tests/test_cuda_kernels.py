@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from engine_core_cuda._device import _KERNEL_MODULES, _triton_interprets, prepare_triton
+from engine_core_cuda._device import _triton_interprets, prepare_triton
 from engine_core_cuda._hf_config import RopeConfig
 from engine_core_cuda._rope import RotaryTables
+from engine_core_cuda.kernels import KERNEL_MODULES
 from engine_core_cuda.kernels.activation import silu_and_mul
 from engine_core_cuda.kernels.kv_write import write_kv
 from engine_core_cuda.kernels.paged_attention import paged_attention
@@ -34,7 +35,7 @@ def test_triton_and_every_kernel_module_run_interpreted() -> None:
     anything imported triton before the conftest chose the mode, they would be compiled and
     prepare_triton would refuse the CPU."""
     assert _triton_interprets() is True
-    assert all(importlib.import_module(name).INTERPRETED for name in _KERNEL_MODULES)
+    assert all(importlib.import_module(name).INTERPRETED for name in KERNEL_MODULES)
     prepare_triton(torch.device("cpu"))
 
 
