@@ -221,10 +221,18 @@ class WorkerGroup:
 
     def call(self, method: str, *args: Scalar, timeout_s: float | None = None) -> list[Scalar]:
         """Run ``method`` on every worker; their results in rank order."""
+        return self.finish_call(self.start_call(method, *args), timeout_s)
+
+    def start_call(self, method: str, *args: Scalar) -> int:
+        """Send a call without waiting (rank 0 then does its own part, e.g. joining the
+        collectives the workers run); :meth:`finish_call` collects the results."""
         self._seq += 1
-        seq = self._seq
+        self._drain(0)
         self._check_dead()
-        self._send(msgspec.msgpack.encode(Call(seq, method, list(args))))
+        self._send(msgspec.msgpack.encode(Call(self._seq, method, list(args))))
+        return self._seq
+
+    def finish_call(self, seq: int, timeout_s: float | None = None) -> list[Scalar]:
         results = self._gather(lambda r: isinstance(r, Result) and r.seq == seq, timeout_s)
         return [r.value for r in results]
 

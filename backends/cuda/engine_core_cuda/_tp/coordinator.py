@@ -1,0 +1,89 @@
+"""Rank 0's side of tensor parallelism in the CUDA backend: the workers (ranks 1..N-1, started
+here), the process group, and the calls that must reach every rank."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from engine_core._workers import WorkerGroup
+from engine_core._workers.messages import Scalar
+from engine_core.abc import SchedulerOutput
+from engine_core.config import EngineConfig
+from engine_core_cuda._options import CudaOptions
+from engine_core_cuda._tp.parallel import TensorParallel, init_distributed
+
+__all__ = ["Coordinator", "rank_options"]
+
+logger = logging.getLogger(__name__)
+
+WORKER_MODULE = "engine_core_cuda._tp.worker"
+
+
+def rank_options(options: CudaOptions, rank: int) -> CudaOptions:
+    """A rank's options: with NCCL, rank r runs on the r-th GPU from the one asked for; gloo
+    ranks share the device (a correctness check on one GPU)."""
+    device = options.device
+    if not device.startswith("cuda") or options.distributed_backend == "gloo":
+        return options
+    base = int(device.partition(":")[2] or 0)
+    return dataclasses.replace(options, device=f"cuda:{base + rank}")
+
+
+def join(options: CudaOptions, rank: int, size: int, directory: str) -> TensorParallel:
+    import torch
+
+    return init_distributed(
+        rank, size, directory, torch.device(options.device), options.distributed_backend
+    )
+
+
+class Coordinator:
+    """Starts the workers; ``parallel`` is rank 0's membership of the group."""
+
+    def __init__(self, config: EngineConfig, options: CudaOptions) -> None:
+        size = config.tensor_parallel_size
+        self.parallel: TensorParallel | None = None
+        self.workers = WorkerGroup(WORKER_MODULE, size, config, on_death=self._abort)
+        self.previous_sampled: list[list[int]] | None = None
+        try:
+            self.workers.wait_ready()
+            self._loading = self.workers.start_call("load")
+            self.parallel = join(options, 0, size, self.workers.directory)
+        except BaseException:
+            self.workers.close()
+            raise
+
+    def loaded(self) -> None:
+        """Wait for the workers' model loads (after rank 0's own)."""
+        self.workers.finish_call(self._loading)
+
+    def _abort(self, rank: int) -> None:
+        if self.parallel is not None:
+            self.parallel.abort()
+
+    @contextmanager
+    def on_every_rank(self, method: str, *args: Scalar) -> Iterator[list[Scalar]]:
+        """Run ``method`` on the workers while rank 0 runs its own part in the ``with`` block;
+        the workers' results are in the yielded list once the block ends."""
+        results: list[Scalar] = []
+        seq = self.workers.start_call(method, *args)
+        yield results
+        results.extend(self.workers.finish_call(seq))
+
+    def step(self, scheduler_output: SchedulerOutput) -> None:
+        self.workers.step(scheduler_output, self.previous_sampled)
+        self.previous_sampled = None
+
+    def blame(self, exc: BaseException) -> None:
+        """Re-raise a failed step as the death of the worker that caused it, if one died."""
+        failure = self.workers.failure()
+        if failure is not None:
+            raise failure from exc
+
+    def close(self) -> None:
+        self.workers.close()
+        if self.parallel is not None:
+            self.parallel.destroy()
