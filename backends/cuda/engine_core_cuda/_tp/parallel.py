@@ -41,8 +41,7 @@ class TensorParallel:
         rows, cols = local.shape
         full = local.new_zeros(rows, self.size * cols)
         full[:, self.rank * cols : (self.rank + 1) * cols] = local
-        dist.all_reduce(full)
-        return full[:, :total]
+        return self.all_reduce(full)[:, :total]
 
     def abort(self) -> None:
         """Unblock this rank from a collective whose peer died (NCCL); gloo's collectives fail
