@@ -33,9 +33,11 @@ CLOSE_TIMEOUT_S = 10.0
 class WorkerDiedError(RuntimeError):
     """A worker process exited, or reported an error (it exits after reporting)."""
 
-    def __init__(self, rank: int, what: str) -> None:
+    def __init__(self, rank: int, what: str, *, exited: bool = False) -> None:
         super().__init__(f"tensor-parallel worker rank {rank} {what}")
         self.rank = rank
+        self.exited = exited
+        """The process ended (rather than reporting an error)."""
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -131,28 +133,37 @@ class WorkerGroup:
                 code = self.processes[rank].wait()
                 if self._closing or (self._stopping and code == 0):
                     continue
-                self._fail(WorkerDiedError(rank, describe_exit(code)))
+                self._fail(WorkerDiedError(rank, describe_exit(code), exited=True))
                 if self._on_death is not None:
                     try:
                         self._on_death(rank)
                     except Exception:  # noqa: BLE001 (best effort: the step fails anyway)
                         logger.exception("aborting after the death of rank %d failed", rank)
 
-    def _fail(self, error: WorkerDiedError) -> None:
+    def _fail(self, error: WorkerDiedError, *, reported: bool = False) -> None:
+        """Record the first failure; a worker's own report replaces the exit it caused."""
         with self._lock:
-            if self._failure is None:
+            current = self._failure
+            if current is None or (reported and current.rank == error.rank and current.exited):
                 self._failure = error
                 logger.error("%s", error)
 
     def _check_dead(self) -> None:
         """Raise the first failure noticed: a report received, or a process gone."""
+        if self._failure is not None and self._failure.exited:
+            self._drain(0)  # the worker may have said why before it exited
         if self._failure is not None:
             raise self._failure
         for rank, process in self.processes.items():
             code = process.poll()
             if code is not None and not self._closing and not (self._stopping and code == 0):
-                self._fail(WorkerDiedError(rank, describe_exit(code)))
-                raise WorkerDiedError(rank, describe_exit(code))
+                self._fail(WorkerDiedError(rank, describe_exit(code), exited=True))
+                raise self._failure or WorkerDiedError(rank, describe_exit(code))
+
+    def check(self) -> None:
+        """Raise :class:`WorkerDiedError` if a worker died or reported a failure."""
+        self._drain(0)
+        self._check_dead()
 
     def failure(self) -> WorkerDiedError | None:
         """The first death or failure noticed (after waiting briefly for the watcher, so that a
@@ -183,7 +194,7 @@ class WorkerGroup:
                 return got
             report = REPORT_DECODER.decode(frame)
             if isinstance(report, Failure):
-                self._fail(WorkerDiedError(report.rank, f"failed: {report.error}"))
+                self._fail(WorkerDiedError(report.rank, f"failed: {report.error}"), reported=True)
             else:
                 got.append(report)
 

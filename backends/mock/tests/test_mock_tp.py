@@ -15,6 +15,7 @@ from mock_driver import Driver
 
 from engine_core import AsyncLLM, EngineDeadError, SamplingParams
 from engine_core._workers import WorkerDiedError
+from engine_core.abc import CachedRequestData, SchedulerOutput
 from engine_core.config import EngineConfig
 from engine_core.testing import check_backend
 
@@ -97,3 +98,18 @@ async def test_kill_9_of_rank_1_reaches_the_caller_as_engine_dead_within_a_secon
             os.kill(worker, signal.SIGKILL)
         assert failed[0][0] - killed_at < 1.0
         assert "rank 1" in failed[0][1]
+
+
+def test_a_worker_error_is_reported_and_fails_the_next_step() -> None:
+    d = Driver(tensor_parallel_size=2)
+    assert d.backend.workers is not None
+    d.step(new=[d.new("a", [1, 2, 3])])
+    # Only the worker is told of a request it has never seen: it fails and says why.
+    d.backend.workers.step(
+        SchedulerOutput([], CachedRequestData(["ghost"], [None], [3], [1]), 1), None
+    )
+    with pytest.raises(WorkerDiedError, match=r"rank 1 failed: RuntimeError: request 'ghost'"):
+        for _ in range(100):
+            d.step(cached=[("a", d.backend.num_computed_tokens("a"), 1, None)])
+            time.sleep(0.01)
+    d.backend.close()

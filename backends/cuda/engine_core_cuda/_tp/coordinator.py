@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -51,10 +52,31 @@ class Coordinator:
         try:
             self.workers.wait_ready()
             self._loading = self.workers.start_call("load")
-            self.parallel = join(options, 0, size, self.workers.directory)
+            self.parallel = self._join(options, size)
         except BaseException:
             self.workers.close()
             raise
+
+    def _join(self, options: CudaOptions, size: int) -> TensorParallel:
+        """Join the group on a thread, watching the workers meanwhile: a worker that fails
+        before joining must not leave rank 0 waiting for the rendezvous's timeout."""
+        joined: list[TensorParallel] = []
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                joined.append(join(options, 0, size, self.workers.directory))
+            except BaseException as exc:  # noqa: BLE001 (re-raised by the caller)
+                errors.append(exc)
+
+        thread = threading.Thread(target=run, name="tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.05)
+            self.workers.check()
+        if errors:
+            raise errors[0]
+        return joined[0]
 
     def loaded(self) -> None:
         """Wait for the workers' model loads (after rank 0's own)."""
