@@ -80,6 +80,7 @@ class WorkerGroup:
         self._stopping = False
         """``close`` was sent: a worker exiting with status 0 is expected."""
         self._failure: WorkerDiedError | None = None
+        self._pending: list[Ready | Result] = []
         self._lock = threading.Lock()
         self._context = zmq.Context()
         self._reports = self._context.socket(zmq.PULL)
@@ -182,34 +183,37 @@ class WorkerGroup:
 
     # -- reports --------------------------------------------------------------------------------
 
-    def _drain(self, timeout_ms: int) -> list[Ready | Result]:
-        """Reports received within ``timeout_ms`` (failures are recorded, not returned)."""
-        got: list[Ready | Result] = []
+    def _drain(self, timeout_ms: int) -> None:
+        """Receive the reports that arrive within ``timeout_ms``: failures are recorded, the
+        others kept for :meth:`_gather` (a result may arrive while rank 0 waits for another)."""
         if not self._reports.poll(timeout_ms):
-            return got
+            return
         while True:
             try:
                 frame = self._reports.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return got
+                return
             report = REPORT_DECODER.decode(frame)
             if isinstance(report, Failure):
                 self._fail(WorkerDiedError(report.rank, f"failed: {report.error}"), reported=True)
             else:
-                got.append(report)
+                self._pending.append(report)
 
     def _gather(self, match: Callable[[Ready | Result], bool], timeout_s: float | None) -> list:
         """One matching report from every worker, in rank order."""
         found: dict[int, Ready | Result] = {}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while len(found) < self.size - 1:
+        while True:
+            for report in [r for r in self._pending if match(r)]:
+                self._pending.remove(report)
+                found[report.rank] = report
+            if len(found) == self.size - 1:
+                break
             self._check_dead()
             if deadline is not None and time.monotonic() > deadline:
                 missing = sorted(set(self.processes) - set(found))
                 raise TimeoutError(f"tensor-parallel workers {missing} did not answer")
-            for report in self._drain(_POLL_MS):
-                if match(report):
-                    found[report.rank] = report
+            self._drain(_POLL_MS)
         self._check_dead()
         return [found[rank] for rank in sorted(found)]
 

@@ -27,7 +27,7 @@ from engine_core_cuda._memory import available_kv_cache_memory, graph_max_batch_
 from engine_core_cuda._model_runner import ModelRunner
 from engine_core_cuda._options import parse_options
 from engine_core_cuda._tp.coordinator import Coordinator, join, rank_options
-from engine_core_cuda._tp.parallel import TensorParallel
+from engine_core_cuda._tp.parallel import TensorParallel, share_cpu
 from engine_core_cuda._tp.shard import shard_model_config
 
 __all__ = ["CudaBackend"]
@@ -77,6 +77,7 @@ class CudaBackend(Backend):
             parallel = self.tp.parallel
         elif size > 1:
             assert tp_directory is not None
+            share_cpu(torch.device(self.options.device), size)
             parallel = join(self.options, tp_rank, size, tp_directory)
         started = time.perf_counter()
         try:

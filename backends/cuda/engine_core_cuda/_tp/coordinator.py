@@ -9,12 +9,14 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
+
 from engine_core._workers import WorkerGroup
 from engine_core._workers.messages import Scalar
 from engine_core.abc import SchedulerOutput
 from engine_core.config import EngineConfig
 from engine_core_cuda._options import CudaOptions
-from engine_core_cuda._tp.parallel import TensorParallel, init_distributed
+from engine_core_cuda._tp.parallel import TensorParallel, init_distributed, share_cpu
 
 __all__ = ["Coordinator", "rank_options"]
 
@@ -34,11 +36,8 @@ def rank_options(options: CudaOptions, rank: int) -> CudaOptions:
 
 
 def join(options: CudaOptions, rank: int, size: int, directory: str) -> TensorParallel:
-    import torch
-
-    return init_distributed(
-        rank, size, directory, torch.device(options.device), options.distributed_backend
-    )
+    device = torch.device(options.device)
+    return init_distributed(rank, size, directory, device, options.distributed_backend)
 
 
 class Coordinator:
@@ -51,6 +50,7 @@ class Coordinator:
         self.previous_sampled: list[list[int]] | None = None
         try:
             self.workers.wait_ready()
+            share_cpu(torch.device(options.device), size)
             self._loading = self.workers.start_call("load")
             self.parallel = self._join(options, size)
         except BaseException:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["DISTRIBUTED_BACKENDS", "TensorParallel", "init_distributed"]
+__all__ = ["DISTRIBUTED_BACKENDS", "TensorParallel", "init_distributed", "share_cpu"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,14 @@ class TensorParallel:
             dist.destroy_process_group()
 
 
+def share_cpu(device: torch.device, size: int) -> None:
+    """Ranks on the CPU share its cores: more threads than cores make OpenMP's spinning threads
+    starve the peer a collective waits for (a step then takes ~100x longer). Call it on the
+    thread that runs the model (OpenMP's thread count is per thread)."""
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+
+
 def init_distributed(
     rank: int, size: int, directory: str, device: torch.device, backend: str | None
 ) -> TensorParallel:
@@ -67,10 +75,6 @@ def init_distributed(
         )
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        # Ranks sharing the CPU share its cores: more threads than cores make OpenMP's spinning
-        # threads starve the peer a collective waits for (a step then takes ~100x longer).
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     store = dist.FileStore(str(Path(directory, "store")), size)
     dist.init_process_group(
         chosen,
