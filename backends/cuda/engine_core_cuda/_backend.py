@@ -67,9 +67,8 @@ class CudaBackend(Backend):
         self.model_config = load_model_config(model_dir)
         self.tp_rank = tp_rank
         size = config.tensor_parallel_size
-        shard_model_config(
-            self.model_config, size
-        )  # the fields that do not divide, before spawning
+        # A field that does not divide fails here, before any process starts.
+        shard_model_config(self.model_config, size)
         self.tp: Coordinator | None = None
         parallel: TensorParallel | None = None
         if size > 1 and tp_rank == 0:
