@@ -155,51 +155,78 @@ def test_tp2_logits_equal_a_one_process_simulation_of_the_shards(
     finally:
         backend.close()
 
-    # The simulation: both shards in threads of this process, rank 1 fed rank 0's samples.
+    simulated = _simulate(config, model.path, 2, outputs)
+    for got, expected in zip(real, simulated, strict=True):
+        assert torch.equal(got, expected)
+
+
+def _simulate(
+    config: EngineConfig, model_dir: Path, size: int, outputs: list[SchedulerOutput]
+) -> list[torch.Tensor]:
+    """Rank 0's logits of each step with the ranks as threads of this process (the others fed
+    rank 0's sampled ids, as the workers are); every rank's logits are checked equal."""
     options = parse_options(msgspec.structs.replace(config, tensor_parallel_size=1))
-    full = load_model_config(model.path)
-    exchange = _Exchange(2)
+    full = load_model_config(model_dir)
+    exchange = _Exchange(size)
     runners = [
-        ModelRunner(config, options, full, _SimulatedParallel(r, 2, exchange)) for r in (0, 1)
+        ModelRunner(config, options, full, _SimulatedParallel(r, size, exchange))
+        for r in range(size)
     ]
     for runner in runners:
         runner.allocate_kv_cache(16)
-    simulated: list[list[torch.Tensor]] = [[], []]
+    logits: list[list[torch.Tensor]] = [[] for _ in range(size)]
     sampled: list[list[list[int]]] = []
     ready = [threading.Event() for _ in outputs]
 
-    def rank0() -> None:
+    def run(rank: int) -> None:
+        runner = runners[rank]
+        previous = None
         with torch.inference_mode():
             for k, out in enumerate(outputs):
-                runners[0].execute_model(out)
-                forward = runners[0]._forward
-                assert forward is not None and forward.logits is not None
-                simulated[0].append(forward.logits.clone())
-                sampled.append(runners[0].sample_tokens(None).sampled_token_ids)
-                ready[k].set()
-
-    def rank1() -> None:
-        with torch.inference_mode():
-            previous = None
-            for k, out in enumerate(outputs):
-                if previous is not None:
+                if rank and previous is not None:
                     ready[k - 1].wait()
-                    runners[1].record_tokens(previous, sampled[k - 1])
-                runners[1].execute_model(out)
-                forward = runners[1]._forward
+                    runner.record_tokens(previous, sampled[k - 1])
+                runner.execute_model(out)
+                forward = runner._forward
                 assert forward is not None and forward.logits is not None
-                simulated[1].append(forward.logits.clone())
-                previous = runners[1].skip_sampling()
+                logits[rank].append(forward.logits.clone())
+                if rank == 0:
+                    sampled.append(runner.sample_tokens(None).sampled_token_ids)
+                    ready[k].set()
+                else:
+                    previous = runner.skip_sampling()
 
-    threads = [threading.Thread(target=rank0), threading.Thread(target=rank1)]
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    assert len(simulated[0]) == len(outputs) == len(real)
-    for got, expected in zip(real, simulated[0], strict=True):
-        assert torch.equal(got, expected)
-    assert all(torch.equal(a, b) for a, b in zip(simulated[0], simulated[1], strict=True))
+    assert all(len(found) == len(outputs) for found in logits)
+    for other in logits[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(logits[0], other, strict=True))
+    return logits[0]
+
+
+def test_four_simulated_ranks_replicating_kv_heads_match_tp1(tiny: dict[str, TinyModel]) -> None:
+    """4 ranks over 2 KV heads (each replicated on two ranks), Qwen3's q/k norms and its
+    head_dim != hidden / heads: the shards' logits stay within float32 rounding of TP=1."""
+    model = tiny["qwen3"]
+    config = EngineConfig(
+        model=str(model.path), backend="cuda", backend_options=CPU, dtype="float32",
+        max_model_len=256,
+    )  # fmt: skip
+    prompts = [[5 + i, 40 + 3 * i, 7, 100 + i, 9][: 2 + i] for i in range(3)]
+    outputs = _steps([[i * 4 + b for b in range(4)] for i in range(3)], prompts, 4)
+    sharded = _simulate(config, model.path, 4, outputs)
+    single = ModelRunner(config, parse_options(config), load_model_config(model.path))
+    single.allocate_kv_cache(16)
+    with torch.inference_mode():
+        for out, got in zip(outputs, sharded, strict=True):
+            single.execute_model(out)
+            forward = single._forward
+            assert forward is not None and forward.logits is not None
+            torch.testing.assert_close(got, forward.logits, rtol=0, atol=1e-4)
+            single.sample_tokens(None)
 
 
 # -- against TP=1 ------------------------------------------------------------------------------
