@@ -66,6 +66,17 @@ def test_shard_geometry_and_the_fields_that_do_not_divide(tiny: dict[str, TinyMo
         shard_model_config(odd, 4)
 
 
+def test_a_model_that_does_not_shard_fails_before_any_process_starts(
+    tiny: dict[str, TinyModel],
+) -> None:
+    config = EngineConfig(
+        model=str(tiny["llama"].path), backend="cuda", backend_options=CPU, tensor_parallel_size=3
+    )
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\)"):
+        CudaBackend(config)
+    assert not _worker_pids(os.getpid())
+
+
 def test_checkpoint_slices(tiny: dict[str, TinyModel]) -> None:
     c = load_model_config(tiny["qwen2"].path)  # head 16, vocab 384
     h = c.head_size

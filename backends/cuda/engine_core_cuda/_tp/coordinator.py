@@ -45,12 +45,20 @@ class Coordinator:
 
     def __init__(self, config: EngineConfig, options: CudaOptions) -> None:
         size = config.tensor_parallel_size
+        device = torch.device(options.device)
+        if device.type == "cuda" and options.distributed_backend != "gloo":
+            last = (device.index or 0) + size - 1
+            if last >= torch.cuda.device_count():
+                raise RuntimeError(
+                    f"tensor_parallel_size={size} from {device} needs cuda:{last}; this machine "
+                    f"has {torch.cuda.device_count()} CUDA device(s)"
+                )
         self.parallel: TensorParallel | None = None
         self.workers = WorkerGroup(WORKER_MODULE, size, config, on_death=self._abort)
         self.previous_sampled: list[list[int]] | None = None
         try:
             self.workers.wait_ready()
-            share_cpu(torch.device(options.device), size)
+            share_cpu(device, size)
             self._loading = self.workers.start_call("load")
             self.parallel = self._join(options, size)
         except BaseException:
