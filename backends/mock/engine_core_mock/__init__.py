@@ -41,7 +41,10 @@ Tokens (``vocab_size`` V):
   whose text (decoded with the served tokenizer) matches an entry's regex is answered with that
   entry's text, tokenized with the served tokenizer and followed by EOS (``"eos": false`` leaves
   it out); after the reply the usual rule goes on, and masks and grammars move a reply's tokens
-  as they move the rule's. So a tool-calling or reasoning flow runs end to end in CI.
+  as they move the rule's. So a tool-calling or reasoning flow runs end to end in CI;
+- ``tensor_parallel_size``: pretend N ranks: N-1 dummy worker processes receive each step's
+  broadcast and model it (no torch), the KV spec reports per-rank heads; with
+  ``tensor_parallel_memory_bytes`` (one int per rank) KV sizing takes the minimum over ranks.
 """
 
 from __future__ import annotations
