@@ -24,7 +24,9 @@ The engine core drives a backend in this order:
 6. control calls (:meth:`Backend.profile`, :meth:`Backend.sleep`, :meth:`Backend.wake_up`) and
    finally :meth:`Backend.close`.
 
-``engine_core.testing`` holds a conformance suite any backend runs against itself.
+A backend that needs the served tokenizer (to read prompts as text) loads it with
+:func:`load_tokenizer` of ``config.tokenizer_name``. ``engine_core.testing`` holds a conformance
+suite any backend runs against itself.
 
 Async scheduling
 ----------------
@@ -65,6 +67,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import msgspec
 
 from engine_core._core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine_core._core.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from engine_core.config import EngineConfig
@@ -79,6 +82,8 @@ __all__ = [
     "NewRequestData",
     "SchedulerOutput",
     "TokenLogprobs",
+    "Tokenizer",
+    "load_tokenizer",
 ]
 
 

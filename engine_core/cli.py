@@ -161,6 +161,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         disable_any_whitespace=args.disable_any_whitespace,
         access_log=args.access_log,
         http_server=args.http_server,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
     )
     config = engine_config_from_args(args)
 
@@ -265,6 +268,23 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "uvicorn", "hypercorn"],
         default="auto",
         help="auto: uvicorn under asyncio where installed, else hypercorn (trio: hypercorn)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json", "mistral"],
+        default=None,
+        help="the format the model writes tool calls in, read for tool_choice 'auto'",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="serve tool_choice 'auto' (needs --tool-call-parser)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=["qwen3", "deepseek_r1"],
+        default=None,
+        help="put the model's <think>...</think> text in reasoning_content",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_config_flags(p)

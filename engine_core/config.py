@@ -79,6 +79,39 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     dtype: str = "auto"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    """Engine-core processes behind the one front end (each with its own KV cache)."""
+    data_parallel_rank: int = 0
+    """Which of them this engine is (set per engine by the front end)."""
+    router: Literal["prefix", "least_loaded", "round_robin"] | None = None
+    """How requests are spread over the engines. ``"prefix"``: to the engine holding the
+    longest prefix of the prompt among those near the least loaded (the default with prefix
+    caching on); ``"least_loaded"``: fewest requests in flight (the default without);
+    ``"round_robin"``."""
+    router_balance_abs: int | None = None
+    """An engine is near the least loaded while it has at most this many more requests in
+    flight (or ``router_balance_rel`` times as many). None: ``max(4, max_num_seqs // 2)``."""
+    router_balance_rel: float = 1.0
+    dp_failover: Literal["retry", "fail", "resume"] = "retry"
+    """When an engine dies, its requests that had streamed nothing go to another engine
+    (``"retry"``, ``"resume"``) or end with a retryable error (``"fail"``); those that had
+    started end with a retryable error naming the engine, except that ``"resume"`` continues
+    greedy ones on another engine from the tokens already streamed."""
+    dp_restart_engines: bool = False
+    """Restart a dead engine (with backoff) and let it rejoin."""
+
+    @property
+    def router_policy(self) -> str:
+        """``router``, or its default."""
+        if self.router is not None:
+            return self.router
+        return "prefix" if self.enable_prefix_caching else "least_loaded"
+
+    @property
+    def balance_abs(self) -> int:
+        """``router_balance_abs``, or its default."""
+        if self.router_balance_abs is not None:
+            return self.router_balance_abs
+        return max(4, self.max_num_seqs // 2)
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -106,6 +139,33 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
         _positive("max_stop_string_len", self.max_stop_string_len, allow_none=False, integer=True)
         _positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=False, integer=True)
         _positive("data_parallel_size", self.data_parallel_size, allow_none=False, integer=True)
+        rank = self.data_parallel_rank
+        if (
+            not isinstance(rank, int)
+            or isinstance(rank, bool)
+            or not 0 <= rank < max(self.data_parallel_size, 1)
+        ):
+            raise ValueError(
+                f"data_parallel_rank must be an int in [0, data_parallel_size), got {rank!r}"
+            )
+        if self.router not in (None, "prefix", "least_loaded", "round_robin"):
+            raise ValueError(
+                f"router must be 'prefix', 'least_loaded' or 'round_robin', got {self.router!r}"
+            )
+        if self.router_balance_abs is not None and (
+            not isinstance(self.router_balance_abs, int) or self.router_balance_abs < 0
+        ):
+            raise ValueError(
+                f"router_balance_abs must be an int >= 0, got {self.router_balance_abs!r}"
+            )
+        if not isinstance(self.router_balance_rel, (int, float)) or not (
+            self.router_balance_rel >= 1.0
+        ):
+            raise ValueError(f"router_balance_rel must be >= 1, got {self.router_balance_rel!r}")
+        if self.dp_failover not in ("retry", "fail", "resume"):
+            raise ValueError(
+                f"dp_failover must be 'retry', 'fail' or 'resume', got {self.dp_failover!r}"
+            )
         if not (0.0 < self.kv_cache_memory_fraction <= 1.0):
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}"

@@ -44,8 +44,17 @@ def test_defaults() -> None:
             "dtype": "auto",
             "tensor_parallel_size": 1,
             "data_parallel_size": 1,
+            "data_parallel_rank": 0,
+            "router": None,
+            "router_balance_abs": None,
+            "router_balance_rel": 1.0,
+            "dp_failover": "retry",
+            "dp_restart_engines": False,
         },
     )
+    assert c.router_policy == "prefix"
+    assert EngineConfig(enable_prefix_caching=False).router_policy == "least_loaded"
+    assert c.balance_abs == 128
     assert c.tokenizer_name == "byte"
 
 
@@ -59,6 +68,11 @@ def test_backend_options_are_not_shared() -> None:
     "name,value",
     [
         ("scheduling_policy", "lifo"),
+        ("router", "random"),
+        ("router_balance_abs", -1),
+        ("router_balance_rel", 0.5),
+        ("dp_failover", "ignore"),
+        ("data_parallel_rank", 1),
         ("engine_runtime", "uvloop"),
         ("backend", ""),
         ("block_size", 0),

@@ -11,10 +11,11 @@ processes and runs (no salted ``hash()``).
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
 
 from xxhash import xxh3_128_digest
 
-__all__ = ["NONE_HASH", "block_keys", "extra_key_bytes"]
+__all__ = ["NONE_HASH", "block_digests", "block_keys", "extra_key_bytes", "iter_block_digests"]
 
 NONE_HASH = xxh3_128_digest(b"engine-core/prefix-cache/v1")
 """Parent digest of the first block of every sequence."""
@@ -54,3 +55,47 @@ def block_keys(
         keys.append(key)
         parent = xxh3_128_digest(key)
     return keys
+
+
+def block_digests(
+    token_ids: list[int], block_size: int, num_blocks: int, cache_salt: str | None = None
+) -> list[bytes]:
+    """Digests of the first ``num_blocks`` full blocks of ``token_ids`` (at most as many as
+    there are): the names the engines' KV events give those blocks (xxh3-128 of each key)."""
+    num_blocks = min(num_blocks, len(token_ids) // block_size)
+    if num_blocks <= 0:
+        return []
+    data = array("I", token_ids[: num_blocks * block_size]).tobytes()
+    step = block_size * _TOKEN_BYTES
+    parent = NONE_HASH
+    extra = extra_key_bytes(cache_salt)
+    digests = []
+    for offset in range(0, len(data), step):
+        key = parent + data[offset : offset + step]
+        if offset == 0 and extra:
+            key += extra
+        parent = xxh3_128_digest(key)
+        digests.append(parent)
+    return digests
+
+
+def iter_block_digests(
+    token_ids: list[int], block_size: int, num_blocks: int, cache_salt: str | None = None
+) -> Iterator[bytes]:
+    """:func:`block_digests` one at a time, converting the tokens in growing chunks: a caller
+    that stops at the first block nobody caches pays for the blocks it looked at only."""
+    num_blocks = min(num_blocks, len(token_ids) // block_size)
+    step = block_size * _TOKEN_BYTES
+    parent = NONE_HASH
+    extra = extra_key_bytes(cache_salt)
+    start, chunk = 0, 8
+    while start < num_blocks:
+        end = min(num_blocks, start + chunk)
+        data = array("I", token_ids[start * block_size : end * block_size]).tobytes()
+        for offset in range(0, len(data), step):
+            key = parent + data[offset : offset + step]
+            if start == 0 and offset == 0 and extra:
+                key += extra
+            parent = xxh3_128_digest(key)
+            yield parent
+        start, chunk = end, chunk * 2

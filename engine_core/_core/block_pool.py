@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from engine_core._core.kv_events import KVEventLog
+
 __all__ = ["BlockPool", "FreeBlockQueue", "KVCacheBlock"]
 
 
@@ -32,9 +34,12 @@ class FreeBlockQueue:
     __slots__ = ("_head", "_tail", "num_free_blocks")
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
-        self._head = KVCacheBlock(-1)
-        self._tail = KVCacheBlock(-1)
-        self._head.next_free = self._tail
+        # Mutation testing: the sentinels' ids are never read, and an empty queue whose head
+        # links to None instead of the tail behaves the same (popleft and iteration stop at
+        # either), so those mutants are equivalent.
+        self._head = KVCacheBlock(-1)  # pragma: no mutate
+        self._tail = KVCacheBlock(-1)  # pragma: no mutate
+        self._head.next_free = self._tail  # pragma: no mutate
         self._tail.prev_free = self._head
         self.num_free_blocks = 0
         for block in blocks:
@@ -52,7 +57,8 @@ class FreeBlockQueue:
 
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
-        if prev is None or nxt is None:
+        # A block's two links are set and cleared together, so `and` would do as well as `or`.
+        if prev is None or nxt is None:  # pragma: no mutate
             raise ValueError(f"{block!r} is not in the free queue")
         prev.next_free = nxt
         nxt.prev_free = prev
@@ -98,14 +104,16 @@ class BlockPool:
     and is evicted lazily when it is handed out again.
     """
 
-    def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
+        self.events: KVEventLog | None = None
+        """Where the blocks that start and stop being cached are recorded (data parallelism
+        sets it; None records nothing)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -148,6 +156,8 @@ class BlockPool:
         assert key is not None
         if self.cached.get(key) is block:
             del self.cached[key]
+            if self.events is not None:
+                self.events.removed(key)
         block.key = None
 
     def cache_block(self, block: KVCacheBlock, key: bytes) -> None:
@@ -156,6 +166,8 @@ class BlockPool:
         if key not in self.cached:
             self.cached[key] = block
             block.key = key
+            if self.events is not None:
+                self.events.stored(key)
 
     def free(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference on each block; pass a request's blocks tail first."""
@@ -167,7 +179,8 @@ class BlockPool:
                     queue.appendleft(block)
                 else:
                     queue.append(block)
-            elif block.ref_cnt < 0:
+            # Mutation testing: `<= 0` and `< 1` are equivalent here (0 is handled above).
+            elif block.ref_cnt < 0:  # pragma: no mutate
                 raise RuntimeError(f"{block!r} freed more often than referenced")
 
     def reset_prefix_cache(self) -> bool:
@@ -177,4 +190,6 @@ class BlockPool:
         for block in self.cached.values():
             block.key = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.clear()
         return True

@@ -36,7 +36,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        self.pool = BlockPool(num_blocks)
         self.stats = PrefixCacheStats()
 
     @property
@@ -89,12 +89,16 @@ class KVCacheManager:
         num_hits = len(new_computed_blocks)
         num_total = request.num_computed_tokens + num_hits * block_size + num_new_tokens
         num_needed = -(-num_total // block_size) - len(blocks) - num_hits
+        # Mutation testing: `num_needed >= 0` is an equivalent mutant (no block needed passes the
+        # check below: free is never negative).
         if num_needed > 0 or num_hits or full_sequence_must_fit:
             free = self.pool.num_free_blocks
             # Hits that sit in the free queue stop being free once touched.
             free -= sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
             required = num_needed
             if full_sequence_must_fit:
+                # Mutation testing: `/` for `//` is equivalent: for an integer ``free``,
+                # ceil(x) > free exactly when x > free.
                 whole = -(-len(request.all_token_ids) // block_size) - len(blocks) - num_hits
                 required = max(required, whole)
             if required > free:
@@ -102,11 +106,13 @@ class KVCacheManager:
             if num_hits:
                 self.pool.touch(new_computed_blocks)
                 blocks.extend(new_computed_blocks)
-            if num_needed > 0:
+            # Mutation testing: `>= 0` is equivalent (allocate(0) returns no block).
+            if num_needed > 0:  # pragma: no mutate
                 blocks.extend(self.pool.allocate(num_needed))
         if self.enable_caching:
             num_full = min(num_total // block_size, len(request.block_keys))
-            if num_full > request.num_cached_blocks:
+            # Mutation testing: `>=` is equivalent (an empty range of blocks to register).
+            if num_full > request.num_cached_blocks:  # pragma: no mutate
                 self._cache_blocks(request, num_full)
         return True
 
@@ -129,7 +135,8 @@ class KVCacheManager:
         are its own: hits only ever cover computed tokens, and nobody else holds them yet.
         """
         first = num_computed_tokens // self.block_size
-        if request.num_cached_blocks <= first:
+        # Mutation testing: `<` is equivalent (an empty slice, and num_cached_blocks is first).
+        if request.num_cached_blocks <= first:  # pragma: no mutate
             return
         uncache = self.pool.uncache
         for block in request.blocks[first : request.num_cached_blocks]:

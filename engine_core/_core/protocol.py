@@ -9,10 +9,12 @@ from engine_core.sampling_params import SamplingParams
 
 __all__ = [
     "EngineCoreOutputs",
+    "EngineLoad",
     "EngineCoreRequest",
     "EngineInfo",
     "EngineStats",
     "FinishedRequest",
+    "KVEvents",
 ]
 
 
@@ -27,6 +29,32 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag
     eos_token_ids: list[int] = []
     """EOS ids of the tokenizer and generation config; ignored with ``ignore_eos``."""
     cache_salt: str | None = None
+    data_parallel_rank: int | None = None
+    """Pin the request to this engine of a data-parallel deployment (None: the router
+    decides). Engines ignore it."""
+    resume_output_token_ids: list[int] = []
+    """Tokens an engine that died already generated for this request: the engine continues after
+    them, counting them as output (``max_tokens``, stop rules, penalties) without emitting them
+    again."""
+
+
+class KVEvents(msgspec.Struct, array_like=True, omit_defaults=True):
+    """How an engine's prefix cache changed in one step: the 16-byte digests of blocks that
+    became cached and of blocks that stopped being cached (disjoint; each block's last change in
+    the step), after forgetting everything when ``cleared``."""
+
+    stored: list[bytes] = []
+    removed: list[bytes] = []
+    cleared: bool = False
+
+
+class EngineLoad(msgspec.Struct, array_like=True):
+    """An engine's load after a step (sent by the engines of a data-parallel deployment)."""
+
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_blocks: int
 
 
 class FinishedRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -52,12 +80,16 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag
     num_cached_tokens: dict[str, int] = {}
     """Prefix-cache hit length of requests emitting their first tokens."""
     timestamp: float = 0.0
+    kv_events: KVEvents | None = None
+    """Prefix-cache changes of the step (data parallelism only)."""
+    load: EngineLoad | None = None
+    """The engine's load after the step (data parallelism only)."""
 
     @property
     def is_empty(self) -> bool:
-        """Whether the step produced nothing to report (no tokens, endings or prompt
-        logprobs)."""
-        return not (self.req_ids or self.finished or self.prompt_logprobs)
+        """Whether the step produced nothing to report (no tokens, endings, prompt logprobs or
+        prefix-cache changes)."""
+        return not (self.req_ids or self.finished or self.prompt_logprobs or self.kv_events)
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -82,6 +114,13 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds during which the backend had a step in flight (cumulative; under async
     scheduling the device time its steps report, where the backend measures it): against wall
     time, how much of it the host kept the device fed."""
+    num_engines: int = 1
+    """Engines of a data-parallel deployment (the counts above are summed over the live ones)."""
+    num_engines_alive: int = 1
+    engines: list[EngineStats] = []
+    """Each live engine's own stats, by rank (data parallelism only)."""
+    engine_ranks: list[int] = []
+    """The rank of each entry of ``engines``."""
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):

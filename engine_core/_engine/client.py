@@ -22,6 +22,7 @@ UTILITY_METHODS = frozenset(
         "pause_generation",
         "resume_generation",
         "is_paused",
+        "kv_cache_snapshot",
     }
 )
 

@@ -27,10 +27,12 @@ from typing import Any
 
 import msgspec
 
+from engine_core._core.kv_events import KVEventLog, snapshot
 from engine_core._core.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
+    EngineLoad,
     EngineStats,
     FinishedRequest,
 )
@@ -149,11 +151,6 @@ class EngineCore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.clock = clock
-        if config.data_parallel_size != 1:
-            raise NotImplementedError(
-                f"data_parallel_size={config.data_parallel_size}: one engine core serves one "
-                "replica so far; run several engines behind a load balancer"
-            )
         cls = backend_cls if backend_cls is not None else load_backend(config.backend, config)
         backend = cls(config)
         try:
@@ -189,6 +186,10 @@ class EngineCore:
         self._closed = False
         self.pause_mode: PauseMode | None = None
         """None while generating; else the mode of the last :meth:`pause_generation`."""
+        self._kv_events: KVEventLog | None = None
+        if config.data_parallel_size > 1:
+            # The front end routes by what each engine caches: report it with every step.
+            self._kv_events = self.scheduler.kv.pool.events = KVEventLog()
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -238,9 +239,11 @@ class EngineCore:
                 FinishedRequest(request.request_id, "error", None, problem)
             )
             return
+        prompt = request.prompt_token_ids
+        resumed = request.resume_output_token_ids
         new = Request(
             request.request_id,
-            request.prompt_token_ids,
+            prompt + resumed if resumed else prompt,
             request.sampling_params,
             block_size=self.config.block_size,
             arrival_time=request.arrival_time or self.clock(),
@@ -249,6 +252,9 @@ class EngineCore:
             cache_salt=request.cache_salt,
             hash_blocks=self.config.enable_prefix_caching,
         )
+        if resumed:
+            # Another engine generated these: they count as output, and are not sent again.
+            new.num_prompt_tokens = len(prompt)
         self.scheduler.add_request(new)
         if new.use_structured_output:
             error = self.structured_output.add(new)
@@ -469,7 +475,20 @@ class EngineCore:
             outputs.finished.extend(self._ended_outside_steps)
             self._ended_outside_steps = []
         outputs.timestamp = self.clock()
+        if self._kv_events is not None:
+            # Data parallelism: the step's prefix-cache changes and the load after it.
+            outputs.kv_events = self._kv_events.drain()
+            outputs.load = self._load()
         return outputs
+
+    def _load(self) -> EngineLoad:
+        scheduler = self.scheduler
+        return EngineLoad(
+            scheduler.num_waiting,
+            scheduler.num_running,
+            scheduler.kv.num_free_blocks,
+            scheduler.kv.num_blocks,
+        )
 
     def step(self) -> EngineCoreOutputs:
         """Run one whole step and return what it produced. When nothing can run but grammars
@@ -529,6 +548,11 @@ class EngineCore:
         if self._in_flight:
             busy += self.clock() - self._busy_since
         return busy
+
+    def kv_cache_snapshot(self) -> list[bytes]:
+        """The digests of every cached block (what the step events have reported so far), for
+        a router that starts with an empty index."""
+        return snapshot(self.scheduler.kv.pool.cached)
 
     def check_health(self) -> None:
         """Answering at all is the health check: a dead engine core cannot."""

@@ -252,6 +252,15 @@ class EngineInbox:
             if self._sock.poll(timeout_ms, zmq.POLLIN):
                 self._sort(self._sock.recv(zmq.NOBLOCK))
 
+    def read_pending_sync(self) -> None:
+        """Sort every frame the socket holds now (without waiting)."""
+        while not self.gone:
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._sort(frame)
+
     async def read_until(self, done: Callable[[], bool]) -> None:
         """Read until ``done()`` or the engine is gone, one task of the event loop at a time."""
         readers = self._readers()

@@ -22,6 +22,11 @@ class InprocClient(EngineCoreClient):
     """Drives an :class:`EngineCore` directly: ``get_output()`` runs one step."""
 
     def __init__(self, config: EngineConfig, *, backend_cls: type[Backend] | None = None) -> None:
+        if config.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={config.data_parallel_size} needs one process per engine: "
+                "use multiprocess=True"
+            )
         self.engine_core = EngineCore(config, backend_cls=backend_cls)
         self.info = self.engine_core.info
         self._closed = False

@@ -285,6 +285,38 @@ class MPClient(EngineCoreClient):
             await self._inbox.read_until(self._has_output)
         return self._next_output()
 
+    # -- for a client of several engines (data parallelism) -------------------------------------
+
+    @property
+    def has_output(self) -> bool:
+        """Whether a step's outputs are queued (:meth:`take_output` returns them)."""
+        return bool(self._inbox.outputs)
+
+    def take_output(self) -> EngineCoreOutputs:
+        return self._inbox.outputs.popleft()
+
+    @property
+    def gone(self) -> bool:
+        """Whether no more output comes: the engine died or the client closed."""
+        return self._state is not _State.READY or self._inbox.gone
+
+    def error(self) -> EngineError:
+        """Why no more output comes (:class:`EngineDeadError` or :class:`EngineClosedError`)."""
+        return self._error()
+
+    async def wait_for_output(self) -> None:
+        """Until outputs are queued or the engine is gone (cancellable)."""
+        await self._inbox.read_until(self._has_output)
+
+    @property
+    def output_socket(self) -> zmq.Socket[bytes]:
+        """The socket to poll for :meth:`read_pending`."""
+        return self._sockets.output
+
+    def read_pending(self) -> None:
+        """Sort what the output socket holds now, without waiting."""
+        self._inbox.read_pending_sync()
+
     # -- control calls --------------------------------------------------------------------------
 
     def _start_call(self, method: str, args: tuple[Any, ...]) -> int:

@@ -115,6 +115,8 @@ class AsyncLLM:
         self._num_in_flight = 0
         """Sequences (``n`` per request) of the requests that are in flight."""
         self.tokenizer: Tokenizer | None = None
+        self._data_parallel_client = False
+        """Use the data-parallel client even for one engine (to measure its overhead)."""
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -142,6 +144,10 @@ class AsyncLLM:
             from engine_core._engine.inproc_client import InprocClient
 
             client = await anyio.to_thread.run_sync(InprocClient, config)
+        elif config.data_parallel_size > 1 or self._data_parallel_client:
+            from engine_core._engine.dp_client import DPClient
+
+            client = await DPClient.start_async(config)
         else:
             from engine_core._engine.mp_client import MPClient
 
@@ -171,6 +177,14 @@ class AsyncLLM:
         return self._started()[0].info
 
     @property
+    def data_parallel(self) -> Any:
+        """The data-parallel client (its ``metrics``, ``engine_status()``), or None with one
+        engine."""
+        from engine_core._engine.dp_client import DPClient
+
+        return self._client if isinstance(self._client, DPClient) else None
+
+    @property
     def dead_error(self) -> EngineDeadError | None:
         """What the engine core died of, once it died (every call raises it from then on);
         None while it runs."""
@@ -195,9 +209,11 @@ class AsyncLLM:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the outputs of one request. Leaving the loop early, cancelling the consumer or
-        closing the engine aborts the request in the engine."""
+        closing the engine aborts the request in the engine. ``data_parallel_rank`` pins the
+        request to that engine of a data-parallel deployment."""
         client, processor = self._started()
         assert self.tokenizer is not None
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -205,6 +221,15 @@ class AsyncLLM:
         params = check_request(self.config, params, priority=priority, cache_salt=cache_salt)
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if data_parallel_rank is not None and (
+            not isinstance(data_parallel_rank, int)
+            or isinstance(data_parallel_rank, bool)
+            or not 0 <= data_parallel_rank < self.config.data_parallel_size
+        ):
+            raise ValueError(
+                f"data_parallel_rank must be an int in [0, {self.config.data_parallel_size}), "
+                f"got {data_parallel_rank!r}"
+            )
         text, token_ids = parse_prompt(prompt, self.tokenizer)
         external_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         self._admit(params.n, external_id)
@@ -225,6 +250,7 @@ class AsyncLLM:
         self._num_in_flight += params.n
         try:
             for request in requests:
+                request.data_parallel_rank = data_parallel_rank
                 client.add_request(request)
             while not finished:
                 output = collector.get_nowait() or await collector.get()

@@ -46,9 +46,14 @@ class LLM:
         self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer_name)
         self._client: EngineCoreClient
         if config.multiprocess:
-            from engine_core._engine.mp_client import MPClient
+            if config.data_parallel_size > 1:
+                from engine_core._engine.dp_client import DPClient
 
-            self._client = MPClient(config)
+                self._client = DPClient(config)
+            else:
+                from engine_core._engine.mp_client import MPClient
+
+                self._client = MPClient(config)
             info = self._client.info
             self.config = msgspec.structs.replace(config, max_model_len=info.max_model_len)
         else:

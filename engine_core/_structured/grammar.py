@@ -18,11 +18,13 @@ from typing import Any
 from engine_core.sampling_params import StructuredOutputsParams
 
 __all__ = [
+    "COMPACT_JSON",
     "INSTALL_HINT",
     "Grammar",
     "GrammarError",
     "GrammarSpec",
     "build_tokenizer",
+    "close_objects",
     "compile_grammar",
     "import_structured",
 ]
@@ -151,7 +153,7 @@ def build_tokenizer(tokenizer_name: str, vocab_size: int) -> Any:
         ) from exc
 
 
-_COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 """llguidance's JSON options for compact JSON: no whitespace anywhere between tokens."""
 
 
@@ -199,7 +201,7 @@ def close_objects(schema: Any) -> Any:
 
 def _grammar_text(llguidance: ModuleType, spec: GrammarSpec) -> str:
     matcher = llguidance.LLMatcher
-    defaults = _COMPACT_JSON if spec.compact else None
+    defaults = COMPACT_JSON if spec.compact else None
     if spec.kind == "json":
         try:
             schema = close_objects(json.loads(spec.text))

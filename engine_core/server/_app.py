@@ -25,9 +25,12 @@ from engine_core.server._chat_template import load_chat_template
 from engine_core.server._completions import create_completion
 from engine_core.server._errors import APIError, error_json
 from engine_core.server._protocol import ModelCard, ModelList
+from engine_core.server._reasoning import get_reasoning_parser
+from engine_core.server._responses import create_response
 from engine_core.server._serving import ServerState
 from engine_core.server._sse import EventStreamResponse
 from engine_core.server._tokenize import detokenize, tokenize
+from engine_core.server.tools import get_tool_parser
 
 __all__ = ["ServerSettings", "create_app"]
 
@@ -78,6 +81,13 @@ class ServerSettings:
     access_log: bool = False
     http_server: Literal["auto", "uvicorn", "hypercorn"] = "auto"
     """``"auto"``: uvicorn under asyncio where it is installed, else hypercorn (trio: always)."""
+    tool_call_parser: str | None = None
+    """The format the model writes tool calls in (``hermes``, ``llama3_json``, ``mistral``),
+    read out of its text for ``tool_choice: "auto"``."""
+    enable_auto_tool_choice: bool = False
+    """Serve ``tool_choice: "auto"`` (needs ``tool_call_parser``)."""
+    reasoning_parser: str | None = None
+    """``qwen3`` or ``deepseek_r1``: the thinking goes to ``reasoning_content``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -102,6 +112,12 @@ class ServerSettings:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
                 raise ValueError(f"{name} must be > 0 and finite, got {value!r}")
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)  # ValueError naming the known ones
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)
         if self.max_connections is not None and not (
             isinstance(self.max_connections, int) and self.max_connections >= 1
         ):
@@ -196,6 +212,9 @@ async def _health(state: ServerState, request: Request) -> Response:
         reason = "it did not answer" if isinstance(exc, TimeoutError) else str(exc)
         body = error_json(f"the engine is unhealthy: {reason}", "service_unavailable")
         return Response(body, 503, media_type="application/json")
+    dp = state.engine.data_parallel
+    if dp is not None:  # healthy while one engine is alive: say which are
+        return _json({"engines": dp.engine_status()})
     return Response(b"", 200)
 
 
@@ -213,7 +232,9 @@ async def _metrics(state: ServerState, request: Request) -> Response:
             stats = await state.engine.get_stats()
     except (EngineError, TimeoutError):
         stats = None  # a dead engine: the server's own metrics still count
-    return Response(state.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+    dp = state.engine.data_parallel
+    router = None if dp is None else dp.metrics
+    return Response(state.metrics.render(stats, router), media_type=CONTENT_TYPE_LATEST)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -254,6 +275,13 @@ def _server_state(engine: AsyncLLM, settings: ServerSettings) -> ServerState:
         max_body_bytes=settings.max_request_body_bytes,
         health_timeout_s=settings.health_timeout_s,
         disable_any_whitespace=settings.disable_any_whitespace,
+        tool_parser=(
+            get_tool_parser(settings.tool_call_parser) if settings.tool_call_parser else None
+        ),
+        auto_tool_choice=settings.enable_auto_tool_choice,
+        reasoning=(
+            get_reasoning_parser(settings.reasoning_parser) if settings.reasoning_parser else None
+        ),
     )
 
 
@@ -263,6 +291,7 @@ def create_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> ASGI
     hot = {
         "/v1/completions": _api_endpoint(state, create_completion),
         "/v1/chat/completions": _api_endpoint(state, create_chat_completion),
+        "/v1/responses": _api_endpoint(state, create_response),
     }
     routes = [
         *(Route(path, endpoint, methods=["POST"]) for path, endpoint in hot.items()),

@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from engine_core._core.checks import show
+from engine_core._core.tokenizer import Tokenizer
 from engine_core.outputs import PositionLogprobs, RequestOutput
 from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
+from engine_core.server._chat_output import ChatReader
 from engine_core.server._chat_template import ChatTemplateError
 from engine_core.server._errors import APIError
 from engine_core.server._protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatLogprobs,
+    CompletionTokensDetails,
     Delta,
     TokenLogprob,
     TopLogprob,
@@ -41,8 +47,22 @@ from engine_core.server._serving import (
     sampling_params,
 )
 from engine_core.server._sse import EventStreamResponse
+from engine_core.server.tools._choice import (
+    FunctionTool,
+    ToolChoice,
+    read_tool_choice,
+    read_tools,
+)
 
-__all__ = ["chat_prompt", "create_chat_completion", "render_messages"]
+__all__ = [
+    "chat_params",
+    "chat_prompt",
+    "chat_reader",
+    "create_chat_completion",
+    "max_tokens_field",
+    "render_messages",
+    "tool_choice_of",
+]
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -77,8 +97,36 @@ def _message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None:
+            entry["reasoning_content"] = message.reasoning_content
         messages.append(entry)
     return messages
+
+
+def _template_call(call: Any) -> dict[str, Any]:
+    """An assistant message's tool call as templates expect it: the arguments decoded (HF
+    templates write them with ``tojson``)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise APIError(
+            400,
+            'a tool call in messages must be {"id", "type": "function", "function": {"name", '
+            '"arguments"}}',
+            param="messages",
+        )
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):  # else kept as the text it is
+            arguments = json.loads(arguments)
+    return {
+        "id": call.get("id"),
+        "type": "function",
+        "function": {"name": function["name"], "arguments": arguments},
+    }
 
 
 _RESERVED_TEMPLATE_KWARGS = ("chat_template", "messages", "tokenize")
@@ -125,18 +173,25 @@ def _template_arguments(body: ChatCompletionRequest) -> tuple[dict[str, bool], d
     return flags, kwargs
 
 
-def render_messages(state: ServerState, body: ChatCompletionRequest) -> PreparedPrompt:
+def render_messages(
+    state: ServerState, body: ChatCompletionRequest, tools: list[FunctionTool] | None = None
+) -> PreparedPrompt:
     """The prompt of a chat request: the rendered template and its token ids, checked."""
-    text, token_ids = chat_prompt(state, body)
+    text, token_ids = chat_prompt(state, body, tools)
     return prepare_prompt(state, token_ids, "messages", text)
 
 
-def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, list[int]]:
-    """The rendered template of a chat request's messages and its token ids (400 naming the
-    field for messages or template arguments it cannot render)."""
-    if body.tools:
-        raise APIError(400, "tools are not supported", param="tools")
+def chat_prompt(
+    state: ServerState, body: ChatCompletionRequest, tools: list[FunctionTool] | None = None
+) -> tuple[str, list[int]]:
+    """The rendered template of a chat request's messages (given its tools, as Hugging Face
+    templates take them: ``tools``, else read from the body) and its token ids (400 naming the
+    field for messages, tools or template arguments it cannot render)."""
+    if tools is None:
+        tools = read_tools(body.tools)
     flags, kwargs = _template_arguments(body)
+    if tools:
+        kwargs["tools"] = [tool.as_template_tool() for tool in tools]
     try:
         text = state.chat_template.render(
             _message_dicts(body),
@@ -154,27 +209,30 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, l
     return text, token_ids
 
 
-def _chat_logprobs(positions: list[PositionLogprobs], top: int) -> ChatLogprobs:
+def _chat_logprobs(
+    positions: list[PositionLogprobs], top: int, tokenizer: Tokenizer
+) -> ChatLogprobs:
+    """Each token's text and its own bytes (a token holding part of a character has those
+    bytes, where its text shows U+FFFD)."""
     content = []
     for position in positions:
-        sampled = next(iter(position.values()))
+        sampled_id, sampled = next(iter(position.items()))
         ranked = sorted(
-            (lp for lp in position.values() if lp.rank is not None and lp.rank <= top),
-            key=lambda lp: lp.rank or 0,
+            (item for item in position.items() if item[1].rank is not None and item[1].rank <= top),
+            key=lambda item: item[1].rank or 0,
         )
-        token = sampled.decoded_token or ""
         content.append(
             TokenLogprob(
-                token=token,
+                token=sampled.decoded_token or "",
                 logprob=sampled.logprob,
-                bytes=list(token.encode()),
+                bytes=list(tokenizer.token_bytes(sampled_id)),
                 top_logprobs=[
                     TopLogprob(
                         token=lp.decoded_token or "",
                         logprob=lp.logprob,
-                        bytes=list((lp.decoded_token or "").encode()),
+                        bytes=list(tokenizer.token_bytes(token_id)),
                     )
-                    for lp in ranked
+                    for token_id, lp in ranked
                 ],
             )
         )
@@ -209,14 +267,54 @@ def _response_format(body: ChatCompletionRequest) -> StructuredOutputsParams | N
     )
 
 
-def _max_tokens_field(body: ChatCompletionRequest) -> str | None:
+def max_tokens_field(body: ChatCompletionRequest) -> str | None:
     """The field that gives ``max_tokens`` (None: neither does; as many as fit)."""
     if body.max_completion_tokens is not None:
         return "max_completion_tokens"
     return "max_tokens" if body.max_tokens is not None else None
 
 
-def _chat_params(body: ChatCompletionRequest, compact_json: bool) -> SamplingParams:
+def _constraint(
+    state: ServerState, body: ChatCompletionRequest, choice: ToolChoice
+) -> StructuredOutputsParams | None:
+    """The request's grammar: its ``response_format`` or the calls its ``tool_choice`` asks
+    for (not both), after the thinking when the server reads reasoning."""
+    constraint = _response_format(body)
+    tools = choice.constraint()
+    if tools is not None:
+        if constraint is not None or body.structured_outputs is not None:
+            raise APIError(
+                400,
+                f'tool_choice "{choice.mode}" constrains the output to tool calls; it cannot '
+                "be combined with response_format or structured_outputs",
+                param="tool_choice",
+            )
+        constraint = tools
+    constraint = constraint or body.structured_outputs
+    if constraint is not None and state.reasoning is not None:
+        constraint = state.reasoning.constrain(constraint, compact=state.disable_any_whitespace)
+    return constraint
+
+
+def tool_choice_of(state: ServerState, body: ChatCompletionRequest) -> ToolChoice:
+    """The request's tools and ``tool_choice``, checked."""
+    return read_tool_choice(
+        body.tool_choice,
+        read_tools(body.tools),
+        body.parallel_tool_calls,
+        auto_enabled=state.tool_parser is not None and state.auto_tool_choice,
+    )
+
+
+def chat_reader(state: ServerState, choice: ToolChoice) -> ChatReader:
+    """How the request's outputs become messages."""
+    parser = choice.parser(state.tool_parser)
+    return ChatReader(state.tokenizer, parser, state.reasoning, choice.parallel)
+
+
+def chat_params(
+    state: ServerState, body: ChatCompletionRequest, choice: ToolChoice
+) -> SamplingParams:
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     max_tokens = body.max_completion_tokens
@@ -225,14 +323,18 @@ def _chat_params(body: ChatCompletionRequest, compact_json: bool) -> SamplingPar
         max_tokens = body.max_tokens
         renames = {}
     renames["logprobs"] = "top_logprobs"
-    return sampling_params(
+    params = sampling_params(
         body,
         max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         renames=renames,
-        structured_outputs=_response_format(body),
-        compact_json=compact_json,
+        structured_outputs=_constraint(state, body, choice),
+        compact_json=state.disable_any_whitespace,
     )
+    parser = state.tool_parser
+    if choice.mode == "auto" and parser is not None and parser.keeps_special_tokens:
+        params = msgspec.structs.replace(params, skip_special_tokens=False)
+    return params
 
 
 def _fields(body: ChatCompletionRequest) -> Fields:
@@ -245,31 +347,46 @@ async def create_chat_completion(
 ) -> Response | EventStreamResponse:
     body = await read_body(request, ChatCompletionRequest, state.max_body_bytes)
     model = state.model_name(body.model)
-    params = _chat_params(body, state.disable_any_whitespace)
+    choice = tool_choice_of(state, body)
+    params = chat_params(state, body, choice)
     check_sequences(state, 1, params.n, "messages")
-    prompts = [render_messages(state, body)]
-    check_lengths(state, prompts, params, _max_tokens_field(body))
+    prompts = [render_messages(state, body, choice.tools)]
+    check_lengths(state, prompts, params, max_tokens_field(body))
     ctx = RequestContext(
         state, body, prompts, params, model, new_id("chatcmpl"), fields=_fields(body)
     )
-    return await respond(request, ctx, _ChatStream, ChatCompletion, _choices)
+    reader = chat_reader(state, choice)
+    return await respond(
+        request,
+        ctx,
+        functools.partial(_ChatStream, reader=reader),
+        ChatCompletion,
+        functools.partial(_choices, reader),
+        reader.usage_details,
+    )
 
 
 def _choices(
-    ctx: RequestContext[ChatCompletionRequest], prompt_index: int, output: RequestOutput
+    reader: ChatReader,
+    ctx: RequestContext[ChatCompletionRequest],
+    prompt_index: int,
+    output: RequestOutput,
 ) -> list[ChatChoice]:
     body = ctx.body
     choices = []
     for completion in sorted(output.outputs, key=lambda c: c.index):
         logprobs = None
         if body.logprobs and completion.logprobs is not None:
-            logprobs = _chat_logprobs(completion.logprobs, body.top_logprobs or 0)
+            logprobs = _chat_logprobs(
+                completion.logprobs, body.top_logprobs or 0, ctx.state.tokenizer
+            )
+        message, finish_reason = reader.message(completion)
         choices.append(
             ChatChoice(
                 index=completion.index,
-                message=AssistantMessage(content=completion.text),
+                message=message,
                 logprobs=logprobs,
-                finish_reason=completion.finish_reason,
+                finish_reason=finish_reason,
             )
         )
     return choices
@@ -281,9 +398,13 @@ class _ChatStream(ResponseStream[ChatCompletionRequest, ChatChunkChoice]):
 
     chunk = ChatCompletionChunk
 
-    def __init__(self, ctx: RequestContext[ChatCompletionRequest]) -> None:
+    def __init__(self, ctx: RequestContext[ChatCompletionRequest], *, reader: ChatReader) -> None:
         super().__init__(ctx)
         self.started = False
+        self.reader = reader
+
+    def usage_details(self) -> CompletionTokensDetails | None:
+        return self.reader.usage_details()
 
     def events(self, prompt_index: int, output: RequestOutput) -> list[bytes]:
         body = self.ctx.body
@@ -298,14 +419,15 @@ class _ChatStream(ResponseStream[ChatCompletionRequest, ChatChunkChoice]):
             self.completion_tokens += len(completion.token_ids)
             logprobs = None
             if completion.logprobs:
-                logprobs = _chat_logprobs(completion.logprobs, top)
-            if not completion.text and logprobs is None and completion.finish_reason is None:
+                logprobs = _chat_logprobs(completion.logprobs, top, self.ctx.state.tokenizer)
+            delta, finish_reason = self.reader.stream(completion.index).delta(completion)
+            if delta is None and logprobs is None and finish_reason is None:
                 continue
             choice = ChatChunkChoice(
                 index=completion.index,
-                delta=Delta(content=completion.text) if completion.text else Delta(),
+                delta=delta or Delta(),
                 logprobs=logprobs,
-                finish_reason=completion.finish_reason,
+                finish_reason=finish_reason,
             )
             events.append(self.event([choice]))
         return events

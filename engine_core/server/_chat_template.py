@@ -158,7 +158,11 @@ def load_chat_template(tokenizer_name: str, override: str | None = None) -> Chat
     source: str | None = None
     if override is not None:
         path = Path(override)
-        source = path.read_text(encoding="utf-8") if path.is_file() else override
+        try:
+            is_file = path.is_file()
+        except OSError:  # template text too long to be a path
+            is_file = False
+        source = path.read_text(encoding="utf-8") if is_file else override
     elif directory is not None and (directory / "chat_template.jinja").is_file():
         source = (directory / "chat_template.jinja").read_text(encoding="utf-8")
     else:

@@ -16,6 +16,16 @@ Engine state, read from :meth:`AsyncLLM.get_stats` at each scrape:
   measures it); its rate against wall time is the fraction of time the host kept the device
   fed (1.0: never idle while there was work)
 
+With data parallelism each of these has one series per live engine, labelled ``engine``
+(its rank), and the router adds:
+
+- ``engine_core_engines_alive`` (gauge) and ``engine_core_engine_restarts_total{engine}``
+- ``engine_core_router_requests_total{engine,reason}`` (counter): where requests went and why
+  (``affinity``, ``balance``, ``cold``, ``explicit``, ``failover``, ``single``, ``policy``)
+- ``engine_core_router_predicted_hit_tokens_total{engine}`` and
+  ``engine_core_router_actual_hit_tokens_total{engine}`` (counters): the prefix-cache hits the
+  router expected and those the engines reported, a measure of the router's accuracy
+
 Requests served by this server, recorded as their outputs stream:
 
 - ``engine_core_prompt_tokens_total`` / ``engine_core_generation_tokens_total`` (counters)
@@ -31,6 +41,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -43,6 +54,9 @@ from prometheus_client.registry import Collector
 
 from engine_core._core.protocol import EngineStats
 from engine_core.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from engine_core._engine.dp_client import RouterMetrics
 
 __all__ = ["Histogram", "RequestRecorder", "ServerMetrics"]
 
@@ -98,12 +112,15 @@ class ServerMetrics:
         self.inter_token_latency = Histogram(_ITL_BUCKETS)
         self.e2e_latency = Histogram(_LATENCY_BUCKETS)
         self.stats: EngineStats | None = None
+        self.router: RouterMetrics | None = None
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_Collector(self))
 
-    def render(self, stats: EngineStats | None) -> bytes:
-        """The text exposition; ``stats`` None leaves the engine state out (engine dead)."""
+    def render(self, stats: EngineStats | None, router: RouterMetrics | None = None) -> bytes:
+        """The text exposition; ``stats`` None leaves the engine state out (engine dead);
+        ``router``: the data-parallel router's counters."""
         self.stats = stats
+        self.router = router
         return generate_latest(self.registry)
 
     def recorder(self) -> RequestRecorder:
@@ -122,6 +139,8 @@ class _Collector(Collector):
         m = self.metrics
         if m.stats is not None:
             yield from _engine_state(m.stats)
+        if m.router is not None:
+            yield from _router_state(m.router, m.stats)
         yield CounterMetricFamily(
             "engine_core_prompt_tokens", "Prompt tokens of admitted requests.", m.prompt_tokens
         )
@@ -149,52 +168,73 @@ class _Collector(Collector):
         )
 
 
+_ENGINE_SERIES = (
+    (GaugeMetricFamily, "engine_core_num_requests_running", "Requests in the engine's running "
+     "batch.", "num_running"),
+    (GaugeMetricFamily, "engine_core_num_requests_waiting", "Requests waiting to be scheduled.",
+     "num_waiting"),
+    (GaugeMetricFamily, "engine_core_kv_cache_usage_perc",
+     "Fraction of KV-cache blocks in use (0..1).", "kv_cache_usage"),
+    (GaugeMetricFamily, "engine_core_prefix_cache_hit_rate",
+     "Prefix-cache hit tokens over queried tokens since start (0..1).", "prefix_cache_hit_rate"),
+    (CounterMetricFamily, "engine_core_prefix_cache_queries",
+     "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+    (CounterMetricFamily, "engine_core_prefix_cache_hits",
+     "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    (CounterMetricFamily, "engine_core_num_preemptions",
+     "Requests preempted to free KV-cache blocks.", "num_preemptions"),
+    (CounterMetricFamily, "engine_core_malformed_messages",
+     "Messages the engine could not decode.", "num_malformed_messages"),
+    (CounterMetricFamily, "engine_core_device_busy_seconds",
+     "Seconds during which the backend had a step in flight.", "device_busy_s"),
+)  # fmt: skip
+
+
 def _engine_state(stats: EngineStats) -> Iterator[Metric]:
-    yield GaugeMetricFamily(
-        "engine_core_num_requests_running",
-        "Requests in the engine's running batch.",
-        value=stats.num_running,
+    """One series per metric, or with data parallelism one per live engine (``engine``)."""
+    for family, name, documentation, field in _ENGINE_SERIES:
+        if not stats.engines:
+            yield family(name, documentation, value=getattr(stats, field))
+            continue
+        metric = family(name, documentation, labels=["engine"])
+        for rank, engine in zip(stats.engine_ranks, stats.engines, strict=True):
+            metric.add_metric([str(rank)], getattr(engine, field))
+        yield metric
+
+
+def _router_state(router: RouterMetrics, stats: EngineStats | None) -> Iterator[Metric]:
+    if stats is not None:
+        yield GaugeMetricFamily(
+            "engine_core_engines_alive",
+            "Engines of the data-parallel deployment that are alive.",
+            value=stats.num_engines_alive,
+        )
+    engines = range(len(router.predicted_hit_tokens))
+    restarts = CounterMetricFamily(
+        "engine_core_engine_restarts", "Engines restarted after a death.", labels=["engine"]
     )
-    yield GaugeMetricFamily(
-        "engine_core_num_requests_waiting",
-        "Requests waiting to be scheduled.",
-        value=stats.num_waiting,
+    predicted = CounterMetricFamily(
+        "engine_core_router_predicted_hit_tokens",
+        "Prefix-cache hit tokens the router expected for the requests it placed.",
+        labels=["engine"],
     )
-    yield GaugeMetricFamily(
-        "engine_core_kv_cache_usage_perc",
-        "Fraction of KV-cache blocks in use (0..1).",
-        value=stats.kv_cache_usage,
+    actual = CounterMetricFamily(
+        "engine_core_router_actual_hit_tokens",
+        "Prefix-cache hit tokens the engines reported for the requests they started.",
+        labels=["engine"],
     )
-    yield GaugeMetricFamily(
-        "engine_core_prefix_cache_hit_rate",
-        "Prefix-cache hit tokens over queried tokens since start (0..1).",
-        value=stats.prefix_cache_hit_rate,
+    for e in engines:
+        restarts.add_metric([str(e)], router.engine_restarts[e])
+        predicted.add_metric([str(e)], router.predicted_hit_tokens[e])
+        actual.add_metric([str(e)], router.actual_hit_tokens[e])
+    requests = CounterMetricFamily(
+        "engine_core_router_requests",
+        "Requests placed on each engine, by the reason the router chose it.",
+        labels=["engine", "reason"],
     )
-    yield CounterMetricFamily(
-        "engine_core_prefix_cache_queries",
-        "Prompt tokens looked up in the prefix cache.",
-        value=stats.prefix_cache_queries,
-    )
-    yield CounterMetricFamily(
-        "engine_core_prefix_cache_hits",
-        "Prompt tokens found in the prefix cache.",
-        value=stats.prefix_cache_hits,
-    )
-    yield CounterMetricFamily(
-        "engine_core_num_preemptions",
-        "Requests preempted to free KV-cache blocks.",
-        value=stats.num_preemptions,
-    )
-    yield CounterMetricFamily(
-        "engine_core_malformed_messages",
-        "Messages the engine could not decode.",
-        value=stats.num_malformed_messages,
-    )
-    yield CounterMetricFamily(
-        "engine_core_device_busy_seconds",
-        "Seconds during which the backend had a step in flight.",
-        value=stats.device_busy_s,
-    )
+    for (e, reason), count in sorted(router.requests.items()):
+        requests.add_metric([str(e), reason], count)
+    yield from (restarts, predicted, actual, requests)
 
 
 class RequestRecorder:

@@ -72,6 +72,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     priority: int = 0
     structured_outputs: StructuredOutputsParams | None = None
     """vLLM's constraint: exactly one of ``json``, ``json_object``, ``regex``, ``choice``,
@@ -95,6 +96,12 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant message's calls: ``{"id", "type": "function", "function": {"name",
+    "arguments"}}``."""
+    tool_call_id: str | None = None
+    """A ``tool`` message: the call it answers."""
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -109,6 +116,12 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
+    """Function tools: ``{"type": "function", "function": {"name", "description",
+    "parameters"}}``."""
+    tool_choice: str | dict[str, Any] | None = None
+    """``"none"``, ``"auto"``, ``"required"`` or ``{"type": "function", "function":
+    {"name"}}``; absent: ``"auto"`` with tools, else ``"none"``."""
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -144,10 +157,16 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 # -- responses -----------------------------------------------------------------------------------
 
 
-class Usage(msgspec.Struct, kw_only=True):
+class CompletionTokensDetails(msgspec.Struct, kw_only=True):
+    reasoning_tokens: int = 0
+
+
+class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None
+    """With a reasoning parser: how many completion tokens were thinking."""
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
@@ -197,9 +216,23 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
     content: list[TokenLogprob]
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str
+    """A JSON object as text."""
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class AssistantMessage(msgspec.Struct, kw_only=True):
-    content: str
+    content: str | None
     role: Literal["assistant"] = "assistant"
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -214,9 +247,25 @@ class ChatCompletion(ResponseBody[ChatChoice], kw_only=True):
     object: Literal["chat.completion"] = "chat.completion"
 
 
+class FunctionDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A piece of a streamed call: the id, type and name once, then pieces of arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta | None = None
+
+
 class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

@@ -10,6 +10,7 @@ with ``[DONE]``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -24,11 +25,16 @@ from starlette.responses import Response
 from engine_core.outputs import RequestOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.server._errors import APIError, api_error_from
-from engine_core.server._protocol import ResponseBody, SamplingFields, Usage
+from engine_core.server._protocol import (
+    CompletionTokensDetails,
+    ResponseBody,
+    SamplingFields,
+    Usage,
+)
 from engine_core.server._serving import PreparedPrompt, ServerState
 from engine_core.server._sse import Emit, EventStreamResponse, cancel_on_disconnect, sse_event
 
-__all__ = ["Fields", "RequestContext", "ResponseStream", "new_id", "respond"]
+__all__ = ["Fields", "RequestContext", "ResponseStream", "new_id", "respond", "run_prompts"]
 
 B = TypeVar("B", bound=SamplingFields)
 C = TypeVar("C")
@@ -44,11 +50,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+def _usage(
+    prompt_tokens: int, completion_tokens: int, details: CompletionTokensDetails | None = None
+) -> Usage:
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        completion_tokens_details=details,
     )
 
 
@@ -75,6 +84,8 @@ class RequestContext(Generic[B]):
     """The response's id; the engine requests' ids derive from it."""
     created: int = field(default_factory=lambda: int(time.time()))
     fields: Fields = Fields()
+    data_parallel_rank: int | None = None
+    """The engine the ``X-Data-Parallel-Rank`` header pins the request to."""
 
 
 async def _run_one(
@@ -83,7 +94,11 @@ async def _run_one(
     recorder = ctx.state.metrics.recorder()
     params = ctx.params
     outputs = ctx.state.engine.generate(
-        ctx.prompts[index].prompt, params, request_id, priority=ctx.body.priority
+        ctx.prompts[index].prompt,
+        params,
+        request_id,
+        priority=ctx.body.priority,
+        data_parallel_rank=ctx.data_parallel_rank,
     )
     admitting = True  # no output yet: what generate() raises now is about the request
     try:
@@ -125,7 +140,7 @@ def _single_api_error(group: BaseExceptionGroup[Any]) -> APIError | None:
     return first
 
 
-async def _run_prompts(ctx: RequestContext[Any], handle: _OutputHandler) -> None:
+async def run_prompts(ctx: RequestContext[Any], handle: _OutputHandler) -> None:
     """Generate for every prompt concurrently, handing each output to ``handle``; engine errors
     become :class:`APIError` (the first one, when several prompts fail)."""
     if len(ctx.prompts) == 1:
@@ -144,6 +159,8 @@ async def _run_prompts(ctx: RequestContext[Any], handle: _OutputHandler) -> None
 
 ChoicesOf = Callable[[RequestContext[B], int, RequestOutput], list[C]]
 """The choices of (request, prompt index, final output of that prompt) in a whole response."""
+UsageDetails = Callable[[], CompletionTokensDetails | None]
+"""The details of the usage of a whole response, once its choices are made."""
 
 
 async def respond(
@@ -152,23 +169,51 @@ async def respond(
     stream: Callable[[RequestContext[B]], ResponseStream[B, Any]],
     response: type[ResponseBody[C]],
     choices_of: ChoicesOf[B, C],
+    details: UsageDetails | None = None,
 ) -> Response | EventStreamResponse:
     """The answer to ``request``: streamed by ``stream(ctx)`` when the body asks for a stream,
-    else a whole ``response`` with the choices ``choices_of`` makes of each prompt's output."""
+    else a whole ``response`` with the choices ``choices_of`` makes of each prompt's output
+    (and the usage's ``details()``, when given)."""
+    rank = _data_parallel_rank(request, ctx.state.engine.config.data_parallel_size)
+    if rank is not None:
+        ctx = dataclasses.replace(ctx, data_parallel_rank=rank)
     if ctx.body.stream:
         return EventStreamResponse(stream(ctx).run)
-    return await cancel_on_disconnect(request.receive, lambda: _whole(ctx, response, choices_of))
+    return await cancel_on_disconnect(
+        request.receive, lambda: _whole(ctx, response, choices_of, details)
+    )
+
+
+def _data_parallel_rank(request: Request, size: int) -> int | None:
+    """The engine the ``X-Data-Parallel-Rank`` header names (as vLLM reads it), or None."""
+    header = request.headers.get("x-data-parallel-rank")
+    if header is None:
+        return None
+    try:
+        rank = int(header)
+    except ValueError:
+        rank = -1
+    if not 0 <= rank < size:
+        raise APIError(
+            400,
+            f"X-Data-Parallel-Rank must be an engine rank in [0, {size}), got {header!r}",
+            param="X-Data-Parallel-Rank",
+        )
+    return rank
 
 
 async def _whole(
-    ctx: RequestContext[B], response: type[ResponseBody[C]], choices_of: ChoicesOf[B, C]
+    ctx: RequestContext[B],
+    response: type[ResponseBody[C]],
+    choices_of: ChoicesOf[B, C],
+    details: UsageDetails | None,
 ) -> Response:
     finals: list[RequestOutput | None] = [None] * len(ctx.prompts)
 
     async def handle(index: int, output: RequestOutput) -> None:
         finals[index] = output
 
-    await _run_prompts(ctx, handle)
+    await run_prompts(ctx, handle)
     choices: list[C] = []
     prompt_tokens = completion_tokens = 0
     for index, output in enumerate(finals):
@@ -181,7 +226,7 @@ async def _whole(
         created=ctx.created,
         model=ctx.model,
         choices=choices,
-        usage=_usage(prompt_tokens, completion_tokens),
+        usage=_usage(prompt_tokens, completion_tokens, details() if details else None),
     )
     return Response(_ENCODER.encode(result), media_type="application/json")
 
@@ -204,6 +249,10 @@ class ResponseStream(Generic[B, C]):
         """The encoded events of one output of prompt ``prompt_index`` (its tokens counted)."""
         raise NotImplementedError
 
+    def usage_details(self) -> CompletionTokensDetails | None:
+        """The details of the stream's usage chunk (none here)."""
+        return None
+
     def event(self, choices: list[C], usage: Usage | None = None) -> bytes:
         """One chunk as an encoded event."""
         ctx = self.ctx
@@ -216,11 +265,12 @@ class ResponseStream(Generic[B, C]):
         """Stream every prompt's outputs with ``emit``; return the events that end the stream."""
         prompts = self.ctx.prompts
         self.emit = emit if len(prompts) == 1 else _serialized(emit)
-        await _run_prompts(self.ctx, self._handle)
+        await run_prompts(self.ctx, self._handle)
         options = self.ctx.body.stream_options
         if options is not None and options.include_usage:
             prompt_tokens = sum(p.num_tokens for p in prompts)
-            self.tail += self.event([], _usage(prompt_tokens, self.completion_tokens))
+            usage = _usage(prompt_tokens, self.completion_tokens, self.usage_details())
+            self.tail += self.event([], usage)
         return self.tail
 
     async def _handle(self, prompt_index: int, output: RequestOutput) -> None:

@@ -29,6 +29,8 @@ from engine_core.server._chat_template import ChatTemplate
 from engine_core.server._errors import APIError, invalid_parameter
 from engine_core.server._metrics import ServerMetrics
 from engine_core.server._protocol import SamplingFields
+from engine_core.server._reasoning import ReasoningParser
+from engine_core.server.tools import ToolParser
 
 __all__ = [
     "MAX_BODY_DEPTH",
@@ -65,6 +67,12 @@ class ServerState:
     health_timeout_s: float
     disable_any_whitespace: bool = False
     """Compact JSON for every JSON-constrained request (each may also ask for it)."""
+    tool_parser: ToolParser | None = None
+    """The parser of ``tool_choice: "auto"`` (``--tool-call-parser``)."""
+    auto_tool_choice: bool = False
+    """Whether ``tool_choice: "auto"`` is served (``--enable-auto-tool-choice``)."""
+    reasoning: ReasoningParser | None = None
+    """``--reasoning-parser``: the thinking goes to ``reasoning_content``."""
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -182,6 +190,7 @@ def sampling_params(
         "stop_token_ids": body.stop_token_ids,
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "skip_special_tokens": body.skip_special_tokens,
+        "spaces_between_special_tokens": body.spaces_between_special_tokens,
         "logprobs": logprobs,
         "output_kind": RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         "structured_outputs": structured_outputs,

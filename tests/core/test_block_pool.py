@@ -38,6 +38,22 @@ def test_queue_pop_append_appendleft_remove() -> None:
     assert blocks[0].prev_free is None and blocks[0].next_free is None
 
 
+def test_a_new_block_is_in_no_queue() -> None:
+    block = KVCacheBlock(7)
+    assert (block.block_id, block.ref_cnt, block.key) == (7, 0, None)
+    assert block.prev_free is None and block.next_free is None
+    with pytest.raises(ValueError, match="not in the free queue"):
+        FreeBlockQueue([]).remove(block)
+
+
+def test_block_repr_says_whether_it_is_cached() -> None:
+    block = KVCacheBlock(3)
+    assert repr(block) == "KVCacheBlock(3, ref=0, cached=False)"
+    block.key = b"k"
+    block.ref_cnt = 2
+    assert repr(block) == "KVCacheBlock(3, ref=2, cached=True)"
+
+
 def test_queue_errors() -> None:
     blocks = [KVCacheBlock(i) for i in range(2)]
     queue = FreeBlockQueue(blocks)
@@ -45,7 +61,7 @@ def test_queue_errors() -> None:
     with pytest.raises(ValueError, match="not in the free queue"):
         queue.remove(blocks[0])
     queue.popleft()
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match="^no free block$"):
         queue.popleft()
     assert len(queue) == 0
     assert queue.block_ids() == []
@@ -60,8 +76,9 @@ def test_pool_has_no_null_block() -> None:
     assert ids(pool.allocate(4)) == [0, 1, 2, 3]
     assert pool.num_free_blocks == 0
     assert pool.usage == 1.0
-    with pytest.raises(ValueError, match="num_blocks must be > 0"):
+    with pytest.raises(ValueError, match="num_blocks must be > 0, got 0"):
         BlockPool(0)
+    assert ids(BlockPool(1).allocate(1)) == [0]
 
 
 def test_allocate_sets_ref_count_and_rejects_overdraw() -> None:

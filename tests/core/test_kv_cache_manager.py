@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+from engine_core._core.block_pool import KVCacheBlock
 from engine_core._core.kv_cache_manager import KVCacheManager
 from engine_core._core.request import Request
 from engine_core.sampling_params import SamplingParams
@@ -309,6 +310,9 @@ def test_hit_statistics() -> None:
     assert kv.stats.queries == 50 + 54
     assert kv.stats.hits == 48
     assert kv.stats.hit_rate == 48 / 104
+    req3 = make_request("3", PREFIX + [5])
+    kv.record_admission(req3, admit(kv, req3))
+    assert (kv.stats.requests, kv.stats.queries, kv.stats.hits) == (3, 50 + 54 + 49, 96)
 
 
 def test_usage() -> None:
@@ -343,3 +347,75 @@ def test_block_keys_are_identical_across_processes() -> None:
     assert len(here) == 6
     assert _keys_in_subprocess("1") == [k.hex() for k in here]
     assert _keys_in_subprocess("12345") == [k.hex() for k in here]
+
+
+def test_hits_alone_need_no_new_block() -> None:
+    kv = KVCacheManager(4, BLOCK_SIZE)
+    admit(kv, make_request("holder", PREFIX[:32] + [5]))
+    req = make_request("0", PREFIX[:32] + [6])
+    hits, num_hit_tokens = kv.get_computed_blocks(req)
+    assert num_hit_tokens == 32
+    # The hits, and no token beyond them yet.
+    assert kv.allocate_slots(req, 0, hits)
+    assert req.blocks == hits
+    assert [b.ref_cnt for b in hits] == [2, 2]
+    assert kv.num_free_blocks == 1
+
+
+def test_full_sequence_must_fit_counts_the_blocks_held() -> None:
+    for num_blocks, fits in [(3, True), (2, False)]:
+        kv = KVCacheManager(num_blocks, BLOCK_SIZE)
+        req = make_request("0", list(range(100, 140)))  # 40 tokens: 3 blocks
+        assert kv.allocate_slots(req, 16)
+        req.num_computed_tokens = 16
+        # No new block for no new token, but the whole sequence needs two more.
+        assert kv.allocate_slots(req, 0, full_sequence_must_fit=True) is fits
+        assert len(req.blocks) == 1
+
+
+def test_each_step_registers_only_the_blocks_that_became_full() -> None:
+    kv = KVCacheManager(8, BLOCK_SIZE)
+    registered: list[int] = []
+    cache_block = kv.pool.cache_block
+
+    def spy(block: KVCacheBlock, key: bytes) -> None:
+        registered.append(block.block_id)
+        cache_block(block, key)
+
+    kv.pool.cache_block = spy  # type: ignore[method-assign]
+    # "dup" fills its first block with a prefix "first" already registered: it keeps no key.
+    first = make_request("first", PREFIX[:16] + [7])
+    dup = make_request("dup", PREFIX + [8])
+    assert kv.allocate_slots(first, 17)
+    assert kv.allocate_slots(dup, 20)
+    assert registered == [0, 2]
+    assert kv.pool.blocks[2].key is None
+    dup.num_computed_tokens = 20
+    assert kv.allocate_slots(dup, 28)
+    assert registered == [0, 2, 3, 4]
+
+
+def test_uncache_uncomputed_lets_the_blocks_register_again() -> None:
+    kv = KVCacheManager(8, BLOCK_SIZE)
+    req = make_request("0", PREFIX + [9])
+    assert kv.allocate_slots(req, 49)
+    assert req.num_cached_blocks == 3
+    kv.uncache_uncomputed(req, 20)  # only block 0 was computed
+    assert req.num_cached_blocks == 1
+    assert [b.key is not None for b in req.blocks] == [True, False, False, False]
+    assert kv.pool.lookup(req.block_keys[1]) is None
+    req.num_computed_tokens = 20
+    assert kv.allocate_slots(req, 29)
+    assert req.num_cached_blocks == 3
+    assert [kv.pool.lookup(key) for key in req.block_keys] == req.blocks[:3]
+
+
+def test_a_freed_request_registers_its_blocks_again_from_the_first() -> None:
+    kv = KVCacheManager(8, BLOCK_SIZE)
+    req = make_request("0", PREFIX + [9])
+    assert kv.allocate_slots(req, 49)
+    kv.free(req)
+    assert req.num_cached_blocks == 0
+    assert kv.reset_prefix_cache()
+    assert kv.allocate_slots(req, 49)
+    assert [kv.pool.lookup(key) for key in req.block_keys] == req.blocks[:3]

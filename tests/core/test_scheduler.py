@@ -277,12 +277,13 @@ def test_prefix_hits_at_admission_and_statistics() -> None:
     assert stats.hit_rate == 48 / 99
 
 
-def test_prefix_caching_off_no_hits() -> None:
+@pytest.mark.parametrize("hash_blocks", [False, True])
+def test_prefix_caching_off_no_hits(hash_blocks: bool) -> None:
     scheduler = make_scheduler(enable_prefix_caching=False)
     shared = list(range(100, 148))
-    add(scheduler, make_request("a", prompt=shared + [1], hash_blocks=False))
+    add(scheduler, make_request("a", prompt=shared + [1], hash_blocks=hash_blocks))
     step(scheduler)
-    add(scheduler, make_request("b", prompt=shared + [2], hash_blocks=False))
+    add(scheduler, make_request("b", prompt=shared + [2], hash_blocks=hash_blocks))
     output, _ = step(scheduler)
     assert output.new_reqs[0].num_computed_tokens == 0
     assert output.new_reqs[0].num_scheduled_tokens == 49
@@ -304,9 +305,19 @@ def test_scheduler_config_from_engine_config_copies_every_knob() -> None:
 
 
 def test_scheduler_config_needs_a_resolved_engine_config() -> None:
-    with pytest.raises(ValueError, match="not resolved"):
-        SchedulerConfig.from_engine_config(EngineConfig())
+    message = (
+        "the EngineConfig is not resolved: max_model_len and max_num_batched_tokens must be "
+        "set (EngineConfig.resolved() sets them)"
+    )
     resolved = EngineConfig().resolved(model_max_len=None)
+    for unresolved in (
+        EngineConfig(),
+        msgspec.structs.replace(resolved, max_model_len=None),
+        msgspec.structs.replace(resolved, max_num_batched_tokens=None),
+    ):
+        with pytest.raises(ValueError) as info:
+            SchedulerConfig.from_engine_config(unresolved)
+        assert str(info.value) == message
     config = SchedulerConfig.from_engine_config(resolved)
     assert (config.max_model_len, config.max_num_batched_tokens) == (
         resolved.max_model_len,
@@ -902,6 +913,13 @@ def test_add_rejects_a_request_that_is_not_waiting() -> None:
     request.status = RequestStatus.RUNNING
     with pytest.raises(ValueError, match="must be WAITING, got RUNNING"):
         scheduler.add_request(request)
+    # A structured-output request may also wait for its grammar, but not run yet.
+    constrained = make_constrained("c", FakeGrammar())
+    constrained.status = RequestStatus.RUNNING
+    with pytest.raises(ValueError) as info:
+        scheduler.add_request(constrained)
+    assert str(info.value) == "a new request must be WAITING_FOR_GRAMMAR or WAITING, got RUNNING"
+    assert not scheduler.has_unfinished_requests() and scheduler.num_constrained == 0
 
 
 def test_reset_prefix_cache() -> None:
@@ -1002,3 +1020,234 @@ def test_prompt_logprobs_reach_the_front_end_once_per_position_across_a_preempti
         delivered += [e.token_ids[0] for e in out.prompt_logprobs.get("a", [])]
     assert delivered == list(range(48))
     assert a.num_preemptions == 1
+
+
+@pytest.mark.parametrize("first_chunk", [20, 1])
+def test_prompt_logprobs_after_a_preemption_that_overlaps_part_of_what_was_sent(
+    first_chunk: int,
+) -> None:
+    """The first chunk and the chunk recomputed after the preemption (32 positions) end at
+    different positions: the second forwards only the positions after the first's."""
+    scheduler = make_scheduler(max_num_batched_tokens=32, num_blocks=100)
+    b = make_request("b", 32 - first_chunk)
+    a = make_request("a", 48, prompt_logprobs=1)
+    add(scheduler, b, a)
+
+    def with_prompt_logprobs(output: SchedulerOutput) -> ModelRunnerOutput:
+        mro = runner_output(scheduler, output)
+        if "a" in num_scheduled(output):
+            start = a.num_computed_tokens - num_scheduled(output)["a"]
+            end = min(a.num_computed_tokens, a.num_prompt_tokens)
+            mro.prompt_logprobs = {
+                "a": [TokenLogprobs([p], [-float(p)], [1]) for p in range(start, end)]
+            }
+        return mro
+
+    def delivered(out: EngineCoreOutputs) -> list[int]:
+        return [e.token_ids[0] for e in out.prompt_logprobs.get("a", [])]
+
+    output = scheduler.schedule()
+    assert num_scheduled(output) == {"b": 32 - first_chunk, "a": first_chunk}
+    out = scheduler.update_from_output(output, with_prompt_logprobs(output))
+    assert delivered(out) == list(range(first_chunk))
+    scheduler.reset_prefix_cache(reset_running_requests=True)  # preempts both
+    scheduler.finish_requests("b")
+    output = scheduler.schedule()
+    assert num_scheduled(output) == {"a": 32}
+    out = scheduler.update_from_output(output, with_prompt_logprobs(output))
+    assert delivered(out) == list(range(first_chunk, 32))
+    assert a.num_prompt_logprobs_sent == 32
+    output = scheduler.schedule()
+    out = scheduler.update_from_output(output, with_prompt_logprobs(output))
+    assert delivered(out) == list(range(32, 48))
+    assert out.req_ids == ["a"]
+
+
+def test_prompt_logprobs_of_a_request_aborted_during_its_step_are_dropped_alone() -> None:
+    scheduler = make_scheduler()
+    a = make_request("a", 3, prompt_logprobs=1)
+    b = make_request("b", 3, prompt_logprobs=1)
+    add(scheduler, a, b)
+    output = scheduler.schedule()
+    mro = runner_output(scheduler, output)
+    lps = {rid: [TokenLogprobs([p], [-1.0], [1]) for p in range(3)] for rid in ("a", "b")}
+    mro.prompt_logprobs = lps
+    scheduler.finish_requests("a")
+    out = scheduler.update_from_output(output, mro)
+    assert out.prompt_logprobs == {"b": lps["b"]}
+    assert out.req_ids == ["b"]
+    assert b.num_prompt_logprobs_sent == 3
+
+
+@pytest.mark.parametrize("order", [["nope", "a", "b"], ["done", "a", "b"], ["a", "a", "b"]])
+def test_an_unknown_or_finished_id_does_not_stop_the_aborts_after_it(order: list[str]) -> None:
+    scheduler = make_scheduler()
+    done = make_request("done", 10, max_tokens=1)
+    a = make_request("a")
+    b = make_request("b")
+    add(scheduler, done, a)
+    step(scheduler)  # done finishes, a runs
+    assert done.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    add(scheduler, b)  # b waits
+    assert scheduler.finish_requests(order) == [a, b]
+    assert a.status is b.status is RequestStatus.FINISHED_ABORTED
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.num_running == scheduler.num_waiting == 0
+    assert_no_leak(scheduler)
+
+
+def test_a_constrained_request_is_capped_at_max_tokens() -> None:
+    scheduler = make_scheduler()
+    grammar = FakeGrammar()
+    request = make_constrained("a", grammar, max_tokens=3)
+    add(scheduler, request)
+    _, outputs = step(scheduler, {"a": [10, 11]})
+    assert outputs.finished == []
+    _, outputs = step(scheduler, {"a": [12, 13, 14]})
+    assert outputs.new_token_ids == [[12]]
+    assert outputs.finished == [FinishedRequest("a", "length", None)]
+    assert request.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    assert grammar.num_accepted == 3
+    assert scheduler.num_constrained == 0
+
+
+def test_priority_preemption_does_not_skip_the_later_running_requests() -> None:
+    """Running [a, b, c]: a needs a block and preempts b (worst priority), which the step has
+    not reached; c, after b, is still scheduled."""
+    scheduler = make_scheduler(
+        num_blocks=6, scheduling_policy="priority", enable_prefix_caching=False
+    )
+    a = make_request("a", 30, priority=0, arrival_time=1.0, hash_blocks=False)
+    b = make_request("b", 20, priority=2, arrival_time=2.0, hash_blocks=False)
+    c = make_request("c", 20, priority=1, arrival_time=3.0, hash_blocks=False)
+    for request in (a, b, c):
+        add(scheduler, request)
+        step(scheduler)
+    assert running_ids(scheduler) == ["a", "b", "c"]
+    assert scheduler.kv.num_free_blocks == 0
+    output, _ = step(scheduler)
+    assert output.preempted_req_ids == ["b"]
+    assert num_scheduled(output) == {"a": 1, "c": 1}
+    assert output.total_num_scheduled_tokens == 2
+    assert output.cached.req_ids == ["a", "c"]
+    assert running_ids(scheduler) == ["a", "c"]
+    assert waiting_ids(scheduler) == ["b"]
+
+
+def test_the_last_token_of_the_budget_is_used() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=11, long_prefill_token_threshold=10)
+    add(scheduler, make_request("a", 30), make_request("b", 5))
+    # a takes 10 (the threshold); b is admitted with the one token left.
+    output = scheduler.schedule()
+    assert num_scheduled(output) == {"a": 10, "b": 1}
+    assert output.total_num_scheduled_tokens == 11
+    scheduler.update_from_output(output, runner_output(scheduler, output))
+    # Both running: b gets the last token after a's 10.
+    output = scheduler.schedule()
+    assert num_scheduled(output) == {"a": 10, "b": 1}
+    assert output.cached.req_ids == ["a", "b"]
+
+
+def test_the_preemption_counters_count_every_preemption() -> None:
+    scheduler = make_scheduler()
+    a = make_request("a")
+    b = make_request("b")
+    add(scheduler, a, b)
+    for round_ in (1, 2, 3):
+        step(scheduler)
+        assert running_ids(scheduler) == ["a", "b"]
+        scheduler.reset_prefix_cache(reset_running_requests=True)
+        assert scheduler.num_preemptions == 2 * round_
+        assert a.num_preemptions == b.num_preemptions == round_
+        assert waiting_ids(scheduler) == ["a", "b"]
+
+
+def test_the_first_running_request_may_take_the_whole_budget() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    add(scheduler, make_request("a", 3), make_request("b", 3), make_request("c", 3))
+    step(scheduler)
+    # a got ten tokens in one step (as a speculating backend may return): catching up takes
+    # the whole next budget, and b and c wait a step.
+    step(scheduler, {"a": [7] * 10, "b": [7], "c": [7]})
+    output, _ = step(scheduler)
+    assert num_scheduled(output) == {"a": 10}
+    assert scheduler.scheduled == []
+    output, _ = step(scheduler)
+    assert num_scheduled(output) == {"a": 1, "b": 1, "c": 1}
+
+
+def test_priority_ties_preempt_the_latest_admitted() -> None:
+    scheduler = make_scheduler(
+        num_blocks=4, scheduling_policy="priority", enable_prefix_caching=False
+    )
+    first = make_request("z", 30, priority=1, arrival_time=1.0, hash_blocks=False)
+    second = make_request("a", 31, priority=1, arrival_time=1.0, hash_blocks=False)
+    add(scheduler, first)
+    step(scheduler)
+    add(scheduler, second)
+    step(scheduler)
+    step(scheduler)
+    assert running_ids(scheduler) == ["z", "a"]
+    assert scheduler.kv.num_free_blocks == 0
+    # z needs a third block; a, admitted last, goes (whatever the ids' order).
+    output, _ = step(scheduler)
+    assert output.preempted_req_ids == ["a"]
+    assert second.status is RequestStatus.PREEMPTED
+
+
+def test_a_new_scheduler_has_scheduled_nothing() -> None:
+    scheduler = make_scheduler()
+    assert scheduler.scheduled == []
+    assert (scheduler.num_running, scheduler.num_waiting, scheduler.num_preemptions) == (0, 0, 0)
+
+
+def test_a_running_request_with_nothing_to_compute_is_left_out_of_the_step() -> None:
+    scheduler = make_scheduler()
+    add(scheduler, make_request("a", 5), make_request("b", 5))
+    # The backend returned no token for a (its prompt is done): a has nothing to compute.
+    step(scheduler, {"b": [7]})
+    output, _ = step(scheduler)
+    assert num_scheduled(output) == {"b": 1}
+    assert running_ids(scheduler) == ["a", "b"]
+
+
+def test_nothing_is_admitted_in_a_step_that_preempted_even_a_request_ahead_of_the_victim() -> None:
+    """With priorities the victim may go back behind a waiting request that would fit; that
+    request still waits for the next step."""
+    scheduler = make_scheduler(
+        num_blocks=4, scheduling_policy="priority", enable_prefix_caching=False
+    )
+    a = make_request("a", 30, priority=0, arrival_time=1.0, hash_blocks=False)
+    b = make_request("b", 31, priority=2, arrival_time=2.0, hash_blocks=False)
+    w = make_request("w", 5, priority=1, arrival_time=3.0, hash_blocks=False)
+    add(scheduler, a)
+    step(scheduler)
+    add(scheduler, b)
+    step(scheduler)
+    add(scheduler, w)
+    output, _ = step(scheduler)  # the pool is full: w waits
+    assert output.new_reqs == [] and scheduler.kv.num_free_blocks == 0
+    output, _ = step(scheduler)  # a needs a third block: b goes
+    assert output.preempted_req_ids == ["b"]
+    assert scheduler.kv.num_free_blocks == 1
+    assert output.new_reqs == []
+    assert waiting_ids(scheduler) == ["w", "b"]
+    output, _ = step(scheduler)
+    assert [r.req_id for r in output.new_reqs] == ["w"]
+
+
+def test_num_cached_tokens_is_that_of_the_first_admission() -> None:
+    scheduler = make_scheduler(num_blocks=4)
+    a = make_request("a", 32, max_tokens=2)
+    b = make_request("b", 32)
+    add(scheduler, a, b)
+    step(scheduler)
+    assert b.num_cached_tokens == 0
+    output, outputs = step(scheduler)  # a needs a third block: b goes, a finishes
+    assert output.preempted_req_ids == ["b"]
+    assert [f.req_id for f in outputs.finished] == ["a"]
+    # b's first block is still cached: it resumes with a hit but was first admitted without.
+    output, _ = step(scheduler)
+    (resumed,) = output.new_reqs
+    assert resumed.num_computed_tokens == 16
+    assert b.num_cached_tokens == 0

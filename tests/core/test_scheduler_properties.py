@@ -248,12 +248,13 @@ def check_cached_blocks(scheduler: Scheduler, backend: Backend) -> None:
 def check_invariants(scheduler: Scheduler, config: Config, all_requests: list[Request]) -> None:
     pool = scheduler.kv.pool
     refs = [b.ref_cnt for b in pool.blocks]
-    assert min(refs) >= 0
-    in_use = sum(1 for r in refs if r > 0)
-    assert scheduler.kv.num_free_blocks + in_use == pool.num_blocks
-    assert {b.block_id for b in pool.free_queue} == {
-        b.block_id for b in pool.blocks if not b.ref_cnt
-    }
+    free = pool.free_queue.block_ids()
+    # The free queue holds each unreferenced block once, and its count is its length.
+    assert len(free) == pool.num_free_blocks == scheduler.kv.num_free_blocks
+    assert sorted(free) == [b.block_id for b in pool.blocks if not b.ref_cnt]
+    # Blocks holding no cached prefix are reused before any cached one.
+    cached = [pool.blocks[i].key is not None for i in free]
+    assert cached == sorted(cached)
     holders: Counter[int] = Counter()
     for request in scheduler.requests.values():
         holders.update(request.block_ids)

@@ -6,6 +6,7 @@ import pytest
 
 from engine_core._core.protocol import EngineCoreRequest
 from engine_core._engine.core import EngineCore, PauseMode
+from engine_core._engine.inproc_client import InprocClient
 from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams
 
@@ -70,9 +71,9 @@ def test_sleep_forgets_the_prefix_cache_and_is_refused_while_requests_run() -> N
     assert core.get_stats().prefix_cache_hits == 0
 
 
-def test_data_parallelism_is_refused_with_a_clear_error() -> None:
-    with pytest.raises(NotImplementedError, match="data_parallel_size=2"):
-        EngineCore(EngineConfig(backend="mock", tokenizer="byte", data_parallel_size=2))
+def test_in_process_data_parallelism_is_refused_with_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="data_parallel_size=2 .* multiprocess=True"):
+        InprocClient(EngineConfig(backend="mock", tokenizer="byte", data_parallel_size=2))
 
 
 def test_pause_modes_are_strings_or_members() -> None:

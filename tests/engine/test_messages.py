@@ -103,7 +103,8 @@ def test_hot_messages_are_positional() -> None:
     # array_like structs encode every field by position (msgspec omits defaults only from
     # map-encoded structs, such as SamplingParams, where it keeps the parameters small).
     outputs = EngineCoreOutputs(["r1"], [[4]])
-    assert encode(outputs) == encode(["out", ["r1"], [[4]], [], {}, {}, {}, 0.0])
+    # Without data parallelism the KV events and the load report are two nils.
+    assert encode(outputs) == encode(["out", ["r1"], [[4]], [], {}, {}, {}, 0.0, None, None])
     request = EngineCoreRequest("r1", [1, 2], SamplingParams(max_tokens=3))
     params = {"max_tokens": 3, "stop": [], "stop_token_ids": []}
     assert msgspec.msgpack.decode(encode(request)) == [
@@ -115,6 +116,8 @@ def test_hot_messages_are_positional() -> None:
         0,
         [],
         None,
+        None,
+        [],
     ]
     assert encode(AbortRequests(["r1"])) == encode(["abort", ["r1"]])
 

@@ -20,7 +20,7 @@ from engine_core import (
     SamplingParams,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

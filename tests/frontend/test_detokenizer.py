@@ -8,7 +8,9 @@ from helpers.tiny_tokenizer import save_tiny_bpe
 
 from engine_core._core.hf_tokenizer import HFTokenizer
 from engine_core._core.tokenizer import ByteTokenizer, IncrementalDecoder
-from engine_core._frontend.detokenizer import Detokenizer
+from engine_core._frontend.detokenizer import Detokenizer, LogprobsDecoder
+from engine_core.abc import TokenLogprobs
+from engine_core.outputs import Logprob
 from engine_core.sampling_params import SamplingParams
 
 BYTES = ByteTokenizer()
@@ -42,6 +44,12 @@ class PieceTokenizer:
         self, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
     ) -> IncrementalDecoder:
         return self
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.token_text(token_id).encode()
 
     def step(self, token_id: int) -> str:
         return "" if token_id == 99 else self.pieces[token_id]
@@ -92,8 +100,10 @@ def test_hf_skip_special_tokens(tmp_path: Path, use_decode_stream: bool) -> None
     ids = [*tok.encode("hello"), 1]
     skipped = Detokenizer(tok, [0], SamplingParams())
     kept = Detokenizer(tok, [0], SamplingParams(skip_special_tokens=False))
+    unspaced = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False)
     assert "".join(stream(skipped, [[t] for t in ids])) == "hello"
-    assert "".join(stream(kept, [[t] for t in ids])) == "hello</s>"
+    assert "".join(stream(kept, [[t] for t in ids])) == "hello </s>"
+    assert "".join(stream(Detokenizer(tok, [0], unspaced), [[t] for t in ids])) == "hello</s>"
 
 
 def test_stop_string_excluded_and_held_back() -> None:
@@ -176,32 +186,28 @@ def test_min_tokens_makes_early_text_ineligible() -> None:
     assert detok.take(finished=True) == "aabc"
 
 
-@pytest.mark.parametrize(
-    ("stop", "min_tokens", "early", "streamed", "then"),
-    [
-        # The first "ab" starts in the first (min_tokens) token; the next one is eligible.
-        ("ab", 1, "ab", ["", "a"], "ab"),
-        # Single-character stops within min_tokens are text; one step at a time.
-        ("a", 2, "aa", ["a", "a"], "ba"),
-    ],
-    ids=["two-character-stop", "one-character-stop"],
-)
-def test_min_tokens_stop_must_start_after_min_tokens(
-    stop: str, min_tokens: int, early: str, streamed: list[str], then: str
-) -> None:
-    """``early`` streams as ``streamed`` without stopping; of the two tokens of ``then``, the
-    first does not stop either and the second completes the stop string."""
-    detok = Detokenizer(BYTES, [97], SamplingParams(stop=stop, min_tokens=min_tokens))
-    assert stream(detok, chars(early)) == streamed
-    before, last = then
-    assert detok.update([ord(before)]) is None
-    assert detok.update([ord(last)]) == stop
+def test_min_tokens_stop_counts_when_it_ends_after_min_tokens() -> None:
+    # As in vLLM: prompt "a", greedy "bcdef", stop "bc", min_tokens=1: "bc" begins in the first
+    # token and ends in the second, so it stops the completion there.
+    detok = Detokenizer(BYTES, [97], SamplingParams(stop="bc", min_tokens=1))
+    assert stream(detok, chars("b")) == [""]
+    assert detok.update([ord("c")]) == "bc"
+    assert detok.num_tokens == 2
+    assert detok.take(finished=True) == ""
+
+
+def test_min_tokens_stop_within_min_tokens_is_text() -> None:
+    # Single-character stops within min_tokens are text; one step at a time.
+    detok = Detokenizer(BYTES, [97], SamplingParams(stop="a", min_tokens=2))
+    assert stream(detok, chars("aa")) == ["a", "a"]
+    assert detok.update([ord("b")]) is None
+    assert detok.update([ord("a")]) == "a"
     assert detok.take(finished=True) == "b"
 
 
 @pytest.mark.parametrize(
     ("include", "skip_special", "expected"),
-    [(False, False, "d"), (True, False, "d</s>"), (True, True, "d")],
+    [(False, False, "d"), (True, False, "d </s>"), (True, True, "d")],
 )
 def test_stop_by_eos_token(include: bool, skip_special: bool, expected: str) -> None:
     params = SamplingParams(include_stop_str_in_output=include, skip_special_tokens=skip_special)
@@ -290,3 +296,174 @@ def test_stop_string_found_after_flush_is_not_applied() -> None:
     detok.finish()
     assert detok.take(finished=True) == "b\ufffd"
     assert detok.stop_string is None
+
+
+# -- streaming with stop strings, several characters per token ------------------------------------
+
+
+@pytest.mark.parametrize("stop", ["Z", "ZZ", "ZZZ", "ZZZZZZ"])
+@pytest.mark.parametrize("include", [False, True])
+def test_multi_character_tokens_stream_each_character_once(stop: str, include: bool) -> None:
+    """Each step's take is the text that became final, never text already handed out."""
+    pieces = ["abcd", "ef", "g", "hijklmn", "o", "pq"]
+    tok = PieceTokenizer(pieces)
+    params = SamplingParams(stop=stop, include_stop_str_in_output=include)
+    detok = Detokenizer(tok, [0], params)
+    held = 0 if include else len(stop) - 1
+
+    def final(text: str) -> str:
+        return text[: max(0, len(text) - held)]
+
+    text = ""
+    for token, piece in enumerate(pieces):
+        taken = stream(detok, [[token]])[0]
+        text_before, text = text, text + piece
+        # Everything but the held-back characters, and only the characters new to this take.
+        assert final(text_before) + taken == final(text)
+    assert final(text) + detok.take(finished=True) == text
+
+
+def test_multi_character_tokens_in_several_steps_then_a_stop() -> None:
+    tok = PieceTokenizer(["abcd", "bcde", "fdef", "xSTO", "Pyz"])
+    detok = Detokenizer(tok, [0], SamplingParams(stop="STOP"))
+    assert stream(detok, [[0], [1], [2]]) == ["a", "bcdb", "cdef"]
+    assert detok.update([3, 4]) == "STOP"
+    assert detok.take(finished=True) == "defx"
+
+
+def test_a_token_without_text_does_not_end_the_step() -> None:
+    tok = PieceTokenizer(["ab", "cd", "ef"])
+    detok = Detokenizer(tok, [0], SamplingParams(stop="zz"))
+    # 99 decodes to nothing (a special token skipped), mid-step.
+    assert detok.update([0, 99, 1, 99, 2]) is None
+    assert detok.num_tokens == 5
+    assert detok.take(finished=True) == "abcdef"
+    stopping = Detokenizer(tok, [0], SamplingParams(stop="de"))
+    assert stopping.update([0, 99, 1, 2]) == "de"
+    assert stopping.num_tokens == 4
+    assert stopping.take(finished=True) == "abc"
+
+
+def test_a_token_without_text_within_min_tokens_does_not_end_the_step() -> None:
+    tok = PieceTokenizer(["ab", "cd", "ef"])
+    detok = Detokenizer(tok, [0], SamplingParams(stop="e", min_tokens=3))
+    assert detok.update([0, 99, 1, 2]) == "e"
+    assert detok.num_tokens == 4
+    assert detok.take(finished=True) == "abcd"
+
+
+@pytest.mark.parametrize(
+    ("step", "num_tokens", "text"),
+    [
+        ([0], 1, "a"),  # twice in one token's text
+        ([1, 2, 1, 2], 2, "a"),  # twice in one step, over several tokens
+        ([3, 1, 2, 3, 0], 3, "ca"),
+    ],
+)
+def test_a_stop_string_twice_in_a_step_cuts_at_the_first(
+    step: list[int], num_tokens: int, text: str
+) -> None:
+    tok = PieceTokenizer(["aSTOPbSTOPc", "aST", "OPb", "c"])
+    detok = Detokenizer(tok, [0], SamplingParams(stop="STOP"))
+    assert detok.update(step) == "STOP"
+    assert detok.num_tokens == num_tokens
+    assert detok.take(finished=True) == text
+
+
+def test_finish_adds_the_decoders_tail_with_stop_strings() -> None:
+    detok = Detokenizer(BYTES, [97], SamplingParams(stop="zz"))
+    assert stream(detok, [[98, 99], [0xE2, 0x82]]) == ["b", ""]
+    detok.finish()
+    assert detok.take(finished=True) == "c\ufffd"
+
+
+def test_one_character_stops_after_min_tokens_taken_step_by_step() -> None:
+    # Without overlap the taken text leaves the buffer: what was ineligible goes with it.
+    detok = Detokenizer(BYTES, [97], SamplingParams(stop="a", min_tokens=2))
+    assert stream(detok, chars("aa")) == ["a", "a"]
+    assert detok.update([ord("a")]) == "a"
+    assert detok.num_tokens == 3
+    assert detok.take(finished=True) == ""
+
+
+def test_without_text_every_update_counts_its_tokens() -> None:
+    detok = Detokenizer(None, [97], SamplingParams())
+    assert detok.update([100, 101]) is None
+    assert detok.update([102]) is None
+    assert detok.num_tokens == 3
+
+
+def test_an_included_stop_string_may_start_in_text_already_taken() -> None:
+    params = SamplingParams(stop="abc", include_stop_str_in_output=True)
+    detok = Detokenizer(BYTES, [97], params)
+    assert stream(detok, chars("xab")) == ["x", "a", "b"]
+    assert detok.update([ord("c"), ord("d")]) == "abc"
+    assert detok.num_tokens == 4
+    assert detok.take(finished=True) == "c"
+
+
+def test_min_tokens_stays_in_force_after_the_buffer_is_trimmed() -> None:
+    detok = Detokenizer(BYTES, [97], SamplingParams(stop=["ab"], min_tokens=6))
+    # The first "ab" ends within the first six tokens; the second after them.
+    assert stream(detok, chars("wxabyza")) == ["", "w", "x", "a", "b", "y", "z"]
+    assert detok.update([ord("b")]) == "ab"
+    assert detok.num_tokens == 8
+    assert detok.take(finished=True) == ""
+
+
+def test_a_stop_string_may_begin_within_min_tokens_and_end_after() -> None:
+    detok = Detokenizer(BYTES, [97], SamplingParams(stop=["zab"], min_tokens=4))
+    # "zab" begins at the fourth token and ends at the sixth: it counts (vLLM's rule).
+    assert stream(detok, chars("wxyza")) == ["", "", "w", "x", "y"]
+    assert detok.update([ord("b")]) == "zab"
+    assert detok.take(finished=True) == ""
+
+
+class CountingTokenizer(PieceTokenizer):
+    def __init__(self, pieces: Sequence[str]) -> None:
+        super().__init__(pieces)
+        self.asked: list[int] = []
+
+    def token_text(self, token_id: int) -> str:
+        self.asked.append(token_id)
+        return "<eos>" if token_id == 99 else super().token_text(token_id)
+
+
+def test_logprobs_decoder_asks_each_candidates_text_once_special_tokens_included() -> None:
+    tok = CountingTokenizer(["a", "b"])
+    decoder = LogprobsDecoder(tok)
+    entry = TokenLogprobs([1, 0, 99], [-0.1, -1.0, -2.0], [1, 2, 3])
+    expected = {1: Logprob(-0.1, 1, "b"), 0: Logprob(-1.0, 2, "a"), 99: Logprob(-2.0, 3, "<eos>")}
+    assert decoder.position(entry, decode=True) == expected
+    assert decoder.position(entry, decode=True) == expected
+    assert tok.asked == [1, 0, 99]
+    assert decoder.position(entry, decode=False) == {
+        1: Logprob(-0.1, 1),
+        0: Logprob(-1.0, 2),
+        99: Logprob(-2.0, 3),
+    }
+    assert LogprobsDecoder(None).token_text(0) is None
+    assert LogprobsDecoder(None).position(entry, decode=True)[99] == Logprob(-2.0, 3)
+
+
+def test_logprobs_decoder_rejects_an_entry_of_uneven_lengths() -> None:
+    with pytest.raises(ValueError):
+        LogprobsDecoder(None).position(TokenLogprobs([1, 2], [-0.1], [1, 2]), decode=False)
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "spaced", "unspaced"),
+    [
+        ([98, 257, 99], "b </s> c", "b</s>c"),
+        ([256, 257], "<s> </s>", "<s></s>"),  # nothing before the first: no space
+        ([98, 0xC3, 257, 0xC3, 0xA9], "b\ufffd </s> \u00e9", "b\ufffd</s>\u00e9"),
+    ],
+)
+def test_spaces_between_special_tokens(token_ids: list[int], spaced: str, unspaced: str) -> None:
+    for spaces, expected in [(True, spaced), (False, unspaced)]:
+        params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        detok = Detokenizer(BYTES, [97], params)
+        assert finished_text(detok, [[t] for t in token_ids]) == expected
+    # Skipped special tokens leave no space behind.
+    detok = Detokenizer(BYTES, [97], SamplingParams(spaces_between_special_tokens=True))
+    assert finished_text(detok, [[t] for t in token_ids]) == BYTES.decode(token_ids)

@@ -20,6 +20,12 @@ from engine_core.sampling_params import RequestOutputKind, SamplingParams, Struc
 
 S = TypeVar("S", bound=msgspec.Struct)
 
+
+def _numbered_stats() -> dict[str, Any]:
+    fields = msgspec.structs.fields(EngineStats)
+    return {f.name: f.type(i) for i, f in enumerate(fields, 1) if f.type in (int, float)}
+
+
 KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
     EngineConfig: {  # a resolved config too (max_model_len, max_num_batched_tokens)
         "model": "/models/m",
@@ -51,6 +57,12 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "dtype": "bfloat16",
         "tensor_parallel_size": 2,
         "data_parallel_size": 3,
+        "data_parallel_rank": 2,
+        "router": "round_robin",
+        "router_balance_abs": 5,
+        "router_balance_rel": 2.0,
+        "dp_failover": "resume",
+        "dp_restart_engines": True,
     },
     SamplingParams: {  # all but detokenize (see AT_DEFAULT)
         "n": 2,
@@ -72,12 +84,17 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "repetition_penalty": 1.2,
         "output_kind": RequestOutputKind.DELTA,
         "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
         "structured_outputs": StructuredOutputsParams(choice=["yes", "no"]),
         "logit_bias": {5: 1.5, 9: -100.0},
     },
     # Every field (all are numbers) a different number, none 0 (the default of those that have
     # one), so a field dropped or swapped on the way shows.
-    EngineStats: {f.name: f.type(i) for i, f in enumerate(msgspec.structs.fields(EngineStats), 1)},
+    EngineStats: {
+        **(_numbers := _numbered_stats()),
+        "engines": [EngineStats(**_numbers)],
+        "engine_ranks": [3],
+    },
 }
 """Per struct, keyword arguments that set every field away from its default."""
 

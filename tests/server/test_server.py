@@ -227,6 +227,33 @@ async def test_completion_logprobs(server: Server) -> None:
     assert (tokens, offsets) == (["d", "e", "f"], [0, 1, 2])
 
 
+async def test_completion_text_offset_counts_only_text_that_appears(server: Server) -> None:
+    # The mock counts up from byte 254: 255 (an invalid byte), <s> and </s> (special tokens,
+    # skipped in the text), then bytes 0 and 1.
+    expected_tokens = ["\ufffd", "<s>", "</s>", "\x00", "\x01"]
+    kwargs: dict[str, Any] = {
+        "prompt": [254],
+        "max_tokens": 5,
+        "temperature": 0,
+        "logprobs": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    result = await complete(server, **kwargs)
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None
+    assert result.choices[0].text == "\ufffd\x00\x01"
+    assert logprobs.tokens == expected_tokens
+    assert logprobs.text_offset == [0, 1, 1, 1, 2]
+    tokens: list[str] = []
+    offsets: list[int] = []
+    for chunk in await complete_stream(server, **kwargs):
+        streamed = chunk.choices[0].logprobs
+        if streamed is not None:
+            tokens += streamed.tokens or []
+            offsets += streamed.text_offset or []
+    assert (tokens, offsets) == (expected_tokens, [0, 1, 1, 1, 2])
+
+
 async def test_completion_n2_sampled(server: Server) -> None:
     sampled: dict[str, Any] = {
         "max_tokens": 6,
@@ -308,16 +335,32 @@ async def test_chat_stream_stop(server: Server) -> None:
 
 
 async def test_async_client_stream(server: Server, anyio_backend: str) -> None:
-    """The openai async client, where it runs."""
-    if anyio_backend != "asyncio":
-        pytest.skip("the openai async client runs on asyncio only")
-    async with openai.AsyncOpenAI(
-        base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=10.0
-    ) as client:
-        stream = await client.chat.completions.create(
-            model=MODEL, messages=HI, max_tokens=3, temperature=0, stream=True
+    """A client streaming in the server's own event loop: the openai async client under
+    asyncio (where it runs), httpx's async client under trio."""
+    if anyio_backend == "asyncio":
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=10.0
+        ) as client:
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=HI, max_tokens=3, temperature=0, stream=True
+            )
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    else:
+        body = {"model": MODEL, "messages": HI, "max_tokens": 3, "temperature": 0, "stream": True}
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with (
+            httpx.AsyncClient(timeout=10.0) as client,
+            client.stream(
+                "POST", f"{server.url}/v1/chat/completions", json=body, headers=headers
+            ) as response,
+        ):
+            assert response.status_code == 200
+            events = [line async for line in response.aiter_lines() if line]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+        text = "".join(
+            c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
         )
-        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     assert text == ";<="
 
 

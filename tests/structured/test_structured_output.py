@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,11 @@ from engine_core.config import EngineConfig
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
+
+pytestmark = pytest.mark.timeout(60)
+
+MAX_STEPS = 5000
+"""More steps than any test here needs: a request that never finishes fails the test."""
 
 EOS = 257
 SCHEMAS = [
@@ -76,9 +82,18 @@ def _run(core: EngineCore) -> tuple[dict[str, list[int]], dict[str, FinishedRequ
     """Step until idle: tokens and finish entry of every request."""
     tokens: dict[str, list[int]] = {}
     finished: dict[str, FinishedRequest] = {}
-    while core.has_unfinished_requests():
+    for _ in _until_idle(core):
         _collect(core.step(), tokens, finished)
     return tokens, finished
+
+
+def _until_idle(core: EngineCore) -> Iterator[None]:
+    """One item per step to take while requests remain; fails after ``MAX_STEPS``."""
+    for _ in range(MAX_STEPS):
+        if not core.has_unfinished_requests():
+            return
+        yield None
+    raise AssertionError(f"requests still unfinished after {MAX_STEPS} steps")
 
 
 def _collect(
@@ -428,7 +443,7 @@ def test_bitmask_rows_are_the_constrained_requests_that_sample() -> None:
     _collect(core.step(), tokens2, finished)
     core.add_request(_request("plain2", SamplingParams(temperature=0.0, max_tokens=2), b"ab"))
     core.add_request(_request("short2", _params(regex="[a-c]+x"), prompt=b"a"))  # cached
-    while core.has_unfinished_requests():
+    for _ in _until_idle(core):
         _collect(core.step(), tokens2, finished)
     abc, abcx, eos = {97, 98, 99}, {97, 98, 99, ord("x")}, {EOS}
     assert backend.bitmasks == [
@@ -513,7 +528,7 @@ def test_with_step_latency_the_step_lasts_the_longer_of_forward_and_bitmask() ->
     core.add_request(_request("c", _params(choice=["yes"])))
     core.step()  # compiles the grammar (the step waits for it), then runs
     durations = []
-    while core.has_unfinished_requests():
+    for _ in _until_idle(core):
         start = time.perf_counter()
         core.step()
         durations.append(time.perf_counter() - start)
@@ -531,8 +546,13 @@ def test_preempted_constrained_requests_resume_in_their_grammar() -> None:
     core = EngineCore(config)
     for i in range(4):
         core.add_request(_request(f"r{i}", _params(regex="[a-z]{40}"), prompt=b"x" * (i + 1)))
+    requests = dict(core.scheduler.requests)
     tokens, finished = _run(core)
-    assert core.scheduler.num_preemptions > 0
+    # At 32 tokens each needs a third block; eight blocks give three to two of them: the two
+    # admitted last are preempted, once each.
+    preempted = {rid: request.num_preemptions for rid, request in requests.items()}
+    assert preempted == {"r0": 0, "r1": 0, "r2": 1, "r3": 1}
+    assert core.scheduler.num_preemptions == 2
     letters = [ord("a") + (ord("y") - ord("a") + k) % 26 for k in range(40)]
     assert tokens == {f"r{i}": letters + [EOS] for i in range(4)}
     assert {f.finish_reason for f in finished.values()} == {"stop"}

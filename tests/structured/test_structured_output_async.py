@@ -33,7 +33,7 @@ from engine_core.config import EngineConfig
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 NUMBERS = {"type": "array", "items": {"type": "integer", "minimum": 3, "maximum": 7}}
 REGEX = r"[a-z]{3}-[0-9]{2}"

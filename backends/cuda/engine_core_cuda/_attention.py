@@ -9,11 +9,34 @@ import torch
 
 from engine_core_cuda._kernel_ops import KernelOps
 
-__all__ = ["AttentionContext", "KVCache"]
+__all__ = ["MAX_SEGMENTS", "AttentionContext", "KVCache", "split_kv_segments"]
+
+MAX_SEGMENTS = 128
+"""Most split-KV segments a sequence's keys are cut into."""
+MIN_SEGMENT_TOKENS = 256
+"""Fewest keys per segment worth a program of its own (at the longest sequence's length)."""
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 """One layer's (key_cache, value_cache), each ``[num_blocks, block_size, num_kv_heads,
 head_size]``."""
+
+
+def split_kv_segments(
+    num_seqs: int, num_kv_heads: int, sm_count: int, max_seq_len: int, max_query_len: int
+) -> int:
+    """Split-KV segments (a power of two) for a decode batch on ``sm_count`` SMs (0: not a GPU,
+    no split): enough programs for about four per SM when the batch alone has fewer, but no
+    segment shorter than :data:`MIN_SEGMENT_TOKENS` keys of the longest sequence, and at most
+    :data:`MAX_SEGMENTS`. Prefill steps never split."""
+    if sm_count <= 0 or max_query_len > 1:
+        return 1
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = -(-4 * sm_count // programs)
+    if wanted <= 1:
+        return 1
+    by_length = max(1, max_seq_len // MIN_SEGMENT_TOKENS)
+    limit = 1 << (min(by_length, MAX_SEGMENTS).bit_length() - 1)  # powers of two, rounded down
+    return min(1 << (wanted - 1).bit_length(), limit)
 
 
 @dataclass(slots=True)

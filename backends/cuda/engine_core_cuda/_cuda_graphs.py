@@ -5,7 +5,8 @@ A decode batch of ``B`` requests (one token each) runs in the graph of the small
 size ``N >= B``. The graph reads static input buffers; the ``N - B`` padding entries are
 sequences of one token whose slot is -1 (nothing is written) and whose block-table row is the
 persistent batch's all-zero padding row. The graphs capture the forward pass and the logits;
-sampling runs outside them.
+sampling runs outside them. Every graph writes its logits into rows of one shared float32 buffer
+(``[max batch, vocab]``), so the batch sizes do not each keep their own.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from engine_core_cuda._model_runner import ModelRunner
     from engine_core_cuda._step_inputs import StepInputs
 
-__all__ = ["DecodeGraphs", "graph_batch_sizes"]
+__all__ = ["DecodeGraphs", "graph_batch_sizes", "logits_buffer_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,11 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
     sizes = [n for n in (1, 2, 4, 8) if n < max_batch_size]
     sizes += list(range(16, max_batch_size, 16))
     return [*sizes, max_batch_size]
+
+
+def logits_buffer_bytes(max_batch_size: int, vocab_size: int) -> int:
+    """Bytes of the float32 logits buffer the graphs share."""
+    return max_batch_size * vocab_size * 4
 
 
 class DecodeGraphs:
@@ -49,6 +55,11 @@ class DecodeGraphs:
         self.seq_rows = torch.full((n,), runner.batch.padding_row, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        vocab = runner.model_config.vocab_size
+        self.logits = torch.empty((n, vocab), dtype=torch.float32, device=device)
+        self.reserved_bytes = 0
+        """Device memory the capture reserved (graph pool and shared buffers), set by
+        :meth:`capture`."""
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
@@ -56,6 +67,10 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every batch size, largest first (later graphs reuse its memory pool)."""
         runner = self.runner
+        device = runner.device
+        on_gpu = device.type == "cuda"
+        reserved = torch.cuda.memory_reserved(device) if on_gpu else 0
+        before = reserved - self.logits.numel() * 4
         for n in reversed(self.batch_sizes):
             ctx = AttentionContext(
                 ops=runner.ops,
@@ -65,16 +80,17 @@ class DecodeGraphs:
                 query_start_loc=self.query_start_loc[: n + 1],
                 seq_lens=self.seq_lens[:n],
                 max_query_len=1,
-                num_segments=runner.num_segments(n, 1),
+                num_segments=runner.num_segments(n, 1, runner.max_model_len),
             )
 
             def forward(n: int = n, ctx: AttentionContext = ctx) -> torch.Tensor:
                 hidden = runner.model(self.input_ids[:n], self.positions[:n], runner.kv_caches, ctx)
-                return runner.model.compute_logits(hidden)
+                return runner.model.compute_logits(hidden, out=self.logits[:n])
 
             self._graphs[n] = self._record(forward)
-        logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self._graphs),
-                    self.batch_sizes)  # fmt: skip
+        self.reserved_bytes = (torch.cuda.memory_reserved(device) if on_gpu else 0) - before
+        logger.info("captured %d decode CUDA graphs (batch sizes %s), %.2f GiB reserved",
+                    len(self._graphs), self.batch_sizes, self.reserved_bytes / 2**30)  # fmt: skip
 
     def _record(
         self, forward: Callable[[], torch.Tensor]

@@ -11,6 +11,8 @@ import sys
 
 import torch
 
+from engine_core_cuda.kernels import KERNEL_MODULES
+
 __all__ = ["free_memory_bytes", "prepare_triton", "resolve_device", "resolve_dtype"]
 
 _DTYPES = {
@@ -23,13 +25,6 @@ _DTYPES = {
     "half": torch.float16,
     "fp16": torch.float16,
 }
-_KERNEL_MODULES = (
-    "engine_core_cuda.kernels.activation",
-    "engine_core_cuda.kernels.kv_write",
-    "engine_core_cuda.kernels.paged_attention",
-    "engine_core_cuda.kernels.rms_norm",
-    "engine_core_cuda.kernels.rotary",
-)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -81,9 +76,7 @@ def prepare_triton(device: torch.device) -> None:
         return
     os.environ["TRITON_INTERPRET"] = "1"
     kernels_compiled = any(
-        not getattr(sys.modules[m], "INTERPRETED", True)
-        for m in _KERNEL_MODULES
-        if m in sys.modules
+        not getattr(sys.modules[m], "INTERPRETED", True) for m in KERNEL_MODULES if m in sys.modules
     )
     if _triton_interprets() is False or kernels_compiled:
         raise RuntimeError(

@@ -1,5 +1,6 @@
 """The custom operations of the model, from one implementation chosen once per backend: the
-Triton kernels (``"triton"``) or their pure-torch references (``"torch"``).
+Triton kernels (``"triton"``) or plain torch (``"torch"``: the references, with attention
+batched over the decode rows and the KV write, rotary embedding and norms in fewer operations).
 
 Importing the Triton modules fixes their compile mode, so on the CPU call
 :func:`engine_core_cuda._device.prepare_triton` before creating ``KernelOps("triton")``.
@@ -9,20 +10,18 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import torch
-
 from engine_core_cuda.kernels import reference
+from engine_core_cuda.kernels.torch_attention import paged_attention_torch
+from engine_core_cuda.kernels.torch_ops import (
+    add_rms_norm_torch,
+    rms_norm_torch,
+    rotary_embedding_torch,
+    write_kv_torch,
+)
 
 __all__ = ["KERNEL_IMPLS", "KernelOps"]
 
 KERNEL_IMPLS = ("triton", "torch")
-
-
-def _attention_reference(
-    *args: torch.Tensor, scale: float, out: torch.Tensor | None = None, **_: Any
-) -> torch.Tensor:
-    # The tile shape and split-KV arguments of the kernel mean nothing here.
-    return reference.paged_attention_reference(*args, scale=scale, out=out)
 
 
 class KernelOps:
@@ -48,15 +47,15 @@ class KernelOps:
             self.rotary_embedding = rotary_embedding
             self.silu_and_mul = silu_and_mul
         else:
-            self.write_kv = reference.write_kv_reference
-            self.paged_attention = _attention_reference
-            self.rms_norm = reference.rms_norm_reference
-            self.add_rms_norm = reference.add_rms_norm_reference
-            self.rotary_embedding = reference.rotary_embedding_reference
+            self.write_kv = write_kv_torch
+            self.paged_attention = paged_attention_torch
+            self.rms_norm = rms_norm_torch
+            self.add_rms_norm = add_rms_norm_torch
+            self.rotary_embedding = rotary_embedding_torch
             self.silu_and_mul = reference.silu_and_mul_reference
 
     @property
     def graph_capturable(self) -> bool:
-        """Whether the ops run without host synchronization (the attention reference reads the
+        """Whether the ops run without host synchronization (the torch attention reads the
         sequence lengths back to the host)."""
         return self.impl == "triton"

@@ -1,5 +1,7 @@
 """Sizing the KV cache: a profiling forward pass measures the activation peak of the largest
-step, and the cache gets ``free memory x kv_cache_memory_fraction`` minus that peak.
+step, and the cache gets ``free memory x kv_cache_memory_fraction`` minus that peak and minus what
+the decode CUDA graphs will keep (their shared logits buffer and the activations of the largest
+captured batch, measured by a decode-shaped profiling pass).
 
 The profiling batch is the worst case the scheduler can send: ``max_num_batched_tokens`` tokens
 over ``max_num_seqs`` sequences, every request sampling with every stage enabled. It writes no
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 
 from engine_core_cuda._attention import AttentionContext
+from engine_core_cuda._cuda_graphs import logits_buffer_bytes
 from engine_core_cuda._device import free_memory_bytes
 from engine_core_cuda._options import CPU_DEFAULT_KV_CACHE_BYTES
 from engine_core_cuda._sampler import SamplingBatch, compute_logprobs, sample
@@ -22,7 +25,7 @@ from engine_core_cuda._sampler import SamplingBatch, compute_logprobs, sample
 if TYPE_CHECKING:
     from engine_core_cuda._model_runner import ModelRunner
 
-__all__ = ["available_kv_cache_memory", "profile_run"]
+__all__ = ["available_kv_cache_memory", "graph_max_batch_size", "profile_run"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +88,29 @@ def profile_run(runner: ModelRunner, num_tokens: int, num_seqs: int) -> None:
         output_counts=torch.zeros(rows, vocab, dtype=torch.int32, device=device),
         prompt_mask=torch.zeros(rows, vocab, dtype=torch.bool, device=device),
     )
-    tokens = sample(logits, batch)
+    tokens = sample(logits, batch, runner.ops.impl)
     compute_logprobs(logits, tokens, 20)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def graph_max_batch_size(runner: ModelRunner) -> int:
+    """The largest decode batch captured in a CUDA graph; 0 when no graphs will be captured."""
+    options = runner.options
+    if not (options.cuda_graphs and runner.device.type == "cuda" and runner.ops.graph_capturable):
+        return 0
+    return min(options.max_graph_batch_size, runner.config.max_num_seqs)
+
+
+def _peak_bytes(runner: ModelRunner, num_tokens: int, num_seqs: int) -> int:
+    device = runner.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    with torch.inference_mode():
+        profile_run(runner, num_tokens, num_seqs)
+    return torch.cuda.max_memory_allocated(device) - baseline
 
 
 def available_kv_cache_memory(runner: ModelRunner, fraction: float) -> int:
@@ -103,18 +125,20 @@ def available_kv_cache_memory(runner: ModelRunner, fraction: float) -> int:
     config = runner.config
     resolved = config.resolved(model_max_len=runner.model_config.max_model_len)
     assert resolved.max_num_batched_tokens is not None
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    baseline = torch.cuda.memory_allocated(device)
-    with torch.inference_mode():
-        profile_run(runner, resolved.max_num_batched_tokens, config.max_num_seqs)
-    peak = torch.cuda.max_memory_allocated(device) - baseline
+    peak = _peak_bytes(runner, resolved.max_num_batched_tokens, config.max_num_seqs)
+    max_graph = graph_max_batch_size(runner)
+    graphs = 0
+    if max_graph:
+        # The graph pool keeps the largest graph's activations; the logits buffer is shared.
+        graphs = _peak_bytes(runner, max_graph, max_graph) + logits_buffer_bytes(
+            max_graph, runner.model_config.vocab_size
+        )
     torch.cuda.empty_cache()
     free = free_memory_bytes(device)
-    available = int(free * fraction) - peak
+    available = int(free * fraction) - peak - graphs
     logger.info(
-        "KV cache memory: %.2f GiB (free %.2f GiB x %.2f - activation peak %.2f GiB)",
-        available / 2**30, free / 2**30, fraction, peak / 2**30,
+        "KV cache memory: %.2f GiB (free %.2f GiB x %.2f - activation peak %.2f GiB - "
+        "CUDA graphs %.2f GiB)",
+        available / 2**30, free / 2**30, fraction, peak / 2**30, graphs / 2**30,
     )  # fmt: skip
     return available

@@ -31,7 +31,7 @@ from engine_core.abc import (
     TokenLogprobs,
 )
 from engine_core.config import EngineConfig
-from engine_core_cuda._attention import AttentionContext, KVCache
+from engine_core_cuda._attention import AttentionContext, KVCache, split_kv_segments
 from engine_core_cuda._device import prepare_triton, resolve_device, resolve_dtype
 from engine_core_cuda._hf_config import ModelConfig
 from engine_core_cuda._input_batch import InputBatch
@@ -46,8 +46,15 @@ from engine_core_cuda._step_inputs import StepInputs, apply_scheduler_output, bu
 
 if TYPE_CHECKING:
     from engine_core_cuda._cuda_graphs import DecodeGraphs
+    from engine_core_cuda._tp.parallel import TensorParallel
 
 __all__ = ["AsyncSampled", "ModelRunner"]
+
+
+def _gathered(logits: torch.Tensor) -> torch.Tensor:
+    """Under tensor parallelism the prompt rows were turned into logits in ``execute_model``."""
+    return logits
+
 
 logger = logging.getLogger(__name__)
 
@@ -110,11 +117,22 @@ class ModelRunner:
     """Runs one model on one device for the :class:`~engine_core_cuda.CudaBackend`."""
 
     def __init__(
-        self, config: EngineConfig, options: CudaOptions, model_config: ModelConfig
+        self,
+        config: EngineConfig,
+        options: CudaOptions,
+        model_config: ModelConfig,
+        parallel: TensorParallel | None = None,
     ) -> None:
         self.config = config
         self.options = options
+        self.full_model_config = model_config
+        self.parallel = parallel
+        if parallel is not None:
+            from engine_core_cuda._tp.shard import shard_model_config
+
+            model_config = shard_model_config(model_config, parallel.size)
         self.model_config = model_config
+        """This rank's geometry (heads, KV heads and intermediate size of its shard)."""
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if options.kernels == "triton":
@@ -122,7 +140,7 @@ class ModelRunner:
         self.ops = KernelOps(options.kernels)
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or model_config.max_model_len
-        self.model = CausalLM(model_config, self.max_model_len, self.dtype, self.device)
+        self.model = CausalLM(model_config, self.max_model_len, self.dtype, self.device, parallel)
         self.load_weights()
         self.batch = InputBatch(
             max_num_reqs=config.max_num_seqs,
@@ -154,8 +172,17 @@ class ModelRunner:
             raise ValueError("the cuda backend needs a model directory (EngineConfig.model)")
         if self.options.load_format == "dummy":
             init_random_weights(self.model, self.config.seed)
-        else:
+        elif self.parallel is None:
             load_weights(self.model, Path(model_dir))
+        else:
+            from engine_core_cuda._tp.shard import slice_of
+
+            full, rank, size = self.full_model_config, self.parallel.rank, self.parallel.size
+            load_weights(
+                self.model,
+                Path(model_dir),
+                lambda name, ndim: slice_of(name, ndim, full, rank, size),
+            )
 
     @property
     def kv_cache_shape(self) -> tuple[int, ...]:
@@ -208,6 +235,9 @@ class ModelRunner:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.context(step))
             last = step.query_start_loc[1:].long() - 1
             logits = self.model.compute_logits(hidden[last])
+            if wants_prompt and self.parallel is not None:
+                # Every rank joins this gather now; sample_tokens (rank 0 only) reads the rows.
+                hidden = self.model.compute_logits(hidden)
         self._forward = _Forward(req_ids, step, logits, hidden if wants_prompt else None)
 
     def context(self, step: StepInputs) -> AttentionContext:
@@ -220,18 +250,16 @@ class ModelRunner:
             query_start_loc=step.query_start_loc,
             seq_lens=step.seq_lens,
             max_query_len=step.max_query_len,
-            num_segments=self.num_segments(len(step.states), step.max_query_len),
+            num_segments=self.num_segments(
+                len(step.states), step.max_query_len, max(step.starts) + step.max_query_len
+            ),
         )
 
-    def num_segments(self, num_seqs: int, max_query_len: int) -> int:
-        """Split-KV segments: only for decode batches too small to fill the GPU."""
-        if self._sm_count == 0 or max_query_len > 1:
-            return 1
-        programs = num_seqs * self.model_config.num_kv_heads
-        target = 2 * self._sm_count
-        if programs >= target:
-            return 1
-        return min(16, 1 << (-(-target // programs) - 1).bit_length())
+    def num_segments(self, num_seqs: int, max_query_len: int, max_seq_len: int) -> int:
+        """Split-KV segments: only for decode batches too small to fill the GPU, more for
+        longer sequences (:func:`~engine_core_cuda._attention.split_kv_segments`)."""
+        return split_kv_segments(num_seqs, self.model_config.num_kv_heads, self._sm_count,
+                                 max_seq_len, max_query_len)  # fmt: skip
 
     def sample_tokens(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
         forward = self._forward
@@ -260,7 +288,8 @@ class ModelRunner:
                 for i, (s, start) in enumerate(zip(states, step.starts, strict=True))
                 if s.num_prompt_logprobs is not None and start < s.num_prompt_tokens
             ]
-            prompt = prompt_logprobs(self.batch, forward.hidden, self.model.compute_logits, entries)
+            score = self.model.compute_logits if self.parallel is None else _gathered
+            prompt = prompt_logprobs(self.batch, forward.hidden, score, entries)
         return ModelRunnerOutput(forward.req_ids, sampled, logprobs, prompt)
 
     def sample_tokens_async(self, grammar_bitmask: Any | None) -> AsyncSampled:
@@ -313,7 +342,7 @@ class ModelRunner:
         batch = build_sampling_batch(
             self.batch, picked, rows, positions, self._bitmask_rows(step, picks, bitmask)
         )
-        tokens = sample(picked_logits, batch)
+        tokens = sample(picked_logits, batch, self.ops.impl)
         self.batch.record_sampled(rows, positions, tokens)
         return tokens
 
@@ -364,6 +393,28 @@ class ModelRunner:
         for k, entry in zip(asked, entries, strict=True):
             result[picks[k]] = [entry]
         return result
+
+    # -- tensor-parallel workers ----------------------------------------------------------------
+
+    def skip_sampling(self) -> StepInputs | None:
+        """End a step without sampling (ranks other than 0): the step, for
+        :meth:`record_tokens` once rank 0's sampled ids arrive."""
+        forward, self._forward = self._forward, None
+        return forward.step if forward is not None else None
+
+    def record_tokens(self, step: StepInputs, sampled: list[list[int]]) -> None:
+        """Write the ids rank 0 sampled in ``step`` (one list per request of the step) into
+        the batch, as :meth:`sample_tokens` does on rank 0."""
+        picks = [i for i, s in enumerate(step.samples) if s]
+        if not picks:
+            return
+        if len(sampled) != len(step.states) or any(len(sampled[i]) != 1 for i in picks):
+            raise RuntimeError("the sampled ids from rank 0 do not match the previous step")
+        index = torch.tensor(picks, dtype=torch.int64).to(self.device)
+        tokens = torch.tensor([sampled[i][0] for i in picks], dtype=torch.int64).to(self.device)
+        self.batch.record_sampled(step.seq_rows[index].long(), step.seq_lens[index].long(), tokens)
+        for i in picks:
+            step.states[i].num_tokens += 1
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ OPTION_NAMES = frozenset(
         "kv_cache_bytes",
         "profile_dir",
         "load_format",
+        "distributed_backend",
     }
 )
 
@@ -61,8 +62,9 @@ class CudaOptions:
     - ``device``: ``"cuda"``, ``"cuda:N"`` or ``"cpu"`` (default: the ``ENGINE_CORE_CUDA_DEVICE``
       environment variable, else ``"cuda"``);
     - ``kernels``: ``"triton"`` (the Triton kernels: paged attention, KV write, norms, rotary
-      embedding, activation; default) or ``"torch"`` (their pure-torch references: simple, and
-      fast on the CPU where Triton is interpreted);
+      embedding, activation; the default on a GPU) or ``"torch"`` (plain torch: the references,
+      with attention batched over decode rows; the default on the CPU, where Triton is
+      interpreted);
     - ``cuda_graphs``: capture decode steps in CUDA graphs (default True; GPU and Triton kernels
       only);
     - ``max_graph_batch_size``: largest decode batch captured (default ``min(max_num_seqs, 512)``);
@@ -70,7 +72,9 @@ class CudaOptions:
     - ``profile_dir``: where :meth:`~engine_core_cuda.CudaBackend.profile` writes traces (default
       ``./engine_core_profiles``);
     - ``load_format``: ``"safetensors"`` (default) or ``"dummy"`` (random weights of the
-      ``config.json`` geometry, for benchmarks; no weight files needed).
+      ``config.json`` geometry, for benchmarks; no weight files needed);
+    - ``distributed_backend``: the tensor-parallel collectives, ``"nccl"`` (default on CUDA) or
+      ``"gloo"`` (the CPU's; on CUDA it lets two ranks share one GPU, for correctness checks).
     """
 
     device: str
@@ -80,6 +84,7 @@ class CudaOptions:
     kv_cache_bytes: int | None
     profile_dir: str
     load_format: Literal["safetensors", "dummy"] = "safetensors"
+    distributed_backend: Literal["nccl", "gloo"] | None = None
 
     @property
     def on_cpu(self) -> bool:
@@ -105,7 +110,8 @@ def parse_options(config: EngineConfig) -> CudaOptions:
         raise ValueError(
             f"backend_options['device'] must be 'cuda', 'cuda:N' or 'cpu', got {device!r}"
         )
-    kernels = options.get("kernels", "triton")
+    # On the CPU Triton is interpreted (several times slower than the torch path).
+    kernels = options.get("kernels", "torch" if device == "cpu" else "triton")
     if kernels not in KERNEL_IMPLS:
         raise ValueError(
             f"backend_options['kernels'] must be one of {', '.join(KERNEL_IMPLS)}, got {kernels!r}"
@@ -131,11 +137,13 @@ def parse_options(config: EngineConfig) -> CudaOptions:
             f"backend_options['load_format'] must be one of {', '.join(LOAD_FORMATS)}, "
             f"got {load_format!r}"
         )
-    if config.tensor_parallel_size != 1:
+    distributed = options.get("distributed_backend")
+    if distributed not in (None, "nccl", "gloo"):
         raise ValueError(
-            f"the cuda backend runs on one device; tensor_parallel_size must be 1, "
-            f"got {config.tensor_parallel_size}"
+            f"backend_options['distributed_backend'] must be 'nccl' or 'gloo', got {distributed!r}"
         )
+    if distributed == "nccl" and device == "cpu":
+        raise ValueError("backend_options['distributed_backend'] 'nccl' needs a CUDA device")
     return CudaOptions(
         device=device,
         kernels=kernels,
@@ -144,4 +152,5 @@ def parse_options(config: EngineConfig) -> CudaOptions:
         kv_cache_bytes=kv_bytes,
         profile_dir=profile_dir,
         load_format=load_format,
+        distributed_backend=distributed,
     )

@@ -4,7 +4,8 @@ A request's draw at a position depends on nothing else (not on the batch it runs
 other requests' seeds), which is what makes seeded sampling reproducible across batch
 compositions. The hash is a 32-bit integer mixer evaluated with int64 tensor arithmetic that
 never overflows (products are split into 16-bit halves), so it gives the same bits on every
-device.
+device. The fused sampling kernel (:mod:`engine_core_cuda.kernels.sampling`) computes the same
+hash per token, in registers.
 """
 
 from __future__ import annotations

@@ -5,11 +5,17 @@ output), then the masks (stop tokens below ``min_tokens``, the grammar bitmask),
 take the argmax; the others divide by their temperature, apply min-p, top-k and top-p, and draw
 with counter-based noise (:mod:`engine_core_cuda._random`). Logprobs are those of the raw logits
 (the model's distribution, before any processing).
+
+Two implementations of the last part give the same tokens: ``"torch"`` (the reference: a sort for
+top-k with top-p, the noise as ``[rows, vocab]`` tensors) and ``"triton"``, one fused kernel per
+step (:mod:`engine_core_cuda.kernels.sampling`). Processing that changes the logits (penalties,
+masks, a logit bias) happens before, on the logits that :func:`sample` takes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -98,7 +104,19 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     return logits
 
 
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Top-k alone, without a sort: the k-th largest logit of each row is the threshold."""
+    vocab_size = logits.shape[-1]
+    k = top_k.clamp(1, vocab_size).unsqueeze(1)
+    largest = logits.topk(int(k.max()), dim=-1).values  # sorted, largest first
+    threshold = largest.gather(1, k - 1)
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.top_p is None:
+        assert batch.top_k is not None
+        return _apply_top_k(logits, batch.top_k)
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     vocab_size = logits.shape[-1]
     if batch.top_k is not None:
@@ -136,8 +154,26 @@ def apply_logit_bias(
     return logits.index_put((rows, token_ids), values, accumulate=True)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Token ids ``[N]`` (int64) from float32 ``logits`` ``[N, V]``."""
+def _fused_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    from engine_core_cuda.kernels.sampling import sample_rows
+
+    return sample_rows(
+        logits,
+        batch.seeds,
+        batch.positions,
+        greedy=batch.greedy,
+        temperature=batch.temperature,
+        min_p=batch.min_p,
+        top_k=batch.top_k,
+        top_p=batch.top_p,
+    )
+
+
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, impl: Literal["torch", "triton"] = "torch"
+) -> torch.Tensor:
+    """Token ids ``[N]`` (int64) from float32 ``logits`` ``[N, V]``; ``impl`` picks the
+    implementation of the random part (see the module's docstring)."""
     if batch.logit_bias is not None:
         logits = apply_logit_bias(logits, batch.logit_bias)
     if batch.output_counts is not None:
@@ -149,9 +185,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.allowed is not None:
             rows, allowed = batch.allowed
             logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-    greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
-        return greedy_tokens
+        return logits.argmax(dim=-1)
+    if impl == "triton":
+        return _fused_sample(logits, batch)
+    greedy_tokens = logits.argmax(dim=-1)
     random_tokens = _random_sample(logits, batch)
     assert batch.greedy is not None
     return torch.where(batch.greedy, greedy_tokens, random_tokens)

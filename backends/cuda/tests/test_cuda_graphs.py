@@ -53,6 +53,11 @@ def test_padded_decode_batches_equal_transformers(tiny: dict[str, TinyModel]) ->
             use_tqdm=False,
         )
     assert graphs.replays >= 7 + 4
+    # Every batch size writes its logits into the rows of one shared buffer.
+    assert {output.data_ptr() for _, output in graphs._graphs.values()} == {
+        graphs.logits.data_ptr()
+    }
+    assert graphs.reserved_bytes == graphs.logits.numel() * 4  # on the CPU: just the buffer
     for out in outputs:
         expected = greedy(model.hf, out.prompt_token_ids, len(out.outputs[0].token_ids))
         assert out.outputs[0].token_ids == expected

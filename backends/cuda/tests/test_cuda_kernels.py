@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 import random
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
+from engine_core_cuda._device import _triton_interprets, prepare_triton
 from engine_core_cuda._hf_config import RopeConfig
 from engine_core_cuda._rope import RotaryTables
+from engine_core_cuda.kernels import KERNEL_MODULES
 from engine_core_cuda.kernels.activation import silu_and_mul
-from engine_core_cuda.kernels.kv_write import INTERPRETED, write_kv
+from engine_core_cuda.kernels.kv_write import write_kv
 from engine_core_cuda.kernels.paged_attention import paged_attention
 from engine_core_cuda.kernels.reference import (
     add_rms_norm_reference,
@@ -24,8 +30,30 @@ from engine_core_cuda.kernels.rms_norm import add_rms_norm, rms_norm
 from engine_core_cuda.kernels.rotary import rotary_embedding
 
 
-def test_the_kernels_run_interpreted() -> None:
-    assert INTERPRETED  # the conftest chose the mode before triton was imported
+def test_triton_and_every_kernel_module_run_interpreted() -> None:
+    """Triton's own functions are interpreted too (not only the kernel modules' flag): had
+    anything imported triton before the conftest chose the mode, they would be compiled and
+    prepare_triton would refuse the CPU."""
+    assert _triton_interprets() is True
+    assert all(importlib.import_module(name).INTERPRETED for name in KERNEL_MODULES)
+    prepare_triton(torch.device("cpu"))
+
+
+def test_prepare_triton_refuses_a_process_that_imported_triton_compiled() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        "import torch, triton\n"
+        "from engine_core_cuda._device import prepare_triton\n"
+        "try:\n"
+        "    prepare_triton(torch.device('cpu'))\n"
+        "except RuntimeError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("refused: Triton was imported in this process before")
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import pytest
 import torch
@@ -112,10 +113,11 @@ def test_frequency_and_presence_penalties_subtract_per_occurrence_and_once() -> 
     assert sample(LOGITS, batch).tolist() == [0, 4]
 
 
-def test_mixed_greedy_and_random_rows() -> None:
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_mixed_greedy_and_random_rows(impl: Literal["torch", "triton"]) -> None:
     batch = _random(2, top_k=torch.tensor([1, VOCAB]))
     batch.greedy = torch.tensor([False, True])
-    assert sample(LOGITS, batch).tolist() == [5, 2]  # top-1 sampling is the argmax
+    assert sample(LOGITS, batch, impl).tolist() == [5, 2]  # top-1 sampling is the argmax
 
 
 @pytest.mark.parametrize(
@@ -127,10 +129,13 @@ def test_mixed_greedy_and_random_rows() -> None:
         ("min_p", torch.tensor([1.0, 1.0])),
     ],  # fmt: skip
 )
-def test_filters_that_keep_only_the_best_token(field: str, value: torch.Tensor) -> None:
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_filters_that_keep_only_the_best_token(
+    field: str, value: torch.Tensor, impl: Literal["torch", "triton"]
+) -> None:
     for position in range(20):
         batch = _random(2, positions=torch.full((2,), position), **{field: value})
-        assert sample(LOGITS, batch).tolist() == [5, 2]
+        assert sample(LOGITS, batch, impl).tolist() == [5, 2]
 
 
 def test_sampling_follows_the_distribution() -> None:

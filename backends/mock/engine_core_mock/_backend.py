@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
+from engine_core._workers import WorkerGroup
 from engine_core.abc import (
     AsyncModelRunnerOutput,
     Backend,
@@ -37,6 +38,7 @@ from engine_core.abc import (
 from engine_core.config import EngineConfig
 from engine_core_mock._blocks import BlockLedger
 from engine_core_mock._options import Fault, parse_options
+from engine_core_mock._replies import Replies
 from engine_core_mock._sampling import (
     bitmask_rows,
     next_allowed,
@@ -94,7 +96,11 @@ class MockBackend(Backend):
         options = parse_options(config)
         self.geometry = options.geometry
         self.latency = options.latency
-        self.fault = options.fault
+        fault = options.fault
+        self.fault = (
+            fault if fault is None or fault.rank in (None, config.data_parallel_rank) else None
+        )
+        self._replies = Replies(options.replies, config.tokenizer_name) if options.replies else None
         # Without a latency model or a fault a step is a few microseconds of Python holding the
         # GIL: a worker thread would add its hand-off and no concurrency.
         self.step_in_thread = self.latency is not None or self.fault is not None
@@ -124,14 +130,30 @@ class MockBackend(Backend):
         self.is_closed = False
         if options.load_s:
             self._sleep(options.load_s)
+        self.tensor_parallel_size = options.tensor_parallel_size
+        self._rank_memory = options.rank_memory_bytes
+        self.workers: WorkerGroup | None = None
+        """The pretend tensor-parallel workers (ranks 1..N-1), when N > 1."""
+        self._previous_sampled: list[list[int]] | None = None
+        if self.tensor_parallel_size > 1:
+            self.workers = WorkerGroup(
+                "engine_core_mock._worker", self.tensor_parallel_size, config
+            )
+            try:
+                self.workers.wait_ready()
+            except BaseException:
+                self.workers.close()
+                raise
 
     # -- startup --------------------------------------------------------------------------------
 
     def kv_cache_spec(self) -> KVCacheSpec:
         g = self.geometry
+        tp = self.tensor_parallel_size
         return KVCacheSpec(
             num_layers=g.num_layers,
-            num_kv_heads=g.num_kv_heads,
+            # Per rank: KV heads split, or replicated when there are fewer than ranks.
+            num_kv_heads=g.num_kv_heads // tp if g.num_kv_heads % tp == 0 else g.num_kv_heads,
             head_size=g.head_size,
             dtype_bytes=g.dtype_bytes,
         )
@@ -140,13 +162,20 @@ class MockBackend(Backend):
         """``device_memory_bytes * kv_cache_memory_fraction`` minus the weights (the size of the
         model's ``*.safetensors`` files, or ``weight_bytes``)."""
         g = self.geometry
-        return int(g.device_memory_bytes * self.config.kv_cache_memory_fraction) - g.weight_bytes
+        device = g.device_memory_bytes if self._rank_memory is None else self._rank_memory[0]
+        own = int(device * self.config.kv_cache_memory_fraction) - g.weight_bytes
+        if self.workers is None:
+            return own
+        others = self.workers.call("available_kv_cache_memory")
+        return min(own, *(int(v) for v in others if isinstance(v, int)))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be an int > 0, got {num_blocks!r}")
         if self._requests:
             raise RuntimeError("initialize_kv_cache called while requests are live")
+        if self.workers is not None:
+            self.workers.call("initialize_kv_cache", num_blocks)
         self._blocks = BlockLedger(num_blocks, self._block_size, self._holders)
 
     def vocab_size(self) -> int:
@@ -184,6 +213,9 @@ class MockBackend(Backend):
         if self._batch is not None:
             raise RuntimeError("execute_model called twice without sample_tokens in between")
         self.num_steps += 1
+        if self.workers is not None:
+            self.workers.step(scheduler_output, self._previous_sampled)
+            self._previous_sampled = None
         fault = self.fault
         self._step_fault = fault if fault is not None and self.num_steps == fault.at_step else None
         for req_id in scheduler_output.finished_req_ids:
@@ -269,8 +301,13 @@ class MockBackend(Backend):
                 )
             if not new.prompt_token_ids:
                 raise RuntimeError(f"new request {req_id!r} has an empty prompt")
+            reply = (
+                self._replies.tokens_for(new.prompt_token_ids)
+                if self._replies is not None
+                else None
+            )
             state = RequestState(
-                new, request_seed(req_id, new.sampling_params.seed, self._engine_seed)
+                new, request_seed(req_id, new.sampling_params.seed, self._engine_seed), reply
             )
             tokens = state.tokens
             if min(tokens) < 0 or max(tokens) >= vocab_size:
@@ -353,7 +390,11 @@ class MockBackend(Backend):
                 continue
             if state.num_prompt_logprobs is not None:
                 prompt_logprobs = self._add_prompt_logprobs(state, prompt_logprobs)
-            token = self._choose(state, centre, rows.get(index) if rows is not None else None)
+            reply = state.reply_token()
+            if reply is not None:
+                centre = reply
+            words = rows.get(index) if rows is not None else None
+            token = self._choose(state, centre, words, reply)
             tokens.append(token)
             sampled.append([token])
             if state.num_logprobs is not None:
@@ -362,16 +403,23 @@ class MockBackend(Backend):
                 logprobs[index] = [
                     synthetic_logprobs(token, centre, state.num_logprobs, vocab_size)
                 ]
+        if self.workers is not None:
+            self._previous_sampled = sampled
         return ModelRunnerOutput(self._batch_ids, sampled, logprobs, prompt_logprobs)
 
-    def _choose(self, state: RequestState, centre: int, words: list[int] | None) -> int:
-        """The token of a request off the hot path: the rule's token (``centre`` when greedy,
-        else the random one) or, under a grammar (``words``), the grammar's choice; then the
-        logit bias; then the first token at or after it that nothing masks."""
+    def _choose(
+        self, state: RequestState, centre: int, words: list[int] | None, reply: int | None
+    ) -> int:
+        """The token of a request off the hot path: the scripted ``reply``'s token, else the
+        rule's token (``centre`` when greedy, else the random one) or, under a grammar
+        (``words``), the grammar's choice; then the logit bias; then the first token at or
+        after it that nothing masks."""
         vocab_size = self._vocab_size
         masked = state.masked()
         token: int | None
-        if words is None:
+        if reply is not None:
+            token = reply
+        elif words is None:
             token = centre if state.greedy else state.random_token(vocab_size)
         elif state.greedy:
             # Not whitespace where the grammar allows more: JSON's flexible whitespace would
@@ -446,6 +494,8 @@ class MockBackend(Backend):
     def profile(self, action: Literal["start", "stop"]) -> None:
         if action not in ("start", "stop"):
             raise ValueError(f"action must be 'start' or 'stop', got {action!r}")
+        if self.workers is not None:
+            self.workers.call("profile", action)
         self.is_profiling = action == "start"
 
     def sleep(self, level: int = 1) -> None:
@@ -453,14 +503,20 @@ class MockBackend(Backend):
         must not be reused afterwards)."""
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
+        if self.workers is not None:
+            self.workers.call("sleep", level)
         self.is_sleeping = True
         if self._blocks is not None:
             self._blocks.discard_contents()
 
     def wake_up(self) -> None:
+        if self.workers is not None:
+            self.workers.call("wake_up")
         self.is_sleeping = False
 
     def close(self) -> None:
         self.is_closed = True
+        if self.workers is not None:
+            self.workers.close()
         self._requests.clear()
         self._batch = None

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine_core.config import EngineConfig
+from engine_core_mock._replies import Reply, parse_replies
 
 __all__ = ["Fault", "Latency", "MockOptions", "ModelGeometry", "parse_options"]
 
@@ -24,6 +25,9 @@ OPTION_NAMES = frozenset(
         "latency",
         "load_s",
         "fault",
+        "replies",
+        "tensor_parallel_size",
+        "tensor_parallel_memory_bytes",
     }
 )
 _LATENCY_KEYS = ("step_s", "per_token_s", "per_context_token_s")
@@ -78,6 +82,8 @@ class Fault:
 
     kind: Literal["raise", "exit", "hang", "freeze"]
     at_step: int
+    rank: int | None = None
+    """Only the engine of this ``data_parallel_rank`` fails (None: every engine)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +109,13 @@ class MockOptions:
     fault: Fault | None
     load_s: float = 0.0
     """Seconds that constructing the backend takes (a model load)."""
+    replies: tuple[Reply, ...] = ()
+    """Scripted replies (``engine_core_mock._replies``)."""
+    tensor_parallel_size: int = 1
+    """Ranks to pretend: rank 0 is the backend, 1..N-1 dummy worker processes."""
+    rank_memory_bytes: tuple[int, ...] | None = None
+    """Per-rank device memory (``tensor_parallel_memory_bytes``), else ``device_memory_bytes``
+    on every rank."""
 
 
 def _int_option(name: str, value: Any, *, minimum: int) -> int:
@@ -140,11 +153,18 @@ def _seconds(name: str, value: Any) -> float:
 def _parse_fault(value: Any) -> Fault | None:
     if value is None:
         return None
-    if not isinstance(value, dict) or set(value) != {"kind", "at_step"}:
+    if not isinstance(value, dict) or not {"kind", "at_step"} <= set(value) <= {
+        "kind",
+        "at_step",
+        "rank",
+    }:
         raise ValueError(
-            "backend_options['fault'] must be a dict with exactly the keys 'kind' and "
-            f"'at_step', got {value!r}"
+            "backend_options['fault'] must be a dict with the keys 'kind' and 'at_step' "
+            f"(and optionally 'rank'), got {value!r}"
         )
+    rank = value.get("rank")
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+        raise ValueError(f"backend_options['fault']['rank'] must be an int >= 0, got {rank!r}")
     kind = value["kind"]
     if kind not in _FAULT_KINDS:
         raise ValueError(
@@ -156,7 +176,7 @@ def _parse_fault(value: Any) -> Fault | None:
         raise ValueError(
             f"backend_options['fault']['at_step'] must be an int >= 1, got {at_step!r}"
         )
-    return Fault(kind, at_step)
+    return Fault(kind, at_step, rank)
 
 
 def dtype_bytes(dtype: str, name: str) -> int:
@@ -237,9 +257,22 @@ def parse_options(config: EngineConfig) -> MockOptions:
             values[name] = _int_option(
                 name, options[name], minimum=0 if name == "weight_bytes" else 1
             )
+    tp = options.get("tensor_parallel_size")
+    tp = 1 if tp is None else _int_option("tensor_parallel_size", tp, minimum=1)
+    memory = options.get("tensor_parallel_memory_bytes")
+    if memory is not None:
+        if not isinstance(memory, list) or len(memory) != tp:
+            raise ValueError(
+                "backend_options['tensor_parallel_memory_bytes'] must be a list of one int per "
+                f"rank ({tp}), got {memory!r}"
+            )
+        memory = tuple(_int_option("tensor_parallel_memory_bytes", m, minimum=1) for m in memory)
     return MockOptions(
         ModelGeometry(**values),
         _parse_latency(options.get("latency")),
         _parse_fault(options.get("fault")),
         0.0 if options.get("load_s") is None else _seconds("'load_s'", options["load_s"]),
+        parse_replies(options.get("replies")),
+        tp,
+        memory,
     )

@@ -45,9 +45,10 @@ class RequestState:
         "step_start",
         "hasher",
         "num_hashed",
+        "reply",
     )
 
-    def __init__(self, new: NewRequestData, seed: int) -> None:
+    def __init__(self, new: NewRequestData, seed: int, reply: list[int] | None = None) -> None:
         params = new.sampling_params
         self.req_id = new.req_id
         self.tokens = new.prompt_token_ids + new.output_token_ids
@@ -72,14 +73,23 @@ class RequestState:
             and self.num_prompt_logprobs is None
             and not self.constrained
             and self.logit_bias is None
+            and reply is None
         )
         self.step_start = new.num_computed_tokens
         self.hasher = None if self.greedy else xxh3_64(seed=seed)
         self.num_hashed = 0
+        self.reply = reply
+        """The scripted reply's token ids, which the first outputs follow (None: no reply)."""
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.tokens) - self.num_prompt_tokens
+
+    def reply_token(self) -> int | None:
+        """The scripted reply's token for the next output (None: no reply, or past it)."""
+        reply = self.reply
+        index = len(self.tokens) - self.num_prompt_tokens
+        return reply[index] if reply is not None and index < len(reply) else None
 
     def masked(self) -> frozenset[int] | None:
         """Token ids excluded now: those ``logit_bias`` bans, and stop ids while fewer than

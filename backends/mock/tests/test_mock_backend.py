@@ -449,3 +449,23 @@ def test_steps_run_in_a_thread_only_when_they_block() -> None:
     assert make().step_in_thread is False
     assert make(latency={"step_s": 0.001}).step_in_thread is True
     assert make(fault={"kind": "hang", "at_step": 3}).step_in_thread is True
+
+
+def test_a_fault_with_a_rank_hits_that_engine_only() -> None:
+    from engine_core_mock import MockBackend
+
+    from engine_core.config import EngineConfig
+
+    def make(rank: int) -> MockBackend:
+        fault = {"kind": "exit", "at_step": 2, "rank": 1}
+        config = EngineConfig(
+            tokenizer="byte",
+            data_parallel_size=2,
+            data_parallel_rank=rank,
+            backend_options={"fault": fault},
+        )
+        return MockBackend(config)
+
+    assert make(0).fault is None
+    fault = make(1).fault
+    assert fault is not None and (fault.kind, fault.at_step, fault.rank) == ("exit", 2, 1)

@@ -95,7 +95,12 @@ def test_unknown_options_are_named() -> None:
         ({"latency": {"step": 1}}, r"backend_options\['latency'\] has unknown key\(s\) \['step'\]"),
         ({"latency": {"step_s": -1}}, r"\['latency'\]\['step_s'\] must be a finite number >= 0"),
         ({"latency": 0.1}, r"backend_options\['latency'\] must be a dict"),
-        ({"fault": {"kind": "raise"}}, "exactly the keys 'kind' and 'at_step'"),
+        ({"fault": {"kind": "raise"}}, "the keys 'kind' and 'at_step'"),
+        ({"fault": {"kind": "raise", "at_step": 1, "when": 2}}, "the keys 'kind' and 'at_step'"),
+        (
+            {"fault": {"kind": "exit", "at_step": 1, "rank": -1}},
+            r"\['rank'\] must be an int >= 0, got -1",
+        ),
         ({"fault": {"kind": "melt", "at_step": 1}}, r"\['fault'\]\['kind'\] must be one of"),
         ({"fault": {"kind": "exit", "at_step": 0}}, r"\['at_step'\] must be an int >= 1, got 0"),
         ({"load_s": -1}, r"backend_options\['load_s'\] must be a finite number >= 0, got -1"),

@@ -19,7 +19,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _MAX_TILE_ELEMENTS = 4096
 
 
-@triton.jit
+# The token count changes every step and the slots are a slice of the step's packed inputs:
+# neither is specialized on, so one variant serves every batch.
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["slot_mapping_ptr"])
 def _write_kv_kernel(
     key_ptr,
     value_ptr,

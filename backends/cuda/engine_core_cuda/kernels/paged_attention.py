@@ -46,7 +46,13 @@ def _find_sequence(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q: tl.conste
     return lo - 1
 
 
-@triton.jit
+# The sequence count changes every step and the per-sequence arrays are slices of the step's
+# packed inputs (read one value at a time): neither is specialized on, so one variant per tile
+# shape serves every batch.
+@triton.jit(
+    do_not_specialize=["num_seqs"],
+    do_not_specialize_on_alignment=["seq_rows_ptr", "query_start_loc_ptr", "seq_lens_ptr"],
+)
 def _paged_attention_kernel(
     out_ptr,
     segm_out_ptr,

@@ -34,7 +34,7 @@ def _rotate_heads(x_ptr, stride_head, num_heads, cos, sin,
     tl.store(first + HALF, out2.to(x1.dtype), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])  # a slice of the step's inputs
 def _rotary_kernel(
     q_ptr,
     k_ptr,

@@ -1,0 +1,535 @@
+"""``DPClient``: data parallelism, N engine-core processes behind one front end.
+
+Each engine is an :class:`MPClient` of its own (its process, its private sockets, its liveness
+watch), started with its ``data_parallel_rank``; the engines send their KV events and load with
+every step's outputs, which feed the :class:`~engine_core._core.router.Router` that places each
+new request. Aborts go to the request's engine; control calls fan out to every live engine at
+once and their answers combine (``get_stats`` sums, ``is_paused`` and ``reset_prefix_cache`` are
+true when true everywhere).
+
+Reading. As with one engine, there is no reader task: :meth:`DPClient.get_output_async` takes the
+next queued step outputs of any engine (in turn), else waits until one engine has some.
+
+An engine's death is not the deployment's. Its requests move as ``dp_failover`` says: those
+that had streamed nothing go to another engine (``"retry"``, ``"resume"``), started ones end with
+a retryable error naming the engine, except that ``"resume"`` continues the greedy ones on
+another engine from the tokens already streamed (the client sees one stream). Those endings
+come back as ordinary outputs. :class:`EngineDeadError` is raised only once no engine is alive.
+With ``dp_restart_engines`` a dead engine is restarted in a thread, with backoff, and rejoins.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import msgspec
+import zmq
+
+from engine_core._core.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    FinishedRequest,
+)
+from engine_core._core.router import REASONS, Router
+from engine_core._engine.client import UTILITY_METHODS, EngineCoreClient
+from engine_core._engine.core import PauseMode
+from engine_core._engine.dp_stats import aggregate_stats
+from engine_core._engine.mp_client import MPClient
+from engine_core.config import EngineConfig
+from engine_core.errors import EngineClosedError, EngineDeadError, EngineError
+
+__all__ = ["DPClient"]
+
+logger = logging.getLogger(__name__)
+
+_RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+
+
+class _Tracked:
+    """A request in flight, as the client needs it to move it to another engine."""
+
+    __slots__ = ("request", "engine", "num_tokens", "tokens")
+
+    def __init__(self, request: EngineCoreRequest, engine: int) -> None:
+        self.request = request
+        self.engine = engine
+        self.num_tokens = 0
+        self.tokens: list[int] = list(request.resume_output_token_ids)
+
+
+class RouterMetrics:
+    """What the router did: requests by engine and reason, predicted and actual prefix hits."""
+
+    def __init__(self, num_engines: int) -> None:
+        self.requests: dict[tuple[int, str], int] = {
+            (e, r): 0 for e in range(num_engines) for r in REASONS
+        }
+        self.predicted_hit_tokens = [0] * num_engines
+        self.actual_hit_tokens = [0] * num_engines
+        """Cached tokens the engines reported for the requests they started."""
+        self.engine_restarts = [0] * num_engines
+
+
+def _resumable(request: EngineCoreRequest) -> bool:
+    """Whether another engine can continue the request exactly from its tokens: greedy, or
+    seeded (both shipped backends draw from a pure function of the seed and the position), with
+    no grammar state or prompt logprobs that would not carry over."""
+    params = request.sampling_params
+    exact = params.is_greedy or params.seed is not None
+    return exact and params.structured_outputs is None and params.prompt_logprobs is None
+
+
+class DPClient(EngineCoreClient):
+    """``config.data_parallel_size`` engine-core processes, one front end. Same interface as
+    :class:`MPClient`."""
+
+    info: EngineInfo
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._setup(config)
+        clients: list[MPClient] = []
+        try:
+            for rank in range(self.num_engines):
+                clients.append(MPClient(self._engine_config(rank)))
+        except BaseException:
+            for client in clients:
+                client.shutdown()
+            raise
+        self._finish_setup(clients)
+
+    @classmethod
+    async def start_async(cls, config: EngineConfig) -> DPClient:
+        """Like ``DPClient(config)``: the engines start at once, without blocking the loop."""
+        client = cls.__new__(cls)
+        client._setup(config)
+        started: dict[int, MPClient] = {}
+        errors: list[BaseException] = []
+
+        async def start(rank: int) -> None:
+            try:
+                started[rank] = await MPClient.start_async(client._engine_config(rank))
+            except Exception as exc:
+                errors.append(exc)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for rank in range(client.num_engines):
+                    tg.start_soon(start, rank)
+            if errors:
+                raise errors[0]
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                for engine in started.values():
+                    await engine.shutdown_async()
+            raise
+        client._finish_setup([started[r] for r in range(client.num_engines)])
+        return client
+
+    def _setup(self, config: EngineConfig) -> None:
+        self.config = config
+        self.num_engines = config.data_parallel_size
+        self._closing = False
+        self._turn = 0
+        self._tracked: dict[str, _Tracked] = {}
+        self._ended: list[FinishedRequest] = []
+        """Endings the client decided itself (failover), returned as the next outputs."""
+        self._wakeup: anyio.Event | None = None
+        self._rejoined: collections.deque[tuple[int, MPClient]] = collections.deque()
+        self._restart_threads: list[threading.Thread] = []
+        self._last_death: EngineDeadError | None = None
+        self.metrics = RouterMetrics(self.num_engines)
+        self._keep_tokens = config.dp_failover == "resume"
+
+    def _engine_config(self, rank: int) -> EngineConfig:
+        return msgspec.structs.replace(self.config, data_parallel_rank=rank)
+
+    def _finish_setup(self, clients: list[MPClient]) -> None:
+        self._clients = clients
+        self._alive = [True] * self.num_engines
+        self.info = clients[0].info
+        config = self.config
+        self.router = Router(
+            self.num_engines,
+            block_size=self.info.block_size,
+            policy=config.router_policy,
+            balance_abs=config.balance_abs,
+            balance_rel=config.router_balance_rel,
+            caching=config.enable_prefix_caching,
+        )
+
+    # -- engines --------------------------------------------------------------------------------
+
+    @property
+    def engines_alive(self) -> list[int]:
+        return [e for e in range(self.num_engines) if self._alive[e]]
+
+    @property
+    def pids(self) -> list[int | None]:
+        """Each engine's process id (by rank)."""
+        return [c.pid for c in self._clients]
+
+    def engine_status(self) -> list[dict[str, Any]]:
+        """Each engine's rank, liveness and pid."""
+        return [
+            {"rank": e, "alive": self._alive[e], "pid": self._clients[e].pid}
+            for e in range(self.num_engines)
+        ]
+
+    def _check_usable(self) -> None:
+        if self._closing:
+            raise EngineClosedError("the engine was shut down")
+        if self._rejoined:
+            self._take_rejoined()
+        if not any(self._alive):
+            raise self._all_dead()
+
+    def _all_dead(self) -> EngineDeadError:
+        error = EngineDeadError(f"all {self.num_engines} engine cores are dead")
+        error.__cause__ = self._last_death
+        return error
+
+    def _engine_died(self, engine: int) -> None:
+        """Take ``engine`` out and move its requests as ``dp_failover`` says."""
+        if not self._alive[engine] or self._closing:
+            return
+        self._alive[engine] = False
+        cause = self._clients[engine].error()
+        if isinstance(cause, EngineDeadError):
+            self._last_death = cause
+        lost = self.router.remove_engine(engine)
+        logger.error(
+            "engine %d died (%s); %d request(s) were in flight there; %d engine(s) left",
+            engine,
+            cause,
+            len(lost),
+            sum(self._alive),
+        )
+        if self.config.dp_restart_engines:
+            self._start_restart(engine)
+        if not any(self._alive):
+            # The deployment's death: every request in flight gets EngineDeadError.
+            if self._wakeup is not None:
+                self._wakeup.set()
+            return
+        mode = self.config.dp_failover
+        for request_id in lost:
+            if not any(self._alive):
+                break  # a later death took the last engine: EngineDeadError for the rest
+            tracked = self._tracked.get(request_id)
+            if tracked is None or tracked.engine != engine:
+                continue
+            if tracked.request.data_parallel_rank is None:
+                if tracked.num_tokens == 0 and mode != "fail":
+                    self._send(tracked, tracked.request, "failover")
+                    continue
+                if mode == "resume" and _resumable(tracked.request):
+                    resumed = msgspec.structs.replace(
+                        tracked.request, resume_output_token_ids=list(tracked.tokens)
+                    )
+                    self._send(tracked, resumed, "failover")
+                    continue
+            del self._tracked[request_id]
+            self._ended.append(
+                FinishedRequest(
+                    request_id,
+                    "error",
+                    None,
+                    f"engine {engine} of the data-parallel deployment died ({cause}); "
+                    "the request may be sent again",
+                    retryable=True,
+                )
+            )
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _send(self, tracked: _Tracked, request: EngineCoreRequest, reason: str | None) -> None:
+        """Route ``request`` and send it to its engine (another one if that one died)."""
+        while True:
+            decision = self.router.route(
+                request.request_id,
+                request.prompt_token_ids,
+                cache_salt=request.cache_salt,
+                rank=request.data_parallel_rank,
+            )
+            engine = decision.engine
+            self.metrics.requests[engine, reason or decision.reason] += 1
+            self.metrics.predicted_hit_tokens[engine] += decision.predicted_hit_tokens
+            tracked.engine = engine
+            tracked.request = request
+            try:
+                self._clients[engine].add_request(request)
+                return
+            except EngineDeadError:
+                self._engine_died(engine)  # moves this request too, or ends it
+                return
+
+    # -- restarts -------------------------------------------------------------------------------
+
+    def _start_restart(self, engine: int) -> None:
+        thread = threading.Thread(
+            target=self._restart, args=(engine,), name=f"EngineCore-restart-{engine}", daemon=True
+        )
+        self._restart_threads.append(thread)
+        thread.start()
+
+    def _restart(self, engine: int) -> None:
+        for delay in _RESTART_BACKOFF_S:
+            time.sleep(delay)
+            if self._closing:
+                return
+            try:
+                client = MPClient(self._engine_config(engine))
+            except Exception as exc:
+                logger.error("restarting engine %d failed: %s", engine, exc)
+                continue
+            if self._closing:
+                client.shutdown()
+                return
+            self._rejoined.append((engine, client))
+            return
+        logger.error("engine %d could not be restarted; giving up", engine)
+
+    def _take_rejoined(self) -> None:
+        if not self._rejoined:
+            return
+        while self._rejoined:
+            engine, client = self._rejoined.popleft()
+            old = self._clients[engine]
+            self._clients[engine] = client
+            self._alive[engine] = True
+            self.router.add_engine(engine)
+            self.metrics.engine_restarts[engine] += 1
+            logger.info("engine %d restarted and rejoined", engine)
+            old.shutdown()
+        if self._wakeup is not None:  # a reader waiting for the others reads this one too
+            self._wakeup.set()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Route ``request`` to an engine and send it there. A pin to an engine that is not
+        alive ends the request with an error."""
+        self._check_usable()
+        tracked = _Tracked(request, -1)
+        self._tracked[request.request_id] = tracked
+        try:
+            self._send(tracked, request, None)
+        except ValueError as exc:  # a pin to a dead or unknown engine
+            del self._tracked[request.request_id]
+            self._ended.append(FinishedRequest(request.request_id, "error", None, str(exc)))
+            if self._wakeup is not None:
+                self._wakeup.set()
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        by_engine: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            tracked = self._tracked.pop(request_id, None)
+            if tracked is None:
+                continue
+            self.router.finished(request_id)
+            by_engine.setdefault(tracked.engine, []).append(request_id)
+        for engine, ids in by_engine.items():
+            if self._alive[engine]:
+                self._clients[engine].abort_requests(ids)
+
+    # -- outputs --------------------------------------------------------------------------------
+
+    def _next_output(self) -> EngineCoreOutputs | None:
+        """The next outputs of any engine (in turn), or of the client's own failover; None
+        when nothing is queued. Notices deaths on the way."""
+        n = self.num_engines
+        for i in range(n):
+            engine = (self._turn + i) % n
+            if not self._alive[engine]:
+                continue
+            client = self._clients[engine]
+            if client.has_output:
+                self._turn = engine + 1
+                return self._observe(engine, client.take_output())
+            if client.gone:
+                if self._closing:
+                    continue
+                self._engine_died(engine)
+        if self._ended:
+            ended, self._ended = self._ended, []
+            return EngineCoreOutputs(finished=ended)
+        if self._closing:
+            raise EngineClosedError("the engine was shut down")
+        if not any(self._alive):
+            raise self._all_dead()
+        return None
+
+    def _observe(self, engine: int, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        """Feed the router with what an engine's step outputs say."""
+        router = self.router
+        if outputs.kv_events is not None:
+            router.apply_events(engine, outputs.kv_events)
+        if outputs.load is not None:
+            router.update_load(engine, outputs.load)
+        tracked = self._tracked
+        cached = outputs.num_cached_tokens
+        for request_id, tokens in zip(outputs.req_ids, outputs.new_token_ids, strict=True):
+            entry = tracked.get(request_id)
+            if entry is None:
+                continue
+            if request_id in cached:
+                router.started(request_id)
+                self.metrics.actual_hit_tokens[engine] += cached[request_id]
+            entry.num_tokens += len(tokens)
+            if self._keep_tokens:
+                entry.tokens.extend(tokens)
+        for finished in outputs.finished:
+            if tracked.pop(finished.req_id, None) is not None:
+                router.finished(finished.req_id)
+        return outputs
+
+    def get_output(self) -> EngineCoreOutputs:
+        """The next outputs of any engine, blocking until there are some."""
+        while True:
+            self._take_rejoined()
+            outputs = self._next_output()
+            if outputs is not None:
+                return outputs
+            poller = zmq.Poller()
+            for engine in self.engines_alive:
+                poller.register(self._clients[engine].output_socket, zmq.POLLIN)
+            poller.poll()
+            for engine in self.engines_alive:
+                self._clients[engine].read_pending()
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """Like :meth:`get_output`, waiting in the event loop."""
+        while True:
+            self._take_rejoined()
+            outputs = self._next_output()
+            if outputs is not None:
+                return outputs
+            await self._wait_for_any()
+
+    async def _wait_for_any(self) -> None:
+        """Until an engine has outputs or is gone, or the client ended requests itself."""
+        if self.num_engines == 1:  # nothing to fail over to, nothing to rejoin
+            await self._clients[0].wait_for_output()
+            return
+        self._wakeup = wakeup = anyio.Event()
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def first(wait: Callable[[], Any]) -> None:
+                    await wait()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(first, wakeup.wait)
+                for engine in self.engines_alive:
+                    tg.start_soon(first, self._clients[engine].wait_for_output)
+        finally:
+            self._wakeup = None
+
+    # -- control calls --------------------------------------------------------------------------
+
+    def _combine(self, method: str, results: dict[int, Any]) -> Any:
+        if method == "get_stats":
+            return aggregate_stats(results, self.num_engines)
+        if method in ("is_paused", "reset_prefix_cache"):
+            return all(results.values())
+        if method == "kv_cache_snapshot":
+            return [results.get(e) for e in range(self.num_engines)]
+        return None
+
+    def _check_call(self, method: str, args: tuple[Any, ...]) -> None:
+        if method not in UTILITY_METHODS:
+            raise ValueError(f"unknown utility method {method!r}")
+        if method == "pause_generation" and args:
+            PauseMode.parse(args[0])
+        self._check_usable()
+
+    def _gather(self, method: str, outcomes: dict[int, Any]) -> Any:
+        """The combined result of a call, from each engine's result or error; engines that
+        died meanwhile are left out (and failed over)."""
+        results: dict[int, Any] = {}
+        for engine, outcome in sorted(outcomes.items()):
+            if isinstance(outcome, EngineDeadError):
+                self._engine_died(engine)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                results[engine] = outcome
+        if not results:
+            raise self._all_dead()
+        return self._combine(method, results)
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        self._check_call(method, args)
+        outcomes: dict[int, Any] = {}
+        for engine in self.engines_alive:
+            try:
+                outcomes[engine] = self._clients[engine].call_utility(method, *args)
+            except EngineError as exc:
+                outcomes[engine] = exc
+        return self._gather(method, outcomes)
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        """Run the call in every live engine at once and combine the answers."""
+        self._check_call(method, args)
+        outcomes: dict[int, Any] = {}
+
+        async def call(engine: int) -> None:
+            try:
+                outcomes[engine] = await self._clients[engine].call_utility_async(method, *args)
+            except Exception as exc:
+                outcomes[engine] = exc
+
+        async with anyio.create_task_group() as tg:
+            for engine in self.engines_alive:
+                tg.start_soon(call, engine)
+        return self._gather(method, outcomes)
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    def _begin_shutdown(self) -> bool:
+        if self._closing:
+            return False
+        self._closing = True
+        if self._wakeup is not None:
+            self._wakeup.set()
+        return True
+
+    def shutdown(self) -> None:
+        if not self._begin_shutdown():
+            return
+        for client in self._clients:
+            client.shutdown()
+        self._take_rejoined_for_shutdown()
+
+    async def shutdown_async(self) -> None:
+        if not self._begin_shutdown():
+            return
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for client in self._clients:
+                    tg.start_soon(client.shutdown_async)
+            await anyio.to_thread.run_sync(self._take_rejoined_for_shutdown)
+
+    def _take_rejoined_for_shutdown(self) -> None:
+        while self._rejoined:
+            self._rejoined.popleft()[1].shutdown()
+
+    def __enter__(self) -> DPClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> DPClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown_async()

@@ -1,0 +1,154 @@
+"""The Responses API's request (``POST /v1/responses``) and its translation into a chat
+completion request: ``instructions`` and ``input`` become messages (``function_call`` and
+``function_call_output`` items become an assistant's tool calls and tool messages), flat
+function tools become chat tools, ``text.format`` becomes ``response_format``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+from engine_core.server._errors import APIError
+from engine_core.server._protocol import ChatCompletionRequest
+
+__all__ = ["ResponsesRequest", "to_chat_request"]
+
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    """``POST /v1/responses`` (no server-side storage)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    seed: int | None = None
+
+
+def _refuse_storage(body: ResponsesRequest) -> None:
+    if body.previous_response_id is not None:
+        raise APIError(
+            400,
+            "previous_response_id is not supported: this server stores no responses; send the "
+            "conversation in input",
+            param="previous_response_id",
+        )
+    if body.store:
+        raise APIError(
+            400, "store: true is not supported: this server stores no responses", param="store"
+        )
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: content must be a string or a list of parts", param="input")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+            kind = part.get("type") if isinstance(part, dict) else part
+            raise APIError(
+                400, f"{where}: only text parts are supported, got {kind!r}", param="input"
+            )
+        texts.append(str(part.get("text", "")))
+    return "\n".join(texts)
+
+
+def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if body.instructions:
+        messages.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        messages.append({"role": "user", "content": body.input})
+        return messages
+    for index, item in enumerate(body.input):
+        where = f"input[{index}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = _ROLES.get(item.get("role", ""))
+            if role is None:
+                raise APIError(400, f"{where}: unknown role {item.get('role')!r}", param="input")
+            messages.append({"role": role, "content": _text(item.get("content", ""), where)})
+        elif kind == "function_call":
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id"),
+                    "content": output if isinstance(output, str) else json.dumps(output),
+                }
+            )
+        elif kind != "reasoning":  # earlier thinking is not sent back to the model
+            raise APIError(400, f"{where}: items of type {kind!r} are not supported", param="input")
+    if not messages:
+        raise APIError(400, "input must not be empty", param="input")
+    return messages
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise APIError(400, "text.format must be an object", param="text")
+    if fmt.get("type") == "json_schema":
+        return {
+            "type": "json_schema",
+            "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")},
+        }
+    return {"type": fmt.get("type")}
+
+
+def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat completion request that answers ``body``; 400 naming the Responses field."""
+    _refuse_storage(body)
+    chat: dict[str, Any] = {
+        "model": body.model,
+        "messages": _messages(body),
+        "max_completion_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "seed": body.seed,
+        "tools": body.tools,
+        "tool_choice": _tool_choice(body.tool_choice),
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "response_format": _response_format(body.text),
+        "stream": body.stream,
+    }
+    try:
+        return msgspec.convert(chat, ChatCompletionRequest)
+    except msgspec.ValidationError as exc:
+        raise APIError(400, f"invalid request: {exc}") from None

@@ -1,0 +1,147 @@
+"""Reasoning output (``--reasoning-parser``) through the official ``openai`` client, under
+asyncio and trio: the thinking in ``reasoning_content``, whole and streamed, its tokens in the
+usage, and grammars (a JSON schema, a tool grammar) applied after it ends."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from helpers.tool_servers import (
+    MODEL,
+    TOOLS,
+    WEATHER_ARGS,
+    ToolServers,
+    in_thread,
+    tool_servers,
+)
+
+pytestmark = pytest.mark.anyio
+
+THOUGHT = "\nThe user asks 2+2.\n"
+ANSWER = "The answer is 4."
+
+
+@pytest.fixture(scope="module", params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+async def servers(anyio_backend: str) -> AsyncIterator[ToolServers]:
+    async with tool_servers() as servers:
+        yield servers
+
+
+async def reply(
+    servers: ToolServers, server: str, text: str, stream: bool, **kwargs: Any
+) -> tuple[str | None, str | None, int, Any]:
+    """(reasoning, content, reasoning tokens, the whole message or the streamed chunks)."""
+    client = servers.client(server)
+    messages: Any = [{"role": "user", "content": text}]
+    if not stream:
+        result = await in_thread(
+            client.chat.completions.create, model=MODEL, messages=messages, **kwargs
+        )
+        message = result.choices[0].message
+        usage = result.usage
+        assert usage is not None and usage.completion_tokens_details is not None
+        reasoning_tokens = usage.completion_tokens_details.reasoning_tokens or 0
+        return (
+            getattr(message, "reasoning_content", None),
+            message.content,
+            reasoning_tokens,
+            message,
+        )
+    chunks = await in_thread(
+        lambda: list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                stream=True,
+                stream_options={"include_usage": True},
+                **kwargs,
+            )
+        )
+    )
+    reasoning = content = ""
+    for chunk in chunks:
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens_details is not None
+    return (
+        reasoning or None,
+        content or None,
+        usage.completion_tokens_details.reasoning_tokens or 0,
+        chunks,
+    )
+
+
+def _tokens(text: str) -> int:
+    return len(text.encode())  # the byte tokenizer
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(
+    ("server", "prompt", "thinking"),
+    [
+        ("hermes", "think", f"<think>{THOUGHT}</think>"),  # qwen3
+        ("deepseek_r1", "r1 think", f"{THOUGHT.lstrip()}</think>"),
+    ],
+)
+async def test_thinking_is_split_off(
+    servers: ToolServers, server: str, prompt: str, thinking: str, stream: bool
+) -> None:
+    reasoning, content, tokens, _ = await reply(servers, server, prompt, stream, temperature=0)
+    assert reasoning == thinking.removeprefix("<think>").removesuffix("</think>")
+    assert content == ANSWER
+    assert tokens == _tokens(thinking)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_qwen3_output_without_thinking_is_content(servers: ToolServers, stream: bool) -> None:
+    reasoning, content, tokens, _ = await reply(
+        servers, "hermes", "hi", stream, temperature=0, max_tokens=4
+    )
+    assert (reasoning, content, tokens) == (None, ";<=>", 0)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_deepseek_r1_output_that_never_ends_thinking_is_all_reasoning(
+    servers: ToolServers, stream: bool
+) -> None:
+    reasoning, content, tokens, _ = await reply(
+        servers, "deepseek_r1", "hi", stream, temperature=0, max_tokens=4
+    )
+    assert (reasoning, content, tokens) == (";<=>", None, 4)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_json_schema_applies_after_the_thinking(servers: ToolServers, stream: bool) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer"}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    reasoning, content, _, _ = await reply(
+        servers, "hermes", "json think", stream, temperature=0, response_format=response_format
+    )
+    assert reasoning == "It wants JSON."
+    assert content is not None and json.loads(content) == {"answer": 4}
+
+
+async def test_a_tool_grammar_applies_after_the_thinking(servers: ToolServers) -> None:
+    reasoning, content, _, message = await reply(
+        servers, "hermes", "call after thinking", False, tools=TOOLS, tool_choice="required"
+    )
+    assert reasoning == "The weather is needed."
+    assert content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", WEATHER_ARGS)
+    ]

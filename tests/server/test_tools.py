@@ -1,0 +1,302 @@
+"""Tool calling in chat completions through the official ``openai`` client, under asyncio and
+trio: grammars for ``"required"`` and named tools, each parser's format under ``"auto"``
+(whole and streamed), malformed calls, ``"none"``, the SDK's ``parse`` helper and an agent loop.
+The mock plays the model with scripted replies (``tests/helpers/tool_servers.py``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+from helpers.tool_servers import (
+    BROKEN,
+    MODEL,
+    SCHEMAS,
+    TIME_ARGS,
+    TOOLS,
+    WEATHER_ARGS,
+    ToolServers,
+    in_thread,
+    tool_servers,
+)
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+pytestmark = pytest.mark.anyio
+
+MARKUP = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", '"name"')
+
+
+@pytest.fixture(scope="module", params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+async def servers(anyio_backend: str) -> AsyncIterator[ToolServers]:
+    async with tool_servers() as servers:
+        yield servers
+
+
+def _user(text: str) -> list[Any]:
+    return [{"role": "user", "content": text}]
+
+
+async def chat(servers: ToolServers, server: str, text: str, **kwargs: Any) -> ChatCompletion:
+    client = servers.client(server)
+    return await in_thread(
+        client.chat.completions.create, model=MODEL, messages=_user(text), **kwargs
+    )
+
+
+async def chat_stream(
+    servers: ToolServers, server: str, text: str, **kwargs: Any
+) -> list[ChatCompletionChunk]:
+    client = servers.client(server)
+    return await in_thread(
+        lambda: list(
+            client.chat.completions.create(model=MODEL, messages=_user(text), stream=True, **kwargs)
+        )
+    )
+
+
+def assembled(chunks: list[ChatCompletionChunk]) -> tuple[str, list[dict[str, str]], str | None]:
+    """(content, calls as {"id", "name", "arguments"}, finish reason) of a stream, checking
+    that each call's id and name come once, in its first piece."""
+    content = ""
+    calls: dict[int, dict[str, str]] = {}
+    reason = None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            reason = choice.finish_reason or reason
+            for piece in choice.delta.tool_calls or ():
+                function = piece.function
+                assert function is not None
+                if piece.index not in calls:
+                    assert piece.id and function.name and piece.type == "function"
+                    calls[piece.index] = {"id": piece.id, "name": function.name, "arguments": ""}
+                else:
+                    assert piece.id is None and function.name is None
+                calls[piece.index]["arguments"] += function.arguments or ""
+    return content, [calls[i] for i in sorted(calls)], reason
+
+
+def whole_calls(result: ChatCompletion) -> list[dict[str, str]]:
+    calls = result.choices[0].message.tool_calls or []
+    return [
+        {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}  # type: ignore[union-attr]
+        for c in calls
+    ]
+
+
+def check_valid(calls: list[dict[str, str]]) -> None:
+    for call in calls:
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+def _without_ids(calls: list[dict[str, str]]) -> list[tuple[str, Any]]:
+    return [(c["name"], json.loads(c["arguments"])) for c in calls]
+
+
+# -- grammars: a named tool and "required" ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    [{"type": "function", "function": {"name": "get_weather"}}, "required"],
+    ids=["named", "required"],
+)
+async def test_constrained_calls_validate_streamed_and_not(
+    servers: ToolServers, tool_choice: Any
+) -> None:
+    # No scripted reply: the mock's own tokens, moved by the grammar, still give valid calls.
+    kwargs = {
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+        "temperature": 0,
+        "max_tokens": 200,
+        "parallel_tool_calls": False,
+    }
+    result = await chat(servers, "plain", "anything", **kwargs)
+    choice = result.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    calls = whole_calls(result)
+    assert len(calls) == 1
+    if tool_choice != "required":
+        assert calls[0]["name"] == "get_weather"
+    check_valid(calls)
+    content, streamed, reason = assembled(await chat_stream(servers, "plain", "anything", **kwargs))
+    assert (content, reason) == ("", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in streamed] == [
+        (c["name"], c["arguments"]) for c in calls
+    ]
+
+
+async def test_required_gives_parallel_calls(servers: ToolServers) -> None:
+    kwargs = {"tools": TOOLS, "tool_choice": "required", "temperature": 0}
+    result = await chat(servers, "plain", "required two", **kwargs)
+    expected = [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)]
+    assert _without_ids(whole_calls(result)) == expected
+    _, streamed, _ = assembled(await chat_stream(servers, "plain", "required two", **kwargs))
+    assert _without_ids(streamed) == expected
+
+
+# -- "auto": each parser ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("server", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_auto_reads_each_format(servers: ToolServers, server: str, stream: bool) -> None:
+    prefix = server.removesuffix("3_json")
+    for text, expected in [
+        (f"{prefix} weather", [("get_weather", WEATHER_ARGS)]),
+        (f"{prefix} two", [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)]),
+    ]:
+        if stream:
+            content, calls, reason = assembled(
+                await chat_stream(servers, server, text, tools=TOOLS)
+            )
+        else:
+            result = await chat(servers, server, text, tools=TOOLS)
+            content = result.choices[0].message.content or ""
+            calls, reason = whole_calls(result), result.choices[0].finish_reason
+        assert _without_ids(calls) == expected
+        assert reason == "tool_calls"
+        assert not any(mark in content for mark in MARKUP), content
+        if text == "hermes weather":
+            assert content.strip() == "Let me check."
+        check_valid(calls)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_auto_without_parallel_calls_keeps_the_first(
+    servers: ToolServers, stream: bool
+) -> None:
+    kwargs = {"tools": TOOLS, "parallel_tool_calls": False}
+    if stream:
+        _, calls, _ = assembled(await chat_stream(servers, "hermes", "hermes two", **kwargs))
+    else:
+        calls = whole_calls(await chat(servers, "hermes", "hermes two", **kwargs))
+    assert _without_ids(calls) == [("get_weather", WEATHER_ARGS)]
+
+
+@pytest.mark.parametrize(
+    ("broken", "stream"),
+    [("broken", False), ("broken", True), ("truncated", False)],
+)
+async def test_malformed_call_text_comes_back_as_content(
+    servers: ToolServers, broken: str, stream: bool
+) -> None:
+    # A stream sends a call once its name is read; the truncated call's name is, so only the
+    # whole response can give it back as content.
+    text = BROKEN[broken]
+    if stream:
+        content, calls, reason = assembled(
+            await chat_stream(servers, "hermes", broken, tools=TOOLS)
+        )
+    else:
+        result = await chat(servers, "hermes", broken, tools=TOOLS)
+        content, calls = result.choices[0].message.content or "", whole_calls(result)
+        reason = result.choices[0].finish_reason
+    assert (content, calls, reason) == (text, [], "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_none_never_returns_calls(servers: ToolServers, stream: bool) -> None:
+    if stream:
+        content, calls, reason = assembled(
+            await chat_stream(servers, "hermes", "hermes weather", tools=TOOLS, tool_choice="none")
+        )
+    else:
+        result = await chat(servers, "hermes", "hermes weather", tools=TOOLS, tool_choice="none")
+        content, calls = result.choices[0].message.content or "", whole_calls(result)
+        reason = result.choices[0].finish_reason
+    assert calls == [] and reason == "stop"
+    assert content.startswith("Let me check.\n<tool_call>")
+
+
+async def test_tools_reach_the_chat_template(servers: ToolServers) -> None:
+    # The template writes "tools: get_weather get_time;" first; greedy then counts up from
+    # the prompt's last byte, which the tools do not change, so compare the prompt lengths.
+    with_tools = await chat(servers, "plain", "hi", tools=TOOLS, tool_choice="none", max_tokens=1)
+    without = await chat(servers, "plain", "hi", max_tokens=1)
+    assert with_tools.usage is not None and without.usage is not None
+    assert with_tools.usage.prompt_tokens - without.usage.prompt_tokens == len(
+        "tools: get_weather get_time;"
+    )
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("server", "kwargs", "param"),
+    [
+        ("plain", {"tools": TOOLS}, "tool_choice"),  # "auto" needs a parser
+        (
+            "hermes",
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        ("hermes", {"tool_choice": "required"}, "tool_choice"),
+        ("hermes", {"tools": [{"type": "retrieval"}]}, "tools"),
+        (
+            "hermes",
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+    ],
+)
+async def test_invalid_tool_requests_are_400(
+    servers: ToolServers, server: str, kwargs: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await chat(servers, server, "hi", **kwargs)
+    assert caught.value.body["param"] == param  # type: ignore[index]
+
+
+# -- the SDK's helpers and an agent loop ------------------------------------------------------
+
+
+class GetWeather(pydantic.BaseModel):
+    city: str
+    unit: Literal["celsius", "fahrenheit"]
+
+
+async def test_sdk_parse_with_a_pydantic_function_tool(servers: ToolServers) -> None:
+    client = servers.client("hermes")
+    result = await in_thread(
+        client.chat.completions.parse,
+        model=MODEL,
+        messages=_user("hermes weather"),
+        tools=[openai.pydantic_function_tool(GetWeather, name="get_weather")],
+    )
+    call = result.choices[0].message.tool_calls[0]  # type: ignore[index]
+    assert call.function.parsed_arguments == GetWeather(city="Paris", unit="celsius")  # type: ignore[union-attr]
+
+
+async def test_agent_loop_call_then_tool_message_then_answer(servers: ToolServers) -> None:
+    client = servers.client("hermes")
+    messages: list[Any] = _user("agent: what is the weather in Paris?")
+    first = await in_thread(
+        client.chat.completions.create, model=MODEL, messages=messages, tools=TOOLS
+    )
+    message = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls" and message.tool_calls
+    messages.append(message.model_dump(exclude_none=True))
+    for call in message.tool_calls:
+        assert json.loads(call.function.arguments) == WEATHER_ARGS  # type: ignore[union-attr]
+        result = {"temperature": 22, "unit": "celsius"}
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
+    second = await in_thread(
+        client.chat.completions.create, model=MODEL, messages=messages, tools=TOOLS
+    )
+    assert second.choices[0].message.content == "It is 22 degrees in Paris."
+    assert second.choices[0].finish_reason == "stop"
+    assert second.choices[0].message.tool_calls is None
