@@ -437,7 +437,12 @@ class MockBackend(Backend):
         if masked is not None or words is not None:
             allowed = next_allowed(token, vocab_size, masked, words)
             if allowed is None:
-                raise RuntimeError(f"request {state.req_id!r}: every token is masked")
+                # Nothing is allowed: a grammar that admits only stop ids before min_tokens, or
+                # bans covering what the grammar admits. A model's sampler would draw from all
+                # -inf logits; the mock takes a token the grammar refuses (so the grammar check
+                # ends that request with an error) and, past that, lets bans give way.
+                allowed = next_allowed(token, vocab_size, masked, None)
+                return token if allowed is None else allowed
             token = allowed
         return token
 

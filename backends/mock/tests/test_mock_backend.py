@@ -289,11 +289,15 @@ def test_bitmask_and_min_tokens_mask_together() -> None:
     assert d.step(new=[request], bitmask=[_words(5, 257)]).sampled_token_ids == [[5]]
 
 
-def test_a_bitmask_that_allows_nothing_raises() -> None:
+def test_a_bitmask_that_allows_nothing_keeps_the_rules_token() -> None:
+    # A model's sampler would draw from all -inf logits: the mock keeps its own token, which
+    # the grammar check then refuses (the request ends with an error, not the engine).
     d = Driver()
     request = d.new("r", [1], structured_outputs=CONSTRAINED)
-    with pytest.raises(RuntimeError, match="request 'r': every token is masked"):
-        d.step(new=[request], bitmask=[_words()])
+    assert d.step(new=[request], bitmask=[_words()]).sampled_token_ids == [[2]]
+    stop_only = d.new("s", [256], eos=[257], min_tokens=1, structured_outputs=CONSTRAINED)
+    # Not the stop id min_tokens masks: the next token after it (wrapping around).
+    assert d.step(new=[stop_only], bitmask=[_words(257)]).sampled_token_ids == [[0]]
 
 
 def test_a_bitmask_with_the_wrong_number_of_rows_raises() -> None:
