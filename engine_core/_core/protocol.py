@@ -9,6 +9,7 @@ from engine_core.sampling_params import SamplingParams
 
 __all__ = [
     "EngineCoreOutputs",
+    "DPEngineCoreOutputs",
     "EngineLoad",
     "EngineCoreRequest",
     "EngineInfo",
@@ -80,10 +81,24 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag
     num_cached_tokens: dict[str, int] = {}
     """Prefix-cache hit length of requests emitting their first tokens."""
     timestamp: float = 0.0
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether the step produced nothing to report (no tokens, endings or prompt
+        logprobs)."""
+        return not (self.req_ids or self.finished or self.prompt_logprobs)
+
+
+class DPEngineCoreOutputs(EngineCoreOutputs, tag="dpout"):
+    """A step's outputs from an engine of a data-parallel deployment (tagged ``"dpout"``): the
+    same columns, then the step's prefix-cache changes and the engine's load, so the router
+    hears of both with the tokens, in order. An engine alone sends plain
+    :class:`EngineCoreOutputs`, without a byte of either."""
+
     kv_events: KVEvents | None = None
-    """Prefix-cache changes of the step (data parallelism only)."""
+    """Prefix-cache changes of the step."""
     load: EngineLoad | None = None
-    """The engine's load after the step (data parallelism only)."""
+    """The engine's load after the step."""
 
     @property
     def is_empty(self) -> bool:

@@ -29,6 +29,7 @@ import msgspec
 
 from engine_core._core.kv_events import KVEventLog, snapshot
 from engine_core._core.protocol import (
+    DPEngineCoreOutputs,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
@@ -477,8 +478,17 @@ class EngineCore:
         outputs.timestamp = self.clock()
         if self._kv_events is not None:
             # Data parallelism: the step's prefix-cache changes and the load after it.
-            outputs.kv_events = self._kv_events.drain()
-            outputs.load = self._load()
+            return DPEngineCoreOutputs(
+                outputs.req_ids,
+                outputs.new_token_ids,
+                outputs.finished,
+                outputs.logprobs,
+                outputs.prompt_logprobs,
+                outputs.num_cached_tokens,
+                outputs.timestamp,
+                self._kv_events.drain(),
+                self._load(),
+            )
         return outputs
 
     def _load(self) -> EngineLoad:

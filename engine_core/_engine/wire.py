@@ -28,7 +28,12 @@ from typing import Any, NamedTuple, TypeAlias, TypeVar
 import msgspec
 
 from engine_core._core.checks import show
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, EngineInfo
+from engine_core._core.protocol import (
+    DPEngineCoreOutputs,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+)
 
 __all__ = [
     "AbortRequests",
@@ -125,7 +130,13 @@ class Silence(msgspec.Struct, array_like=True, tag="silence"):
 
 
 EngineMessage: TypeAlias = (
-    Ready | EngineCoreOutputs | UtilityReply | Heartbeat | EngineDead | Silence
+    Ready
+    | EngineCoreOutputs
+    | DPEngineCoreOutputs
+    | UtilityReply
+    | Heartbeat
+    | EngineDead
+    | Silence
 )
 
 
