@@ -31,7 +31,12 @@ with the reason. Rows already written before a crash are kept.
   graph replay's time against the whole step's (the host's share);
 - parity: greedy tokens of tiny Llama/Qwen2/Qwen3-shaped models (float32, CUDA graphs on) equal
   transformers' (or the dense reference of ``engine_core_cuda.reference_model``);
-- conformance: ``engine_core.testing.check_backend`` on the GPU.
+- conformance: ``engine_core.testing.check_backend`` on the GPU;
+- tp: tensor parallelism's sharded path in bfloat16 with two ranks on the same device (gloo,
+  since NCCL cannot put two ranks on one GPU): teacher-forced per-position logprobs of TP=2
+  against TP=1 within 0.05 (95th percentile; the maximum is printed), top-1 agreement >= 95%;
+- overlap: decode throughput of the 8B-shaped model through the engine core (real scheduler,
+  CUDA graphs on) with async scheduling off and on, at each batch size (information only).
 
 ``--device cpu`` runs the same code at toy sizes on the CPU (Triton interpreted) to check the
 script itself; the speed targets are then not enforced. Exit status: 0 when every row passes, 1
@@ -64,10 +69,10 @@ from pathlib import Path
 from typing import Any
 
 CHECKS = ("preflight", "kernels", "startup", "throughput", "sampling", "longctx", "prefill",
-          "profile", "parity", "conformance")  # fmt: skip
+          "profile", "parity", "conformance", "tp", "overlap")  # fmt: skip
 TIMEOUTS_S = {"preflight": 90, "kernels": 120, "startup": 150, "throughput": 180, "sampling": 120,
               "longctx": 120, "prefill": 100, "profile": 120, "parity": 120,
-              "conformance": 150}  # fmt: skip
+              "conformance": 150, "tp": 150, "overlap": 150}  # fmt: skip
 """Each check's time limit (seconds, scaled by ``--timeout-scale``); typical runs take a fraction."""
 MIN_CHECK_S = 15
 """A check is not started with less of the ``--budget`` left."""
@@ -714,6 +719,73 @@ def check_parity(table: Table, args: argparse.Namespace, root: Path) -> None:
                   "all", equal == len(prompts))  # fmt: skip
 
 
+# -- 2b. tensor parallelism on one device ----------------------------------------------------
+
+
+def _teacher_forced(
+    model_dir: Path, device: str, tp: int, sequences: dict[str, list[int]], options: dict[str, Any]
+) -> dict[str, list[Any]]:
+    """Per-position prompt logprobs (actual token, top-1) of each sequence, in one prefill."""
+    from engine_core_cuda import CudaBackend
+
+    from engine_core.config import EngineConfig
+    from engine_core.sampling_params import SamplingParams
+
+    backend = CudaBackend(EngineConfig(
+        model=str(model_dir), tokenizer="byte", backend="cuda", dtype="bfloat16",
+        max_model_len=256, tensor_parallel_size=tp,
+        backend_options={"device": device, **options}))  # fmt: skip
+    try:
+        backend.initialize_kv_cache(64)
+        driver = Driver(backend, backend.config.block_size)
+        for req_id, tokens in sequences.items():
+            driver.add(req_id, tokens, SamplingParams(temperature=0.0, prompt_logprobs=1))
+        out = driver.step()
+        return {r: list(out.prompt_logprobs[r][1:]) for r in sequences}
+    finally:
+        release(backend)
+
+
+def check_tp(table: Table, args: argparse.Namespace, root: Path) -> None:
+    """TP=2 vs TP=1 in bf16 with both ranks on one device (gloo: NCCL refuses two ranks on one
+    GPU): teacher-forced per-position logprobs within 0.05 (p95), top-1 agreement >= 95%."""
+    from engine_core_cuda._loader import checkpoint_tensors
+    from safetensors.torch import save_file
+
+    rng = random.Random(11)
+    sequences = {f"s{i}": [rng.randrange(2, 512) for _ in range(n)]
+                 for i, n in enumerate((24, 64, 96, 128))}  # fmt: skip
+    kernels = {"kernels": "torch"} if args.device == "cpu" else {}
+    for kind, extra in TINY.items():
+        model_dir = write_config(root, f"tp-{kind}", {**_TINY_COMMON, **extra,
+                                                      "torch_dtype": "bfloat16"})  # fmt: skip
+        backend = make_backend(model_dir, args.device, dtype="bfloat16", max_model_len=256)
+        try:
+            sharpen(backend, seed=len(kind))
+            weights = {k: v.detach().to("cpu").contiguous().clone()
+                       for k, v in checkpoint_tensors(backend.runner.model).items()}  # fmt: skip
+        finally:
+            release(backend)
+        save_file(weights, str(model_dir / "model.safetensors"))
+        one = _teacher_forced(model_dir, args.device, 1, sequences, kernels)
+        two = _teacher_forced(model_dir, args.device, 2, sequences,
+                              {**kernels, "distributed_backend": "gloo"})  # fmt: skip
+        deltas: list[float] = []
+        agree = total = 0
+        for req_id in sequences:
+            for a, b in zip(one[req_id], two[req_id], strict=True):
+                deltas.append(abs(a.logprobs[0] - b.logprobs[0]))
+                agree += a.token_ids[-1] == b.token_ids[-1]
+                total += 1
+        deltas.sort()
+        p95, worst = deltas[int(0.95 * (len(deltas) - 1))], deltas[-1]
+        # bf16 rounds each rank's partial sums before the all-reduce: single positions can pass
+        # 0.05 (0.051-0.061 in a CPU bf16 run) while the distribution stays put.
+        table.add(f"tp/{kind} bf16 TP=2 (gloo, one device) vs TP=1",
+                  f"|dlogprob| p95 {p95:.4f} max {worst:.4f}, top-1 {agree}/{total}",
+                  "p95<=0.05, >=95%", p95 <= 0.05 and agree >= 0.95 * total)  # fmt: skip
+
+
 # -- 3. conformance ---------------------------------------------------------------------------
 
 
@@ -1103,6 +1175,63 @@ def check_profile(table: Table, args: argparse.Namespace, root: Path) -> None:
         release(backend)
 
 
+def _engine_decode(model_dir: Path, args: argparse.Namespace, batch_size: int, context: int,
+                   steps: int, async_scheduling: bool) -> float:  # fmt: skip
+    """Output tokens per second of ``batch_size`` greedy requests decoding ``steps`` tokens
+    after their prompt, stepped by an in-process engine core (timed after the first steps)."""
+    from engine_core_cuda import CudaBackend
+
+    from engine_core import SamplingParams
+    from engine_core._core.protocol import EngineCoreRequest
+    from engine_core._engine.core import EngineCore
+    from engine_core.config import EngineConfig
+
+    gpu = args.device != "cpu"
+    config = EngineConfig(
+        model=str(model_dir), backend="cuda", dtype="bfloat16" if gpu else "float32",
+        backend_options={"device": args.device, "load_format": "dummy",
+                         "max_graph_batch_size": batch_size},
+        max_model_len=context + steps + 64, max_num_seqs=batch_size,
+        max_num_batched_tokens=max(batch_size * (context + 1), 8192),
+        num_kv_blocks=batch_size * (-(-(context + steps + 64) // 16)) + 1,
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
+    core = EngineCore(config, backend_cls=CudaBackend)
+    try:
+        rng = random.Random(batch_size)
+        vocab = core.vocab_size
+        params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+        for i in range(batch_size):
+            prompt = [rng.randrange(vocab) for _ in range(context)]
+            core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
+        num_tokens = 0
+        started = 0.0
+        for n in range(steps + 4):
+            out = core.step()
+            if n == 3:  # prefill and the first decode steps are not timed
+                started = time.perf_counter()
+            elif n > 3:
+                num_tokens += sum(len(t) for t in out.new_token_ids)
+            if not core.has_unfinished_requests():
+                break
+        return num_tokens / (time.perf_counter() - started)
+    finally:
+        core.close()
+
+
+def check_overlap(table: Table, args: argparse.Namespace, root: Path) -> None:
+    gpu = args.device != "cpu"
+    shape = {**(LLAMA3_8B if gpu else TOY_8B), "num_hidden_layers": args.layers if gpu else 2}
+    model_dir = write_config(root, "llama3-8b-shaped-engine", shape)
+    batch_sizes = sorted(set(args.batch_sizes if gpu else [min(b, 4) for b in args.batch_sizes]))
+    context, steps = (args.context, max(args.steps, 32)) if gpu else (24, 6)
+    for b in batch_sizes:
+        off = _engine_decode(model_dir, args, b, context, steps, async_scheduling=False)
+        on = _engine_decode(model_dir, args, b, context, steps, async_scheduling=True)
+        table.add(f"engine decode b={b}: async off / on", f"{off:,.0f} / {on:,.0f} tok/s",
+                  f"x{on / off:.2f}", None)  # fmt: skip
+
+
 # -- the checks' processes --------------------------------------------------------------------
 
 CHECK_FUNCTIONS: dict[str, Callable[[Table, argparse.Namespace, Path], None]] = {
@@ -1116,6 +1245,8 @@ CHECK_FUNCTIONS: dict[str, Callable[[Table, argparse.Namespace, Path], None]] = 
     "profile": check_profile,
     "parity": check_parity,
     "conformance": check_conformance,
+    "tp": check_tp,
+    "overlap": check_overlap,
 }
 
 

@@ -17,12 +17,46 @@ The engine core drives a backend in this order:
    :class:`SchedulerOutput`, then :meth:`Backend.sample_tokens` (with the grammar bitmask when the
    batch has constrained requests) returns a :class:`ModelRunnerOutput`; the split lets the core
    compute the bitmask while the forward pass runs;
+   with async scheduling (:attr:`Backend.supports_async_scheduling`), the step is launched
+   instead: :meth:`Backend.execute_model` then :meth:`Backend.sample_tokens_async`, whose
+   :class:`AsyncModelRunnerOutput` the core waits on later, after it has scheduled and launched
+   the next step (see "Async scheduling" below);
 6. control calls (:meth:`Backend.profile`, :meth:`Backend.sleep`, :meth:`Backend.wake_up`) and
    finally :meth:`Backend.close`.
 
 A backend that needs the served tokenizer (to read prompts as text) loads it with
 :func:`load_tokenizer` of ``config.tokenizer_name``. ``engine_core.testing`` holds a conformance
 suite any backend runs against itself.
+
+Async scheduling
+----------------
+
+A backend that sets :attr:`Backend.supports_async_scheduling` lets the core keep one step in
+flight while it schedules the next. The calls then come in this order::
+
+    execute_model(s1); h1 = sample_tokens_async(m1)
+    execute_model(s2); h1.get_output(); h2 = sample_tokens_async(m2)
+    execute_model(s3); h2.get_output(); h3 = sample_tokens_async(m3)   ...
+
+- ``execute_model(s{n+1})`` comes before step n's output is known. A request of step n that
+  sampled a token is scheduled in step n+1 as if that token were known: ``num_computed_tokens
+  + num_scheduled_tokens`` counts it, so the backend takes the token it sampled in step n as
+  the input at that position (on the device: the host never needs to see it first).
+- Nothing of ``s{n+1}`` depends on step n's output but the token values: a request that ends
+  in step n (a stop token, the length cap, an abort) may still be in ``s{n+1}``; what the
+  backend computes for it there is discarded, and it is listed in ``finished_req_ids`` of a
+  later step as usual. A request preempted in ``s{n+1}`` is listed in its
+  ``preempted_req_ids`` while its step-n token is still on its way; it comes back as a new
+  request whose ``output_token_ids`` hold that token.
+- ``sample_tokens_async`` launches sampling and returns at once; ``get_output`` blocks until
+  the step's results are on the host. The grammar bitmask (``m``) may be filled only once step
+  n's output was applied, so ``sample_tokens_async(m{n+1})`` comes after ``h{n}.get_output()``
+  when the batch has constrained requests; a constrained request whose sampled token will be
+  discarded still has its row (it allows every token).
+- Each handle is waited on once, in launch order; :meth:`Backend.sample_tokens` is not called.
+
+Backends that leave the flag False keep the synchronous contract: ``execute_model`` and
+``sample_tokens`` in turn, with each step's output applied before the next is scheduled.
 """
 
 from __future__ import annotations
@@ -39,6 +73,7 @@ if TYPE_CHECKING:
     from engine_core.config import EngineConfig
 
 __all__ = [
+    "AsyncModelRunnerOutput",
     "Backend",
     "BackendProvider",
     "CachedRequestData",
@@ -90,6 +125,21 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """Per request, one entry per prompt position computed this step (None for position 0)."""
 
 
+class AsyncModelRunnerOutput(abc.ABC):
+    """A launched step's results, on their way to the host."""
+
+    device_time_s: float | None = None
+    """Seconds the device spent on the step, when the backend measures it (known once
+    :meth:`get_output` returned). While every step reports it, ``EngineStats.device_busy_s``
+    sums these instead of the time steps were in flight, which overstates the device's work
+    when the host is the slower side."""
+
+    @abc.abstractmethod
+    def get_output(self) -> ModelRunnerOutput:
+        """Block until the step has run and its results are on the host, and return them.
+        Called once, from a worker thread when ``step_in_thread`` is set."""
+
+
 class Backend(abc.ABC):
     """Runs the model. Implementations are synchronous; the core calls them from one thread at a
     time (possibly not the main thread)."""
@@ -99,6 +149,10 @@ class Backend(abc.ABC):
     so requests and aborts keep arriving while they run. Right for any backend whose step waits
     on a device or releases the GIL; a backend whose step is brief pure-Python work gains no
     concurrency from a thread (it holds the GIL) and may set this False to save the hand-off."""
+
+    supports_async_scheduling: bool = False
+    """Whether the backend implements :meth:`sample_tokens_async` and takes a step scheduled
+    while the previous one is in flight (see "Async scheduling" in this module's docs)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -147,6 +201,12 @@ class Backend(abc.ABC):
         one token; when the grammar is complete it allows EOS. The array is the backend's to
         read during this call only.
         """
+
+    def sample_tokens_async(self, grammar_bitmask: Any | None) -> AsyncModelRunnerOutput:
+        """Launch sampling of the last forward pass and return at once (async scheduling only).
+        ``grammar_bitmask`` is as for :meth:`sample_tokens`, with one row per constrained
+        request that samples in the step, including those whose token will be discarded."""
+        raise NotImplementedError(f"{type(self).__name__} does not support async scheduling")
 
     def profile(self, action: Literal["start", "stop"]) -> None:  # noqa: B027
         """Start or stop a profiler; no-op by default."""

@@ -76,6 +76,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """Order of the waiting requests: first come first served, or by request priority
     (lower first)."""
+    async_scheduling: bool | None = None
+    """Schedule step n+1 while step n runs on the device (its sampled tokens are placeholders
+    until its results arrive). None: on when the backend supports it and its steps wait on a
+    device (``Backend.step_in_thread``); True with a backend that does not support it fails at
+    startup."""
     multiprocess: bool | None = None
     """Run the engine core in its own process. None: AsyncLLM does, LLM does not."""
     engine_runtime: Literal["asyncio", "trio"] = "asyncio"

@@ -243,7 +243,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ``temperature`` below 1e-5 means greedy decoding (``top_p``, ``top_k`` and ``min_p`` are then
     reset to their neutral values); ``n > 1`` with greedy decoding gives ``n`` identical
     completions, as OpenAI's API does. ``stop`` strings are matched by the front end on the decoded
-    text; ``stop_token_ids`` by the engine on token ids.
+    text of the output (never the prompt's); ``stop_token_ids`` by the engine on token ids.
+
+    ``min_tokens``: before that many tokens, EOS and ``stop_token_ids`` are not sampled, and a
+    stop string counts only if it *ends* in the text of a later token (it may begin earlier):
+    vLLM's rule, so that both engines stop a request at the same token.
+
+    ``spaces_between_special_tokens``: special tokens left in the text
+    (``skip_special_tokens=False``) are set apart from the text next to them, and from each
+    other, by a space ("a </s>" rather than "a</s>"), as Hugging Face's Python tokenizers join
+    them.
     """
 
     n: int = 1
@@ -266,6 +275,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     detokenize: bool = True
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
     """Token id -> a value in [-100, 100] added to that token's logit before sampling, as in

@@ -42,6 +42,7 @@ __all__ = [
     "BACKEND_CHECKS",
     "BackendFactory",
     "check_abort",
+    "check_async_scheduling",
     "check_backend",
     "check_close",
     "check_decode",
@@ -293,6 +294,62 @@ def _check_token_logprobs(entry: TokenLogprobs, token: int, num_top: int, where:
     )
 
 
+def check_async_scheduling(
+    make_backend: BackendFactory, config: EngineConfig | None = None
+) -> None:
+    """With ``supports_async_scheduling`` set, steps launched while the previous one is in
+    flight (``sample_tokens_async``; the next ``execute_model`` before ``get_output``) give the
+    tokens of synchronous steps: chunked prefills, prefix hits, a preemption and an abort while
+    a token is in flight, an id reused after it. A backend that leaves the flag False passes:
+    the engine never schedules it asynchronously."""
+    config = config or default_config()
+    with opened(make_backend, config) as h:
+        if not h.backend.supports_async_scheduling:
+            return
+        bs = h.block_size
+        shared = make_prompt(19, 2 * bs)
+        prompts = {
+            "a": make_prompt(20, 5),
+            "b": shared + make_prompt(21, 3),
+            "c": shared + make_prompt(22, bs + 1),
+            "d": make_prompt(23, 2 * bs + 3),
+        }
+        expected = {k: h.generate(f"{k}-alone", p, 12) for k, p in prompts.items()}
+    with opened(make_backend, config, async_scheduling=True) as a:
+        a.set_token_budget(bs)
+        a.add("a", prompts["a"], 12)
+        a.add("b", prompts["b"], 12, cold=False)
+        a.add("d", prompts["d"], 12)
+        for _ in range(4):
+            a.step()
+        a.add("c", prompts["c"], 12, cold=False)  # its shared prefix is cached by now
+        a.step()
+        a.step()
+        # Preempt everything while a step with their tokens is in flight: each resumes with
+        # the token that step sampled.
+        running = sorted(r.request_id for r in a.scheduler.running)
+        assert any(r.num_output_placeholders for r in a.scheduler.running)
+        a.scheduler.reset_prefix_cache(reset_running_requests=True)
+        # The backend hears of it with the next step that runs (the first may only wait for
+        # the step in flight: the preempted requests resume once they have its tokens).
+        scheduler_output, _ = a.step()
+        if scheduler_output.is_empty:
+            scheduler_output, _ = a.step()
+        assert sorted(scheduler_output.preempted_req_ids) == running
+        while len(a.outputs["d"]) < 8:
+            a.step()
+        a.abort("d")  # its next token is in flight: it is discarded
+        aborted = list(a.outputs["d"])
+        a.add("d", prompts["a"], 12)  # the id comes back at once
+        outputs = a.run()
+        for req_id in "abc":
+            assert_same(
+                f"request {req_id!r} under async scheduling", outputs[req_id], expected[req_id]
+            )
+        assert_same("a request aborted with a token in flight", aborted, expected["d"][:8])
+        assert_same("an id reused at once after that abort", outputs["d"], expected["a"])
+
+
 def check_close(make_backend: BackendFactory, config: EngineConfig | None = None) -> None:
     """``close()`` succeeds while requests are still live."""
     config = config or default_config()
@@ -322,6 +379,7 @@ BACKEND_CHECKS: tuple[Callable[[BackendFactory, EngineConfig | None], None], ...
     check_prefix_caching,
     check_greedy_determinism,
     check_logprobs,
+    check_async_scheduling,
     check_close,
 )
 """Every check, in the order :func:`check_backend` runs them."""

@@ -29,6 +29,7 @@ def test_defaults() -> None:
             "long_prefill_token_threshold": 0,
             "enable_prefix_caching": True,
             "scheduling_policy": "fcfs",
+            "async_scheduling": None,
             "multiprocess": None,
             "engine_runtime": "asyncio",
             "step_timeout_s": 300.0,

@@ -53,6 +53,8 @@ LAYERS: dict[str, Layer] = {
     "_core": _layer("public", "_core", never=EVENT_LOOPS_SOCKETS_TENSORS),
     "_structured": _layer("public", "_core", "_structured", never=EVENT_LOOPS_SOCKETS_TENSORS),
     "_plugins": _layer("public", "_plugins", never=EVENT_LOOPS_SOCKETS_TENSORS),
+    # The worker processes of multi-process backends (for backends, not for the core).
+    "_workers": _layer("public", "_core", "_workers", never=NEVER_IMPORTED),
     "_engine": _layer("public", "_core", "_structured", "_plugins", "_engine"),
     "_frontend": _layer("public", "_core", "_structured", "_plugins", "_engine", "_frontend"),
     "testing": _layer("public", "_core", "_engine", "testing"),

@@ -41,6 +41,7 @@ def test_defaults_equal_vllm() -> None:
             "output_kind": RequestOutputKind.CUMULATIVE,
             "detokenize": True,
             "skip_special_tokens": True,
+            "spaces_between_special_tokens": True,
             "structured_outputs": None,
             "logit_bias": None,
         },

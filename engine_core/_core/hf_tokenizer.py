@@ -1,6 +1,6 @@
 """Hugging Face ``tokenizer.json`` directories (the ``tokenizers`` library, imported when one is
-loaded), with their special tokens and two incremental decoders: ``DecodeStream`` where the
-library has it, else a short window of trailing tokens re-decoded per token."""
+loaded), with their special tokens; their incremental decoders are in
+:mod:`engine_core._core.hf_decoding`."""
 
 from __future__ import annotations
 
@@ -9,112 +9,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from engine_core._core.hf_decoding import (
+    ANCHOR_TEXT,
+    Pieces,
+    StreamDecoder,
+    WindowDecoder,
+)
 from engine_core._core.tokenizer import IncrementalDecoder
 
 __all__ = ["HFTokenizer"]
-
-# Prompt tokens replayed into a fresh decoder so the first generated token decodes with the
-# right context (leading spaces, merges); a few are enough.
-_PRIME_TOKENS = 5
-# Tokens the window decoder keeps before dropping decoded history.
-_WINDOW_TRIM = 64
-
-
-class _StreamDecoder:
-    """``tokenizers.decoders.DecodeStream``: one native ``step`` per token."""
-
-    __slots__ = ("_tokenizer", "_skip_special", "_stream", "_prime", "_last", "_held")
-
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip: bool) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special = skip
-        self._prime = list(prompt_token_ids[-_PRIME_TOKENS:])
-        self._stream = self._new_stream(self._prime)
-        self._last: int | None = None
-        """The last token that produced text: the context :meth:`flush` decodes after."""
-        self._held: list[int] = []
-        """Ids that produced no text yet (an unfinished character, a skipped special token)."""
-
-    def _new_stream(self, prime: list[int]) -> Any:
-        from tokenizers.decoders import DecodeStream
-
-        try:
-            return DecodeStream(ids=prime, skip_special_tokens=self._skip_special)
-        except TypeError:  # tokenizers < 0.22: no priming argument
-            stream = DecodeStream(skip_special_tokens=self._skip_special)
-            for token_id in prime:
-                stream.step(self._tokenizer, token_id)
-            return stream
-
-    def step(self, token_id: int) -> str:
-        try:
-            text = self._stream.step(self._tokenizer, token_id)
-        except Exception:
-            # The stream rejects a prefix that no longer decodes the same way ("Invalid
-            # prefix"); start a fresh stream at this token.
-            self._stream = self._new_stream([])
-            try:
-                text = self._stream.step(self._tokenizer, token_id)
-            except Exception:
-                text = None
-        if not text:
-            self._held.append(token_id)
-            return ""
-        if self._held:
-            self._held.clear()
-        self._last = token_id
-        return str(text)
-
-    def flush(self) -> str:
-        if not self._held:
-            return ""
-        decode, skip = self._tokenizer.decode, self._skip_special
-        context = self._prime if self._last is None else [self._last]
-        before = decode(context, skip_special_tokens=skip)
-        text: str = decode(context + self._held, skip_special_tokens=skip)
-        self._held.clear()
-        return text[len(before) :] if len(text) > len(before) else ""
-
-
-class _WindowDecoder:
-    """Re-decodes a short window of trailing tokens (prefix/read offsets) for each new token."""
-
-    __slots__ = ("_tokenizer", "_skip_special", "_ids", "_prefix_offset", "_read_offset")
-
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip: bool) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special = skip
-        self._ids = list(prompt_token_ids[-_PRIME_TOKENS:])
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
-
-    def step(self, token_id: int) -> str:
-        ids = self._ids
-        ids.append(token_id)
-        decode = self._tokenizer.decode
-        skip = self._skip_special
-        prefix_text = decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
-        new_text = decode(ids[self._prefix_offset :], skip_special_tokens=skip)
-        # A trailing U+FFFD means an unfinished UTF-8 character: wait for its next byte.
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(ids)
-        if self._prefix_offset > _WINDOW_TRIM:
-            del ids[: self._prefix_offset]
-            self._read_offset -= self._prefix_offset
-            self._prefix_offset = 0
-        return new_text[len(prefix_text) :]
-
-    def flush(self) -> str:
-        ids = self._ids
-        if self._read_offset >= len(ids):
-            return ""
-        decode, skip = self._tokenizer.decode, self._skip_special
-        prefix_text = decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
-        new_text: str = decode(ids[self._prefix_offset :], skip_special_tokens=skip)
-        self._prefix_offset = self._read_offset = len(ids)
-        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
 
 
 def _has_decode_stream() -> bool:
@@ -188,6 +91,7 @@ class HFTokenizer:
         if bos is None and isinstance(generation.get("bos_token_id"), int):
             bos = generation["bos_token_id"]
         self._bos_token_id: int | None = bos
+        self._pieces = Pieces(self._tokenizer)
 
     @property
     def vocab_size(self) -> int:
@@ -217,8 +121,23 @@ class HFTokenizer:
     def decode_stream(
         self, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
     ) -> IncrementalDecoder:
-        cls = _StreamDecoder if self._use_decode_stream else _WindowDecoder
-        return cls(self._tokenizer, prompt_token_ids, skip_special_tokens)
+        cls = StreamDecoder if self._use_decode_stream else WindowDecoder
+        return cls(self._tokenizer, self._pieces, prompt_token_ids, skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        if not 0 <= token_id < self._vocab_size:
+            return ""
+        # After a word, so that the decoder's strip of the text's leading space (SentencePiece)
+        # leaves the token's own.
+        anchor = self._pieces.anchor
+        if anchor is None:
+            return self.decode([token_id], skip_special_tokens=False)
+        text = self.decode([anchor, token_id], skip_special_tokens=False)
+        return text[len(ANCHOR_TEXT) :]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        raw = self._pieces.raw_bytes(self._tokenizer.id_to_token(token_id))
+        return self.token_text(token_id).encode() if raw is None else raw
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r})"

@@ -9,6 +9,7 @@ from engine_core.sampling_params import SamplingParams
 
 __all__ = [
     "EngineCoreOutputs",
+    "DPEngineCoreOutputs",
     "EngineLoad",
     "EngineCoreRequest",
     "EngineInfo",
@@ -80,10 +81,24 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag
     num_cached_tokens: dict[str, int] = {}
     """Prefix-cache hit length of requests emitting their first tokens."""
     timestamp: float = 0.0
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether the step produced nothing to report (no tokens, endings or prompt
+        logprobs)."""
+        return not (self.req_ids or self.finished or self.prompt_logprobs)
+
+
+class DPEngineCoreOutputs(EngineCoreOutputs, tag="dpout"):
+    """A step's outputs from an engine of a data-parallel deployment (tagged ``"dpout"``): the
+    same columns, then the step's prefix-cache changes and the engine's load, so the router
+    hears of both with the tokens, in order. An engine alone sends plain
+    :class:`EngineCoreOutputs`, without a byte of either."""
+
     kv_events: KVEvents | None = None
-    """Prefix-cache changes of the step (data parallelism only)."""
+    """Prefix-cache changes of the step."""
     load: EngineLoad | None = None
-    """The engine's load after the step (data parallelism only)."""
+    """The engine's load after the step."""
 
     @property
     def is_empty(self) -> bool:
@@ -110,6 +125,10 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     num_malformed_messages: int = 0
     """Input frames the engine process could not decode. Those that carried a readable request
     id were answered with an error for that request; the others were dropped."""
+    device_busy_s: float = 0.0
+    """Seconds during which the backend had a step in flight (cumulative; under async
+    scheduling the device time its steps report, where the backend measures it): against wall
+    time, how much of it the host kept the device fed."""
     num_engines: int = 1
     """Engines of a data-parallel deployment (the counts above are summed over the live ones)."""
     num_engines_alive: int = 1

@@ -65,7 +65,9 @@ ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     _S.WAITING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED, _S.FINISHED_ERROR}),
     _S.WAITING_FOR_GRAMMAR: frozenset({_S.WAITING, _S.FINISHED_ABORTED, _S.FINISHED_ERROR}),
     _S.RUNNING: frozenset({_S.PREEMPTED}) | _FINISHED,
-    _S.PREEMPTED: frozenset({_S.RUNNING, _S.FINISHED_ABORTED, _S.FINISHED_ERROR}),
+    # A preempted request ends with a stop or the length cap on a token of a step that was in
+    # flight when it was preempted (async scheduling).
+    _S.PREEMPTED: frozenset({_S.RUNNING}) | _FINISHED,
     **{s: frozenset() for s in _FINISHED},
 }
 
@@ -109,6 +111,7 @@ class Request:
         "num_prompt_tokens",
         "all_token_ids",
         "num_computed_tokens",
+        "num_output_placeholders",
         "status",
         "max_tokens",
         "min_tokens",
@@ -151,6 +154,10 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        """Tokens scheduled to be sampled in a step still in flight (async scheduling): their
+        positions count as computed once the step after is scheduled, their values are not
+        known yet."""
         # A constrained request waits for its grammar before it can be scheduled.
         self.use_structured_output = sampling_params.structured_outputs is not None
         self.status = (

@@ -11,6 +11,7 @@ Pure, synchronous logic: no event loop, sockets or tensors.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    async_scheduling: bool | None = False
+    """Schedule while the previous step is in flight (placeholders for its sampled tokens)."""
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
@@ -92,6 +95,10 @@ class Scheduler:
         self._priority = config.scheduling_policy == "priority"
         # Batch order of the last schedule(), zipped with the backend's output in update.
         self._scheduled: list[Request] = []
+        self._async = bool(config.async_scheduling)
+        # Async scheduling: the batch order of each step scheduled and not yet applied, oldest
+        # first (at most two: the one in flight and the one just scheduled).
+        self._unapplied: deque[list[Request]] = deque()
         # Reported to the backend with the next schedule().
         self._finished_req_ids: list[str] = []
         self._preempted_req_ids: list[str] = []
@@ -181,6 +188,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's batch and advance ``num_computed_tokens`` optimistically.
 
+        With async scheduling the previous step may still be in flight: a request that samples
+        a token in it counts that token as a placeholder (``num_output_placeholders``), computed
+        in this step like a known one; one that surely ends with it (its length cap) is left out.
+
         1. Running requests catch up, in admission order (:meth:`_schedule_running`); one whose
            blocks do not fit preempts others, or itself, until they do.
         2. Waiting requests are admitted while the budget, ``max_num_seqs`` and the free blocks
@@ -218,7 +229,16 @@ class Scheduler:
             if request.status is not _RUNNING:
                 continue  # preempted for a request before it
             computed = request.num_computed_tokens
-            num_new = len(request.all_token_ids) - computed
+            num_tokens = len(request.all_token_ids)
+            placeholders = request.num_output_placeholders
+            if placeholders:
+                num_tokens += placeholders
+                if (
+                    num_tokens - request.num_prompt_tokens >= request.max_tokens
+                    or num_tokens >= self.config.max_model_len
+                ):
+                    continue  # its step in flight ends it
+            num_new = num_tokens - computed
             if threshold and num_new > threshold:
                 num_new = threshold
             if num_new > budget:
@@ -243,6 +263,8 @@ class Scheduler:
                 )
                 entries += (request, request.request_id, new_block_ids, computed, num_new)
                 request.num_computed_tokens = computed + num_new
+                if self._async and computed + num_new == num_tokens:
+                    request.num_output_placeholders = placeholders + 1
                 budget -= num_new
         return budget, any_preempted
 
@@ -261,8 +283,11 @@ class Scheduler:
             request = waiting.peek()
             if request is None:
                 break
-            if request.status == _WAITING_FOR_GRAMMAR:
-                skipped.append(waiting.pop())  # does not hold up the others
+            if request.status == _WAITING_FOR_GRAMMAR or request.num_output_placeholders:
+                # Neither holds up the others: a grammar still compiling, or (async scheduling)
+                # a request preempted while a step computes its next token, which it must have
+                # before it resumes.
+                skipped.append(waiting.pop())
                 continue
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = len(request.all_token_ids) - num_hit_tokens
@@ -281,6 +306,8 @@ class Scheduler:
             running.append(request)
             admitted.append(request)
             request.num_computed_tokens = num_hit_tokens + num_new
+            if self._async and request.num_computed_tokens == len(request.all_token_ids):
+                request.num_output_placeholders = 1
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             kv.record_admission(request, num_hit_tokens)
@@ -314,6 +341,8 @@ class Scheduler:
             entries[1::_ENTRY], entries[2::_ENTRY], entries[3::_ENTRY], entries[4::_ENTRY]
         )
         self._scheduled = entries[0::_ENTRY] + admitted
+        if self._async and total:
+            self._unapplied.append(self._scheduled)
         if total == 0:
             # Nothing runs this step: the backend hears of the ended and preempted requests with
             # the next step that does.
@@ -355,6 +384,11 @@ class Scheduler:
             return 0  # not scheduled in this step
         computed, num_new = entries[k + 3], entries[k + 4]
         del entries[k : k + _ENTRY]
+        if (
+            victim.num_output_placeholders
+            and computed + num_new == len(victim.all_token_ids) + victim.num_output_placeholders - 1
+        ):
+            victim.num_output_placeholders -= 1  # the token it was to sample in this step
         # The blocks it registered for this step's tokens will not be computed.
         self.kv.uncache_uncomputed(victim, computed)
         return num_new
@@ -382,14 +416,22 @@ class Scheduler:
            :meth:`Request.append_output_token`, and the grammar's: :meth:`_append_constrained`);
         3. report the tokens kept (with their logprobs, and the prefix-cache hits on its first);
         4. free it if it ended.
+
+        With async scheduling the step is the oldest one not yet applied; its tokens replace
+        placeholders, and a request preempted since it was scheduled still gets its token.
         """
-        scheduled = self._scheduled
+        if self._async:
+            if not self._unapplied:
+                raise RuntimeError("update_from_output without a step in flight")
+            scheduled = self._unapplied.popleft()
+        else:
+            scheduled = self._scheduled
+            self._scheduled = []
         sampled = runner_output.sampled_token_ids
         if len(sampled) != len(scheduled):
             raise RuntimeError(
                 f"backend returned {len(sampled)} results for a batch of {len(scheduled)}"
             )
-        self._scheduled = []
         out = EngineCoreOutputs()
         out_ids, out_tokens = out.req_ids, out.new_token_ids
         logprobs = runner_output.logprobs
@@ -397,11 +439,13 @@ class Scheduler:
         # Mutation testing: starting True (filtering when nothing ended) is equivalent.
         any_finished = False  # pragma: no mutate
         for index, request in enumerate(scheduled):
-            if request.status is not _RUNNING:
+            if request.status is not _RUNNING and request.status is not _PREEMPTED:
                 continue  # aborted while the step ran
             tokens = sampled[index]
             if not tokens:
                 continue  # partial prefill chunk
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             num_before = len(request.all_token_ids)
             grammar = request.grammar
             if grammar is None:
@@ -425,10 +469,14 @@ class Scheduler:
                 if logprobs is not None and logprobs[index]:
                     out.logprobs[request_id] = logprobs[index][:kept]  # type: ignore[index]
             if status is not None:
+                if request.status is _PREEMPTED:
+                    self.waiting.discard(request)
                 self._finish(request, status, out)
                 any_finished = True
         if runner_output.prompt_logprobs:
-            self._add_prompt_logprobs(scheduled, runner_output.prompt_logprobs, out)
+            self._add_prompt_logprobs(
+                scheduled, scheduler_output, runner_output.prompt_logprobs, out
+            )
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return out
@@ -492,17 +540,31 @@ class Scheduler:
     @staticmethod
     def _add_prompt_logprobs(
         scheduled: list[Request],
+        scheduler_output: SchedulerOutput,
         prompt_logprobs: dict[str, list[TokenLogprobs | None]],
         out: EngineCoreOutputs,
     ) -> None:
         """Forward prompt logprobs once per position: a request preempted during its prefill
-        recomputes positions whose logprobs were already sent."""
+        recomputes positions whose logprobs were already sent. The positions are those the
+        step computed (with async scheduling a later step may already be scheduled)."""
         by_id = {r.request_id: r for r in scheduled if r.status != RequestStatus.FINISHED_ABORTED}
+        cached = scheduler_output.cached
+        ends = {
+            req_id: computed + num
+            for req_id, computed, num in zip(
+                cached.req_ids,
+                cached.num_computed_tokens,
+                cached.num_scheduled_tokens,
+                strict=True,
+            )
+        }
+        for new in scheduler_output.new_reqs:
+            ends[new.req_id] = new.num_computed_tokens + new.num_scheduled_tokens
         for request_id, entries in prompt_logprobs.items():
             request = by_id.get(request_id)
-            if request is None or not entries:
+            if request is None or not entries or request_id not in ends:
                 continue
-            end = min(request.num_computed_tokens, request.num_prompt_tokens)
+            end = min(ends[request_id], request.num_prompt_tokens)
             start = end - len(entries)
             skip = request.num_prompt_logprobs_sent - start
             # Mutation testing: `skip >= 0` is equivalent (entries[0:]).

@@ -22,6 +22,7 @@ __all__ = [
     "PromptInput",
     "Tokenizer",
     "load_tokenizer",
+    "output_decoder",
     "parse_prompt",
 ]
 
@@ -75,6 +76,16 @@ class Tokenizer(Protocol):
         self, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
     ) -> IncrementalDecoder:
         """A decoder for the tokens generated after ``prompt_token_ids``."""
+        ...
+
+    def token_text(self, token_id: int) -> str:
+        """The text one token adds after a word (a word-start piece keeps its leading space;
+        special tokens show; part of a character is U+FFFD)."""
+        ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of :meth:`token_text`, but a token holding part of a character has its
+        own bytes."""
         ...
 
 
@@ -156,8 +167,71 @@ class ByteTokenizer:
         # Byte tokens never merge across the prompt boundary, so the prompt is not needed.
         return _ByteDecoder(skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if 0 <= token_id < 256:
+            return _BYTES[token_id]
+        return self.token_text(token_id).encode()
+
     def __repr__(self) -> str:
         return "ByteTokenizer()"
+
+
+# -- decoding outputs ---------------------------------------------------------------------------
+
+
+def output_decoder(
+    tokenizer: Tokenizer,
+    prompt_token_ids: Sequence[int],
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+) -> IncrementalDecoder:
+    """The decoder of a completion's text, as its sampling parameters of the same names ask."""
+    decoder = tokenizer.decode_stream(prompt_token_ids, skip_special_tokens)
+    if skip_special_tokens or not spaces_between_special_tokens:
+        return decoder
+    return _SpacedSpecialTokens(decoder, tokenizer)
+
+
+class _SpacedSpecialTokens:
+    """Puts a space between the text of a special token and the text before and after it."""
+
+    __slots__ = ("_decoder", "_tokenizer", "_special_ids", "_began", "_after_special")
+
+    def __init__(self, decoder: IncrementalDecoder, tokenizer: Tokenizer) -> None:
+        self._decoder = decoder
+        self._tokenizer = tokenizer
+        self._special_ids = tokenizer.all_special_ids
+        self._began = False
+        """Some text came before."""
+        self._after_special = False
+        """The last text was a special token's."""
+
+    def step(self, token_id: int) -> str:
+        text = self._decoder.step(token_id)
+        if token_id in self._special_ids:
+            special = self._tokenizer.token_text(token_id)
+            if special and text.endswith(special):
+                # The decoder may hand out an unfinished character's U+FFFD before it.
+                before = self._spaced(text[: -len(special)])
+                text = before + (" " if self._began else "") + special
+                self._began = self._after_special = True
+                return text
+        return self._spaced(text)
+
+    def _spaced(self, text: str) -> str:
+        if not text:
+            return ""
+        if self._after_special:
+            text = " " + text
+            self._after_special = False
+        self._began = True
+        return text
+
+    def flush(self) -> str:
+        return self._spaced(self._decoder.flush())
 
 
 def load_tokenizer(name: str) -> Tokenizer:

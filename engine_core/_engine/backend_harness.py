@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from engine_core._core.request import Request
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
-from engine_core.abc import Backend, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from engine_core.abc import (
+    AsyncModelRunnerOutput,
+    Backend,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams
 
@@ -37,8 +44,11 @@ def num_blocks_for(backend: Backend, config: EngineConfig) -> int:
 
 
 @contextmanager
-def opened(make_backend: BackendFactory, config: EngineConfig) -> Iterator[Harness]:
-    """A started backend (KV cache allocated) in a harness; closed on exit."""
+def opened(
+    make_backend: BackendFactory, config: EngineConfig, *, async_scheduling: bool = False
+) -> Iterator[Harness]:
+    """A started backend (KV cache allocated) in a harness (one that keeps a step in flight
+    with ``async_scheduling``); closed on exit."""
     backend = make_backend(config)
     try:
         num_blocks = num_blocks_for(backend, config)
@@ -46,13 +56,16 @@ def opened(make_backend: BackendFactory, config: EngineConfig) -> Iterator[Harne
             f"the checks need {MIN_BLOCKS} KV blocks; the backend offers {num_blocks}"
         )
         backend.initialize_kv_cache(num_blocks)
-        yield Harness(backend, config, num_blocks)
+        cls = AsyncHarness if async_scheduling else Harness
+        yield cls(backend, config, num_blocks)
     finally:
         backend.close()
 
 
 class Harness:
     """Drives one backend like ``EngineCore`` does, checking every output's shape."""
+
+    async_scheduling = False
 
     def __init__(self, backend: Backend, config: EngineConfig, num_blocks: int) -> None:
         self.backend = backend
@@ -68,6 +81,7 @@ class Harness:
                 max_num_batched_tokens=4096,
                 max_model_len=max_model_len,
                 block_size=self.block_size,
+                async_scheduling=self.async_scheduling,
             ),
             num_blocks,
         )
@@ -109,15 +123,26 @@ class Harness:
         ]
         self.backend.execute_model(scheduler_output)
         runner_output = self.backend.sample_tokens(None)
+        self._apply(scheduler_output, runner_output, completes)
+        return scheduler_output, runner_output
+
+    def _apply(
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        completes: list[bool],
+        discarded: list[bool] | None = None,
+    ) -> None:
         self._check_output(scheduler_output, runner_output, completes)
         for index, req_id in enumerate(runner_output.req_ids):
+            if discarded is not None and discarded[index]:
+                continue
             self.outputs[req_id] += runner_output.sampled_token_ids[index]
             if runner_output.logprobs is not None and runner_output.logprobs[index]:
                 self.logprobs.setdefault(req_id, []).extend(runner_output.logprobs[index] or [])
         for req_id, entries in (runner_output.prompt_logprobs or {}).items():
             self.prompt_logprobs.setdefault(req_id, []).extend(entries)
         self.scheduler.update_from_output(scheduler_output, runner_output)
-        return scheduler_output, runner_output
 
     def _check_output(
         self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput, completes: list[bool]
@@ -152,10 +177,13 @@ class Harness:
                 f"logprobs has {len(output.logprobs)} entries for {len(batch)} requests"
             )
 
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
     def run(self) -> dict[str, list[int]]:
         """Step until every request has finished; the tokens of every request added so far."""
         for _ in range(MAX_STEPS):
-            if not self.scheduler.has_unfinished_requests():
+            if not self.has_work():
                 return self.outputs
             self.step()
         raise AssertionError(f"requests did not finish within {MAX_STEPS} steps")
@@ -168,3 +196,52 @@ class Harness:
 
 def assert_same(label: str, got: list[int], expected: list[int]) -> None:
     assert got == expected, f"{label}: got tokens {got}, expected {expected} (as when run alone)"
+
+
+class AsyncHarness(Harness):
+    """Drives a backend with async scheduling, as ``EngineCore`` does: each step is scheduled
+    and launched (``execute_model``, ``sample_tokens_async``) before the results of the step
+    before it are waited for and applied. ``outputs`` hold the tokens applied so far."""
+
+    async_scheduling = True
+
+    def __init__(self, backend: Backend, config: EngineConfig, num_blocks: int) -> None:
+        super().__init__(backend, config, num_blocks)
+        self._in_flight: deque[
+            tuple[SchedulerOutput, list[bool], list[Request], AsyncModelRunnerOutput]
+        ] = deque()
+
+    def has_work(self) -> bool:
+        return bool(self._in_flight) or self.scheduler.has_unfinished_requests()
+
+    def step(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        """Launch the next step (if anything can be scheduled), then wait for and apply the
+        oldest one in flight when another is in flight after it, or nothing more was launched.
+        Returns the newest step's batch and the results applied (an empty output when none)."""
+        scheduler_output = self.scheduler.schedule()
+        launched = scheduler_output.total_num_scheduled_tokens > 0
+        if launched:
+            # A request samples in this step when it computes up to its last placeholder.
+            completes = [
+                r.num_output_placeholders > 0
+                and r.num_computed_tokens == r.num_tokens + r.num_output_placeholders - 1
+                for r in self.scheduler.scheduled
+            ]
+            self.backend.execute_model(scheduler_output)
+            handle = self.backend.sample_tokens_async(None)
+            assert isinstance(handle, AsyncModelRunnerOutput), (
+                f"sample_tokens_async returned {type(handle).__name__}, not an "
+                "AsyncModelRunnerOutput"
+            )
+            batch = list(self.scheduler.scheduled)
+            self._in_flight.append((scheduler_output, completes, batch, handle))
+        else:
+            assert self._in_flight, "nothing was scheduled"
+        runner_output = ModelRunnerOutput([], [])
+        if len(self._in_flight) > 1 or not launched:
+            older, completes, batch, handle = self._in_flight.popleft()
+            runner_output = handle.get_output()
+            # Requests that ended since the step was launched: their tokens are discarded.
+            discarded = [r.is_finished for r in batch]
+            self._apply(older, runner_output, completes, discarded)
+        return scheduler_output, runner_output

@@ -7,6 +7,12 @@ that arrived meanwhile -> ``update_from_output``. In-process callers run it whol
 and :meth:`finish_step`. When the batch has constrained requests and the backend's step blocks
 (``step_in_thread``), the grammar bitmask is filled on a helper thread while ``execute_model``
 runs, and handed to ``sample_tokens``.
+
+With async scheduling (a backend that supports it, ``EngineConfig.async_scheduling`` not False)
+one step stays in flight while the next is scheduled and launched: :meth:`schedule`, then
+:meth:`execute_async` (launch the new step, wait for the one before it), :meth:`finish_step`
+with that older step's results, then :meth:`sample_pending` (the bitmask of a new step with
+constrained requests, which needs the older step's tokens).
 """
 
 from __future__ import annotations
@@ -15,12 +21,15 @@ import concurrent.futures
 import enum
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import msgspec
 
 from engine_core._core.kv_events import KVEventLog, snapshot
 from engine_core._core.protocol import (
+    DPEngineCoreOutputs,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
@@ -32,7 +41,7 @@ from engine_core._core.request import Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core._plugins import load_backend, resolve_backend
 from engine_core._structured.manager import StructuredOutputManager
-from engine_core.abc import Backend, ModelRunnerOutput, SchedulerOutput
+from engine_core.abc import AsyncModelRunnerOutput, Backend, ModelRunnerOutput, SchedulerOutput
 from engine_core.config import EngineConfig
 from engine_core.errors import BackendError
 
@@ -59,6 +68,35 @@ class PauseMode(enum.StrEnum):
             return cls(mode)
         except ValueError:
             raise ValueError(f"mode must be one of {', '.join(cls)}, got {mode!r}") from None
+
+
+class _InFlight:
+    """A launched step (async scheduling): its batch, the constrained requests that sample in
+    it (their bitmask rows, in batch order; None: no bitmask) and its results' handle (None
+    until its sampling is launched)."""
+
+    __slots__ = ("scheduler_output", "rows", "handle")
+
+    def __init__(self, scheduler_output: SchedulerOutput, rows: list[Request] | None) -> None:
+        self.scheduler_output = scheduler_output
+        self.rows = rows
+        self.handle: AsyncModelRunnerOutput | None = None
+
+
+def resolve_async_scheduling(config: EngineConfig, backend: Backend) -> bool:
+    """Whether the engine schedules asynchronously: ``config.async_scheduling``, or when None
+    whether the backend supports it and its step waits on a device (``step_in_thread``: a step
+    that holds the GIL throughout leaves nothing to overlap, and a step in flight would only
+    delay its outputs); ``ValueError`` when asked of a backend that does not support it."""
+    supported = bool(getattr(backend, "supports_async_scheduling", False))
+    if config.async_scheduling is None:
+        return supported and backend.step_in_thread
+    if config.async_scheduling and not supported:
+        raise ValueError(
+            f"async_scheduling=True but the {type(backend).__name__} backend does not support "
+            "it (leave it None to use it where supported)"
+        )
+    return config.async_scheduling
 
 
 def _blocks_in_kv_memory(config: EngineConfig, backend: Backend) -> int:
@@ -121,6 +159,8 @@ class EngineCore:
         cls = backend_cls if backend_cls is not None else load_backend(config.backend, config)
         backend = cls(config)
         try:
+            self.async_scheduling = resolve_async_scheduling(config, backend)
+            config = msgspec.structs.replace(config, async_scheduling=self.async_scheduling)
             self.num_kv_blocks, config = size_kv_cache(config, backend)
             backend.initialize_kv_cache(self.num_kv_blocks)
         except BaseException:
@@ -133,6 +173,13 @@ class EngineCore:
         self.vocab_size = backend.vocab_size()
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.num_kv_blocks)
         self.num_steps = 0
+        self._in_flight: deque[_InFlight] = deque()
+        """Async scheduling: launched steps whose results were not applied, oldest first."""
+        self._device_busy_s = 0.0
+        self._busy_since = 0.0
+        self._measured_busy_s = 0.0
+        self._all_measured = True
+        """Every async step so far reported its device time."""
         self._ended_outside_steps: list[FinishedRequest] = []
         """Requests rejected at arrival, failed grammars and engine-initiated aborts, reported
         with the next step's outputs."""
@@ -289,13 +336,22 @@ class EngineCore:
         self._ended_outside_steps.extend(FinishedRequest(r.request_id, "abort") for r in ended)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._ended_outside_steps)
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._ended_outside_steps)
+            or bool(self._in_flight)
+        )
+
+    @property
+    def num_in_flight(self) -> int:
+        """Launched steps whose results were not applied yet (async scheduling)."""
+        return len(self._in_flight)
 
     @property
     def has_work(self) -> bool:
         """Whether a step would do anything: requests to run (and not frozen by a "keep" pause)
         or ended requests to report."""
-        if self._ended_outside_steps:
+        if self._ended_outside_steps or self._in_flight:
             return True
         return self.pause_mode is not PauseMode.KEEP and self.scheduler.has_unfinished_requests()
 
@@ -318,6 +374,13 @@ class EngineCore:
         is filled on a helper thread while ``execute_model`` runs when the backend's step
         blocks (``step_in_thread``); after it otherwise (a step that holds the GIL throughout
         leaves nothing to overlap)."""
+        start = self.clock()
+        try:
+            return self._execute(scheduler_output)
+        finally:
+            self._device_busy_s += self.clock() - start
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         backend = self.backend
         matchers = None
         if self.scheduler.num_constrained:
@@ -337,6 +400,66 @@ class EngineCore:
             concurrent.futures.wait((bitmask,))
             raise
         return backend.sample_tokens(bitmask.result())
+
+    def execute_async(
+        self, scheduler_output: SchedulerOutput | None
+    ) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
+        """The blocking part of an async step: launch ``scheduler_output`` (when given), then
+        wait for the step launched before it and return that step with its results (None when
+        there was none). Without a new step it waits for the oldest one in flight (draining).
+
+        The new step's sampling is launched with it unless it needs a grammar bitmask and an
+        older step is in flight: the bitmask then waits for the older step's tokens
+        (:meth:`sample_pending`, after :meth:`finish_step`)."""
+        in_flight = self._in_flight
+        if scheduler_output is not None:
+            scheduler = self.scheduler
+            rows = None
+            if scheduler.num_constrained:
+                rows = [
+                    r
+                    for r in scheduler.scheduled
+                    if r.use_structured_output
+                    and r.num_output_placeholders
+                    and r.num_computed_tokens
+                    == len(r.all_token_ids) + r.num_output_placeholders - 1
+                ]
+            step = _InFlight(scheduler_output, rows or None)
+            if not in_flight:
+                self._busy_since = self.clock()
+            self.backend.execute_model(scheduler_output)
+            in_flight.append(step)
+            if step.rows is None or len(in_flight) == 1:
+                self._launch_sampling(step)
+        if not in_flight or (scheduler_output is not None and len(in_flight) == 1):
+            return None
+        oldest = in_flight[0]
+        handle = oldest.handle
+        assert handle is not None
+        try:
+            runner_output = handle.get_output()
+            device_time_s = handle.device_time_s
+            if device_time_s is None:
+                self._all_measured = False
+            else:
+                self._measured_busy_s += device_time_s
+        finally:
+            in_flight.popleft()
+            if not in_flight:
+                self._device_busy_s += self.clock() - self._busy_since
+        return oldest.scheduler_output, runner_output
+
+    def sample_pending(self) -> None:
+        """Launch the sampling of the newest step if it waited for its grammar bitmask (async
+        scheduling; call after :meth:`finish_step` applied the step before it)."""
+        if self._in_flight and self._in_flight[-1].handle is None:
+            self._launch_sampling(self._in_flight[-1])
+
+    def _launch_sampling(self, step: _InFlight) -> None:
+        bitmask: Any = None
+        if step.rows is not None:
+            bitmask = self.structured_output.fill_bitmask_rows(step.rows)
+        step.handle = self.backend.sample_tokens_async(bitmask)
 
     def finish_step(
         self,
@@ -359,8 +482,17 @@ class EngineCore:
         outputs.timestamp = self.clock()
         if self._kv_events is not None:
             # Data parallelism: the step's prefix-cache changes and the load after it.
-            outputs.kv_events = self._kv_events.drain()
-            outputs.load = self._load()
+            return DPEngineCoreOutputs(
+                outputs.req_ids,
+                outputs.new_token_ids,
+                outputs.finished,
+                outputs.logprobs,
+                outputs.prompt_logprobs,
+                outputs.num_cached_tokens,
+                outputs.timestamp,
+                self._kv_events.drain(),
+                self._load(),
+            )
         return outputs
 
     def _load(self) -> EngineLoad:
@@ -376,11 +508,16 @@ class EngineCore:
         """Run one whole step and return what it produced. When nothing can run but grammars
         are compiling, it first waits for one of them (at most until one times out)."""
         scheduler_output = self.schedule()
-        if scheduler_output is None and not self._ended_outside_steps:
+        if scheduler_output is None and not self._ended_outside_steps and not self._in_flight:
             wait_s = self.grammar_wait_s()
             if wait_s is not None:
                 self.structured_output.wait(wait_s)
                 scheduler_output = self.schedule()
+        if self.async_scheduling:
+            done = self.execute_async(scheduler_output)
+            outputs = self.finish_step(*done) if done is not None else self.finish_step()
+            self.sample_pending()
+            return outputs
         runner_output = self.execute(scheduler_output) if scheduler_output is not None else None
         return self.finish_step(scheduler_output, runner_output)
 
@@ -412,7 +549,19 @@ class EngineCore:
             prefix_cache_queries=kv.stats.queries,
             prefix_cache_hits=kv.stats.hits,
             num_malformed_messages=self.num_malformed_messages,
+            device_busy_s=self.device_busy_s,
         )
+
+    @property
+    def device_busy_s(self) -> float:
+        """Seconds so far during which the backend had a step in flight: under async scheduling
+        the device time its steps reported, when all of them did."""
+        if self.async_scheduling and self._all_measured:
+            return self._measured_busy_s
+        busy = self._device_busy_s
+        if self._in_flight:
+            busy += self.clock() - self._busy_since
+        return busy
 
     def kv_cache_snapshot(self) -> list[bytes]:
         """The digests of every cached block (what the step events have reported so far), for
@@ -453,6 +602,12 @@ class EngineCore:
             raise RuntimeError(
                 "cannot sleep while requests are in flight; pause generation or let them finish"
             )
+        # A step launched for requests that ended meanwhile (async scheduling) ends first; its
+        # results are all discarded, so nothing is left to report.
+        while self._in_flight:
+            done = self.execute_async(None)
+            if done is not None:
+                self.scheduler.update_from_output(*done)
         self.backend.sleep(level)
         self.scheduler.reset_prefix_cache()
 

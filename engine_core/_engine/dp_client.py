@@ -33,6 +33,7 @@ import msgspec
 import zmq
 
 from engine_core._core.protocol import (
+    DPEngineCoreOutputs,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
@@ -370,10 +371,11 @@ class DPClient(EngineCoreClient):
     def _observe(self, engine: int, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
         """Feed the router with what an engine's step outputs say."""
         router = self.router
-        if outputs.kv_events is not None:
-            router.apply_events(engine, outputs.kv_events)
-        if outputs.load is not None:
-            router.update_load(engine, outputs.load)
+        if isinstance(outputs, DPEngineCoreOutputs):
+            if outputs.kv_events is not None:
+                router.apply_events(engine, outputs.kv_events)
+            if outputs.load is not None:
+                router.update_load(engine, outputs.load)
         tracked = self._tracked
         cached = outputs.num_cached_tokens
         for request_id, tokens in zip(outputs.req_ids, outputs.new_token_ids, strict=True):

@@ -16,6 +16,7 @@ _SUMMED = (
     "prefix_cache_queries",
     "prefix_cache_hits",
     "num_malformed_messages",
+    "device_busy_s",
 )
 
 

@@ -14,6 +14,11 @@ control call) and sent nothing since its last look: a client waiting for the eng
 it at least every two intervals for as long as the event loop runs, however long a step takes
 in its worker thread.
 
+With async scheduling the stepping task keeps one step in flight: it schedules step n+1 while
+step n runs, and in one worker-thread call launches step n+1 and waits for step n's results,
+which it then applies and sends while step n+1 runs. Control calls and a shutdown first let the
+steps in flight end (their outputs are sent), so they see the engine between steps as before.
+
 The process around it (entry point, handshake, signals, parent watch) is in ``main``.
 """
 
@@ -188,6 +193,7 @@ class EngineCoreProc:
             await self._run_calls(out)
         # 2. A shutdown, after the calls that came before it: end every request, report them.
         if self.stop_reason is not None:
+            await self._drain(out)
             core.abort_all()
             self._emit(out, core.finish_step())
             self._answer_pauses(out, drained=True)
@@ -202,6 +208,8 @@ class EngineCoreProc:
         if self._num_queued >= _MAX_QUEUED_OUTPUTS:
             await self._wait_for_output_room()
             return True
+        if core.async_scheduling:
+            return await self._step_async(out)
         # 5. The step. Only the model call leaves the event loop's thread; aborts arriving
         #    meanwhile are applied by finish_step before the step's outputs.
         scheduler_output = core.schedule()
@@ -219,6 +227,50 @@ class EngineCoreProc:
         else:
             await anyio.lowlevel.checkpoint()
         return True
+
+    async def _step_async(self, out: MemoryObjectSendStream[EngineMessage]) -> bool:
+        """Steps 5-7 with async scheduling: schedule step n+1, then (in the worker thread)
+        launch it and wait for step n, apply step n's results and send them while n+1 runs."""
+        core = self.core
+        scheduler_output = core.schedule()
+        done = None
+        if scheduler_output is not None or core.num_in_flight:
+            done = await self._execute_async(scheduler_output)
+        outputs = core.finish_step(*done) if done is not None else core.finish_step()
+        core.sample_pending()
+        self._emit(out, outputs)
+        self._answer_pauses(out)
+        if scheduler_output is None and done is None and outputs.is_empty:
+            await self._wait_for_input()
+        else:
+            await anyio.lowlevel.checkpoint()
+        return True
+
+    async def _drain(self, out: MemoryObjectSendStream[EngineMessage]) -> None:
+        """Let the steps in flight end and send their outputs (async scheduling)."""
+        core = self.core
+        while core.num_in_flight:
+            done = await self._execute_async(None)
+            outputs = core.finish_step(*done) if done is not None else core.finish_step()
+            core.sample_pending()
+            self._emit(out, outputs)
+
+    async def _execute_async(
+        self, scheduler_output: SchedulerOutput | None
+    ) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
+        core = self.core
+        if not core.backend.step_in_thread:
+            return core.execute_async(scheduler_output)
+        self._executing = True
+        try:
+            with anyio.move_on_after(self._step_timeout_s) as scope:
+                return await anyio.to_thread.run_sync(
+                    core.execute_async, scheduler_output, abandon_on_cancel=True
+                )
+        finally:
+            self._executing = False
+        assert scope.cancelled_caught
+        raise TimeoutError(f"a step ran longer than step_timeout_s ({self._step_timeout_s} s)")
 
     async def _wait_for_input(self) -> None:
         # No await between the caller's check and this wait, so no wake-up is lost. A request
@@ -280,6 +332,7 @@ class EngineCoreProc:
     # -- control calls --------------------------------------------------------------------------
 
     async def _run_calls(self, out: MemoryObjectSendStream[EngineMessage]) -> None:
+        await self._drain(out)
         while self._calls:
             call = self._calls.popleft()
             self._in_call = True

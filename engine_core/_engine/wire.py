@@ -30,7 +30,12 @@ from typing import Any, NamedTuple, TypeAlias, TypeVar
 import msgspec
 
 from engine_core._core.checks import show
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, EngineInfo
+from engine_core._core.protocol import (
+    DPEngineCoreOutputs,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+)
 from engine_core.config import EngineConfig
 
 __all__ = [
@@ -147,7 +152,14 @@ class Silence(msgspec.Struct, array_like=True, tag="silence"):
 
 
 EngineMessage: TypeAlias = (
-    Hello | Ready | EngineCoreOutputs | UtilityReply | Heartbeat | EngineDead | Silence
+    Hello
+    | Ready
+    | EngineCoreOutputs
+    | DPEngineCoreOutputs
+    | UtilityReply
+    | Heartbeat
+    | EngineDead
+    | Silence
 )
 
 

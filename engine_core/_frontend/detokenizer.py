@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine_core._core.tokenizer import IncrementalDecoder, Tokenizer
+from engine_core._core.tokenizer import IncrementalDecoder, Tokenizer, output_decoder
 from engine_core._frontend.stop_strings import StopMatcher, stop_matcher
 from engine_core.abc import TokenLogprobs
 from engine_core.outputs import Logprob, PositionLogprobs
@@ -42,7 +42,6 @@ class Detokenizer:
         "_overlap",
         "_buf",
         "_sent",
-        "_eligible",
         "num_tokens",
         "stop_string",
     )
@@ -54,7 +53,12 @@ class Detokenizer:
         params: SamplingParams,
     ) -> None:
         self._decoder: IncrementalDecoder | None = (
-            tokenizer.decode_stream(prompt_token_ids, params.skip_special_tokens)
+            output_decoder(
+                tokenizer,
+                prompt_token_ids,
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
+            )
             if tokenizer is not None and params.detokenize
             else None
         )
@@ -64,10 +68,9 @@ class Detokenizer:
         self._matcher: StopMatcher | None = (
             stop_matcher(self._stops) if self._stops else None  # pragma: no mutate
         )
-        # Mutation testing: any start state is equivalent: a stop string found through the
-        # text before the completion would start before it, where none counts.
-        self._node = 0  # pragma: no mutate
-        """The stop-string automaton's state after the eligible text decoded so far."""
+        self._node = 0
+        """The stop-string automaton's state after the text decoded so far (a stop string
+        begins in the completion, never in the prompt)."""
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         longest = max(map(len, self._stops), default=1)
@@ -77,8 +80,6 @@ class Detokenizer:
         # before it, which a stop string completed by the next token may start in.
         self._buf = ""
         self._sent = 0
-        self._eligible = 0
-        """Index in _buf where text produced after ``min_tokens`` tokens starts."""
         self.num_tokens = 0
         self.stop_string: str | None = None
 
@@ -133,10 +134,9 @@ class Detokenizer:
             start = len(buf)
             buf += text
             if num_tokens <= self._min_tokens:
-                # Text of the first min_tokens tokens cannot start a stop string, and one that
-                # starts later is found from any automaton state: it is not fed to the
-                # automaton.
-                self._eligible = len(buf)
+                # Text of the first min_tokens tokens cannot end a stop string (it may begin
+                # one that ends later, as in vLLM).
+                self._node = matcher.advance(self._node, text)
                 continue
             if self._scan(matcher, buf, text, start):
                 self.num_tokens = num_tokens
@@ -148,7 +148,7 @@ class Detokenizer:
     def _scan(self, matcher: StopMatcher, buf: str, text: str, start: int) -> bool:
         """Feed ``text`` (at ``start`` in ``buf``) to the automaton. On a stop string, ``_buf``
         becomes ``buf`` truncated before or after it and True is returned."""
-        self._node, index, end = matcher.scan(self._node, text, start, self._eligible)
+        self._node, index, end = matcher.scan(self._node, text, start)
         if index < 0:
             return False
         stop = matcher.stops[index]
@@ -177,7 +177,6 @@ class Detokenizer:
             if not buf:
                 return ""
             self._buf = ""
-            self._eligible = 0
             return buf
         end = len(buf)
         if self._hold and not finished:
@@ -194,13 +193,13 @@ class Detokenizer:
         else:
             self._buf = buf[keep_from:]
             self._sent = end - keep_from
-            self._eligible = max(0, self._eligible - keep_from)
         return text
 
 
 class LogprobsDecoder:
     """Turns the engine's :class:`~engine_core.abc.TokenLogprobs` into ``{token_id: Logprob}``,
-    decoding each candidate token once (special tokens included)."""
+    decoding each candidate token once: the text it adds after a word (a word-start piece keeps
+    its leading space, special tokens show)."""
 
     __slots__ = ("_tokenizer", "_texts")
 
@@ -209,14 +208,10 @@ class LogprobsDecoder:
         self._texts: dict[int, str] = {}
 
     def token_text(self, token_id: int) -> str | None:
-        """The text of one token on its own (None without a tokenizer)."""
+        """The text of one token (None without a tokenizer)."""
         text = self._texts.get(token_id)
         if text is None and self._tokenizer is not None:
-            # Mutation testing: skip_special_tokens=None is equivalent (falsy).
-            text = self._texts[token_id] = self._tokenizer.decode(
-                [token_id],
-                skip_special_tokens=False,  # pragma: no mutate
-            )
+            text = self._texts[token_id] = self._tokenizer.token_text(token_id)
         return text
 
     def position(self, entry: TokenLogprobs, decode: bool) -> PositionLogprobs:

@@ -47,14 +47,12 @@ class StopMatcher:
                     link = self._fail[link]
                 self._fail[child] = self._goto[link].get(char, 0)
                 ends[child] = ends[child] + ends[self._fail[child]]
-        # Each node's stop strings, listed first first: (index, length).
-        self._ends: list[tuple[tuple[int, int], ...]] = [
-            tuple((i, len(stops[i])) for i in sorted(set(found))) for found in ends
-        ]
+        # Each node's stop strings, listed first first (they all end at the node).
+        self._ends: list[tuple[int, ...]] = [tuple(sorted(set(found))) for found in ends]
 
-    def scan(self, node: int, text: str, offset: int, eligible: int) -> tuple[int, int, int]:
+    def scan(self, node: int, text: str, offset: int) -> tuple[int, int, int]:
         """Feed ``text`` from automaton state ``node``; ``offset`` is the position of ``text``
-        in the completion. A stop string counts only when it starts at ``eligible`` or later.
+        in the completion. A stop string counts when it ends in ``text``, wherever it starts.
 
         Returns ``(node, stop_index, end)``: the state after the text, and the earliest
         completed stop string with the position just past it, or ``stop_index == -1`` (the whole
@@ -69,12 +67,22 @@ class StopMatcher:
             node = nxt or 0
             found = ends[node]
             if found:
-                for index, size in found:
-                    if position - size + 1 >= eligible:
-                        return node, index, position + 1
+                return node, found[0], position + 1
         # Mutation testing: the end of "no stop string" is never read (nor is the index beyond
         # being negative), so mutants of this line are equivalent.
         return node, -1, 0  # pragma: no mutate
+
+    def advance(self, node: int, text: str) -> int:
+        """The state after feeding ``text`` from ``node``, ignoring the stop strings it
+        completes (text that cannot end a stop string, but may begin one)."""
+        goto, fail = self._goto, self._fail
+        for char in text:
+            nxt = goto[node].get(char)
+            while nxt is None and node:
+                node = fail[node]
+                nxt = goto[node].get(char)
+            node = nxt or 0
+        return node
 
 
 @lru_cache(maxsize=256)

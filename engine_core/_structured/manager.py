@@ -276,6 +276,23 @@ class StructuredOutputManager:
             if r.grammar is not None and r.num_computed_tokens == len(r.all_token_ids)
         ]
 
+    def fill_bitmask_rows(self, requests: Sequence[Request]) -> Any:
+        """The bitmask of one row per request, in order: its grammar's, or every token allowed
+        for a request that ended since it was scheduled (async scheduling: what it samples is
+        discarded)."""
+        live = [i for i, r in enumerate(requests) if r.grammar is not None]
+        matchers = [requests[i].grammar.matcher for i in live]  # type: ignore[union-attr]
+        if len(live) == len(requests):
+            return self.fill_bitmask(matchers)
+        np = self._np
+        if np is None:
+            self._init_bitmask()
+            np = self._np
+        bitmask = np.full((len(requests), self._num_words), -1, dtype=np.int32)
+        if live:
+            bitmask[live] = self.fill_bitmask(matchers)
+        return bitmask
+
     def fill_bitmask(self, matchers: Sequence[Any]) -> Any:
         """The int32 bitmask of ``matchers``: shape (rows, ceil(vocab / 32)), bit ``j % 32`` of
         word ``j // 32`` set when token ``j`` is allowed."""

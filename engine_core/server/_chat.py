@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine_core._core.checks import show
+from engine_core._core.tokenizer import Tokenizer
 from engine_core.outputs import PositionLogprobs, RequestOutput
 from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 from engine_core.server._chat_output import ChatReader
@@ -208,27 +209,30 @@ def chat_prompt(
     return text, token_ids
 
 
-def _chat_logprobs(positions: list[PositionLogprobs], top: int) -> ChatLogprobs:
+def _chat_logprobs(
+    positions: list[PositionLogprobs], top: int, tokenizer: Tokenizer
+) -> ChatLogprobs:
+    """Each token's text and its own bytes (a token holding part of a character has those
+    bytes, where its text shows U+FFFD)."""
     content = []
     for position in positions:
-        sampled = next(iter(position.values()))
+        sampled_id, sampled = next(iter(position.items()))
         ranked = sorted(
-            (lp for lp in position.values() if lp.rank is not None and lp.rank <= top),
-            key=lambda lp: lp.rank or 0,
+            (item for item in position.items() if item[1].rank is not None and item[1].rank <= top),
+            key=lambda item: item[1].rank or 0,
         )
-        token = sampled.decoded_token or ""
         content.append(
             TokenLogprob(
-                token=token,
+                token=sampled.decoded_token or "",
                 logprob=sampled.logprob,
-                bytes=list(token.encode()),
+                bytes=list(tokenizer.token_bytes(sampled_id)),
                 top_logprobs=[
                     TopLogprob(
                         token=lp.decoded_token or "",
                         logprob=lp.logprob,
-                        bytes=list((lp.decoded_token or "").encode()),
+                        bytes=list(tokenizer.token_bytes(token_id)),
                     )
-                    for lp in ranked
+                    for token_id, lp in ranked
                 ],
             )
         )
@@ -373,7 +377,9 @@ def _choices(
     for completion in sorted(output.outputs, key=lambda c: c.index):
         logprobs = None
         if body.logprobs and completion.logprobs is not None:
-            logprobs = _chat_logprobs(completion.logprobs, body.top_logprobs or 0)
+            logprobs = _chat_logprobs(
+                completion.logprobs, body.top_logprobs or 0, ctx.state.tokenizer
+            )
         message, finish_reason = reader.message(completion)
         choices.append(
             ChatChoice(
@@ -413,7 +419,7 @@ class _ChatStream(ResponseStream[ChatCompletionRequest, ChatChunkChoice]):
             self.completion_tokens += len(completion.token_ids)
             logprobs = None
             if completion.logprobs:
-                logprobs = _chat_logprobs(completion.logprobs, top)
+                logprobs = _chat_logprobs(completion.logprobs, top, self.ctx.state.tokenizer)
             delta, finish_reason = self.reader.stream(completion.index).delta(completion)
             if delta is None and logprobs is None and finish_reason is None:
                 continue

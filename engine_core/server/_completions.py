@@ -11,7 +11,9 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from engine_core._core.tokenizer import Tokenizer, output_decoder
 from engine_core.outputs import PositionLogprobs, RequestOutput
+from engine_core.sampling_params import SamplingParams
 from engine_core.server._errors import APIError
 from engine_core.server._protocol import (
     Completion,
@@ -69,25 +71,55 @@ def _prepare_prompts(
     return prepared
 
 
+class _TextOffsets:
+    """Where the text of each token of one choice begins in the choice's text (``text_offset``).
+
+    Only text that appears counts: a skipped special token moves nothing, and the tokens of a
+    character split over several begin where the character does. The tokens are decoded again
+    in the choice's context, as the engine decoded them for its text.
+    """
+
+    __slots__ = ("_decoder", "offset")
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        self._decoder = output_decoder(
+            tokenizer,
+            prompt_token_ids,
+            params.skip_special_tokens,
+            params.spaces_between_special_tokens,
+        )
+        self.offset = 0
+
+    def of(self, token_ids: list[int]) -> list[int]:
+        """The offsets of the next ``token_ids``."""
+        offsets = []
+        step = self._decoder.step
+        for token_id in token_ids:
+            offsets.append(self.offset)
+            self.offset += len(step(token_id))
+        return offsets
+
+
 def _logprobs(
-    positions: list[PositionLogprobs], text_offset: int
-) -> tuple[CompletionLogprobs, int]:
-    """The legacy logprobs columns of ``positions``; also the offset after them."""
+    positions: list[PositionLogprobs], token_ids: list[int], offsets: _TextOffsets
+) -> CompletionLogprobs:
+    """The legacy logprobs columns of ``positions`` (those of ``token_ids``)."""
     tokens: list[str] = []
     token_logprobs: list[float] = []
     top_logprobs: list[dict[str, float]] = []
-    offsets: list[int] = []
     for position in positions:
         sampled = next(iter(position.values()))
-        token = sampled.decoded_token or ""
-        tokens.append(token)
+        tokens.append(sampled.decoded_token or "")
         token_logprobs.append(sampled.logprob)
         top_logprobs.append({(lp.decoded_token or ""): lp.logprob for lp in position.values()})
-        offsets.append(text_offset)
-        text_offset += len(token)
     return CompletionLogprobs(
-        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=offsets
-    ), text_offset
+        tokens=tokens,
+        token_logprobs=token_logprobs,
+        top_logprobs=top_logprobs,
+        text_offset=offsets.of(token_ids[: len(positions)]),
+    )
 
 
 def _echo_text(state: ServerState, output: RequestOutput) -> str:
@@ -131,7 +163,8 @@ def _choices(
     for completion in sorted(output.outputs, key=lambda c: c.index):
         logprobs = None
         if body.logprobs is not None and completion.logprobs is not None:
-            logprobs, _ = _logprobs(completion.logprobs, 0)
+            offsets = _TextOffsets(ctx.state.tokenizer, output.prompt_token_ids, ctx.params)
+            logprobs = _logprobs(completion.logprobs, completion.token_ids, offsets)
         choices.append(
             CompletionChoice(
                 index=prompt_index * body.n + completion.index,
@@ -151,8 +184,10 @@ class _CompletionStream(ResponseStream[CompletionRequest, CompletionChoice]):
 
     def __init__(self, ctx: RequestContext[CompletionRequest]) -> None:
         super().__init__(ctx)
-        self.text_offsets: dict[int, int] = {}
-        """Per choice that has begun: the ``text_offset`` of its next token."""
+        self.begun: set[int] = set()
+        """The choices that have had an output."""
+        self.text_offsets: dict[int, _TextOffsets] = {}
+        """Per choice with logprobs: the offsets of its tokens' text."""
 
     def events(self, prompt_index: int, output: RequestOutput) -> list[bytes]:
         body = self.ctx.body
@@ -161,15 +196,18 @@ class _CompletionStream(ResponseStream[CompletionRequest, CompletionChoice]):
             index = prompt_index * body.n + completion.index
             self.completion_tokens += len(completion.token_ids)
             text = completion.text
-            offset = self.text_offsets.get(index)
-            if offset is None:  # the choice's first output
-                offset = 0
+            if index not in self.begun:  # the choice's first output
+                self.begun.add(index)
                 if body.echo:
                     text = _echo_text(self.ctx.state, output) + text
             logprobs = None
             if body.logprobs is not None and completion.logprobs:
-                logprobs, offset = _logprobs(completion.logprobs, offset)
-            self.text_offsets[index] = offset
+                offsets = self.text_offsets.get(index)
+                if offsets is None:
+                    offsets = self.text_offsets[index] = _TextOffsets(
+                        self.ctx.state.tokenizer, output.prompt_token_ids, self.ctx.params
+                    )
+                logprobs = _logprobs(completion.logprobs, completion.token_ids, offsets)
             if text or logprobs is not None or completion.finish_reason is not None:
                 choice = CompletionChoice(
                     index=index,

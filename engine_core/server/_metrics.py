@@ -11,6 +11,10 @@ Engine state, read from :meth:`AsyncLLM.get_stats` at each scrape:
 - ``engine_core_num_preemptions_total`` (counter)
 - ``engine_core_malformed_messages_total`` (counter): messages the engine could not decode
   (answered with an error when their request id was readable, else dropped)
+- ``engine_core_device_busy_seconds_total`` (counter): seconds during which the backend had a
+  step in flight (under async scheduling, the device time the steps report where the backend
+  measures it); its rate against wall time is the fraction of time the host kept the device
+  fed (1.0: never idle while there was work)
 
 With data parallelism each of these has one series per live engine, labelled ``engine``
 (its rank), and the router adds:
@@ -181,6 +185,8 @@ _ENGINE_SERIES = (
      "Requests preempted to free KV-cache blocks.", "num_preemptions"),
     (CounterMetricFamily, "engine_core_malformed_messages",
      "Messages the engine could not decode.", "num_malformed_messages"),
+    (CounterMetricFamily, "engine_core_device_busy_seconds",
+     "Seconds during which the backend had a step in flight.", "device_busy_s"),
 )  # fmt: skip
 
 

@@ -72,6 +72,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     priority: int = 0
     structured_outputs: StructuredOutputsParams | None = None
     """vLLM's constraint: exactly one of ``json``, ``json_object``, ``regex``, ``choice``,

@@ -192,6 +192,7 @@ def sampling_params(
         "stop_token_ids": body.stop_token_ids,
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "skip_special_tokens": body.skip_special_tokens,
+        "spaces_between_special_tokens": body.spaces_between_special_tokens,
         "logprobs": logprobs,
         "output_kind": RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         "structured_outputs": structured_outputs,

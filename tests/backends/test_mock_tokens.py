@@ -176,3 +176,24 @@ def test_whitespace_token_ids(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text(json.dumps(data))
     assert whitespace_token_ids(str(tmp_path)) == {1, 2, 4, 5, 6}
     assert whitespace_token_ids(str(tmp_path / "missing")) == frozenset()
+
+
+def test_a_grammar_left_with_only_a_stop_before_min_tokens_fails_that_request_alone(
+    llm: LLM,
+) -> None:
+    """After "a" the choice grammar admits only EOS, which min_tokens still masks: nothing can
+    be sampled. The request ends with an error; the engine and the other requests go on."""
+    pytest.importorskip("llguidance")
+    stuck = SamplingParams(
+        temperature=0,
+        max_tokens=8,
+        min_tokens=4,
+        structured_outputs=StructuredOutputsParams(choice=["a"]),
+    )
+    outs = llm.generate(["x", "abc"], [stuck, GREEDY], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert outs[0].outputs[0].text == "a"
+    assert outs[1].outputs[0].text == "defgh"
+    banned_all = {t: -100.0 for t in range(258)}
+    (out,) = llm.generate("abc", GREEDY.clone(logit_bias=banned_all), use_tqdm=False)
+    assert out.outputs[0].text == "defgh"  # bans covering the vocabulary give way

@@ -149,3 +149,37 @@ def test_parse_prompt_rejects(prompt: object, message: str) -> None:
 def test_parse_text_prompt_needs_tokenizer() -> None:
     with pytest.raises(ValueError, match="needs a tokenizer"):
         parse_prompt("ab", None)
+
+
+def test_byte_tokenizer_token_text_and_bytes() -> None:
+    tok = ByteTokenizer()
+    assert [tok.token_text(t) for t in (97, 0xC3, 257)] == ["a", "\ufffd", "</s>"]
+    assert [tok.token_bytes(t) for t in (97, 0xC3, 257)] == [b"a", b"\xc3", b"</s>"]
+
+
+def test_hf_byte_level_token_text_and_bytes(tmp_path: Path) -> None:
+    tok = HFTokenizer(build_bpe_dir(tmp_path))
+    for text in [" world", "caf\u00e9", " \U0001f600", "hello"]:
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(t) for t in ids) == text.encode()
+    (world,) = tok.encode(" world")
+    assert (tok.token_text(world), tok.token_bytes(world)) == (" world", b" world")
+    # A piece of a character: U+FFFD as text, its own bytes.
+    partial = tok._tokenizer.token_to_id("\u00c3")  # the byte-level piece of byte 0xC3
+    assert (tok.token_text(partial), tok.token_bytes(partial)) == ("\ufffd", b"\xc3")
+    assert (tok.token_text(1), tok.token_bytes(1)) == ("</s>", b"</s>")
+
+
+def test_hf_byte_fallback_token_text_and_bytes(tmp_path: Path) -> None:
+    from helpers.tiny_tokenizer import save_tiny_byte_fallback
+
+    tok = HFTokenizer(save_tiny_byte_fallback(tmp_path, CORPUS, ["<unk>", "<s>", "</s>"]))
+    (hello,) = tok.encode("hello")
+    assert tok._tokenizer.id_to_token(hello) == "\u2581hello"
+    # The word-start marker is the token's leading space, which decoding it alone strips.
+    assert tok.decode([hello]) == "hello"
+    assert (tok.token_text(hello), tok.token_bytes(hello)) == (" hello", b" hello")
+    kana = [tok._tokenizer.token_to_id(f"<0x{b:02X}>") for b in "\u30a2".encode()]
+    assert [tok.token_text(t) for t in kana] == ["\ufffd"] * 3
+    assert b"".join(tok.token_bytes(t) for t in kana) == "\u30a2".encode()
+    assert (tok.token_text(2), tok.token_bytes(2)) == ("</s>", b"</s>")

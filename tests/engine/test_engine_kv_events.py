@@ -3,9 +3,11 @@ snapshot of cached digests, and requests resumed from another engine's tokens.""
 
 from __future__ import annotations
 
+import msgspec
+
 from engine_core._core.block_hash import block_digests
 from engine_core._core.kv_events import block_digest
-from engine_core._core.protocol import EngineCoreRequest
+from engine_core._core.protocol import DPEngineCoreOutputs, EngineCoreOutputs, EngineCoreRequest
 from engine_core._core.router import Router
 from engine_core._engine.core import EngineCore
 from engine_core.config import EngineConfig
@@ -31,8 +33,10 @@ def _run(core: EngineCore, router: Router | None = None) -> dict[str, list[int]]
     tokens: dict[str, list[int]] = {}
     while core.has_unfinished_requests():
         out = core.step()
-        if router is not None and out.kv_events is not None:
-            router.apply_events(0, out.kv_events)
+        if router is not None:
+            assert isinstance(out, DPEngineCoreOutputs)
+            if out.kv_events is not None:
+                router.apply_events(0, out.kv_events)
         for rid, new in zip(out.req_ids, out.new_token_ids, strict=True):
             tokens.setdefault(rid, []).extend(new)
     return tokens
@@ -46,7 +50,7 @@ def test_events_and_load_travel_with_the_outputs_and_match_the_cache() -> None:
         core.add_request(EngineCoreRequest(f"r{i}", [i % 3 + 1] * 40 + [i] * 20, GREEDY))
         while core.has_unfinished_requests():
             out = core.step()
-            assert out.load is not None
+            assert isinstance(out, DPEngineCoreOutputs) and out.load is not None
             seen_load.append(out.load)
             if out.kv_events is not None:
                 router.apply_events(0, out.kv_events)
@@ -67,9 +71,12 @@ def test_events_and_load_travel_with_the_outputs_and_match_the_cache() -> None:
 def test_a_single_engine_reports_no_events_or_load() -> None:
     core = _core(1)
     core.add_request(EngineCoreRequest("a", [1] * 40, GREEDY))
+    encoder = msgspec.msgpack.Encoder()
     while core.has_unfinished_requests():
         out = core.step()
-        assert out.kv_events is None and out.load is None
+        # Not a byte of either on the wire: the plain outputs, whose last field is the time.
+        assert type(out) is EngineCoreOutputs
+        assert encoder.encode(out).endswith(encoder.encode(out.timestamp))
     assert core.scheduler.kv.pool.events is None
 
 

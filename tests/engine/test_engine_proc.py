@@ -45,6 +45,8 @@ _TIMEOUT_S = 5.0
 class GatedMock(MockBackend):
     """A mock whose steps wait for the test: ``step()`` lets one through, ``open()`` all."""
 
+    supports_async_scheduling = False  # one step at a time: the gate is the whole step
+
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.step_in_thread = True  # its steps block on the test's gate

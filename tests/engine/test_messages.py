@@ -12,9 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_core._core.protocol import (
+    DPEngineCoreOutputs,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
+    EngineLoad,
     EngineStats,
     FinishedRequest,
 )
@@ -103,8 +105,12 @@ def test_hot_messages_are_positional() -> None:
     # array_like structs encode every field by position (msgspec omits defaults only from
     # map-encoded structs, such as SamplingParams, where it keeps the parameters small).
     outputs = EngineCoreOutputs(["r1"], [[4]])
-    # Without data parallelism the KV events and the load report are two nils.
-    assert encode(outputs) == encode(["out", ["r1"], [[4]], [], {}, {}, {}, 0.0, None, None])
+    # Without data parallelism not a byte of KV events or load reports.
+    assert encode(outputs) == encode(["out", ["r1"], [[4]], [], {}, {}, {}, 0.0])
+    load = EngineLoad(1, 2, 3, 4)
+    dp = DPEngineCoreOutputs(["r1"], [[4]], kv_events=None, load=load)
+    assert encode(dp) == encode(["dpout", ["r1"], [[4]], [], {}, {}, {}, 0.0, None, [1, 2, 3, 4]])
+    assert engine_message_decoder().decode(encode(dp)) == dp
     request = EngineCoreRequest("r1", [1, 2], SamplingParams(max_tokens=3))
     params = {"max_tokens": 3, "stop": [], "stop_token_ids": []}
     assert msgspec.msgpack.decode(encode(request)) == [

@@ -45,6 +45,12 @@ class PieceTokenizer:
     ) -> IncrementalDecoder:
         return self
 
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.token_text(token_id).encode()
+
     def step(self, token_id: int) -> str:
         return "" if token_id == 99 else self.pieces[token_id]
 
@@ -94,8 +100,10 @@ def test_hf_skip_special_tokens(tmp_path: Path, use_decode_stream: bool) -> None
     ids = [*tok.encode("hello"), 1]
     skipped = Detokenizer(tok, [0], SamplingParams())
     kept = Detokenizer(tok, [0], SamplingParams(skip_special_tokens=False))
+    unspaced = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False)
     assert "".join(stream(skipped, [[t] for t in ids])) == "hello"
-    assert "".join(stream(kept, [[t] for t in ids])) == "hello</s>"
+    assert "".join(stream(kept, [[t] for t in ids])) == "hello </s>"
+    assert "".join(stream(Detokenizer(tok, [0], unspaced), [[t] for t in ids])) == "hello</s>"
 
 
 def test_stop_string_excluded_and_held_back() -> None:
@@ -178,32 +186,28 @@ def test_min_tokens_makes_early_text_ineligible() -> None:
     assert detok.take(finished=True) == "aabc"
 
 
-@pytest.mark.parametrize(
-    ("stop", "min_tokens", "early", "streamed", "then"),
-    [
-        # The first "ab" starts in the first (min_tokens) token; the next one is eligible.
-        ("ab", 1, "ab", ["", "a"], "ab"),
-        # Single-character stops within min_tokens are text; one step at a time.
-        ("a", 2, "aa", ["a", "a"], "ba"),
-    ],
-    ids=["two-character-stop", "one-character-stop"],
-)
-def test_min_tokens_stop_must_start_after_min_tokens(
-    stop: str, min_tokens: int, early: str, streamed: list[str], then: str
-) -> None:
-    """``early`` streams as ``streamed`` without stopping; of the two tokens of ``then``, the
-    first does not stop either and the second completes the stop string."""
-    detok = Detokenizer(BYTES, [97], SamplingParams(stop=stop, min_tokens=min_tokens))
-    assert stream(detok, chars(early)) == streamed
-    before, last = then
-    assert detok.update([ord(before)]) is None
-    assert detok.update([ord(last)]) == stop
+def test_min_tokens_stop_counts_when_it_ends_after_min_tokens() -> None:
+    # As in vLLM: prompt "a", greedy "bcdef", stop "bc", min_tokens=1: "bc" begins in the first
+    # token and ends in the second, so it stops the completion there.
+    detok = Detokenizer(BYTES, [97], SamplingParams(stop="bc", min_tokens=1))
+    assert stream(detok, chars("b")) == [""]
+    assert detok.update([ord("c")]) == "bc"
+    assert detok.num_tokens == 2
+    assert detok.take(finished=True) == ""
+
+
+def test_min_tokens_stop_within_min_tokens_is_text() -> None:
+    # Single-character stops within min_tokens are text; one step at a time.
+    detok = Detokenizer(BYTES, [97], SamplingParams(stop="a", min_tokens=2))
+    assert stream(detok, chars("aa")) == ["a", "a"]
+    assert detok.update([ord("b")]) is None
+    assert detok.update([ord("a")]) == "a"
     assert detok.take(finished=True) == "b"
 
 
 @pytest.mark.parametrize(
     ("include", "skip_special", "expected"),
-    [(False, False, "d"), (True, False, "d</s>"), (True, True, "d")],
+    [(False, False, "d"), (True, False, "d </s>"), (True, True, "d")],
 )
 def test_stop_by_eos_token(include: bool, skip_special: bool, expected: str) -> None:
     params = SamplingParams(include_stop_str_in_output=include, skip_special_tokens=skip_special)
@@ -399,32 +403,40 @@ def test_an_included_stop_string_may_start_in_text_already_taken() -> None:
 
 
 def test_min_tokens_stays_in_force_after_the_buffer_is_trimmed() -> None:
-    detok = Detokenizer(BYTES, [97], SamplingParams(stop=["zab", "ab"], min_tokens=4))
-    # "zab" starts in the first four tokens; "ab" does not.
-    assert stream(detok, chars("wxyza")) == ["", "", "w", "x", "y"]
+    detok = Detokenizer(BYTES, [97], SamplingParams(stop=["ab"], min_tokens=6))
+    # The first "ab" ends within the first six tokens; the second after them.
+    assert stream(detok, chars("wxabyza")) == ["", "w", "x", "a", "b", "y", "z"]
     assert detok.update([ord("b")]) == "ab"
-    assert detok.take(finished=True) == "z"
+    assert detok.num_tokens == 8
+    assert detok.take(finished=True) == ""
+
+
+def test_a_stop_string_may_begin_within_min_tokens_and_end_after() -> None:
+    detok = Detokenizer(BYTES, [97], SamplingParams(stop=["zab"], min_tokens=4))
+    # "zab" begins at the fourth token and ends at the sixth: it counts (vLLM's rule).
+    assert stream(detok, chars("wxyza")) == ["", "", "w", "x", "y"]
+    assert detok.update([ord("b")]) == "zab"
+    assert detok.take(finished=True) == ""
 
 
 class CountingTokenizer(PieceTokenizer):
     def __init__(self, pieces: Sequence[str]) -> None:
         super().__init__(pieces)
-        self.decoded: list[tuple[list[int], bool]] = []
+        self.asked: list[int] = []
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        self.decoded.append((list(token_ids), skip_special_tokens))
-        text = super().decode(token_ids)
-        return text if skip_special_tokens or 99 not in token_ids else text + "<eos>"
+    def token_text(self, token_id: int) -> str:
+        self.asked.append(token_id)
+        return "<eos>" if token_id == 99 else super().token_text(token_id)
 
 
-def test_logprobs_decoder_decodes_each_candidate_once_special_tokens_included() -> None:
+def test_logprobs_decoder_asks_each_candidates_text_once_special_tokens_included() -> None:
     tok = CountingTokenizer(["a", "b"])
     decoder = LogprobsDecoder(tok)
     entry = TokenLogprobs([1, 0, 99], [-0.1, -1.0, -2.0], [1, 2, 3])
     expected = {1: Logprob(-0.1, 1, "b"), 0: Logprob(-1.0, 2, "a"), 99: Logprob(-2.0, 3, "<eos>")}
     assert decoder.position(entry, decode=True) == expected
     assert decoder.position(entry, decode=True) == expected
-    assert tok.decoded == [([1], False), ([0], False), ([99], False)]
+    assert tok.asked == [1, 0, 99]
     assert decoder.position(entry, decode=False) == {
         1: Logprob(-0.1, 1),
         0: Logprob(-1.0, 2),
@@ -437,3 +449,21 @@ def test_logprobs_decoder_decodes_each_candidate_once_special_tokens_included() 
 def test_logprobs_decoder_rejects_an_entry_of_uneven_lengths() -> None:
     with pytest.raises(ValueError):
         LogprobsDecoder(None).position(TokenLogprobs([1, 2], [-0.1], [1, 2]), decode=False)
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "spaced", "unspaced"),
+    [
+        ([98, 257, 99], "b </s> c", "b</s>c"),
+        ([256, 257], "<s> </s>", "<s></s>"),  # nothing before the first: no space
+        ([98, 0xC3, 257, 0xC3, 0xA9], "b\ufffd </s> \u00e9", "b\ufffd</s>\u00e9"),
+    ],
+)
+def test_spaces_between_special_tokens(token_ids: list[int], spaced: str, unspaced: str) -> None:
+    for spaces, expected in [(True, spaced), (False, unspaced)]:
+        params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        detok = Detokenizer(BYTES, [97], params)
+        assert finished_text(detok, [[t] for t in token_ids]) == expected
+    # Skipped special tokens leave no space behind.
+    detok = Detokenizer(BYTES, [97], SamplingParams(spaces_between_special_tokens=True))
+    assert finished_text(detok, [[t] for t in token_ids]) == BYTES.decode(token_ids)

@@ -142,7 +142,7 @@ def test_stop_string_on_the_engine_last_step_needs_no_abort() -> None:
     ("params", "text"),
     [
         (SamplingParams(skip_special_tokens=False), "d"),
-        (SamplingParams(skip_special_tokens=False, include_stop_str_in_output=True), "d</s>"),
+        (SamplingParams(skip_special_tokens=False, include_stop_str_in_output=True), "d </s>"),
         (SamplingParams(), "d"),
     ],
 )
@@ -160,7 +160,7 @@ def test_ignore_eos_keeps_control_tokens() -> None:
     proc = make_processor()
     proc.add_request("r", None, [97], SamplingParams(ignore_eos=True, skip_special_tokens=False))
     (out,) = proc.process_outputs(step({"r": [256, 257, 65]}, [length("r")])).request_outputs
-    assert (out.outputs[0].text, out.outputs[0].finish_reason) == ("<s></s>A", "length")
+    assert (out.outputs[0].text, out.outputs[0].finish_reason) == ("<s> </s> A", "length")
 
 
 def test_stop_token_id_reported_as_stop_reason() -> None:

@@ -11,21 +11,24 @@ from engine_core._frontend.stop_strings import StopMatcher, stop_matcher
 from engine_core.sampling_params import SamplingParams
 
 
-def earliest_stop(stops: list[str], text: str, eligible: int) -> tuple[int, int]:
-    """By brute force: the stop string completing earliest in ``text`` that starts at
-    ``eligible`` or later (ties: listed first), as (index, end); (-1, 0) when none does."""
+def earliest_stop(stops: list[str], text: str, quiet: int) -> tuple[int, int]:
+    """By brute force: the stop string completing earliest in ``text`` that ends after its
+    first ``quiet`` characters (ties: listed first), as (index, end); (-1, 0) when none does."""
     best = (-1, 0)
     for index, stop in enumerate(stops):
-        at = text.find(stop, eligible)
+        at = text.find(stop, max(0, quiet - len(stop) + 1))
         if at >= 0 and (best[0] < 0 or at + len(stop) < best[1]):
             best = (index, at + len(stop))
     return best
 
 
-def scan_in_pieces(matcher: StopMatcher, text: str, cuts: list[int], eligible: int) -> tuple:
-    node, start = 0, 0
-    for end in sorted({*(c % (len(text) + 1) for c in cuts), len(text)}):
-        node, index, stop_end = matcher.scan(node, text[start:end], start, eligible)
+def scan_in_pieces(matcher: StopMatcher, text: str, cuts: list[int], quiet: int) -> tuple:
+    """Advance over the first ``quiet`` characters, then scan the rest in pieces cut at
+    ``cuts``."""
+    node, start = matcher.advance(0, text[:quiet]), min(quiet, len(text))
+    ends = {*(c % (len(text) + 1) for c in cuts), len(text)}
+    for end in sorted(e for e in ends if e > start):
+        node, index, stop_end = matcher.scan(node, text[start:end], start)
         if index >= 0:
             return index, stop_end
         start = end
@@ -39,28 +42,31 @@ ALPHABET = st.text(alphabet="abc", min_size=1, max_size=4)
     stops=st.lists(ALPHABET, min_size=1, max_size=6),
     text=st.text(alphabet="abcd", max_size=40),
     cuts=st.lists(st.integers(0, 40), max_size=5),
-    eligible=st.integers(0, 10),
+    quiet=st.integers(0, 10),
 )
 def test_matches_brute_force_however_the_text_is_cut(
-    stops: list[str], text: str, cuts: list[int], eligible: int
+    stops: list[str], text: str, cuts: list[int], quiet: int
 ) -> None:
     matcher = StopMatcher(tuple(stops))
-    assert scan_in_pieces(matcher, text, cuts, eligible) == earliest_stop(stops, text, eligible)
+    assert scan_in_pieces(matcher, text, cuts, quiet) == earliest_stop(stops, text, quiet)
 
 
 def test_shorter_stop_inside_a_longer_one_completes_first() -> None:
     matcher = StopMatcher(("abcd", "bc"))
-    assert matcher.scan(0, "xabcd", 0, 0)[1:] == (1, 4)
+    assert matcher.scan(0, "xabcd", 0)[1:] == (1, 4)
     # Same end: the one listed first wins.
     matcher = StopMatcher(("bc", "abc"))
-    assert matcher.scan(0, "abc", 0, 0)[1:] == (0, 3)
+    assert matcher.scan(0, "abc", 0)[1:] == (0, 3)
     matcher = StopMatcher(("abc", "bc"))
-    assert matcher.scan(0, "abc", 0, 0)[1:] == (0, 3)
+    assert matcher.scan(0, "abc", 0)[1:] == (0, 3)
 
 
-def test_a_stop_starting_before_eligible_is_skipped_for_a_suffix_of_it() -> None:
+def test_a_stop_begun_while_advancing_completes_in_the_scan() -> None:
     matcher = StopMatcher(("abc", "c"))
-    assert matcher.scan(0, "abc", 0, 1)[1:] == (1, 3)
+    node = matcher.advance(0, "ab")
+    assert matcher.scan(node, "c", 2)[1:] == (0, 3)
+    # Completed while advancing: not reported.
+    assert matcher.scan(matcher.advance(0, "abc"), "d", 3)[1] == -1
 
 
 def test_automaton_is_shared_per_tuple_of_stops() -> None:
@@ -85,8 +91,8 @@ def test_cost_per_token_does_not_grow_with_the_number_of_stop_strings() -> None:
 def test_a_broken_partial_match_falls_back_to_the_longest_real_suffix() -> None:
     matcher = StopMatcher(("abc",))
     # After "ab", "b" leaves no suffix that starts "abc": nothing must complete at the "c".
-    assert matcher.scan(0, "abbc", 0, 0)[1] == -1
-    assert matcher.scan(0, "ababc", 0, 0)[1:] == (0, 5)
+    assert matcher.scan(0, "abbc", 0)[1] == -1
+    assert matcher.scan(0, "ababc", 0)[1:] == (0, 5)
     matcher = StopMatcher(("xyz", "yq"))
-    assert matcher.scan(0, "xyyq", 0, 0)[1:] == (1, 4)
-    assert matcher.scan(0, "xyyz", 0, 0)[1] == -1
+    assert matcher.scan(0, "xyyq", 0)[1:] == (1, 4)
+    assert matcher.scan(0, "xyyz", 0)[1] == -1

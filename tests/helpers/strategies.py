@@ -45,6 +45,7 @@ SAMPLING_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "output_kind": st.one_of(st.sampled_from(list(RequestOutputKind)), st.integers(0, 2)),
     "detokenize": st.booleans(),
     "skip_special_tokens": st.booleans(),
+    "spaces_between_special_tokens": st.booleans(),
     "logit_bias": st.one_of(
         st.none(),
         st.dictionaries(st.integers(0, 2**63 - 1), st.floats(-100.0, 100.0), max_size=3),

@@ -227,6 +227,33 @@ async def test_completion_logprobs(server: Server) -> None:
     assert (tokens, offsets) == (["d", "e", "f"], [0, 1, 2])
 
 
+async def test_completion_text_offset_counts_only_text_that_appears(server: Server) -> None:
+    # The mock counts up from byte 254: 255 (an invalid byte), <s> and </s> (special tokens,
+    # skipped in the text), then bytes 0 and 1.
+    expected_tokens = ["\ufffd", "<s>", "</s>", "\x00", "\x01"]
+    kwargs: dict[str, Any] = {
+        "prompt": [254],
+        "max_tokens": 5,
+        "temperature": 0,
+        "logprobs": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    result = await complete(server, **kwargs)
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None
+    assert result.choices[0].text == "\ufffd\x00\x01"
+    assert logprobs.tokens == expected_tokens
+    assert logprobs.text_offset == [0, 1, 1, 1, 2]
+    tokens: list[str] = []
+    offsets: list[int] = []
+    for chunk in await complete_stream(server, **kwargs):
+        streamed = chunk.choices[0].logprobs
+        if streamed is not None:
+            tokens += streamed.tokens or []
+            offsets += streamed.text_offset or []
+    assert (tokens, offsets) == (expected_tokens, [0, 1, 1, 1, 2])
+
+
 async def test_completion_n2_sampled(server: Server) -> None:
     sampled: dict[str, Any] = {
         "max_tokens": 6,

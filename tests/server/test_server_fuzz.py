@@ -35,8 +35,8 @@ SAMPLING_FIELDS = [
     "model", "n", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
     "presence_penalty", "frequency_penalty", "logit_bias", "user", "top_k", "min_p",
     "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "include_stop_str_in_output", "skip_special_tokens", "priority", "structured_outputs",
-    "max_tokens",
+    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+    "priority", "structured_outputs", "max_tokens",
 ]  # fmt: skip
 FIELDS = {
     "/v1/completions": [*SAMPLING_FIELDS, "prompt", "logprobs", "echo", "best_of", "suffix"],

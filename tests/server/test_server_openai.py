@@ -132,6 +132,23 @@ async def test_n_with_temperature_zero_gives_identical_choices(server: Server) -
     assert [c.text for c in completion.choices] == ["de", "de"]
 
 
+async def test_spaces_between_special_tokens_is_a_request_field(server: Server) -> None:
+    # logit_bias forces the byte tokenizer's BOS (256, "<s>"), a special token kept in the text.
+    texts = []
+    for spaces in (True, False):
+        completion = await server.call(
+            server.client.completions.create,
+            model=MODEL,
+            prompt="abc",
+            max_tokens=3,
+            temperature=0,
+            logit_bias={"256": 100},
+            extra_body={"skip_special_tokens": False, "spaces_between_special_tokens": spaces},
+        )
+        texts.append(completion.choices[0].text)
+    assert texts == ["<s> <s> <s>", "<s><s><s>"]
+
+
 async def test_stream_options_without_a_stream_is_a_400(server: Server) -> None:
     for create, extra in (
         (server.client.completions.create, {"prompt": "abc"}),

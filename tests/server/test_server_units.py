@@ -194,6 +194,7 @@ def test_engine_state_comes_from_the_stats() -> None:
         ("engine_core_prefix_cache_queries_total", "prefix_cache_queries", 40),
         ("engine_core_prefix_cache_hits_total", "prefix_cache_hits", 20),
         ("engine_core_malformed_messages_total", "num_malformed_messages", 2),
+        ("engine_core_device_busy_seconds_total", "device_busy_s", 1.5),
     ]
     fields: dict[str, Any] = {field: value for _, field, value in shown}
     stats = EngineStats(num_steps=9, num_kv_blocks=100, num_free_kv_blocks=75, **fields)

@@ -276,7 +276,10 @@ class _IgnoresMask(MockBackend):
 
 
 def test_a_token_the_grammar_rejects_ends_the_request_with_an_error() -> None:
-    core = EngineCore(EngineConfig(backend="mock", tokenizer="byte"), backend_cls=_IgnoresMask)
+    core = EngineCore(
+        EngineConfig(backend="mock", tokenizer="byte", async_scheduling=False),
+        backend_cls=_IgnoresMask,
+    )
     core.add_request(_request("c", _params(choice=["yes"])))
     core.add_request(_request("p", SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)))
     tokens, finished = _run(core)
@@ -352,7 +355,9 @@ class _Gate:
 def test_compile_timeout_fails_only_that_request(monkeypatch: pytest.MonkeyPatch) -> None:
     gate = _Gate(monkeypatch)
     now = [100.0]
-    core = EngineCore(EngineConfig(backend="mock", tokenizer="byte"), clock=lambda: now[0])
+    core = EngineCore(
+        EngineConfig(backend="mock", tokenizer="byte", async_scheduling=False), clock=lambda: now[0]
+    )
     core.structured_output.compile_timeout_s = 5.0
     core.add_request(_request("slow", _params(regex="[a-z]{3}")))
     core.add_request(_request("p", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)))
@@ -392,17 +397,18 @@ def test_abort_while_the_grammar_compiles(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 class _Recording(MockBackend):
-    """Records each step's bitmask (shape, allowed tokens) and the forward pass's times."""
+    """Records each step's bitmask (shape, allowed tokens) and the times of its modelled device
+    step (from the launch in ``execute_model`` until ``sample_tokens`` has its results)."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.bitmasks: list[Any] = []
         self.forward: list[tuple[float, float]] = []
+        self._launched = 0.0
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        start = time.perf_counter()
+        self._launched = time.perf_counter()
         super().execute_model(scheduler_output)
-        self.forward.append((start, time.perf_counter()))
 
     def sample_tokens(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
         if grammar_bitmask is None:
@@ -411,12 +417,18 @@ class _Recording(MockBackend):
             assert grammar_bitmask.dtype.name == "int32"
             assert grammar_bitmask.flags["C_CONTIGUOUS"]
             self.bitmasks.append([_allowed(row) for row in grammar_bitmask])
-        return super().sample_tokens(grammar_bitmask)
+        output = super().sample_tokens(grammar_bitmask)
+        self.forward.append((self._launched, time.perf_counter()))
+        return output
 
 
 def test_bitmask_rows_are_the_constrained_requests_that_sample() -> None:
     config = EngineConfig(
-        backend="mock", tokenizer="byte", max_num_seqs=4, max_num_batched_tokens=8
+        async_scheduling=False,
+        backend="mock",
+        tokenizer="byte",
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
     )
     core = EngineCore(config, backend_cls=_Recording)
     backend = core.backend
@@ -470,7 +482,10 @@ class _GatedForward(MockBackend):
 
 
 def test_bitmask_is_filled_while_the_forward_pass_runs() -> None:
-    core = EngineCore(EngineConfig(backend="mock", tokenizer="byte"), backend_cls=_GatedForward)
+    core = EngineCore(
+        EngineConfig(backend="mock", tokenizer="byte", async_scheduling=False),
+        backend_cls=_GatedForward,
+    )
     backend = core.backend
     assert isinstance(backend, _GatedForward)
     structured = core.structured_output
@@ -490,7 +505,10 @@ def test_bitmask_is_filled_while_the_forward_pass_runs() -> None:
 def test_with_step_latency_the_step_lasts_the_longer_of_forward_and_bitmask() -> None:
     step_s = fill_s = 0.05
     config = EngineConfig(
-        backend="mock", tokenizer="byte", backend_options={"latency": {"step_s": step_s}}
+        async_scheduling=False,
+        backend="mock",
+        tokenizer="byte",
+        backend_options={"latency": {"step_s": step_s}},
     )
     core = EngineCore(config, backend_cls=_Recording)
     backend = core.backend
@@ -522,7 +540,9 @@ def test_with_step_latency_the_step_lasts_the_longer_of_forward_and_bitmask() ->
 
 
 def test_preempted_constrained_requests_resume_in_their_grammar() -> None:
-    config = EngineConfig(backend="mock", tokenizer="byte", num_kv_blocks=8, block_size=16)
+    config = EngineConfig(
+        backend="mock", tokenizer="byte", async_scheduling=False, num_kv_blocks=8, block_size=16
+    )
     core = EngineCore(config)
     for i in range(4):
         core.add_request(_request(f"r{i}", _params(regex="[a-z]{40}"), prompt=b"x" * (i + 1)))

@@ -5,6 +5,9 @@ checked); :meth:`CudaBackend.kv_cache_spec` reports the KV geometry;
 :meth:`CudaBackend.available_kv_cache_memory` runs the profiling pass and reports the bytes the
 KV cache may take; :meth:`CudaBackend.initialize_kv_cache` allocates it and captures the decode
 CUDA graphs.
+
+With ``tensor_parallel_size`` N > 1 this object is rank 0: it starts ranks 1..N-1 as worker
+processes (:mod:`engine_core_cuda._tp`), broadcasts each step to them, and only it samples.
 """
 
 from __future__ import annotations
@@ -16,13 +19,22 @@ from typing import Any, Literal
 
 import torch
 
-from engine_core.abc import Backend, KVCacheSpec, ModelRunnerOutput, SchedulerOutput
+from engine_core.abc import (
+    AsyncModelRunnerOutput,
+    Backend,
+    KVCacheSpec,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from engine_core.config import EngineConfig
 from engine_core_cuda._cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine_core_cuda._hf_config import load_model_config
 from engine_core_cuda._memory import available_kv_cache_memory, graph_max_batch_size
 from engine_core_cuda._model_runner import ModelRunner
 from engine_core_cuda._options import parse_options
+from engine_core_cuda._tp.coordinator import Coordinator, join, rank_options
+from engine_core_cuda._tp.parallel import TensorParallel, share_cpu
+from engine_core_cuda._tp.shard import shard_model_config
 
 __all__ = ["CudaBackend"]
 
@@ -49,15 +61,41 @@ def _check_model_dir(config: EngineConfig, load_format: str) -> Path:
 
 class CudaBackend(Backend):
     """Runs an HF Llama/Mistral/Qwen2/Qwen3 checkpoint with torch, Triton paged attention and
-    on-device sampling; see ``engine_core_cuda`` for the ``backend_options``."""
+    on-device sampling; see ``engine_core_cuda`` for the ``backend_options``. It supports async
+    scheduling: sampled tokens stay on the device as the next step's input ids."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    supports_async_scheduling = True
+
+    def __init__(
+        self, config: EngineConfig, *, tp_rank: int = 0, tp_directory: str | None = None
+    ) -> None:
+        """``tp_rank``/``tp_directory``: set by a tensor-parallel worker for its own rank."""
         super().__init__(config)
-        self.options = parse_options(config)
+        self.options = rank_options(parse_options(config), tp_rank)
         model_dir = _check_model_dir(config, self.options.load_format)
         self.model_config = load_model_config(model_dir)
+        self.tp_rank = tp_rank
+        size = config.tensor_parallel_size
+        # A field that does not divide fails here, before any process starts.
+        shard_model_config(self.model_config, size)
+        self.tp: Coordinator | None = None
+        parallel: TensorParallel | None = None
+        if size > 1 and tp_rank == 0:
+            self.tp = Coordinator(config, self.options)
+            parallel = self.tp.parallel
+        elif size > 1:
+            assert tp_directory is not None
+            share_cpu(torch.device(self.options.device), size)
+            parallel = join(self.options, tp_rank, size, tp_directory)
         started = time.perf_counter()
-        self.runner = ModelRunner(config, self.options, self.model_config)
+        try:
+            self.runner = ModelRunner(config, self.options, self.model_config, parallel)
+            if self.tp is not None:
+                self.tp.loaded()
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+            raise
         logger.info(
             "loaded %s (%s) on %s in %.1f s", model_dir, self.model_config.architecture,
             self.runner.device, time.perf_counter() - started,
@@ -79,7 +117,7 @@ class CudaBackend(Backend):
     # -- startup --------------------------------------------------------------------------------
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        c = self.model_config
+        c = self.runner.model_config  # this rank's shard: the core sizes blocks per rank
         return KVCacheSpec(
             num_layers=c.num_layers,
             num_kv_heads=c.num_kv_heads,
@@ -88,11 +126,23 @@ class CudaBackend(Backend):
         )
 
     def available_kv_cache_memory(self) -> int:
-        return available_kv_cache_memory(self.runner, self.config.kv_cache_memory_fraction)
+        """The minimum over the ranks under tensor parallelism."""
+        if self.tp is None:
+            return available_kv_cache_memory(self.runner, self.config.kv_cache_memory_fraction)
+        with self.tp.on_every_rank("available_kv_cache_memory") as others:
+            own = available_kv_cache_memory(self.runner, self.config.kv_cache_memory_fraction)
+        return min(own, *(v for v in others if isinstance(v, int)))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be an int > 0, got {num_blocks!r}")
+        if self.tp is not None:
+            with self.tp.on_every_rank("initialize_kv_cache", num_blocks):
+                self._initialize_kv_cache(num_blocks)
+        else:
+            self._initialize_kv_cache(num_blocks)
+
+    def _initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.graphs = None  # they would point at the old cache
         self.runner.allocate_kv_cache(num_blocks)
         self._capture_graphs()
@@ -104,6 +154,10 @@ class CudaBackend(Backend):
             return
         if not runner.ops.graph_capturable:
             logger.warning("CUDA graphs need kernels='triton'; running without them")
+            return
+        parallel = runner.parallel
+        if parallel is not None and parallel.backend != "nccl":
+            logger.warning("CUDA graphs need NCCL collectives under tensor parallelism")
             return
         started = time.perf_counter()
         max_batch = graph_max_batch_size(runner)
@@ -126,18 +180,41 @@ class CudaBackend(Backend):
             raise RuntimeError("execute_model called after close()")
         if self.is_sleeping:
             raise RuntimeError("execute_model called while the backend sleeps (call wake_up())")
-        with torch.inference_mode():
-            self.runner.execute_model(scheduler_output)
+        if self.tp is None:
+            with torch.inference_mode():
+                self.runner.execute_model(scheduler_output)
+            return
+        self.tp.step(scheduler_output)
+        try:
+            with torch.inference_mode():
+                self.runner.execute_model(scheduler_output)
+        except Exception as exc:
+            self.tp.blame(exc)
+            raise
 
     def sample_tokens(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
         with torch.inference_mode():
-            return self.runner.sample_tokens(grammar_bitmask)
+            output = self.runner.sample_tokens(grammar_bitmask)
+        if self.tp is not None:
+            self.tp.previous_sampled = output.sampled_token_ids
+        return output
+
+    def sample_tokens_async(self, grammar_bitmask: Any | None) -> AsyncModelRunnerOutput:
+        with torch.inference_mode():
+            return self.runner.sample_tokens_async(grammar_bitmask)
 
     # -- control --------------------------------------------------------------------------------
 
     def profile(self, action: Literal["start", "stop"]) -> None:
         """Start or stop the torch profiler; ``stop`` writes a Chrome trace into
         ``backend_options["profile_dir"]``."""
+        if self.tp is not None and action in ("start", "stop"):
+            with self.tp.on_every_rank("profile", action):
+                self._profile(action)
+        else:
+            self._profile(action)
+
+    def _profile(self, action: str) -> None:
         if action == "start":
             if self._profiler is not None:
                 return
@@ -153,7 +230,8 @@ class CudaBackend(Backend):
             profiler.stop()
             directory = Path(self.options.profile_dir)
             directory.mkdir(parents=True, exist_ok=True)
-            path = directory / f"trace-{time.strftime('%Y%m%d-%H%M%S')}-{id(profiler):x}.json"
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            path = directory / f"trace-{stamp}-rank{self.tp_rank}-{id(profiler):x}.json"
             profiler.export_chrome_trace(str(path))
             logger.info("profiler trace written to %s", path)
         else:
@@ -167,6 +245,9 @@ class CudaBackend(Backend):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
         if self.is_sleeping:
             return
+        if self.tp is not None:
+            self.tp.workers.call("sleep", level)
+            self.tp.previous_sampled = None
         runner = self.runner
         runner.graphs = None
         runner.drop_requests()
@@ -189,6 +270,13 @@ class CudaBackend(Backend):
         recaptured."""
         if not self.is_sleeping:
             return
+        if self.tp is not None:
+            with self.tp.on_every_rank("wake_up"):
+                self._wake_up()
+        else:
+            self._wake_up()
+
+    def _wake_up(self) -> None:
         runner = self.runner
         with torch.no_grad():
             for param, shape in zip(runner.model.parameters(), self._param_shapes, strict=True):
@@ -207,6 +295,10 @@ class CudaBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        if self.tp is not None:
+            self.tp.close()
+        elif self.runner.parallel is not None:
+            self.runner.parallel.destroy()
         if self._profiler is not None:
             self._profiler.stop()
             self._profiler = None

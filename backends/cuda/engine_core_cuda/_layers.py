@@ -14,6 +14,9 @@ changing the arithmetic), which lets one kernel do the add and the norm.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +25,9 @@ from engine_core_cuda._attention import AttentionContext, KVCache
 from engine_core_cuda._hf_config import ModelConfig
 from engine_core_cuda._kernel_ops import KernelOps
 from engine_core_cuda._rope import RotaryTables
+
+if TYPE_CHECKING:
+    from engine_core_cuda._tp.parallel import TensorParallel
 
 __all__ = ["Attention", "DecoderLayer", "Linear", "MLP", "RMSNorm"]
 
@@ -37,8 +43,11 @@ class Linear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
+        self.reduce = reduce
+        """Row parallelism: sums the ranks' partial products; the bias is added once after."""
         out_features = sum(shards.values())
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
@@ -56,7 +65,10 @@ class Linear(nn.Module):
             start += size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.reduce is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
 
 
 class RMSNorm(nn.Module):
@@ -83,7 +95,12 @@ class Attention(nn.Module):
     """Self-attention over the paged KV cache."""
 
     def __init__(
-        self, config: ModelConfig, rotary: RotaryTables, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        rotary: RotaryTables,
+        dtype: torch.dtype,
+        device: torch.device,
+        parallel: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = config.num_heads
@@ -101,7 +118,12 @@ class Attention(nn.Module):
             device=device,
         )
         self.o_proj = Linear(
-            self.q_size, {"o": config.hidden_size}, bias=config.o_bias, dtype=dtype, device=device
+            self.q_size,
+            {"o": config.hidden_size},
+            bias=config.o_bias,
+            dtype=dtype,
+            device=device,
+            reduce=parallel.all_reduce if parallel is not None else None,
         )
         self.q_norm = self.k_norm = None
         if config.qk_norm:
@@ -130,7 +152,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up in one matrix."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        parallel: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = Linear(
@@ -141,7 +169,12 @@ class MLP(nn.Module):
             device=device,
         )
         self.down_proj = Linear(
-            size, {"down": config.hidden_size}, bias=config.mlp_bias, dtype=dtype, device=device
+            size,
+            {"down": config.hidden_size},
+            bias=config.mlp_bias,
+            dtype=dtype,
+            device=device,
+            reduce=parallel.all_reduce if parallel is not None else None,
         )
 
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
@@ -152,15 +185,20 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks on the residual stream."""
 
     def __init__(
-        self, config: ModelConfig, rotary: RotaryTables, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        rotary: RotaryTables,
+        dtype: torch.dtype,
+        device: torch.device,
+        parallel: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(config, rotary, dtype, device)
+        self.self_attn = Attention(config, rotary, dtype, device, parallel)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype, device
         )
-        self.mlp = MLP(config, dtype, device)
+        self.mlp = MLP(config, dtype, device, parallel)
 
     def forward(
         self,

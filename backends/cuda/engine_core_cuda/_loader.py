@@ -9,12 +9,20 @@ A fused matrix is loaded shard by shard: the rows of shard ``s`` of ``...qkv_pro
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine_core_cuda._layers import Linear
 from engine_core_cuda._model import CausalLM
+
+if TYPE_CHECKING:
+    from engine_core_cuda._tp.shard import Slice
+
+Slicer = Callable[[str, int], "Slice | None"]
+"""Tensor parallelism: checkpoint tensor (name, ndim) -> the part this rank reads (None: all)."""
 
 __all__ = ["checkpoint_files", "checkpoint_tensors", "init_random_weights", "load_weights"]
 
@@ -68,9 +76,25 @@ def checkpoint_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
     }
 
 
-def load_weights(model: CausalLM, model_dir: str | Path) -> None:
-    """Copy every weight of the checkpoint in ``model_dir`` into ``model`` (converting dtypes).
-    Raises ``ValueError`` naming a missing, unexpected or misshapen weight."""
+def _read(f: Any, name: str, slicer: Slicer | None) -> torch.Tensor:
+    """A checkpoint tensor, or only this rank's slice of it (zero-padded to its rows)."""
+    if slicer is None:
+        return f.get_tensor(name)
+    part = f.get_slice(name)
+    cut = slicer(name, len(part.get_shape()))
+    if cut is None:
+        return f.get_tensor(name)
+    tensor = part[cut.start : cut.stop] if cut.dim == 0 else part[:, cut.start : cut.stop]
+    missing = cut.rows - (cut.stop - cut.start)
+    if missing:
+        tensor = torch.cat([tensor, tensor.new_zeros(missing, *tensor.shape[1:])])
+    return tensor
+
+
+def load_weights(model: CausalLM, model_dir: str | Path, slicer: Slicer | None = None) -> None:
+    """Copy every weight of the checkpoint in ``model_dir`` into ``model`` (converting dtypes);
+    with ``slicer`` (tensor parallelism) only this rank's slices are read. Raises ``ValueError``
+    naming a missing, unexpected or misshapen weight."""
     try:
         from safetensors import safe_open
     except ImportError as exc:
@@ -94,7 +118,7 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
                         f"{model.config.architecture}"
                     )
                 param, start, rows = target
-                tensor = f.get_tensor(name)
+                tensor = _read(f, name, slicer)
                 expected = (rows, *param.shape[1:])
                 if tuple(tensor.shape) != expected:
                     raise ValueError(

@@ -7,6 +7,8 @@ checkpoints except for the fused ``qkv_proj`` and ``gate_up_proj``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -15,39 +17,69 @@ from engine_core_cuda._hf_config import ModelConfig
 from engine_core_cuda._layers import DecoderLayer, RMSNorm
 from engine_core_cuda._rope import RotaryTables
 
+if TYPE_CHECKING:
+    from engine_core_cuda._tp.parallel import TensorParallel
+
 __all__ = ["CausalLM"]
 
 
 class _Decoder(nn.Module):
     def __init__(
-        self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        parallel: TensorParallel | None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, dtype=dtype, device=device
-        )
+        self.embed_tokens: nn.Embedding
+        if parallel is None:
+            self.embed_tokens = nn.Embedding(
+                config.vocab_size, config.hidden_size, dtype=dtype, device=device
+            )
+        else:
+            from engine_core_cuda._tp.embedding import VocabParallelEmbedding
+
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, parallel, dtype, device
+            )
         self.embed_tokens.weight.requires_grad_(False)
         rotary = RotaryTables(config.rope, config.head_size, max_positions, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, dtype, device) for _ in range(config.num_layers)
+            DecoderLayer(config, rotary, dtype, device, parallel) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
 
 class CausalLM(nn.Module):
     """``forward`` maps a step's tokens to final hidden states (writing their keys and values
-    into the cache on the way); ``compute_logits`` maps chosen hidden states to float32 logits."""
+    into the cache on the way); ``compute_logits`` maps chosen hidden states to float32 logits.
+
+    With ``parallel`` (tensor parallelism), ``config`` is this rank's shard
+    (:func:`engine_core_cuda._tp.shard.shard_model_config`): the embedding and the LM head hold
+    a slice of the vocabulary, and every rank gets the gathered logits."""
 
     def __init__(
-        self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        parallel: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = _Decoder(config, max_positions, dtype, device)
+        self.parallel = parallel
+        self.model = _Decoder(config, max_positions, dtype, device, parallel)
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(
-                config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device
+                config.hidden_size,
+                self.model.embed_tokens.num_embeddings,
+                bias=False,
+                dtype=dtype,
+                device=device,
             )
             self.lm_head.weight.requires_grad_(False)
 
@@ -72,8 +104,13 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits ``[rows, vocab_size]`` of hidden states ``[rows, hidden_size]``,
-        written into ``out`` (contiguous float32) when given."""
+        written into ``out`` (contiguous float32) when given. Under tensor parallelism each rank
+        holds a slice of the vocabulary; the slices are gathered."""
         weight = self.lm_head_weight
+        if self.parallel is not None:
+            logits = torch.nn.functional.linear(hidden, weight).float()
+            logits = self.parallel.gather_columns(logits, self.config.vocab_size)
+            return logits if out is None else out.copy_(logits)
         if out is None:
             return torch.nn.functional.linear(hidden, weight).float()
         if weight.dtype == torch.float32:

@@ -5,6 +5,13 @@ decode batches when captured) and keeps the last position's logits of every requ
 ``sample_tokens`` samples on the device, writes the tokens back into the persistent batch and
 returns them. No host synchronization happens between the two, so the forward pass runs while
 the engine core computes the grammar bitmask.
+
+Under async scheduling ``sample_tokens_async`` launches the sampling and returns at once: the
+tokens are written into the persistent rows on the device (the next step's input ids are
+gathered from there, so they never go through the host) and copied to pinned host memory with a
+non-blocking copy and an event; the handle waits on that event only when the core asks for the
+step's results, after it has launched the next step. Steps asking for logprobs or prompt
+logprobs are sampled synchronously and handed back as a ready handle.
 """
 
 from __future__ import annotations
@@ -17,7 +24,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine_core.abc import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from engine_core.abc import (
+    AsyncModelRunnerOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from engine_core.config import EngineConfig
 from engine_core_cuda._attention import AttentionContext, KVCache, split_kv_segments
 from engine_core_cuda._device import prepare_triton, resolve_device, resolve_dtype
@@ -34,8 +46,15 @@ from engine_core_cuda._step_inputs import StepInputs, apply_scheduler_output, bu
 
 if TYPE_CHECKING:
     from engine_core_cuda._cuda_graphs import DecodeGraphs
+    from engine_core_cuda._tp.parallel import TensorParallel
 
-__all__ = ["ModelRunner"]
+__all__ = ["AsyncSampled", "ModelRunner"]
+
+
+def _gathered(logits: torch.Tensor) -> torch.Tensor:
+    """Under tensor parallelism the prompt rows were turned into logits in ``execute_model``."""
+    return logits
+
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +71,68 @@ class _Forward:
     """Every token's final hidden state, kept only when prompt logprobs are due."""
 
 
+class AsyncSampled(AsyncModelRunnerOutput):
+    """A launched step's sampled tokens on their way to pinned host memory."""
+
+    __slots__ = ("_req_ids", "_picks", "_host", "_events", "_ready", "device_time_s")
+
+    def __init__(
+        self,
+        req_ids: list[str],
+        picks: list[int],
+        host: torch.Tensor | None,
+        events: tuple[torch.cuda.Event, torch.cuda.Event] | None,
+        ready: ModelRunnerOutput | None = None,
+    ) -> None:
+        self._req_ids = req_ids
+        self._picks = picks
+        self._host = host
+        self._events = events
+        """(step start, results copied): timing events on the device's stream."""
+        self._ready = ready
+        self.device_time_s: float | None = None
+
+    @classmethod
+    def done(
+        cls, output: ModelRunnerOutput, events: tuple[torch.cuda.Event, torch.cuda.Event] | None
+    ) -> AsyncSampled:
+        """A handle whose results are already on the host."""
+        return cls(output.req_ids, [], None, events, output)
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._events is not None:
+            start, end = self._events
+            end.synchronize()
+            self.device_time_s = start.elapsed_time(end) / 1e3
+        if self._ready is not None:
+            return self._ready
+        sampled: list[list[int]] = [[] for _ in self._req_ids]
+        if self._host is not None:
+            for i, token in zip(self._picks, self._host.tolist(), strict=True):
+                sampled[i] = [token]
+        return ModelRunnerOutput(self._req_ids, sampled)
+
+
 class ModelRunner:
     """Runs one model on one device for the :class:`~engine_core_cuda.CudaBackend`."""
 
     def __init__(
-        self, config: EngineConfig, options: CudaOptions, model_config: ModelConfig
+        self,
+        config: EngineConfig,
+        options: CudaOptions,
+        model_config: ModelConfig,
+        parallel: TensorParallel | None = None,
     ) -> None:
         self.config = config
         self.options = options
+        self.full_model_config = model_config
+        self.parallel = parallel
+        if parallel is not None:
+            from engine_core_cuda._tp.shard import shard_model_config
+
+            model_config = shard_model_config(model_config, parallel.size)
         self.model_config = model_config
+        """This rank's geometry (heads, KV heads and intermediate size of its shard)."""
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if options.kernels == "triton":
@@ -68,7 +140,7 @@ class ModelRunner:
         self.ops = KernelOps(options.kernels)
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or model_config.max_model_len
-        self.model = CausalLM(model_config, self.max_model_len, self.dtype, self.device)
+        self.model = CausalLM(model_config, self.max_model_len, self.dtype, self.device, parallel)
         self.load_weights()
         self.batch = InputBatch(
             max_num_reqs=config.max_num_seqs,
@@ -82,6 +154,8 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = []
         self._kv_tensor: torch.Tensor | None = None
         self._forward: _Forward | None = None
+        self._step_start: torch.cuda.Event | None = None
+        """Timing event recorded where the last step's forward pass starts (CUDA only)."""
         self.graphs: DecodeGraphs | None = None
         self._sm_count = (
             torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -98,8 +172,17 @@ class ModelRunner:
             raise ValueError("the cuda backend needs a model directory (EngineConfig.model)")
         if self.options.load_format == "dummy":
             init_random_weights(self.model, self.config.seed)
-        else:
+        elif self.parallel is None:
             load_weights(self.model, Path(model_dir))
+        else:
+            from engine_core_cuda._tp.shard import slice_of
+
+            full, rank, size = self.full_model_config, self.parallel.rank, self.parallel.size
+            load_weights(
+                self.model,
+                Path(model_dir),
+                lambda name, ndim: slice_of(name, ndim, full, rank, size),
+            )
 
     @property
     def kv_cache_shape(self) -> tuple[int, ...]:
@@ -125,6 +208,9 @@ class ModelRunner:
             raise RuntimeError("execute_model called twice without sample_tokens in between")
         if self._kv_tensor is None:
             raise RuntimeError("execute_model called without a KV cache (initialize_kv_cache)")
+        if self.device.type == "cuda":
+            self._step_start = torch.cuda.Event(enable_timing=True)
+            self._step_start.record()
         states, starts, counts = apply_scheduler_output(self.batch, scheduler_output)
         total = sum(counts)
         if total != scheduler_output.total_num_scheduled_tokens:
@@ -149,6 +235,9 @@ class ModelRunner:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.context(step))
             last = step.query_start_loc[1:].long() - 1
             logits = self.model.compute_logits(hidden[last])
+            if wants_prompt and self.parallel is not None:
+                # Every rank joins this gather now; sample_tokens (rank 0 only) reads the rows.
+                hidden = self.model.compute_logits(hidden)
         self._forward = _Forward(req_ids, step, logits, hidden if wants_prompt else None)
 
     def context(self, step: StepInputs) -> AttentionContext:
@@ -199,8 +288,47 @@ class ModelRunner:
                 for i, (s, start) in enumerate(zip(states, step.starts, strict=True))
                 if s.num_prompt_logprobs is not None and start < s.num_prompt_tokens
             ]
-            prompt = prompt_logprobs(self.batch, forward.hidden, self.model.compute_logits, entries)
+            score = self.model.compute_logits if self.parallel is None else _gathered
+            prompt = prompt_logprobs(self.batch, forward.hidden, score, entries)
         return ModelRunnerOutput(forward.req_ids, sampled, logprobs, prompt)
+
+    def sample_tokens_async(self, grammar_bitmask: Any | None) -> AsyncSampled:
+        """Launch sampling; the handle's ``get_output`` waits for the tokens (see the module
+        docs)."""
+        forward = self._forward
+        if forward is None:
+            raise RuntimeError("sample_tokens called without a preceding execute_model")
+        step = forward.step
+        if (
+            step is None
+            or forward.logits is None
+            or forward.hidden is not None
+            or any(s.params.logprobs is not None for s in step.states)
+        ):
+            output = self.sample_tokens(grammar_bitmask)
+            return AsyncSampled.done(output, self._step_events())
+        self._forward = None
+        picks = [i for i, s in enumerate(step.samples) if s]
+        if not picks:
+            return AsyncSampled(forward.req_ids, [], None, self._step_events())
+        tokens = self._sample(step, forward.logits, picks, grammar_bitmask)
+        for i in picks:
+            step.states[i].num_tokens += 1
+        if self.device.type != "cuda":
+            return AsyncSampled(forward.req_ids, picks, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        return AsyncSampled(forward.req_ids, picks, host, self._step_events())
+
+    def _step_events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """The last step's start event and one recorded now, after its work (CUDA only)."""
+        start = self._step_start
+        if start is None or self.device.type != "cuda":
+            return None
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._step_start = None
+        return start, end
 
     def _sample(
         self, step: StepInputs, logits: torch.Tensor, picks: list[int], bitmask: Any | None
@@ -265,6 +393,28 @@ class ModelRunner:
         for k, entry in zip(asked, entries, strict=True):
             result[picks[k]] = [entry]
         return result
+
+    # -- tensor-parallel workers ----------------------------------------------------------------
+
+    def skip_sampling(self) -> StepInputs | None:
+        """End a step without sampling (ranks other than 0): the step, for
+        :meth:`record_tokens` once rank 0's sampled ids arrive."""
+        forward, self._forward = self._forward, None
+        return forward.step if forward is not None else None
+
+    def record_tokens(self, step: StepInputs, sampled: list[list[int]]) -> None:
+        """Write the ids rank 0 sampled in ``step`` (one list per request of the step) into
+        the batch, as :meth:`sample_tokens` does on rank 0."""
+        picks = [i for i, s in enumerate(step.samples) if s]
+        if not picks:
+            return
+        if len(sampled) != len(step.states) or any(len(sampled[i]) != 1 for i in picks):
+            raise RuntimeError("the sampled ids from rank 0 do not match the previous step")
+        index = torch.tensor(picks, dtype=torch.int64).to(self.device)
+        tokens = torch.tensor([sampled[i][0] for i in picks], dtype=torch.int64).to(self.device)
+        self.batch.record_sampled(step.seq_rows[index].long(), step.seq_lens[index].long(), tokens)
+        for i in picks:
+            step.states[i].num_tokens += 1
 
     # -- lifecycle ------------------------------------------------------------------------------
 

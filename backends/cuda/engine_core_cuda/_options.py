@@ -50,6 +50,7 @@ OPTION_NAMES = frozenset(
         "kv_cache_bytes",
         "profile_dir",
         "load_format",
+        "distributed_backend",
     }
 )
 
@@ -71,7 +72,9 @@ class CudaOptions:
     - ``profile_dir``: where :meth:`~engine_core_cuda.CudaBackend.profile` writes traces (default
       ``./engine_core_profiles``);
     - ``load_format``: ``"safetensors"`` (default) or ``"dummy"`` (random weights of the
-      ``config.json`` geometry, for benchmarks; no weight files needed).
+      ``config.json`` geometry, for benchmarks; no weight files needed);
+    - ``distributed_backend``: the tensor-parallel collectives, ``"nccl"`` (default on CUDA) or
+      ``"gloo"`` (the CPU's; on CUDA it lets two ranks share one GPU, for correctness checks).
     """
 
     device: str
@@ -81,6 +84,7 @@ class CudaOptions:
     kv_cache_bytes: int | None
     profile_dir: str
     load_format: Literal["safetensors", "dummy"] = "safetensors"
+    distributed_backend: Literal["nccl", "gloo"] | None = None
 
     @property
     def on_cpu(self) -> bool:
@@ -133,11 +137,13 @@ def parse_options(config: EngineConfig) -> CudaOptions:
             f"backend_options['load_format'] must be one of {', '.join(LOAD_FORMATS)}, "
             f"got {load_format!r}"
         )
-    if config.tensor_parallel_size != 1:
+    distributed = options.get("distributed_backend")
+    if distributed not in (None, "nccl", "gloo"):
         raise ValueError(
-            f"the cuda backend runs on one device; tensor_parallel_size must be 1, "
-            f"got {config.tensor_parallel_size}"
+            f"backend_options['distributed_backend'] must be 'nccl' or 'gloo', got {distributed!r}"
         )
+    if distributed == "nccl" and device == "cpu":
+        raise ValueError("backend_options['distributed_backend'] 'nccl' needs a CUDA device")
     return CudaOptions(
         device=device,
         kernels=kernels,
@@ -146,4 +152,5 @@ def parse_options(config: EngineConfig) -> CudaOptions:
         kv_cache_bytes=kv_bytes,
         profile_dir=profile_dir,
         load_format=load_format,
+        distributed_backend=distributed,
     )

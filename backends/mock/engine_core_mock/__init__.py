@@ -33,15 +33,19 @@ Tokens (``vocab_size`` V):
 - ``latency``: ``{"step_s", "per_token_s", "per_context_token_s"}``, each step then lasts
   ``step_s + per_token_s * scheduled tokens + per_context_token_s * context tokens``;
 - ``load_s``: seconds that constructing the backend takes (a model load);
-- ``fault``: ``{"kind": "raise" | "exit" | "hang" | "freeze", "at_step": N}``, at the N-th
-  ``execute_model`` call: raise ``RuntimeError``, exit the process with status 13, block
-  forever, or block forever holding the GIL (the whole process stops answering); with
-  ``"rank": R`` only the engine of ``data_parallel_rank`` R fails (data parallelism);
+- ``fault``: ``{"kind": "raise" | "exit" | "hang" | "freeze", "at_step": N}``, in the N-th step
+  (``execute_model`` call), when its results are waited for: raise ``RuntimeError``, exit the
+  process with status 13, block forever, or block forever holding the GIL (the whole process
+  stops answering); with ``"rank": R`` only the engine of ``data_parallel_rank`` R fails (data
+  parallelism);
 - ``replies``: ``[{"match": "<regex>", "text": "..."}, ...]``, the mock plays a model: a prompt
   whose text (decoded with the served tokenizer) matches an entry's regex is answered with that
   entry's text, tokenized with the served tokenizer and followed by EOS (``"eos": false`` leaves
   it out); after the reply the usual rule goes on, and masks and grammars move a reply's tokens
-  as they move the rule's. So a tool-calling or reasoning flow runs end to end in CI.
+  as they move the rule's. So a tool-calling or reasoning flow runs end to end in CI;
+- ``tensor_parallel_size``: pretend N ranks: N-1 dummy worker processes receive each step's
+  broadcast and model it (no torch), the KV spec reports per-rank heads; with
+  ``tensor_parallel_memory_bytes`` (one int per rank) KV sizing takes the minimum over ranks.
 """
 
 from __future__ import annotations

@@ -7,6 +7,12 @@ or (greedy) reweighs tokens, and stop ids are masked below ``min_tokens``. Like 
 it keeps each request's tokens, block table and ``num_computed_tokens`` from the scheduler's
 diffs, and it checks them: a scheduler that breaks the contract gets a ``RuntimeError`` instead
 of silently wrong tokens. After such an error the backend's state is undefined.
+
+The latency model runs on a device timeline: a step launched by ``execute_model`` starts when
+the previous one ends (or at once when the device is idle) and ends its modelled duration
+later; the results wait for that absolute deadline (``sample_tokens``, or the handle of
+``sample_tokens_async`` under async scheduling), so a host that launches the next step while
+one runs keeps the modelled device busy, and timer overshoot never accumulates.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
+from engine_core._workers import WorkerGroup
 from engine_core.abc import (
+    AsyncModelRunnerOutput,
     Backend,
     CachedRequestData,
     KVCacheSpec,
@@ -46,13 +54,43 @@ FAULT_EXIT_CODE = 13
 """Exit status of the process when the ``exit`` fault fires."""
 
 
+class _MockHandle(AsyncModelRunnerOutput):
+    """A launched mock step: its results, known at launch, are released at its deadline."""
+
+    __slots__ = ("_output", "_deadline", "_fault", "_wait", "device_time_s")
+
+    def __init__(
+        self,
+        output: ModelRunnerOutput,
+        deadline: float | None,
+        fault: Fault | None,
+        wait: Callable[[float | None, Fault | None], None],
+        device_time_s: float,
+    ) -> None:
+        self.device_time_s = device_time_s
+        self._output = output
+        self._deadline = deadline
+        self._fault = fault
+        self._wait = wait
+
+    def get_output(self) -> ModelRunnerOutput:
+        self._wait(self._deadline, self._fault)
+        return self._output
+
+
 class MockBackend(Backend):
     """A deterministic backend with a synthetic (or HF-config) KV geometry, a latency model and
     fault injection; see ``engine_core_mock`` for the options. ``sleep`` is the function the
-    latency model waits with."""
+    latency model waits with, ``clock`` the one its device timeline reads."""
+
+    supports_async_scheduling = True
 
     def __init__(
-        self, config: EngineConfig, *, sleep: Callable[[float], None] = time.sleep
+        self,
+        config: EngineConfig,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(config)
         options = parse_options(config)
@@ -67,6 +105,16 @@ class MockBackend(Backend):
         # GIL: a worker thread would add its hand-off and no concurrency.
         self.step_in_thread = self.latency is not None or self.fault is not None
         self._sleep = sleep
+        self._clock = clock
+        self._device_free_at = 0.0
+        """When the last launched step ends on the modelled device."""
+        self._deadline: float | None = None
+        """When the step launched by the last execute_model ends (None: no latency model)."""
+        self._duration = 0.0
+        """The modelled duration of the step launched by the last execute_model."""
+        self._step_fault: Fault | None = None
+        """The fault of the step launched by the last execute_model, fired when its results
+        are waited for (a device fails while it runs a step, not when the step is launched)."""
         self._vocab_size = self.geometry.vocab_size
         self._block_size = config.block_size
         self._engine_seed = config.seed
@@ -82,14 +130,30 @@ class MockBackend(Backend):
         self.is_closed = False
         if options.load_s:
             self._sleep(options.load_s)
+        self.tensor_parallel_size = options.tensor_parallel_size
+        self._rank_memory = options.rank_memory_bytes
+        self.workers: WorkerGroup | None = None
+        """The pretend tensor-parallel workers (ranks 1..N-1), when N > 1."""
+        self._previous_sampled: list[list[int]] | None = None
+        if self.tensor_parallel_size > 1:
+            self.workers = WorkerGroup(
+                "engine_core_mock._worker", self.tensor_parallel_size, config
+            )
+            try:
+                self.workers.wait_ready()
+            except BaseException:
+                self.workers.close()
+                raise
 
     # -- startup --------------------------------------------------------------------------------
 
     def kv_cache_spec(self) -> KVCacheSpec:
         g = self.geometry
+        tp = self.tensor_parallel_size
         return KVCacheSpec(
             num_layers=g.num_layers,
-            num_kv_heads=g.num_kv_heads,
+            # Per rank: KV heads split, or replicated when there are fewer than ranks.
+            num_kv_heads=g.num_kv_heads // tp if g.num_kv_heads % tp == 0 else g.num_kv_heads,
             head_size=g.head_size,
             dtype_bytes=g.dtype_bytes,
         )
@@ -98,13 +162,20 @@ class MockBackend(Backend):
         """``device_memory_bytes * kv_cache_memory_fraction`` minus the weights (the size of the
         model's ``*.safetensors`` files, or ``weight_bytes``)."""
         g = self.geometry
-        return int(g.device_memory_bytes * self.config.kv_cache_memory_fraction) - g.weight_bytes
+        device = g.device_memory_bytes if self._rank_memory is None else self._rank_memory[0]
+        own = int(device * self.config.kv_cache_memory_fraction) - g.weight_bytes
+        if self.workers is None:
+            return own
+        others = self.workers.call("available_kv_cache_memory")
+        return min(own, *(int(v) for v in others if isinstance(v, int)))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be an int > 0, got {num_blocks!r}")
         if self._requests:
             raise RuntimeError("initialize_kv_cache called while requests are live")
+        if self.workers is not None:
+            self.workers.call("initialize_kv_cache", num_blocks)
         self._blocks = BlockLedger(num_blocks, self._block_size, self._holders)
 
     def vocab_size(self) -> int:
@@ -142,8 +213,11 @@ class MockBackend(Backend):
         if self._batch is not None:
             raise RuntimeError("execute_model called twice without sample_tokens in between")
         self.num_steps += 1
-        if self.fault is not None and self.num_steps == self.fault.at_step:
-            self._inject(self.fault)
+        if self.workers is not None:
+            self.workers.step(scheduler_output, self._previous_sampled)
+            self._previous_sampled = None
+        fault = self.fault
+        self._step_fault = fault if fault is not None and self.num_steps == fault.at_step else None
         for req_id in scheduler_output.finished_req_ids:
             self._drop(req_id)
         for req_id in scheduler_output.preempted_req_ids:
@@ -158,7 +232,9 @@ class MockBackend(Backend):
             )
         if self.latency is not None:
             context = sum(r.num_computed_tokens for r in batch)
-            self._sleep(self.latency.duration(total, context))
+            start = max(self._clock(), self._device_free_at)
+            self._duration = self.latency.duration(total, context)
+            self._deadline = self._device_free_at = start + self._duration
         self._batch = batch
         self._batch_ids = scheduler_output.req_ids
 
@@ -263,7 +339,32 @@ class MockBackend(Backend):
     def _holders(self, block_id: int) -> list[str]:
         return [r.req_id for r in self._requests.values() if block_id in r.block_ids]
 
+    def _wait(self, deadline: float | None, fault: Fault | None) -> None:
+        """Until the step's deadline; then its fault, if it has one."""
+        if deadline is not None:
+            remaining = deadline - self._clock()
+            if remaining > 0:
+                self._sleep(remaining)
+        if fault is not None:
+            self._inject(fault)
+
     def sample_tokens(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
+        output = self._sample(grammar_bitmask)
+        self._wait(self._deadline, self._step_fault)
+        return output
+
+    def sample_tokens_async(self, grammar_bitmask: Any | None) -> AsyncModelRunnerOutput:
+        """The tokens are drawn at once (the mock's sampling is host work) and released at the
+        step's deadline on the device timeline."""
+        return _MockHandle(
+            self._sample(grammar_bitmask),
+            self._deadline,
+            self._step_fault,
+            self._wait,
+            self._duration,
+        )
+
+    def _sample(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
         batch = self._batch
         if batch is None:
             raise RuntimeError("sample_tokens called without a preceding execute_model")
@@ -302,6 +403,8 @@ class MockBackend(Backend):
                 logprobs[index] = [
                     synthetic_logprobs(token, centre, state.num_logprobs, vocab_size)
                 ]
+        if self.workers is not None:
+            self._previous_sampled = sampled
         return ModelRunnerOutput(self._batch_ids, sampled, logprobs, prompt_logprobs)
 
     def _choose(
@@ -334,7 +437,12 @@ class MockBackend(Backend):
         if masked is not None or words is not None:
             allowed = next_allowed(token, vocab_size, masked, words)
             if allowed is None:
-                raise RuntimeError(f"request {state.req_id!r}: every token is masked")
+                # Nothing is allowed: a grammar that admits only stop ids before min_tokens, or
+                # bans covering what the grammar admits. A model's sampler would draw from all
+                # -inf logits; the mock takes a token the grammar refuses (so the grammar check
+                # ends that request with an error) and, past that, lets bans give way.
+                allowed = next_allowed(token, vocab_size, masked, None)
+                return token if allowed is None else allowed
             token = allowed
         return token
 
@@ -391,6 +499,8 @@ class MockBackend(Backend):
     def profile(self, action: Literal["start", "stop"]) -> None:
         if action not in ("start", "stop"):
             raise ValueError(f"action must be 'start' or 'stop', got {action!r}")
+        if self.workers is not None:
+            self.workers.call("profile", action)
         self.is_profiling = action == "start"
 
     def sleep(self, level: int = 1) -> None:
@@ -398,14 +508,20 @@ class MockBackend(Backend):
         must not be reused afterwards)."""
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
+        if self.workers is not None:
+            self.workers.call("sleep", level)
         self.is_sleeping = True
         if self._blocks is not None:
             self._blocks.discard_contents()
 
     def wake_up(self) -> None:
+        if self.workers is not None:
+            self.workers.call("wake_up")
         self.is_sleeping = False
 
     def close(self) -> None:
         self.is_closed = True
+        if self.workers is not None:
+            self.workers.close()
         self._requests.clear()
         self._batch = None

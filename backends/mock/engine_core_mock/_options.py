@@ -26,6 +26,8 @@ OPTION_NAMES = frozenset(
         "load_s",
         "fault",
         "replies",
+        "tensor_parallel_size",
+        "tensor_parallel_memory_bytes",
     }
 )
 _LATENCY_KEYS = ("step_s", "per_token_s", "per_context_token_s")
@@ -109,6 +111,11 @@ class MockOptions:
     """Seconds that constructing the backend takes (a model load)."""
     replies: tuple[Reply, ...] = ()
     """Scripted replies (``engine_core_mock._replies``)."""
+    tensor_parallel_size: int = 1
+    """Ranks to pretend: rank 0 is the backend, 1..N-1 dummy worker processes."""
+    rank_memory_bytes: tuple[int, ...] | None = None
+    """Per-rank device memory (``tensor_parallel_memory_bytes``), else ``device_memory_bytes``
+    on every rank."""
 
 
 def _int_option(name: str, value: Any, *, minimum: int) -> int:
@@ -250,10 +257,22 @@ def parse_options(config: EngineConfig) -> MockOptions:
             values[name] = _int_option(
                 name, options[name], minimum=0 if name == "weight_bytes" else 1
             )
+    tp = options.get("tensor_parallel_size")
+    tp = 1 if tp is None else _int_option("tensor_parallel_size", tp, minimum=1)
+    memory = options.get("tensor_parallel_memory_bytes")
+    if memory is not None:
+        if not isinstance(memory, list) or len(memory) != tp:
+            raise ValueError(
+                "backend_options['tensor_parallel_memory_bytes'] must be a list of one int per "
+                f"rank ({tp}), got {memory!r}"
+            )
+        memory = tuple(_int_option("tensor_parallel_memory_bytes", m, minimum=1) for m in memory)
     return MockOptions(
         ModelGeometry(**values),
         _parse_latency(options.get("latency")),
         _parse_fault(options.get("fault")),
         0.0 if options.get("load_s") is None else _seconds("'load_s'", options["load_s"]),
         parse_replies(options.get("replies")),
+        tp,
+        memory,
     )

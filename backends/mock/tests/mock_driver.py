@@ -32,6 +32,7 @@ class Driver:
         tokenizer: str = "byte",
         seed: int = 0,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
         **options: Any,
     ) -> None:
         self.backend = MockBackend(
@@ -39,6 +40,7 @@ class Driver:
                 tokenizer=tokenizer, block_size=block_size, seed=seed, backend_options=options
             ),
             sleep=sleep,
+            clock=clock,
         )
         self.backend.initialize_kv_cache(num_blocks)
         self.block_size = block_size

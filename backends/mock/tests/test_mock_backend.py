@@ -17,7 +17,13 @@ from xxhash import xxh3_64_intdigest
 
 from engine_core._core.protocol import EngineCoreRequest, FinishedRequest
 from engine_core._engine.core import EngineCore
-from engine_core.abc import CachedRequestData, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from engine_core.abc import (
+    AsyncModelRunnerOutput,
+    CachedRequestData,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 from engine_core.testing import BACKEND_CHECKS, check_backend
@@ -70,6 +76,31 @@ class NoPromptLogprobs(MockBackend):
         output = super().sample_tokens(grammar_bitmask)
         output.prompt_logprobs = None
         return output
+
+
+class TokensKnownOnlyOnTheHost(MockBackend):
+    """Claims async scheduling but learns a step's sampled tokens only when the core takes
+    them, so it cannot run the next step, scheduled before that."""
+
+    def sample_tokens_async(self, grammar_bitmask: Any | None) -> AsyncModelRunnerOutput:
+        batch = list(self._batch or [])
+        sizes = [len(state.tokens) for state in batch]
+        output = self._sample(grammar_bitmask)
+        for state, size in zip(batch, sizes, strict=True):
+            del state.tokens[size:]  # forget them until get_output
+
+        class Later(AsyncModelRunnerOutput):
+            def get_output(self) -> ModelRunnerOutput:
+                for state, tokens in zip(batch, output.sampled_token_ids, strict=True):
+                    state.tokens += tokens
+                return output
+
+        return Later()
+
+
+def test_suite_runs_async_backends_with_a_step_in_flight() -> None:
+    with pytest.raises(RuntimeError, match="cannot schedule 1 tokens after"):
+        check_backend(TokensKnownOnlyOnTheHost)
 
 
 @pytest.mark.parametrize(
@@ -258,11 +289,15 @@ def test_bitmask_and_min_tokens_mask_together() -> None:
     assert d.step(new=[request], bitmask=[_words(5, 257)]).sampled_token_ids == [[5]]
 
 
-def test_a_bitmask_that_allows_nothing_raises() -> None:
+def test_a_bitmask_that_allows_nothing_keeps_the_rules_token() -> None:
+    # A model's sampler would draw from all -inf logits: the mock keeps its own token, which
+    # the grammar check then refuses (the request ends with an error, not the engine).
     d = Driver()
     request = d.new("r", [1], structured_outputs=CONSTRAINED)
-    with pytest.raises(RuntimeError, match="request 'r': every token is masked"):
-        d.step(new=[request], bitmask=[_words()])
+    assert d.step(new=[request], bitmask=[_words()]).sampled_token_ids == [[2]]
+    stop_only = d.new("s", [256], eos=[257], min_tokens=1, structured_outputs=CONSTRAINED)
+    # Not the stop id min_tokens masks: the next token after it (wrapping around).
+    assert d.step(new=[stop_only], bitmask=[_words(257)]).sampled_token_ids == [[0]]
 
 
 def test_a_bitmask_with_the_wrong_number_of_rows_raises() -> None:
@@ -381,6 +416,7 @@ def test_engine_core_with_prefix_caching_and_preemption_keeps_exact_tokens() -> 
         max_model_len=32,
         max_num_batched_tokens=32,
         max_num_seqs=4,
+        async_scheduling=False,  # the figures below are those of the synchronous schedule
     )
     core = EngineCore(config)
     shared = list(b"shared prefix")

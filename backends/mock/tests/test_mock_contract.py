@@ -269,10 +269,26 @@ def test_freeze_fault_blocks_the_whole_process() -> None:
 # -- latency -------------------------------------------------------------------------------------
 
 
+class FakeTime:
+    """A clock that only its sleep advances; records each sleep."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
 def test_latency_model_sleeps_per_step_token_and_context_token() -> None:
-    slept: list[float] = []
+    fake = FakeTime()
+    slept = fake.slept
     latency = {"step_s": 0.5, "per_token_s": 0.25, "per_context_token_s": 0.125}
-    d = Driver(latency=latency, sleep=slept.append)
+    d = Driver(latency=latency, sleep=fake.sleep, clock=fake.clock)
     d.step(new=[d.new("a", [1, 2, 3]), d.new("b", list(range(10)), scheduled=6)])
     d.step(cached=[("a", 3, 1, None), ("b", 6, 4, None)])
     # Step 1: 9 tokens scheduled, context 3 + 6. Step 2: 5 scheduled, context 4 + 10.

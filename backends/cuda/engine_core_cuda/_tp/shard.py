@@ -1,0 +1,100 @@
+"""The sharding rules (Megatron style) for Llama, Mistral, Qwen2 and Qwen3.
+
+| module | split | collective |
+|---|---|---|
+| ``embed_tokens``, ``lm_head`` (tied or not) | vocab rows, padded to a multiple of the size | embedding: masked lookup + all-reduce; logits: gathered |
+| ``q/k/v_proj`` (+ Qwen2's bias) | output rows by whole heads; KV heads split, or replicated when the size exceeds their number (rank r uses KV head ``r // (size / kv_heads)``) | — |
+| ``o_proj`` | input columns by heads; bias added once after the reduce | all-reduce |
+| ``gate/up_proj`` | output rows | — |
+| ``down_proj`` | input columns; bias added once | all-reduce |
+| norms, rotary, Qwen3's q/k norms | replicated | — |
+
+Each rank reads only its slices from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from engine_core_cuda._hf_config import ModelConfig
+
+__all__ = ["Slice", "padded_vocab_rows", "shard_model_config", "slice_of"]
+
+
+def shard_model_config(config: ModelConfig, size: int) -> ModelConfig:
+    """The geometry one rank holds (heads, KV heads and intermediate size divided; the
+    vocabulary stays whole: it is what rank 0 samples over). Raises ``ValueError`` naming the
+    config field that ``size`` does not divide."""
+    if size == 1:
+        return config
+    problems = []
+    if config.num_heads % size:
+        problems.append(f"num_attention_heads ({config.num_heads}) % tensor_parallel_size != 0")
+    kv = config.num_kv_heads
+    if kv % size and size % kv:
+        problems.append(
+            f"num_key_value_heads ({kv}) must divide, or be divisible by, tensor_parallel_size"
+        )
+    if config.intermediate_size % size:
+        problems.append(
+            f"intermediate_size ({config.intermediate_size}) % tensor_parallel_size != 0"
+        )
+    if problems:
+        raise ValueError(
+            f"model: cannot shard {config.architecture} over tensor_parallel_size={size}: "
+            + "; ".join(problems)
+        )
+    return dataclasses.replace(
+        config,
+        num_heads=config.num_heads // size,
+        num_kv_heads=max(1, kv // size),
+        intermediate_size=config.intermediate_size // size,
+    )
+
+
+def padded_vocab_rows(vocab_size: int, size: int) -> int:
+    """Vocabulary rows per rank (the last rank's tail is zero padding)."""
+    return -(-vocab_size // size)
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """Read ``[start, stop)`` along ``dim`` of a checkpoint tensor; ``rows`` the rank's rows
+    (more than ``stop - start`` for a padded vocabulary slice)."""
+
+    dim: int
+    start: int
+    stop: int
+    rows: int
+
+
+def slice_of(name: str, ndim: int, config: ModelConfig, rank: int, size: int) -> Slice | None:
+    """The part of checkpoint tensor ``name`` that ``rank`` holds (None: all of it)."""
+    if size == 1:
+        return None
+    head = config.head_size
+    leaf = name.rsplit(".", 2)
+    module, kind = (leaf[-2], leaf[-1]) if len(leaf) >= 2 else ("", name)
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        rows = padded_vocab_rows(config.vocab_size, size)
+        start = min(rank * rows, config.vocab_size)
+        return Slice(0, start, min(start + rows, config.vocab_size), rows)
+    if module == "q_proj":
+        n = config.num_heads // size * head
+        return Slice(0, rank * n, (rank + 1) * n, n)
+    if module in ("k_proj", "v_proj"):
+        kv = config.num_kv_heads
+        if kv >= size:
+            n = kv // size * head
+            return Slice(0, rank * n, (rank + 1) * n, n)
+        index = rank // (size // kv)
+        return Slice(0, index * head, (index + 1) * head, head)
+    if module in ("gate_proj", "up_proj"):
+        n = config.intermediate_size // size
+        return Slice(0, rank * n, (rank + 1) * n, n)
+    if module in ("o_proj", "down_proj") and kind == "weight" and ndim == 2:
+        total = config.num_heads * head if module == "o_proj" else config.intermediate_size
+        n = total // size
+        return Slice(1, rank * n, (rank + 1) * n, n)
+    return None  # norms, row-parallel biases (added once after the reduce)

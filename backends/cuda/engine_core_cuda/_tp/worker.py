@@ -1,0 +1,68 @@
+"""A tensor-parallel worker (ranks 1..N-1), run as ``python -m engine_core_cuda._tp.worker`` by
+rank 0's :class:`~engine_core._workers.WorkerGroup`. It holds a
+:class:`~engine_core_cuda.CudaBackend` for its rank, runs every step rank 0 broadcasts (the same
+forward pass, joining the collectives) and never samples: the ids rank 0 sampled arrive with the
+next step, as that step's input tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from engine_core._workers import Step, serve
+from engine_core._workers.messages import Scalar
+from engine_core.config import EngineConfig
+from engine_core_cuda._backend import CudaBackend
+from engine_core_cuda._step_inputs import StepInputs
+
+__all__ = ["CudaWorker"]
+
+
+class CudaWorker:
+    def __init__(self, config: EngineConfig, rank: int, size: int, directory: str) -> None:
+        self.config = config
+        self.rank = rank
+        self.directory = directory
+        self.backend: CudaBackend | None = None
+        self._previous: StepInputs | None = None
+
+    def _backend(self) -> CudaBackend:
+        if self.backend is None:
+            raise RuntimeError("the worker has not loaded its model")
+        return self.backend
+
+    def step(self, step: Step) -> None:
+        backend = self._backend()
+        runner = backend.runner
+        if step.previous_sampled is not None and self._previous is not None:
+            with torch.inference_mode():
+                runner.record_tokens(self._previous, step.previous_sampled)
+        self._previous = None
+        backend.execute_model(step.scheduler_output)
+        self._previous = runner.skip_sampling()
+
+    def call(self, method: str, args: list[Scalar]) -> Scalar:
+        if method == "load":
+            self.backend = CudaBackend(self.config, tp_rank=self.rank, tp_directory=self.directory)
+            return None
+        backend = self._backend()
+        if method == "available_kv_cache_memory":
+            return backend.available_kv_cache_memory()
+        if method == "initialize_kv_cache":
+            assert isinstance(args[0], int)
+            backend.initialize_kv_cache(args[0])
+        elif method == "profile":
+            backend.profile("start" if args[0] == "start" else "stop")
+        elif method == "sleep":
+            self._previous = None
+            backend.sleep(int(args[0]) if isinstance(args[0], int) else 1)
+        elif method == "wake_up":
+            backend.wake_up()
+        elif method == "close":
+            backend.close()
+        else:
+            raise ValueError(f"unknown worker call {method!r}")
+        return None
+
+
+if __name__ == "__main__":
+    serve(CudaWorker)

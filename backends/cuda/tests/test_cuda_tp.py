@@ -1,0 +1,351 @@
+"""Tensor parallelism on the CPU: two gloo ranks (rank 0 here, rank 1 a worker process), tiny
+models in float32. Multi-process tests are few and small: each starts a worker (a second Python
+importing torch)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+import torch
+from engine_core_cuda import CudaBackend
+from engine_core_cuda._hf_config import load_model_config
+from engine_core_cuda._model_runner import ModelRunner
+from engine_core_cuda._options import parse_options
+from engine_core_cuda._tp.parallel import TensorParallel
+from engine_core_cuda._tp.shard import shard_model_config, slice_of
+from tiny_models import TinyModel
+
+from engine_core import AsyncLLM, EngineDeadError, SamplingParams
+from engine_core.abc import CachedRequestData, NewRequestData, SchedulerOutput
+from engine_core.config import EngineConfig
+from engine_core.testing import (
+    BackendFactory,
+    check_backend,
+    check_logprobs,
+    check_mixed_batch,
+    check_preemption,
+    check_prefix_caching,
+)
+
+CPU = {"device": "cpu", "kernels": "torch"}
+PROMPTS = [
+    "the engine",
+    "decode prefill batch step chunk prefix cache model",
+    "a",
+    "graph kernel tensor layer head query key value",
+    "token block cache model batch step",
+    "rotary norm weight paged memory device",
+    "request stream output prompt greedy random",
+    "sample seed graph kernel",
+]
+
+# -- the sharding rules (one process) ------------------------------------------------------------
+
+
+def test_shard_geometry_and_the_fields_that_do_not_divide(tiny: dict[str, TinyModel]) -> None:
+    config = load_model_config(tiny["qwen3"].path)  # 4 heads, 2 KV heads, intermediate 128
+    local = shard_model_config(config, 2)
+    assert (local.num_heads, local.num_kv_heads) == (2, 1)
+    assert local.intermediate_size == config.intermediate_size // 2
+    assert local.vocab_size == config.vocab_size  # rank 0 samples over the whole vocabulary
+    assert shard_model_config(config, 4).num_kv_heads == 1  # replicated: 2 KV heads, 4 ranks
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\)") as info:
+        shard_model_config(config, 3)
+    assert "num_key_value_heads (2)" in str(info.value)
+    odd = dataclasses.replace(config, intermediate_size=130)
+    with pytest.raises(ValueError, match=r"intermediate_size \(130\)"):
+        shard_model_config(odd, 4)
+
+
+def test_a_model_that_does_not_shard_fails_before_any_process_starts(
+    tiny: dict[str, TinyModel],
+) -> None:
+    config = EngineConfig(
+        model=str(tiny["llama"].path), backend="cuda", backend_options=CPU, tensor_parallel_size=3
+    )
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\)"):
+        CudaBackend(config)
+    assert not _worker_pids(os.getpid())
+
+
+def test_checkpoint_slices(tiny: dict[str, TinyModel]) -> None:
+    c = load_model_config(tiny["qwen2"].path)  # head 16, vocab 384
+    h = c.head_size
+    q = slice_of("model.layers.0.self_attn.q_proj.bias", 1, c, 1, 2)
+    assert q is not None and (q.dim, q.start, q.stop) == (0, 2 * h, 4 * h)
+    # 2 KV heads on 4 ranks: ranks 2 and 3 both hold KV head 1.
+    k = slice_of("model.layers.0.self_attn.k_proj.weight", 2, c, 3, 4)
+    assert k is not None and (k.start, k.stop) == (h, 2 * h)
+    o = slice_of("model.layers.1.self_attn.o_proj.weight", 2, c, 1, 2)
+    assert o is not None and (o.dim, o.start, o.stop) == (1, 2 * h, 4 * h)
+    down = slice_of("model.layers.0.mlp.down_proj.weight", 2, c, 0, 2)
+    assert down is not None and (down.dim, down.stop) == (1, c.intermediate_size // 2)
+    assert slice_of("model.layers.0.self_attn.o_proj.bias", 1, c, 1, 2) is None  # added once
+    assert slice_of("model.norm.weight", 1, c, 1, 2) is None
+    vocab = slice_of("lm_head.weight", 2, c, 4, 5)  # 384 rows over 5 ranks: 77 each, padded
+    assert vocab is not None and (vocab.start, vocab.stop, vocab.rows) == (308, 384, 77)
+
+
+# -- bitwise: two processes vs a one-process simulation of the same shards -----------------------
+
+
+class _Exchange:
+    def __init__(self, size: int) -> None:
+        self.barrier = threading.Barrier(size)
+        self.slots: list[torch.Tensor | None] = [None] * size
+
+
+class _SimulatedParallel(TensorParallel):
+    """Ranks as threads of one process; an all-reduce adds the ranks' tensors in rank order."""
+
+    def __init__(self, rank: int, size: int, exchange: _Exchange) -> None:
+        super().__init__(rank, size, "simulated")
+        self.exchange = exchange
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        ex = self.exchange
+        ex.slots[self.rank] = x.clone()
+        ex.barrier.wait()
+        total = ex.slots[0]
+        assert total is not None
+        total = total.clone()
+        for other in ex.slots[1:]:
+            assert other is not None
+            total += other
+        ex.barrier.wait()
+        x.copy_(total)
+        return x
+
+
+def _steps(block_ids: list[list[int]], prompts: list[list[int]], decodes: int) -> list:
+    """A prefill of every prompt, then ``decodes`` decode steps of all of them."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    new = [
+        NewRequestData(f"r{i}", p, greedy, block_ids[i], 0, len(p)) for i, p in enumerate(prompts)
+    ]
+    outputs = [SchedulerOutput(new, CachedRequestData(), sum(map(len, prompts)))]
+    for step in range(decodes):
+        ids = [f"r{i}" for i in range(len(prompts))]
+        computed = [len(p) + step for p in prompts]
+        cached = CachedRequestData(ids, [None] * len(ids), computed, [1] * len(ids))
+        outputs.append(SchedulerOutput([], cached, len(ids)))
+    return outputs
+
+
+def test_tp2_logits_equal_a_one_process_simulation_of_the_shards(
+    tiny: dict[str, TinyModel],
+) -> None:
+    model = tiny["qwen2"]  # QKV bias: the bias rows follow the heads
+    config = EngineConfig(
+        model=str(model.path), backend="cuda", backend_options=CPU, dtype="float32",
+        max_model_len=256, tensor_parallel_size=2,
+    )  # fmt: skip
+    tokenizer_ids = [[5 + i, 40 + 3 * i, 7, 100 + i, 9][: 2 + i] for i in range(3)]
+    blocks = [[i * 4 + b for b in range(4)] for i in range(3)]
+    outputs = _steps(blocks, tokenizer_ids, 4)
+
+    backend = CudaBackend(config)
+    try:
+        backend.initialize_kv_cache(16)
+        real: list[torch.Tensor] = []
+        for out in outputs:
+            backend.execute_model(out)
+            forward = backend.runner._forward
+            assert forward is not None and forward.logits is not None
+            real.append(forward.logits.clone())
+            backend.sample_tokens(None)
+    finally:
+        backend.close()
+
+    simulated = _simulate(config, model.path, 2, outputs)
+    for got, expected in zip(real, simulated, strict=True):
+        assert torch.equal(got, expected)
+
+
+def _simulate(
+    config: EngineConfig, model_dir: Path, size: int, outputs: list[SchedulerOutput]
+) -> list[torch.Tensor]:
+    """Rank 0's logits of each step with the ranks as threads of this process (the others fed
+    rank 0's sampled ids, as the workers are); every rank's logits are checked equal."""
+    options = parse_options(msgspec.structs.replace(config, tensor_parallel_size=1))
+    full = load_model_config(model_dir)
+    exchange = _Exchange(size)
+    runners = [
+        ModelRunner(config, options, full, _SimulatedParallel(r, size, exchange))
+        for r in range(size)
+    ]
+    for runner in runners:
+        runner.allocate_kv_cache(16)
+    logits: list[list[torch.Tensor]] = [[] for _ in range(size)]
+    sampled: list[list[list[int]]] = []
+    ready = [threading.Event() for _ in outputs]
+
+    def run(rank: int) -> None:
+        runner = runners[rank]
+        previous = None
+        with torch.inference_mode():
+            for k, out in enumerate(outputs):
+                if rank and previous is not None:
+                    ready[k - 1].wait()
+                    runner.record_tokens(previous, sampled[k - 1])
+                runner.execute_model(out)
+                forward = runner._forward
+                assert forward is not None and forward.logits is not None
+                logits[rank].append(forward.logits.clone())
+                if rank == 0:
+                    sampled.append(runner.sample_tokens(None).sampled_token_ids)
+                    ready[k].set()
+                else:
+                    previous = runner.skip_sampling()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(len(found) == len(outputs) for found in logits)
+    for other in logits[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(logits[0], other, strict=True))
+    return logits[0]
+
+
+def test_four_simulated_ranks_replicating_kv_heads_match_tp1(tiny: dict[str, TinyModel]) -> None:
+    """4 ranks over 2 KV heads (each replicated on two ranks), Qwen3's q/k norms and its
+    head_dim != hidden / heads: the shards' logits stay within float32 rounding of TP=1."""
+    model = tiny["qwen3"]
+    config = EngineConfig(
+        model=str(model.path), backend="cuda", backend_options=CPU, dtype="float32",
+        max_model_len=256,
+    )  # fmt: skip
+    prompts = [[5 + i, 40 + 3 * i, 7, 100 + i, 9][: 2 + i] for i in range(3)]
+    outputs = _steps([[i * 4 + b for b in range(4)] for i in range(3)], prompts, 4)
+    sharded = _simulate(config, model.path, 4, outputs)
+    single = ModelRunner(config, parse_options(config), load_model_config(model.path))
+    single.allocate_kv_cache(16)
+    with torch.inference_mode():
+        for out, got in zip(outputs, sharded, strict=True):
+            single.execute_model(out)
+            forward = single._forward
+            assert forward is not None and forward.logits is not None
+            torch.testing.assert_close(got, forward.logits, rtol=0, atol=1e-4)
+            single.sample_tokens(None)
+
+
+# -- against TP=1 ------------------------------------------------------------------------------
+
+
+def _greedy(model: TinyModel, tp: int) -> list[tuple[list[int], list[float]]]:
+    """Tokens and the top-2 logprob margin at each position."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    with model.llm(tensor_parallel_size=tp, dtype="float32", multiprocess=False) as llm:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    found = []
+    for out in outs:
+        c = out.outputs[0]
+        assert c.logprobs is not None
+        margins = []
+        for entry in c.logprobs:
+            top = sorted((lp.logprob for lp in entry.values()), reverse=True)
+            margins.append(top[0] - top[1])
+        found.append((list(c.token_ids), margins))
+    return found
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_tp2_greedy_tokens_equal_tp1(tiny: dict[str, TinyModel], kind: str) -> None:
+    one = _greedy(tiny[kind], 1)
+    two = _greedy(tiny[kind], 2)
+    compared = 0
+    for (expected, margins), (got, _) in zip(one, two, strict=True):
+        for position, (a, b) in enumerate(zip(expected, got, strict=True)):
+            if margins[position] < 1e-4:
+                break  # a near-tie: the sequences may part here
+            assert a == b, (kind, position)
+            compared += 1
+    assert compared >= 0.9 * len(PROMPTS) * 16
+
+
+# -- the contract and failures -------------------------------------------------------------------
+
+
+# Each check starts a backend, hence a worker importing torch (~4 s on 2 loaded cores): the
+# checks that reach TP-specific paths (rows reused after preemption, block ids shared by the
+# ranks, prompt logprobs from gathered logits) run by default, all of them under ``slow``.
+TP_CHECKS = (check_mixed_batch, check_preemption, check_prefix_caching, check_logprobs)
+
+
+def _tp_config(tiny: dict[str, TinyModel]) -> EngineConfig:
+    return EngineConfig(
+        model=str(tiny["llama"].path), backend="cuda", backend_options=CPU,
+        max_model_len=256, tensor_parallel_size=2,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("check", TP_CHECKS, ids=lambda c: c.__name__)
+def test_tp2_passes_the_backend_checks_on_its_paths(
+    tiny: dict[str, TinyModel], check: Callable[[BackendFactory, EngineConfig | None], None]
+) -> None:
+    check(CudaBackend, _tp_config(tiny))
+
+
+@pytest.mark.slow
+def test_tp2_passes_check_backend(tiny: dict[str, TinyModel]) -> None:
+    check_backend(CudaBackend, _tp_config(tiny))
+
+
+def _worker_pids(parent: int) -> list[int]:
+    pids = []
+    for task in Path(f"/proc/{parent}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"engine_core_cuda._tp.worker" in cmdline:
+                pids.append(int(child))
+    return pids
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """One runtime: the death path is the engine's own (tested under both with the mock's
+    pretend TP); this test pays for an engine process and a worker importing torch."""
+    return "asyncio"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc")
+@pytest.mark.anyio
+async def test_kill_9_of_rank_1_is_an_engine_death_naming_it_within_a_second(
+    tiny: dict[str, TinyModel],
+) -> None:
+    engine = AsyncLLM(
+        model=str(tiny["llama"].path), backend="cuda", backend_options=CPU, max_model_len=256,
+        num_kv_blocks=96, tensor_parallel_size=2,
+    )  # fmt: skip
+    async with engine:
+        outs: list[object] = []
+        failed: list[tuple[float, str]] = []
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+        async def consume() -> None:
+            with pytest.raises(EngineDeadError) as info:
+                async for out in engine.generate("the engine", params):
+                    outs.append(out)
+            failed.append((time.monotonic(), f"{info.value} {info.value.__cause__}"))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            with anyio.fail_after(30):
+                while not outs:
+                    await anyio.sleep(0.005)
+            (worker,) = _worker_pids(engine._client.pid)  # type: ignore[union-attr]
+            killed_at = time.monotonic()
+            os.kill(worker, signal.SIGKILL)
+        assert failed[0][0] - killed_at < 1.0
+        assert "rank 1" in failed[0][1]
