@@ -83,6 +83,10 @@ class CudaBackend(Backend):
         if size > 1 and tp_rank == 0:
             self.tp = Coordinator(config, self.options)
             parallel = self.tp.parallel
+            # The workers take the previous step's sampled ids from rank 0's step message, on
+            # the host: a step launched before those ids reach the host would hand them stale
+            # inputs. Under tensor parallelism the engine schedules synchronously.
+            self.supports_async_scheduling = False
         elif size > 1:
             assert tp_directory is not None
             share_cpu(torch.device(self.options.device), size)

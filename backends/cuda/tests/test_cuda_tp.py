@@ -25,6 +25,7 @@ from engine_core_cuda._tp.shard import shard_model_config, slice_of
 from tiny_models import TinyModel
 
 from engine_core import AsyncLLM, EngineDeadError, SamplingParams
+from engine_core._engine.core import resolve_async_scheduling
 from engine_core.abc import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.config import EngineConfig
 from engine_core.testing import (
@@ -155,6 +156,12 @@ def test_tp2_logits_equal_a_one_process_simulation_of_the_shards(
 
     backend = CudaBackend(config)
     try:
+        # Workers read the sampled ids from the host: no step may be launched before them.
+        assert backend.supports_async_scheduling is False
+        with pytest.raises(ValueError, match="async_scheduling=True but the CudaBackend"):
+            resolve_async_scheduling(
+                msgspec.structs.replace(config, async_scheduling=True), backend
+            )
         backend.initialize_kv_cache(16)
         real: list[torch.Tensor] = []
         for out in outputs:
