@@ -69,6 +69,14 @@ def test_a_stop_begun_while_advancing_completes_in_the_scan() -> None:
     assert matcher.scan(matcher.advance(0, "abc"), "d", 3)[1] == -1
 
 
+def test_advancing_falls_back_to_the_longest_real_suffix() -> None:
+    # After "a", another "a" fails back to the root and starts "abc" again: the stop string
+    # begun in the advanced text completes in the scan.
+    matcher = StopMatcher(("abc",))
+    assert matcher.scan(matcher.advance(0, "xaab"), "c", 4)[1:] == (0, 5)
+    assert matcher.scan(matcher.advance(0, "abab"), "c", 4)[1:] == (0, 5)
+
+
 def test_automaton_is_shared_per_tuple_of_stops() -> None:
     assert stop_matcher(("x", "y")) is stop_matcher(("x", "y"))
     assert stop_matcher(("x", "y")).stops == ("x", "y")
