@@ -467,3 +467,11 @@ def test_spaces_between_special_tokens(token_ids: list[int], spaced: str, unspac
     # Skipped special tokens leave no space behind.
     detok = Detokenizer(BYTES, [97], SamplingParams(spaces_between_special_tokens=True))
     assert finished_text(detok, [[t] for t in token_ids]) == BYTES.decode(token_ids)
+
+
+def test_a_stop_string_begins_in_the_completion_not_before_it() -> None:
+    # The automaton starts at its root: "b" alone does not complete "ab", whatever the prompt
+    # ("a" here) ended with.
+    detok = Detokenizer(BYTES, [97], SamplingParams(stop=["ab"]))
+    assert detok.update([ord("b"), ord("c")]) is None
+    assert detok.take(finished=True) == "bc"
