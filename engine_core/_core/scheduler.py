@@ -549,19 +549,23 @@ class Scheduler:
         step computed (with async scheduling a later step may already be scheduled)."""
         by_id = {r.request_id: r for r in scheduled if r.status != RequestStatus.FINISHED_ABORTED}
         cached = scheduler_output.cached
+        # Mutation testing: the columns are built together (equal lengths), so dropping or
+        # weakening `strict` is equivalent.
         ends = {
             req_id: computed + num
             for req_id, computed, num in zip(
                 cached.req_ids,
                 cached.num_computed_tokens,
                 cached.num_scheduled_tokens,
-                strict=True,
+                strict=True,  # pragma: no mutate
             )
         }
         for new in scheduler_output.new_reqs:
             ends[new.req_id] = new.num_computed_tokens + new.num_scheduled_tokens
         for request_id, entries in prompt_logprobs.items():
             request = by_id.get(request_id)
+            # Mutation testing: every request of the batch is in `ends` (both come from the
+            # same step), so `and` for the last `or` is equivalent; the test is a guard.
             if request is None or not entries or request_id not in ends:
                 continue
             end = min(ends[request_id], request.num_prompt_tokens)

@@ -1251,3 +1251,17 @@ def test_num_cached_tokens_is_that_of_the_first_admission() -> None:
     (resumed,) = output.new_reqs
     assert resumed.num_computed_tokens == 16
     assert b.num_cached_tokens == 0
+
+
+def test_async_results_without_a_step_in_flight_are_refused() -> None:
+    config = SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        block_size=BLOCK_SIZE,
+        async_scheduling=True,
+    )
+    scheduler = Scheduler(config, 100)
+    output = SchedulerOutput([], CachedRequestData(), 0)
+    with pytest.raises(RuntimeError, match="^update_from_output without a step in flight$"):
+        scheduler.update_from_output(output, ModelRunnerOutput([], []))
