@@ -11,7 +11,10 @@ message; the client sends a small message and waits for the echo, one at a time.
 - ``to-thread``: a blocking ``recv`` in ``anyio.to_thread.run_sync`` per message;
 - ``reader-thread``: one thread blocks in ``recv`` and hands each message to the event loop with
   ``anyio.from_thread.run_sync`` into a memory stream;
-- ``to_thread hop``: ``anyio.to_thread.run_sync`` of a no-op, which the engine pays per step.
+- ``to_thread hop``: ``anyio.to_thread.run_sync`` of a no-op, which the engine pays per step;
+- ``unix socket``: the same echo over a plain Unix stream socket (no ZMQ I/O threads), blocking
+  and with ``anyio.wait_readable``: what the round trip costs without ZMQ's thread hops (a ZMQ
+  message crosses two I/O threads each way, a socket message none).
 
 Part 2, engine. ``MPClient`` with the zero-latency mock backend: ``add_request`` of a
 ``max_tokens=1`` request until its output arrives, for each engine runtime and client kind.
@@ -29,6 +32,7 @@ import importlib.metadata
 import itertools
 import multiprocessing
 import os
+import socket
 import statistics
 import tempfile
 import threading
@@ -63,6 +67,72 @@ def _echo(down: str, up: str) -> None:
     pull.close(0)
     push.close(0)
     ctx.term()
+
+
+def _echo_unix(path: str, size: int) -> None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    while (msg := _recv_exactly(sock, size)) != _STOP.ljust(size, b"\0"):
+        sock.sendall(msg)
+    sock.close()
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the echo process closed the socket")
+        data += chunk
+    return data
+
+
+class UnixTransport:
+    """An echo process over a plain Unix stream socket (fixed-size messages)."""
+
+    def __init__(self, path: str, payload: bytes, n: int) -> None:
+        self.payload, self.n = payload, n
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+        self.echo = multiprocessing.get_context("spawn").Process(
+            target=_echo_unix, args=(path, len(payload))
+        )
+        self.echo.start()
+        self.sock, _ = listener.accept()
+        listener.close()
+
+    def close(self) -> None:
+        self.sock.setblocking(True)
+        self.sock.sendall(_STOP.ljust(len(self.payload), b"\0"))
+        self.sock.close()
+        self.echo.join()
+
+    def sync(self) -> Samples:
+        self.sock.setblocking(True)
+        out = []
+        for _ in range(self.n):
+            t0 = time.perf_counter()
+            self.sock.sendall(self.payload)
+            _recv_exactly(self.sock, len(self.payload))
+            out.append(time.perf_counter() - t0)
+        return out
+
+    async def fd_wait(self) -> Samples:
+        sock, size = self.sock, len(self.payload)
+        sock.setblocking(False)
+        out = []
+        for _ in range(self.n):
+            t0 = time.perf_counter()
+            sock.send(self.payload)  # a small message fits the empty socket buffer
+            received = 0
+            while received < size:
+                try:
+                    received += len(sock.recv(size - received))
+                except BlockingIOError:
+                    await anyio.wait_readable(sock)
+            out.append(time.perf_counter() - t0)
+        return out
 
 
 class Transport:
@@ -215,11 +285,18 @@ def main() -> None:
             variants[f"reader-thread [{runtime}]"] = _in(runtime, t.reader_thread)
         for runtime in ("asyncio", "trio"):
             variants[f"to_thread no-op hop [{runtime}]"] = _in(runtime, t.hop)
+        u = UnixTransport(f"{tmp}/unix", os.urandom(args.size), args.n)
+        variants["unix socket, sync"] = u.sync
+        for runtime in ("asyncio", "trio"):
+            variants[f"unix socket, fd-wait [{runtime}]"] = _in(runtime, u.fd_wait)
         print("part 1: transport round trip")
-        for line in _measure(variants, args.rounds):
-            print("  " + line)
-        t.close()
-        echo.join()
+        try:
+            for line in _measure(variants, args.rounds):
+                print("  " + line)
+        finally:
+            u.close()
+            t.close()
+            echo.join()
     if args.no_engine:
         return
     print("part 2: MPClient add_request -> first output (mock backend, max_tokens=1)")
