@@ -12,6 +12,9 @@ message; the client sends a small message and waits for the echo, one at a time.
 - ``reader-thread``: one thread blocks in ``recv`` and hands each message to the event loop with
   ``anyio.from_thread.run_sync`` into a memory stream;
 - ``to_thread hop``: ``anyio.to_thread.run_sync`` of a no-op, which the engine pays per step;
+- ``echo in an event loop``: ``fd-wait [asyncio]`` against an echo process that itself waits
+  with ``anyio.wait_readable`` (as the engine-core process does) under asyncio, asyncio on
+  uvloop, and trio, instead of blocking in ``recv``;
 - ``unix socket``: the same echo over a plain Unix stream socket (no ZMQ I/O threads), blocking
   and with ``anyio.wait_readable``: what the round trip costs without ZMQ's thread hops (a ZMQ
   message crosses two I/O threads each way, a socket message none).
@@ -56,14 +59,26 @@ _STOP = b"stop"
 Samples = list[float]
 
 
-def _echo(down: str, up: str) -> None:
+def _echo(down: str, up: str, loop: str | None = None) -> None:
+    """Echo until ``_STOP``, blocking in ``recv`` or (``loop``: "asyncio", "uvloop", "trio")
+    waiting in an event loop."""
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.bind(down)
     push = ctx.socket(zmq.PUSH)
     push.bind(up)
-    while (msg := pull.recv()) != _STOP:
-        push.send(msg)
+
+    async def serve() -> None:
+        while (msg := await recv_async(pull)) != _STOP:
+            push.send(msg)
+
+    if loop is None:
+        while (msg := pull.recv()) != _STOP:
+            push.send(msg)
+    elif loop == "uvloop":
+        anyio.run(serve, backend="asyncio", backend_options={"use_uvloop": True})
+    else:
+        anyio.run(serve, backend=loop)
     pull.close(0)
     push.close(0)
     ctx.term()
@@ -285,6 +300,15 @@ def main() -> None:
             variants[f"reader-thread [{runtime}]"] = _in(runtime, t.reader_thread)
         for runtime in ("asyncio", "trio"):
             variants[f"to_thread no-op hop [{runtime}]"] = _in(runtime, t.hop)
+        looped = []
+        for loop in ("asyncio", "uvloop", "trio"):
+            l_down, l_up = f"ipc://{tmp}/down-{loop}", f"ipc://{tmp}/up-{loop}"
+            process = multiprocessing.get_context("spawn").Process(
+                target=_echo, args=(l_down, l_up, loop)
+            )
+            process.start()
+            looped.append((process, Transport(l_down, l_up, os.urandom(args.size), args.n)))
+            variants[f"fd-wait [asyncio], {loop} echo"] = _in("asyncio", looped[-1][1].fd_wait)
         u = UnixTransport(f"{tmp}/unix", os.urandom(args.size), args.n)
         variants["unix socket, sync"] = u.sync
         for runtime in ("asyncio", "trio"):
@@ -297,6 +321,9 @@ def main() -> None:
             u.close()
             t.close()
             echo.join()
+            for process, transport in looped:
+                transport.close()
+                process.join()
     if args.no_engine:
         return
     print("part 2: MPClient add_request -> first output (mock backend, max_tokens=1)")
