@@ -84,7 +84,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     multiprocess: bool | None = None
     """Run the engine core in its own process. None: AsyncLLM does, LLM does not."""
     engine_runtime: Literal["asyncio", "trio"] = "asyncio"
-    """Event loop of the engine-core process."""
+    """Event loop of the engine-core process (asyncio runs on uvloop where installed, unless
+    ``ENGINE_CORE_NO_UVLOOP`` is set)."""
     step_timeout_s: float | None = 300.0
     """A model call running longer than this is treated as the engine's death (its process
     reports a ``TimeoutError`` and exits). None: no limit."""

@@ -1,25 +1,5 @@
-"""The event loop a front end runs on: asyncio (on uvloop where installed) or trio."""
+"""The event loop a front end runs on (the same rule as the engine-core process's)."""
 
-from __future__ import annotations
-
-import os
-from typing import Any
+from engine_core._engine.runtime import NO_UVLOOP_ENV, run_options
 
 __all__ = ["NO_UVLOOP_ENV", "run_options"]
-
-NO_UVLOOP_ENV = "ENGINE_CORE_NO_UVLOOP"
-"""Set (non-empty) to run asyncio on its own event loop even where uvloop is installed."""
-
-
-def run_options(runtime: str) -> dict[str, Any]:
-    """``anyio.run`` keyword arguments for ``runtime``: asyncio runs on uvloop where it is
-    installed (the ``server`` extra brings it on Linux and macOS) unless
-    ``ENGINE_CORE_NO_UVLOOP`` is set."""
-    if runtime == "asyncio" and not os.environ.get(NO_UVLOOP_ENV):
-        try:
-            import uvloop  # noqa: F401
-        except ImportError:
-            pass
-        else:
-            return {"backend": "asyncio", "backend_options": {"use_uvloop": True}}
-    return {"backend": runtime}
