@@ -136,6 +136,9 @@ class MockBackend(Backend):
         """The pretend tensor-parallel workers (ranks 1..N-1), when N > 1."""
         self._previous_sampled: list[list[int]] | None = None
         if self.tensor_parallel_size > 1:
+            # As the CUDA backend's tensor parallelism: the workers take the sampled ids from
+            # the step message on the host, so the engine schedules synchronously.
+            self.supports_async_scheduling = False
             self.workers = WorkerGroup(
                 "engine_core_mock._worker", self.tensor_parallel_size, config
             )

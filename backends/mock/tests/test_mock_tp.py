@@ -44,6 +44,7 @@ def test_workers_model_the_steps_and_close() -> None:
     d = Driver(tensor_parallel_size=2)
     backend = d.backend
     assert backend.workers is not None
+    assert backend.supports_async_scheduling is False  # as the CUDA backend under TP
     d.step(new=[d.new("a", [1, 2, 3]), d.new("b", [4, 5])])
     d.step(cached=[("a", 3, 1, None), ("b", 2, 1, None)])
     assert backend.workers.call("num_steps") == [2]
