@@ -181,35 +181,14 @@ class _Answer:
     def _delta_events(self, delta: Delta) -> list[bytes]:
         events: list[bytes] = []
         if delta.reasoning_content:
-            item = self._ensure("reasoning", events)
-            item["content"][0]["text"] += delta.reasoning_content
-            events.append(
-                self.event(
-                    "response.reasoning_text.delta",
-                    item_id=item["id"],
-                    output_index=len(self.items) - 1,
-                    content_index=0,
-                    delta=delta.reasoning_content,
-                )
-            )
+            self._text_delta("reasoning", delta.reasoning_content, events)
         if delta.content:
-            item = self._ensure("message", events)
-            item["content"][0]["text"] += delta.content
-            events.append(
-                self.event(
-                    "response.output_text.delta",
-                    item_id=item["id"],
-                    output_index=len(self.items) - 1,
-                    content_index=0,
-                    delta=delta.content,
-                    logprobs=[],
-                )
-            )
+            self._text_delta("message", delta.content, events, logprobs=[])
         for piece in delta.tool_calls or ():
             function = piece.function
             if piece.id is not None and function is not None:
                 events.extend(self._close())
-                item = {
+                item: dict[str, Any] = {
                     "type": "function_call",
                     "id": _item_id("fc"),
                     "call_id": piece.id,
@@ -232,6 +211,23 @@ class _Answer:
                     )
                 )
         return events
+
+    def _text_delta(self, kind: str, text: str, events: list[bytes], **extra: Any) -> None:
+        """Append ``text`` to the open item of ``kind`` (``reasoning`` or ``message``) and its
+        delta event to ``events``."""
+        item = self._ensure(kind, events)
+        item["content"][0]["text"] += text
+        name = "reasoning_text" if kind == "reasoning" else "output_text"
+        events.append(
+            self.event(
+                f"response.{name}.delta",
+                item_id=item["id"],
+                output_index=len(self.items) - 1,
+                content_index=0,
+                delta=text,
+                **extra,
+            )
+        )
 
     def _ensure(self, kind: str, events: list[bytes]) -> dict[str, Any]:
         """The open item of ``kind``, opened now (closing another) when needed."""
