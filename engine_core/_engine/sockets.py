@@ -12,21 +12,36 @@ The rule that makes it safe: try the non-blocking operation first and wait only 
 with ``EAGAIN``; a failed attempt re-arms the descriptor. ``bench/zmq_transport.py`` compares
 this with blocking sockets in a worker thread (slower by one thread hop per message). One task at
 a time may wait on a given socket.
+
+Authentication. Sockets that leave the machine (the engines of a Ray deployment dial the driver
+over TCP) use ZMQ CURVE, which authenticates and encrypts: :func:`deployment_keys` makes a
+server and a client key pair for one deployment; the driver's sockets are CURVE servers
+(:func:`curve_server`) whose context admits only the deployment's client key
+(:func:`admit_only`, a ZAP handler); the engines' sockets are CURVE clients
+(:func:`curve_client`). A peer without the keys never completes the handshake.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
+import msgspec
 import zmq
 
 __all__ = [
     "OUTPUT_HWM",
+    "DeploymentKeys",
+    "EngineKeys",
+    "admit_only",
+    "curve_client",
+    "curve_server",
+    "deployment_keys",
     "SocketAddresses",
     "Transport",
     "make_socket",
@@ -82,6 +97,82 @@ def make_socket(
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.LINGER, linger_ms)
     return sock
+
+
+class EngineKeys(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine needs to dial its driver (Z85 text): the driver's public key and the
+    deployment's client key pair."""
+
+    server_public: str
+    client_public: str
+    client_secret: str
+
+
+class DeploymentKeys(msgspec.Struct, frozen=True, kw_only=True):
+    """One deployment's CURVE keys (Z85 text): the driver's server pair, the engines' client
+    pair."""
+
+    server_public: str
+    server_secret: str
+    client_public: str
+    client_secret: str
+
+    def for_engine(self) -> EngineKeys:
+        return EngineKeys(
+            server_public=self.server_public,
+            client_public=self.client_public,
+            client_secret=self.client_secret,
+        )
+
+
+def deployment_keys() -> DeploymentKeys:
+    """Fresh key pairs for one deployment (needs a libzmq built with CURVE)."""
+    if not zmq.has("curve"):
+        raise RuntimeError("this libzmq has no CURVE support: remote engines cannot be secured")
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    return DeploymentKeys(
+        server_public=server_public.decode(),
+        server_secret=server_secret.decode(),
+        client_public=client_public.decode(),
+        client_secret=client_secret.decode(),
+    )
+
+
+def curve_server(sock: zmq.Socket[bytes], keys: DeploymentKeys) -> None:
+    """Make ``sock`` (before it binds) a CURVE server with the deployment's server keys."""
+    sock.curve_secretkey = keys.server_secret.encode()
+    sock.curve_publickey = keys.server_public.encode()
+    sock.curve_server = True
+
+
+def curve_client(sock: zmq.Socket[bytes], keys: EngineKeys) -> None:
+    """Make ``sock`` (before it connects) a CURVE client of the deployment's server."""
+    sock.curve_serverkey = keys.server_public.encode()
+    sock.curve_publickey = keys.client_public.encode()
+    sock.curve_secretkey = keys.client_secret.encode()
+
+
+class _OneKey:
+    """A ZAP credentials check that admits one client key."""
+
+    def __init__(self, client_public: str) -> None:
+        self.key = client_public.encode()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.key
+
+
+def admit_only(ctx: zmq.Context[zmq.Socket[bytes]], client_public: str) -> Any:
+    """Start a ZAP handler in ``ctx`` that admits CURVE clients with ``client_public`` alone
+    (without one, a CURVE server admits any client that knows its public key). Stop it (its
+    ``stop()``) before terminating the context."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    authenticator = ThreadAuthenticator(ctx, log=logging.getLogger(__name__ + ".zap"))
+    authenticator.start()
+    authenticator.configure_curve_callback("*", _OneKey(client_public))
+    return authenticator
 
 
 async def recv_async(sock: zmq.Socket[bytes]) -> bytes:
