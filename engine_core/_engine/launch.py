@@ -25,7 +25,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import anyio
 import anyio.to_thread
@@ -62,6 +62,10 @@ class ClientSockets:
         except BaseException:
             self.close()
             raise
+
+    def connect_input(self, address: str) -> None:
+        """Connect the input socket to the engine's (its queue exists at once)."""
+        self.input.connect(address)
 
     def post_to_self(self, frame: bytes) -> None:
         """Put ``frame`` into the output socket as the engine would (from any thread)."""
@@ -117,7 +121,7 @@ class EngineProcess:
     ``on_exit(exit_code)`` runs in the watch thread once the process has ended and been reaped
     (negative: killed by that signal). ``look()`` runs in the watch thread first and then
     whenever the number of seconds it returned has passed (None: only the exit wakes the thread
-    again).
+    again). ``env`` adds to the process's environment.
     """
 
     def __init__(
@@ -126,6 +130,8 @@ class EngineProcess:
         input_address: str,
         on_exit: Callable[[int], None],
         look: Callable[[], float | None] = lambda: None,
+        *,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         # Each end reads end-of-file once the process holding the other one is gone.
         ours, theirs = socket.socketpair()
@@ -133,7 +139,7 @@ class EngineProcess:
             self._process = subprocess.Popen(
                 _engine_command(output_address, input_address, theirs.fileno()),
                 stdin=subprocess.DEVNULL,
-                env=_engine_env(),
+                env=_engine_env() | dict(env or {}),
                 pass_fds=(theirs.fileno(),),
             )
         except BaseException:

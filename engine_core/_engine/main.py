@@ -13,6 +13,11 @@ on a request costs a plain asyncio loop ~20 us more. It exits
 by itself when its parent dies (its end of the pair reads end-of-file), shuts down cleanly on
 SIGTERM or a ``Shutdown`` message, and reports a fatal error as an ``EngineDead`` message before
 exiting with status 1.
+
+An engine placed on another machine (by Ray, see ``ray_launch``) gets the deployment's CURVE
+keys in its environment (``ENGINE_CORE_DIAL_KEYS``, removed at once, never on the command line):
+it then dials the driver's two TCP sockets, its input socket included, as an authenticated CURVE
+client.
 """
 
 from __future__ import annotations
@@ -34,11 +39,17 @@ import zmq
 from engine_core._engine.core import EngineCore
 from engine_core._engine.proc import EngineCoreProc
 from engine_core._engine.runtime import run_options
-from engine_core._engine.sockets import OUTPUT_HWM, make_socket
+from engine_core._engine.sockets import OUTPUT_HWM, EngineKeys, curve_client, make_socket
 from engine_core._engine.wire import EngineDead, EngineMessage, Hello, Ready, startup_decoder
 from engine_core.config import EngineConfig
 
-__all__ = ["HEARTBEATS_PER_TIMEOUT", "PARENT_GONE_EXIT_CODE", "main", "run_engine_core"]
+__all__ = [
+    "DIAL_KEYS_ENV",
+    "HEARTBEATS_PER_TIMEOUT",
+    "PARENT_GONE_EXIT_CODE",
+    "main",
+    "run_engine_core",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +60,9 @@ PARENT_GONE_EXIT_CODE = 3
 HEARTBEATS_PER_TIMEOUT = 5
 """The engine looks whether a heartbeat is due this many times per
 ``engine_heartbeat_timeout_s``, so a live one is heard from at least every 2/5 of it."""
+DIAL_KEYS_ENV = "ENGINE_CORE_DIAL_KEYS"
+"""Environment variable with an :class:`EngineKeys` (JSON): the engine dials both of the
+driver's sockets as a CURVE client."""
 _USAGE = "usage: python -m engine_core._engine OUTPUT_ADDRESS INPUT_ADDRESS PARENT_FD"
 
 
@@ -59,13 +73,22 @@ def main(argv: list[str] | None = None) -> None:
     if len(args) != 3 or not args[2].isdigit():
         print(_USAGE, file=sys.stderr)
         os._exit(2)
-    run_engine_core(args[0], args[1], int(args[2]))
+    dial_keys = os.environ.pop(DIAL_KEYS_ENV, None)  # not inherited by the engine's children
+    keys = None if dial_keys is None else msgspec.json.decode(dial_keys, type=EngineKeys)
+    run_engine_core(args[0], args[1], int(args[2]), dial_keys=keys)
 
 
-def run_engine_core(output_address: str, input_address: str, parent_fd: int) -> None:
+def run_engine_core(
+    output_address: str,
+    input_address: str,
+    parent_fd: int,
+    *,
+    dial_keys: EngineKeys | None = None,
+) -> None:
     """The engine-core process: connect the output socket to ``output_address``, bind the input
-    socket to ``input_address``, take the configuration from the client, serve; exit when the
-    descriptor ``parent_fd`` reads end-of-file (the parent is gone). Never returns."""
+    socket to ``input_address`` (with ``dial_keys``: connect it, both sockets CURVE clients),
+    take the configuration from the client, serve; exit when the descriptor ``parent_fd`` reads
+    end-of-file (the parent is gone). Never returns."""
     # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.set_inheritable(parent_fd, False)  # the engine's own children must not hold it open
@@ -78,8 +101,11 @@ def run_engine_core(output_address: str, input_address: str, parent_fd: int) -> 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     output = make_socket(ctx, zmq.PUSH, linger_ms=_OUTPUT_LINGER_MS, hwm=OUTPUT_HWM)
     input_ = make_socket(ctx, zmq.PULL)
+    if dial_keys is not None:
+        curve_client(output, dial_keys)
+        curve_client(input_, dial_keys)
     try:
-        server = _Server(output, input_, input_address, parent_fd)
+        server = _Server(output, input_, input_address, parent_fd, dial=dial_keys is not None)
         output.connect(output_address)
         config = server.handshake()
         if config is not None:
@@ -113,7 +139,10 @@ class _Server:
         input_: zmq.Socket[bytes],
         input_address: str,
         parent_fd: int,
+        *,
+        dial: bool = False,
     ) -> None:
+        self.dial = dial
         self.output = output
         self.input = input_
         self.input_address = input_address
@@ -125,10 +154,13 @@ class _Server:
         self.startup_scope: anyio.CancelScope | None = None
 
     def handshake(self) -> EngineConfig | None:
-        """Bind the input socket, say :class:`Hello` and wait for the configuration (None: the
-        bind failed, reported to the client). Exits if the parent dies meanwhile."""
+        """Bind (or dial) the input socket, say :class:`Hello` and wait for the configuration
+        (None: the bind failed, reported to the client). Exits if the parent dies meanwhile."""
         try:
-            self.input.bind(self.input_address)
+            if self.dial:
+                self.input.connect(self.input_address)
+            else:
+                self.input.bind(self.input_address)
         except zmq.ZMQError as exc:
             self._die(self.output, exc)
             return None

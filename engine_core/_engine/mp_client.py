@@ -55,7 +55,7 @@ from engine_core._engine.death import (
     startup_error,
 )
 from engine_core._engine.inbox import EngineInbox
-from engine_core._engine.launch import ClientSockets, EngineProcess
+from engine_core._engine.launcher import EngineHandle, EngineLauncher, EngineSockets, LocalLauncher
 from engine_core._engine.sockets import Transport
 from engine_core._engine.wire import (
     AbortRequests,
@@ -115,9 +115,14 @@ class MPClient(EngineCoreClient):
     info: EngineInfo
 
     def __init__(
-        self, config: EngineConfig, *, transport: Transport = "ipc", host: str = "127.0.0.1"
+        self,
+        config: EngineConfig,
+        *,
+        transport: Transport = "ipc",
+        host: str = "127.0.0.1",
+        launcher: EngineLauncher | None = None,
     ) -> None:
-        self._launch(config, transport, host)
+        self._launch(config, launcher or LocalLauncher(transport, host))
         try:
             self._inbox.read_until_sync(self._got_ready, config.startup_timeout_s)
             if self._startup_failed():
@@ -129,11 +134,16 @@ class MPClient(EngineCoreClient):
 
     @classmethod
     async def start_async(
-        cls, config: EngineConfig, *, transport: Transport = "ipc", host: str = "127.0.0.1"
+        cls,
+        config: EngineConfig,
+        *,
+        transport: Transport = "ipc",
+        host: str = "127.0.0.1",
+        launcher: EngineLauncher | None = None,
     ) -> MPClient:
         """Like ``MPClient(config)``, waiting for the engine without blocking the event loop."""
         client = cls.__new__(cls)
-        client._launch(config, transport, host)
+        client._launch(config, launcher or LocalLauncher(transport, host))
         try:
             with anyio.move_on_after(config.startup_timeout_s):
                 await client._inbox.read_until(client._got_ready)
@@ -148,14 +158,14 @@ class MPClient(EngineCoreClient):
 
     # -- startup --------------------------------------------------------------------------------
 
-    def _launch(self, config: EngineConfig, transport: Transport, host: str) -> None:
+    def _launch(self, config: EngineConfig, launcher: EngineLauncher) -> None:
         self.config = config
         self._state = _State.STARTING
         self._state_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
         self._call_ids = itertools.count(1)
         # All that the process watch uses exists before the process starts.
-        self._sockets = ClientSockets(transport, host)
+        self._sockets: EngineSockets = launcher.open_sockets()
         heartbeat_timeout_s = config.engine_heartbeat_timeout_s
         if heartbeat_timeout_s is not None and math.isinf(heartbeat_timeout_s):
             heartbeat_timeout_s = None
@@ -168,12 +178,7 @@ class MPClient(EngineCoreClient):
             post=self._sockets.post_to_self,
         )
         try:
-            self._process = EngineProcess(
-                self._sockets.output_endpoint,
-                self._sockets.addresses.input,
-                self._on_exit,
-                self._inbox.look,
-            )
+            self._process: EngineHandle = launcher.start(self._on_exit, self._inbox.look)
         except BaseException:
             self._sockets.close()
             raise
@@ -183,7 +188,7 @@ class MPClient(EngineCoreClient):
 
     def _on_hello(self, hello: Hello) -> None:
         """The process runs and listens: connect to it and send it the configuration."""
-        self._sockets.input.connect(hello.input_address)
+        self._sockets.connect_input(hello.input_address)
         self._send(Startup(self.config))
 
     def _got_ready(self) -> bool:
@@ -242,8 +247,16 @@ class MPClient(EngineCoreClient):
     # -- sending --------------------------------------------------------------------------------
 
     def _send(self, message: ClientMessage | Startup) -> None:
-        # The input socket connects with an unbounded queue: sending never blocks.
-        self._sockets.input.send(self._encoder.encode(message), zmq.NOBLOCK)
+        # The input socket connects with an unbounded queue: sending never blocks. A remote
+        # engine dials a bound socket instead, which has no queue once its connection is gone
+        # (its node lost): the message is dropped, and the engine's death comes from its
+        # launcher's watch or, for requests waiting, from its silence.
+        try:
+            self._sockets.input.send(self._encoder.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning(
+                "the engine core's connection is gone: %s dropped", type(message).__name__
+            )
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Send ``request`` to the engine core. Raises :class:`EngineDeadError` once it died."""
