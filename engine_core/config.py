@@ -136,6 +136,28 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     greedy ones on another engine from the tokens already streamed."""
     dp_restart_engines: bool = False
     """Restart a dead engine (with backoff) and let it rejoin."""
+    data_parallel_backend: Literal["mp", "ray"] = "mp"
+    """Where the engines run: ``"mp"``, child processes of the front end on this machine;
+    ``"ray"``, one Ray actor per engine, each in its own placement group, on the nodes of a Ray
+    cluster (the extra ``engine-core[ray]``), talking to the front end over CURVE-encrypted
+    TCP."""
+    ray_address: str | None = None
+    """With ``data_parallel_backend="ray"``: the Ray cluster to join (``ray.init(address=...)``,
+    e.g. ``"auto"`` or ``"10.0.0.1:6379"``). None: ``RAY_ADDRESS``, else a cluster started on
+    this machine with ``ray start``, else a new local one."""
+    ray_placement_strategy: Literal["SPREAD", "STRICT_SPREAD", "PACK"] = "SPREAD"
+    """How the engines' placement groups spread over the Ray nodes: ``"SPREAD"``, to the nodes
+    with the fewest engines of the deployment; ``"STRICT_SPREAD"``, never two on one node;
+    ``"PACK"``, onto the nodes that hold engines already."""
+    ray_gpus_per_engine: int | None = None
+    """GPUs in each engine's placement-group bundle (with one CPU). None:
+    ``tensor_parallel_size``, or 0 for the mock backend."""
+    ray_driver_host: str | None = None
+    """The address of this machine that the engines dial (it must be reachable from every
+    node). None: this node's IP address as Ray knows it."""
+    placement_timeout_s: float = 300.0
+    """How long the engines' placement groups may take to be placed before startup fails,
+    naming what was asked and what the cluster has."""
 
     @property
     def router_policy(self) -> str:
@@ -204,6 +226,24 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(
                 f"dp_failover must be 'retry', 'fail' or 'resume', got {self.dp_failover!r}"
             )
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(
+                f"data_parallel_backend must be 'mp' or 'ray', got {self.data_parallel_backend!r}"
+            )
+        if self.ray_placement_strategy not in ("SPREAD", "STRICT_SPREAD", "PACK"):
+            raise ValueError(
+                "ray_placement_strategy must be 'SPREAD', 'STRICT_SPREAD' or 'PACK', "
+                f"got {self.ray_placement_strategy!r}"
+            )
+        if self.ray_gpus_per_engine is not None and (
+            not isinstance(self.ray_gpus_per_engine, int)
+            or isinstance(self.ray_gpus_per_engine, bool)
+            or self.ray_gpus_per_engine < 0
+        ):
+            raise ValueError(
+                f"ray_gpus_per_engine must be an int >= 0, got {self.ray_gpus_per_engine!r}"
+            )
+        _positive("placement_timeout_s", self.placement_timeout_s, allow_none=False)
         if not (0.0 < self.kv_cache_memory_fraction <= 1.0):
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}"
@@ -230,6 +270,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
                 )
         if not isinstance(self.backend_options, dict):
             raise TypeError(f"backend_options must be a dict, got {type(self.backend_options)}")
+
+    @property
+    def gpus_per_engine(self) -> int:
+        """``ray_gpus_per_engine``, or its default."""
+        if self.ray_gpus_per_engine is not None:
+            return self.ray_gpus_per_engine
+        return 0 if self.backend == "mock" else self.tensor_parallel_size
 
     @property
     def tokenizer_name(self) -> str:

@@ -50,6 +50,12 @@ def test_defaults() -> None:
             "router_balance_rel": 1.0,
             "dp_failover": "retry",
             "dp_restart_engines": False,
+            "data_parallel_backend": "mp",
+            "ray_address": None,
+            "ray_placement_strategy": "SPREAD",
+            "ray_gpus_per_engine": None,
+            "ray_driver_host": None,
+            "placement_timeout_s": 300.0,
         },
     )
     assert c.router_policy == "prefix"
@@ -102,6 +108,11 @@ def test_backend_options_are_not_shared() -> None:
         ("kv_cache_memory_fraction", 0.0),
         ("kv_cache_memory_fraction", 1.01),
         ("long_prefill_token_threshold", -1),
+        ("data_parallel_backend", "mpi"),
+        ("ray_placement_strategy", "STRICT_PACK"),
+        ("ray_gpus_per_engine", -1),
+        ("ray_gpus_per_engine", True),
+        ("placement_timeout_s", 0),
     ],
 )
 def test_invalid_value_names_the_parameter(name: str, value: Any) -> None:
@@ -131,6 +142,13 @@ def test_without_chunked_prefill_a_whole_prompt_must_fit_a_step() -> None:
 def test_backend_options_must_be_a_dict() -> None:
     with pytest.raises(TypeError, match="^backend_options must be a dict"):
         EngineConfig(backend_options=[("a", 1)])  # type: ignore[arg-type]
+
+
+def test_gpus_per_engine() -> None:
+    assert EngineConfig(backend="cuda", tensor_parallel_size=2).gpus_per_engine == 2
+    assert EngineConfig(backend="mock", tensor_parallel_size=2).gpus_per_engine == 0
+    assert EngineConfig(backend="mock", ray_gpus_per_engine=1).gpus_per_engine == 1
+    assert EngineConfig(backend="cuda", ray_gpus_per_engine=0).gpus_per_engine == 0
 
 
 def test_tokenizer_name() -> None:

@@ -16,6 +16,10 @@ a retryable error naming the engine, except that ``"resume"`` continues the gree
 another engine from the tokens already streamed (the client sees one stream). Those endings
 come back as ordinary outputs. :class:`EngineDeadError` is raised only once no engine is alive.
 With ``dp_restart_engines`` a dead engine is restarted in a thread, with backoff, and rejoins.
+
+Where the engines run is the launchers' business (``launcher``): child processes of this one by
+default; with ``data_parallel_backend="ray"`` a :class:`~engine_core._engine.ray_launch.
+RayDeployment` places each engine on a Ray cluster first (a restart gets a new placement group).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -46,6 +50,10 @@ from engine_core._engine.dp_stats import aggregate_stats
 from engine_core._engine.mp_client import MPClient
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineClosedError, EngineDeadError, EngineError
+
+if TYPE_CHECKING:
+    from engine_core._engine.launcher import EngineLauncher
+    from engine_core._engine.ray_launch import RayDeployment
 
 __all__ = ["DPClient"]
 
@@ -98,11 +106,13 @@ class DPClient(EngineCoreClient):
         self._setup(config)
         clients: list[MPClient] = []
         try:
+            self._open_deployment()
             for rank in range(self.num_engines):
-                clients.append(MPClient(self._engine_config(rank)))
+                clients.append(MPClient(self._engine_config(rank), launcher=self._launcher(rank)))
         except BaseException:
             for client in clients:
                 client.shutdown()
+            self._close_deployment()
             raise
         self._finish_setup(clients)
 
@@ -116,11 +126,14 @@ class DPClient(EngineCoreClient):
 
         async def start(rank: int) -> None:
             try:
-                started[rank] = await MPClient.start_async(client._engine_config(rank))
+                started[rank] = await MPClient.start_async(
+                    client._engine_config(rank), launcher=client._launcher(rank)
+                )
             except Exception as exc:
                 errors.append(exc)
 
         try:
+            await anyio.to_thread.run_sync(client._open_deployment)
             async with anyio.create_task_group() as tg:
                 for rank in range(client.num_engines):
                     tg.start_soon(start, rank)
@@ -130,6 +143,7 @@ class DPClient(EngineCoreClient):
             with anyio.CancelScope(shield=True):
                 for engine in started.values():
                     await engine.shutdown_async()
+                await anyio.to_thread.run_sync(client._close_deployment)
             raise
         client._finish_setup([started[r] for r in range(client.num_engines)])
         return client
@@ -148,6 +162,30 @@ class DPClient(EngineCoreClient):
         self._last_death: EngineDeadError | None = None
         self.metrics = RouterMetrics(self.num_engines)
         self._keep_tokens = config.dp_failover == "resume"
+        self._deployment: RayDeployment | None = None
+
+    def _open_deployment(self) -> None:
+        """With the Ray backend: join the cluster and place every engine (blocking)."""
+        if self.config.data_parallel_backend != "ray":
+            return
+        from engine_core._engine.ray_launch import RayDeployment
+
+        deployment = RayDeployment(self.config)
+        try:
+            deployment.place(range(self.num_engines))
+        except BaseException:
+            deployment.close()
+            raise
+        self._deployment = deployment
+
+    def _launcher(self, rank: int) -> EngineLauncher | None:
+        """Where engine ``rank`` runs: None for a child process of this one."""
+        return None if self._deployment is None else self._deployment.launcher(rank)
+
+    def _close_deployment(self) -> None:
+        if self._deployment is not None:
+            self._deployment.close()
+            self._deployment = None
 
     def _engine_config(self, rank: int) -> EngineConfig:
         return msgspec.structs.replace(self.config, data_parallel_rank=rank)
@@ -178,11 +216,18 @@ class DPClient(EngineCoreClient):
         return [c.pid for c in self._clients]
 
     def engine_status(self) -> list[dict[str, Any]]:
-        """Each engine's rank, liveness and pid."""
-        return [
-            {"rank": e, "alive": self._alive[e], "pid": self._clients[e].pid}
-            for e in range(self.num_engines)
-        ]
+        """Each engine's rank, liveness and pid (and Ray node, with the Ray backend)."""
+        status: list[dict[str, Any]] = []
+        for e in range(self.num_engines):
+            entry: dict[str, Any] = {
+                "rank": e,
+                "alive": self._alive[e],
+                "pid": self._clients[e].pid,
+            }
+            if self._deployment is not None:
+                entry["node"] = self._deployment.node_of(e)
+            status.append(entry)
+        return status
 
     def _check_usable(self) -> None:
         if self._closing:
@@ -287,8 +332,11 @@ class DPClient(EngineCoreClient):
             if self._closing:
                 return
             try:
-                client = MPClient(self._engine_config(engine))
+                launcher = None if self._deployment is None else self._deployment.replace(engine)
+                client = MPClient(self._engine_config(engine), launcher=launcher)
             except Exception as exc:
+                if self._closing:
+                    return
                 logger.error("restarting engine %d failed: %s", engine, exc)
                 continue
             if self._closing:
@@ -510,6 +558,7 @@ class DPClient(EngineCoreClient):
         for client in self._clients:
             client.shutdown()
         self._take_rejoined_for_shutdown()
+        self._close_deployment()
 
     async def shutdown_async(self) -> None:
         if not self._begin_shutdown():
@@ -519,6 +568,7 @@ class DPClient(EngineCoreClient):
                 for client in self._clients:
                     tg.start_soon(client.shutdown_async)
             await anyio.to_thread.run_sync(self._take_rejoined_for_shutdown)
+            await anyio.to_thread.run_sync(self._close_deployment)
 
     def _take_rejoined_for_shutdown(self) -> None:
         while self._rejoined:

@@ -22,6 +22,10 @@ class InprocClient(EngineCoreClient):
     """Drives an :class:`EngineCore` directly: ``get_output()`` runs one step."""
 
     def __init__(self, config: EngineConfig, *, backend_cls: type[Backend] | None = None) -> None:
+        if config.data_parallel_backend == "ray":
+            raise ValueError(
+                'data_parallel_backend="ray" runs the engines remotely: use multiprocess=True'
+            )
         if config.data_parallel_size > 1:
             raise ValueError(
                 f"data_parallel_size={config.data_parallel_size} needs one process per engine: "

@@ -144,7 +144,11 @@ class AsyncLLM:
             from engine_core._engine.inproc_client import InprocClient
 
             client = await anyio.to_thread.run_sync(InprocClient, config)
-        elif config.data_parallel_size > 1 or self._data_parallel_client:
+        elif (
+            config.data_parallel_size > 1
+            or config.data_parallel_backend == "ray"
+            or self._data_parallel_client
+        ):
             from engine_core._engine.dp_client import DPClient
 
             client = await DPClient.start_async(config)

@@ -46,7 +46,7 @@ class LLM:
         self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer_name)
         self._client: EngineCoreClient
         if config.multiprocess:
-            if config.data_parallel_size > 1:
+            if config.data_parallel_size > 1 or config.data_parallel_backend == "ray":
                 from engine_core._engine.dp_client import DPClient
 
                 self._client = DPClient(config)

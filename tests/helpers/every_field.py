@@ -63,6 +63,12 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "router_balance_rel": 2.0,
         "dp_failover": "resume",
         "dp_restart_engines": True,
+        "data_parallel_backend": "ray",
+        "ray_address": "10.0.0.1:6379",
+        "ray_placement_strategy": "STRICT_SPREAD",
+        "ray_gpus_per_engine": 2,
+        "ray_driver_host": "10.0.0.2",
+        "placement_timeout_s": 30.0,
     },
     SamplingParams: {  # all but detokenize (see AT_DEFAULT)
         "n": 2,
