@@ -27,8 +27,9 @@ $(CORE_STAMP): pyproject.toml backends/mock/pyproject.toml | $(PY)
 
 # torch first, from TORCH_INDEX_URL (alone: its dependencies come from the usual index with the
 # rest): anything that pulled torch in before it would fetch PyPI's CUDA build. An index that
-# cannot be reached is given up quickly (pip's find-links, when configured, still serve). Then the extras,
-# the test tools and the CUDA backend (whose tests run on the CPU).
+# cannot be reached is given up quickly (pip's find-links, when configured, still serve). Then the extras
+# (Ray among them, for the tests marked `ray`), the test tools and the CUDA backend (whose tests
+# run on the CPU).
 $(STAMP): $(CORE_STAMP) backends/cuda/pyproject.toml
 	$(PIP) --no-deps --retries 1 --timeout 20 torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX_URL)
 	$(PIP) -e '.[all,dev]' -e backends/mock -e 'backends/cuda[test]'

@@ -55,6 +55,19 @@ def test_every_engine_config_field_is_a_serve_flag(capsys: pytest.CaptureFixture
         )
     )
     assert (timeouts.step_timeout_s, timeouts.engine_heartbeat_timeout_s) == (None, 2.5)
+    ray = engine_config_from_args(
+        parser.parse_args(
+            ["serve", "--data-parallel-size", "2", "--data-parallel-backend", "ray"]
+            + ["--ray-address", "10.0.0.1:6379", "--ray-placement-strategy", "STRICT_SPREAD"]
+            + ["--ray-driver-host", "10.0.0.1", "--placement-timeout-s", "30"]
+        )
+    )
+    assert (ray.data_parallel_backend, ray.ray_address, ray.ray_placement_strategy) == (
+        "ray",
+        "10.0.0.1:6379",
+        "STRICT_SPREAD",
+    )
+    assert (ray.ray_driver_host, ray.placement_timeout_s) == ("10.0.0.1", 30.0)
     assert (args.port, args.host, args.served_model_name) == (0, "127.0.0.1", ["a", "b"])
     assert (args.runtime, args.api_key) == ("asyncio", None)
     with pytest.raises(SystemExit) as info:
