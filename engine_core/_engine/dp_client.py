@@ -327,12 +327,13 @@ class DPClient(EngineCoreClient):
         thread.start()
 
     def _restart(self, engine: int) -> None:
+        deployment = self._deployment  # the same one, even while shutting down
         for delay in _RESTART_BACKOFF_S:
             time.sleep(delay)
             if self._closing:
                 return
             try:
-                launcher = None if self._deployment is None else self._deployment.replace(engine)
+                launcher = None if deployment is None else deployment.replace(engine)
                 client = MPClient(self._engine_config(engine), launcher=launcher)
             except Exception as exc:
                 if self._closing:
