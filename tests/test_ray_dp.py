@@ -23,8 +23,8 @@ ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'engin
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from engine_core import LLM, AsyncLLM, RequestOutputKind, SamplingParams  # noqa: E402
+from engine_core._engine.dial_sockets import DialSockets  # noqa: E402
 from engine_core._engine.dp_client import DPClient  # noqa: E402
-from engine_core._engine.ray_launch import RaySockets  # noqa: E402
 from engine_core._engine.ray_placement import PlacementError  # noqa: E402
 from engine_core._engine.wire import EngineDead  # noqa: E402
 
@@ -87,10 +87,10 @@ def test_more_engines_than_the_cluster_can_place_fail_naming_what_is_missing(
 ) -> None:
     started = time.monotonic()
     with pytest.raises(PlacementError) as caught:
-        LLM(**RAY, multiprocess=True, data_parallel_size=3, placement_timeout_s=1.0)
-    assert time.monotonic() - started < 10.0
+        LLM(**RAY, multiprocess=True, data_parallel_size=3, placement_timeout_s=3.0)
+    assert time.monotonic() - started < 15.0
     message = str(caught.value)
-    assert "could not place data-parallel engine 2 of 3 within placement_timeout_s (1 s)" in message
+    assert "could not place data-parallel engine 2 of 3 within placement_timeout_s (3 s)" in message
     assert "each engine asks for one bundle {CPU: 1}" in message
     assert "the cluster has 2 live node(s) with {CPU: 2, GPU: 0} in total" in message
     assert message.endswith("missing: CPU (needs 1, 0 available)")
@@ -104,7 +104,7 @@ def test_peers_without_the_keys_are_refused_by_a_serving_deployment(cluster: Clu
         client = llm._client
         assert isinstance(client, DPClient)
         sockets = client._clients[0]._sockets
-        assert isinstance(sockets, RaySockets)
+        assert isinstance(sockets, DialSockets)
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
             # A thief on the request socket, a forger on the output socket (a fake death

@@ -4,8 +4,8 @@ Ray does placement and lifecycle only. :class:`RayDeployment` joins the cluster 
 local one), makes the deployment's CURVE keys and gives each engine a placement group of its own
 (one bundle, see ``ray_placement``), waiting at most ``placement_timeout_s`` before failing with
 what was asked and what the cluster has. :class:`RayLauncher` is the ``MPClient`` launcher of one
-engine: the driver binds two TCP sockets (CURVE servers that admit only the deployment's client
-key), and an actor in the engine's placement group starts the usual engine-core process
+engine: the driver binds two TCP sockets (``dial_sockets``: CURVE servers that admit only the
+deployment's client key), and an actor in the engine's placement group starts the usual engine-core process
 (``python -m engine_core._engine``) on its node, which dials both sockets with the keys it got
 through the actor's arguments. Requests, outputs and control calls then flow over ZMQ exactly as
 with a local engine; Ray's object store and pickling carry only addresses and keys.
@@ -46,6 +46,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from engine_core._engine.dial_sockets import DialSockets
 from engine_core._engine.launch import EngineProcess
 from engine_core._engine.main import DIAL_KEYS_ENV
 from engine_core._engine.ray_placement import (
@@ -55,78 +56,19 @@ from engine_core._engine.ray_placement import (
     label_selector,
     placement_error_message,
 )
-from engine_core._engine.sockets import (
-    OUTPUT_HWM,
-    DeploymentKeys,
-    admit_only,
-    curve_server,
-    deployment_keys,
-    make_socket,
-)
+from engine_core._engine.sockets import deployment_keys
 from engine_core._engine.wire import EngineDead
 from engine_core.config import EngineConfig
 
-__all__ = ["RayDeployment", "RayEngineHandle", "RayLauncher", "RaySockets"]
+__all__ = ["RayDeployment", "RayEngineHandle", "RayLauncher"]
 
 logger = logging.getLogger(__name__)
 
-_PEER_TIMEOUT_S = 10.0
-"""After an engine's Hello, how long its input connection may take to be admitted."""
 _SHUTDOWN_TIMEOUT_S = 5.0
 """How long a stopping engine may take to exit by itself before its actor is killed."""
 _KILL_TIMEOUT_S = 5.0
-_WAKE_LINGER_MS = 1000
 _MAX_LOOK_INTERVAL_S = 3600.0
 _MAX_REASON_CHARS = 400
-
-
-class RaySockets:
-    """The driver's ends of one remote engine's pipe: both sockets bound on ``host`` (TCP, a
-    port each), CURVE servers in a context that admits only the deployment's client key."""
-
-    def __init__(self, host: str, keys: DeploymentKeys) -> None:
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._auth = admit_only(self._ctx, keys.client_public)
-        self.output = make_socket(self._ctx, zmq.PULL, hwm=OUTPUT_HWM)
-        self.input = make_socket(self._ctx, zmq.PUSH)
-        self.wake = f"inproc://engine-core-wake-{uuid.uuid4().hex}"
-        try:
-            for sock in (self.output, self.input):
-                curve_server(sock, keys)
-                sock.bind(f"tcp://{_bracketed(host)}:*")
-            self.output_endpoint = self.output.getsockopt_string(zmq.LAST_ENDPOINT)
-            self.input_endpoint = self.input.getsockopt_string(zmq.LAST_ENDPOINT)
-            self.output.bind(self.wake)  # in process: no handshake, no CURVE
-        except BaseException:
-            self.close()
-            raise
-
-    def connect_input(self, address: str) -> None:
-        """The engine dials the input socket: wait until its connection is admitted (it is
-        under way when its Hello arrives), so that sending never blocks."""
-        if not self.input.poll(int(_PEER_TIMEOUT_S * 1000), zmq.POLLOUT):
-            raise ConnectionError(
-                f"the engine said Hello but its input connection to {self.input_endpoint} was "
-                f"not admitted within {_PEER_TIMEOUT_S:g} s"
-            )
-
-    def post_to_self(self, frame: bytes) -> None:
-        wake = make_socket(self._ctx, zmq.PUSH, linger_ms=_WAKE_LINGER_MS)
-        try:
-            wake.connect(self.wake)
-            wake.send(frame)
-        finally:
-            wake.close()
-
-    def close(self) -> None:
-        self.input.close()
-        self.output.close()
-        self._auth.stop()
-        self._ctx.term()
-
-
-def _bracketed(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 class _EngineActor:
@@ -173,7 +115,7 @@ class RayEngineHandle:
         self,
         actor: Any,
         run_ref: Any,
-        sockets: RaySockets,
+        sockets: DialSockets,
         on_exit: Callable[[int], None],
         look: Callable[[], float | None],
     ) -> None:
@@ -254,10 +196,10 @@ class RayLauncher:
     def __init__(self, deployment: RayDeployment, group: PlacementGroup) -> None:
         self._deployment = deployment
         self._group = group
-        self._sockets: RaySockets | None = None
+        self._sockets: DialSockets | None = None
 
-    def open_sockets(self) -> RaySockets:
-        self._sockets = RaySockets(self._deployment.host, self._deployment.keys)
+    def open_sockets(self) -> DialSockets:
+        self._sockets = DialSockets(self._deployment.host, self._deployment.keys)
         return self._sockets
 
     def start(

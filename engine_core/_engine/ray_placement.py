@@ -116,7 +116,10 @@ def placement_error_message(
     elif strategy == "STRICT_SPREAD":
         why = "missing: a node that holds no other engine of this deployment (STRICT_SPREAD)"
     else:
-        why = "missing: one node with all of the bundle free"
+        why = (
+            "missing: one node with all of the bundle free in time (free resources may be "
+            "spread over several nodes, or placing took longer than placement_timeout_s)"
+        )
     return (
         f"could not place data-parallel engine {rank} of {num_engines} within "
         f"placement_timeout_s ({timeout_s:g} s): each engine asks for one bundle "

@@ -95,4 +95,7 @@ def test_placement_error_when_the_resources_are_free_but_the_strategy_forbids_th
         "missing: a node that holds no other engine of this deployment (STRICT_SPREAD)"
     )
     spread = placement_error_message(strategy="SPREAD", **common)  # type: ignore[arg-type]
-    assert spread.endswith("missing: one node with all of the bundle free")
+    assert spread.endswith(
+        "missing: one node with all of the bundle free in time (free resources may be spread "
+        "over several nodes, or placing took longer than placement_timeout_s)"
+    )
