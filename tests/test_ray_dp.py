@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import msgspec
 import pytest
 import zmq
 
@@ -23,6 +24,7 @@ ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'engin
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from engine_core import LLM, AsyncLLM, RequestOutputKind, SamplingParams  # noqa: E402
+from engine_core._engine import dp_client  # noqa: E402
 from engine_core._engine.dial_sockets import DialSockets  # noqa: E402
 from engine_core._engine.dp_client import DPClient  # noqa: E402
 from engine_core._engine.ray_placement import PlacementError  # noqa: E402
@@ -63,25 +65,6 @@ def _node_ids(cluster: Cluster) -> set[str]:
     return {n.node_id for n in cluster.list_all_nodes()}
 
 
-def test_two_engines_on_two_nodes_serve_as_one_engine_does(cluster: Cluster) -> None:
-    with LLM(
-        **RAY,
-        multiprocess=True,
-        data_parallel_size=2,
-        ray_placement_strategy="STRICT_SPREAD",
-        router="round_robin",
-    ) as llm:
-        client = llm._client
-        assert isinstance(client, DPClient)
-        nodes = [entry["node"] for entry in client.engine_status()]
-        assert set(nodes) == _node_ids(cluster)  # one engine on each node
-        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert [o.outputs[0].text for o in outs] == _expected(PROMPTS, GREEDY)
-        assert client.metrics.requests[0, "policy"] == client.metrics.requests[1, "policy"] == 4
-        stats = llm.get_stats()
-        assert (stats.num_engines, stats.num_engines_alive) == (2, 2)
-
-
 def test_more_engines_than_the_cluster_can_place_fail_naming_what_is_missing(
     cluster: Cluster,
 ) -> None:
@@ -99,40 +82,64 @@ def test_more_engines_than_the_cluster_can_place_fail_naming_what_is_missing(
     assert all(group["state"] == "REMOVED" for group in groups)
 
 
-def test_peers_without_the_keys_are_refused_by_a_serving_deployment(cluster: Cluster) -> None:
-    with LLM(**RAY, multiprocess=True, data_parallel_size=1) as llm:
+class TestTwoEnginesOnTwoNodes:
+    """One deployment for the class: an engine on each node."""
+
+    @pytest.fixture(scope="class")
+    def llm(self, cluster: Cluster) -> Iterator[LLM]:
+        with LLM(
+            **RAY,
+            multiprocess=True,
+            data_parallel_size=2,
+            ray_placement_strategy="STRICT_SPREAD",
+            router="round_robin",
+        ) as llm:
+            yield llm
+
+    def test_they_serve_as_one_engine_does(self, cluster: Cluster, llm: LLM) -> None:
         client = llm._client
         assert isinstance(client, DPClient)
-        sockets = client._clients[0]._sockets
-        assert isinstance(sockets, DialSockets)
+        nodes = [entry["node"] for entry in client.engine_status()]
+        assert set(nodes) == _node_ids(cluster)  # one engine on each node
+        before = [client.metrics.requests[e, "policy"] for e in (0, 1)]
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].text for o in outs] == _expected(PROMPTS, GREEDY)
+        after = [client.metrics.requests[e, "policy"] for e in (0, 1)]
+        assert [b - a for a, b in zip(before, after, strict=True)] == [4, 4]  # both served
+        stats = llm.get_stats()
+        assert (stats.num_engines, stats.num_engines_alive) == (2, 2)
+
+    def test_peers_without_the_keys_are_refused(self, llm: LLM) -> None:
+        client = llm._client
+        assert isinstance(client, DPClient)
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
-            # A thief on the request socket, a forger on the output socket (a fake death
-            # notice), both without keys.
-            thief = ctx.socket(zmq.PULL)
-            thief.connect(sockets.input_endpoint)
-            forger = ctx.socket(zmq.PUSH)
-            forger.connect(sockets.output_endpoint)
-            forger.send(msgspec_encode(EngineDead(reason="forged")), zmq.NOBLOCK)
+            # On each engine's sockets, a thief on the request socket and a forger on the
+            # output socket (a fake death notice), both without keys.
+            thieves = []
+            for engine in client._clients:
+                sockets = engine._sockets
+                assert isinstance(sockets, DialSockets)
+                thief = ctx.socket(zmq.PULL)
+                thief.connect(sockets.input_endpoint)
+                thieves.append(thief)
+                forger = ctx.socket(zmq.PUSH)
+                forger.connect(sockets.output_endpoint)
+                forger.send(msgspec.msgpack.encode(EngineDead(reason="forged")), zmq.NOBLOCK)
             outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
             assert [o.outputs[0].text for o in outs] == _expected(PROMPTS, GREEDY)
-            assert thief.poll(200) == 0
-            assert not client._clients[0].is_dead
-            assert llm.get_stats().num_engines_alive == 1
+            assert [thief.poll(100) for thief in thieves] == [0, 0]
+            assert llm.get_stats().num_engines_alive == 2
         finally:
             ctx.destroy(linger=0)
 
 
-def msgspec_encode(message: Any) -> bytes:
-    import msgspec
-
-    return msgspec.msgpack.encode(message)
-
-
 @pytest.mark.anyio
 async def test_losing_a_node_is_its_engines_death_and_a_restart_places_it_anew(
-    cluster: Cluster,
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The restart's first try comes at once (1 s later by default): it waits for a node anyway.
+    monkeypatch.setattr(dp_client, "_RESTART_BACKOFF_S", (0.0, 1.0))
     params = GREEDY.clone(max_tokens=24, output_kind=RequestOutputKind.DELTA)
     expected = _expected(PROMPTS, params.clone(output_kind=RequestOutputKind.FINAL_ONLY))
     head = cluster.head_node.node_id
