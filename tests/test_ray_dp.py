@@ -82,19 +82,21 @@ def test_more_engines_than_the_cluster_can_place_fail_naming_what_is_missing(
     assert all(group["state"] == "REMOVED" for group in groups)
 
 
-class TestTwoEnginesOnTwoNodes:
-    """One deployment for the class: an engine on each node."""
+@pytest.fixture(scope="class")
+def llm(cluster: Cluster) -> Iterator[LLM]:
+    """Two engines, one on each node, for the tests of one class."""
+    with LLM(
+        **RAY,
+        multiprocess=True,
+        data_parallel_size=2,
+        ray_placement_strategy="STRICT_SPREAD",
+        router="round_robin",
+    ) as llm:
+        yield llm
 
-    @pytest.fixture(scope="class")
-    def llm(self, cluster: Cluster) -> Iterator[LLM]:
-        with LLM(
-            **RAY,
-            multiprocess=True,
-            data_parallel_size=2,
-            ray_placement_strategy="STRICT_SPREAD",
-            router="round_robin",
-        ) as llm:
-            yield llm
+
+class TestTwoEnginesOnTwoNodes:
+    """One deployment for the class (released before the node-loss tests need the CPUs)."""
 
     def test_they_serve_as_one_engine_does(self, cluster: Cluster, llm: LLM) -> None:
         client = llm._client
@@ -116,7 +118,7 @@ class TestTwoEnginesOnTwoNodes:
         try:
             # On each engine's sockets, a thief on the request socket and a forger on the
             # output socket (a fake death notice), both without keys.
-            thieves = []
+            thieves, forgers = [], []
             for engine in client._clients:
                 sockets = engine._sockets
                 assert isinstance(sockets, DialSockets)
@@ -124,6 +126,7 @@ class TestTwoEnginesOnTwoNodes:
                 thief.connect(sockets.input_endpoint)
                 thieves.append(thief)
                 forger = ctx.socket(zmq.PUSH)
+                forgers.append(forger)
                 forger.connect(sockets.output_endpoint)
                 forger.send(msgspec.msgpack.encode(EngineDead(reason="forged")), zmq.NOBLOCK)
             outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -131,7 +134,9 @@ class TestTwoEnginesOnTwoNodes:
             assert [thief.poll(100) for thief in thieves] == [0, 0]
             assert llm.get_stats().num_engines_alive == 2
         finally:
-            ctx.destroy(linger=0)
+            for sock in thieves + forgers:
+                sock.close(linger=0)
+            ctx.term()
 
 
 @pytest.mark.anyio

@@ -105,8 +105,7 @@ def _one_line(error: BaseException) -> str:
 
 class RayEngineHandle:
     """One engine's actor and the thread that waits on its ``run`` ref (see the module's
-    docstring); the ``MPClient`` side of it is :class:`~engine_core._engine.launcher.
-    EngineHandle`."""
+    docstring): the :class:`~engine_core._engine.launcher.EngineHandle` of a Ray engine."""
 
     pid: int | None = None
     """The engine runs on another machine: no local process id."""

@@ -58,11 +58,29 @@ def driver(keys: DeploymentKeys) -> Iterator[Driver]:
     d.close()
 
 
+class Peers:
+    """Sockets of the other side, in a context of their own, all closed at the end."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.sockets: list[zmq.Socket[bytes]] = []
+
+    def socket(self, socket_type: int) -> zmq.Socket[bytes]:
+        sock = make_socket(self.ctx, socket_type)
+        self.sockets.append(sock)
+        return sock
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+        self.ctx.term()
+
+
 @pytest.fixture
-def peers() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
+def peers() -> Iterator[Peers]:
+    p = Peers()
+    yield p
+    p.close()
 
 
 def _stranger(keys: DeploymentKeys) -> EngineKeys:
@@ -96,10 +114,10 @@ def test_keys_are_fresh_per_deployment(keys: DeploymentKeys) -> None:
 
 
 def test_the_engines_keys_are_admitted_both_ways(
-    keys: DeploymentKeys, driver: Driver, peers: zmq.Context[zmq.Socket[bytes]]
+    keys: DeploymentKeys, driver: Driver, peers: Peers
 ) -> None:
-    push = make_socket(peers, zmq.PUSH)
-    pull = make_socket(peers, zmq.PULL)
+    push = peers.socket(zmq.PUSH)
+    pull = peers.socket(zmq.PULL)
     for sock, bound in ((push, driver.output), (pull, driver.input)):
         curve_client(sock, keys.for_engine())
         sock.connect(driver.endpoint(bound))
@@ -112,10 +130,10 @@ def test_the_engines_keys_are_admitted_both_ways(
 
 @pytest.mark.parametrize("who", ["no keys", "another client key", "a wrong server key"])
 def test_a_peer_without_the_keys_is_refused(
-    who: str, keys: DeploymentKeys, driver: Driver, peers: zmq.Context[zmq.Socket[bytes]]
+    who: str, keys: DeploymentKeys, driver: Driver, peers: Peers
 ) -> None:
-    push = make_socket(peers, zmq.PUSH)
-    pull = make_socket(peers, zmq.PULL)
+    push = peers.socket(zmq.PUSH)
+    pull = peers.socket(zmq.PULL)
     if who != "no keys":
         bad = _stranger(keys) if who == "another client key" else _wrong_server(keys)
         curve_client(push, bad)
@@ -127,7 +145,7 @@ def test_a_peer_without_the_keys_is_refused(
     # Nothing can be sent to it: the driver's input socket has no admitted peer.
     assert driver.input.poll(0, zmq.POLLOUT) == 0
     # An admitted engine still gets in beside it.
-    good = make_socket(peers, zmq.PUSH)
+    good = peers.socket(zmq.PUSH)
     curve_client(good, keys.for_engine())
     good.connect(driver.endpoint(driver.output))
     good.send(b"real")
