@@ -168,7 +168,15 @@ class DPClient(EngineCoreClient):
         """With the Ray backend: join the cluster and place every engine (blocking)."""
         if self.config.data_parallel_backend != "ray":
             return
-        from engine_core._engine.ray_launch import RayDeployment
+        try:
+            from engine_core._engine.ray_launch import RayDeployment
+        except ModuleNotFoundError as exc:
+            if exc.name != "ray":
+                raise
+            raise ModuleNotFoundError(
+                "data_parallel_backend='ray' needs Ray: pip install 'engine-core[ray]'",
+                name="ray",
+            ) from exc
 
         deployment = RayDeployment(self.config)
         try:

@@ -1,7 +1,10 @@
 """Where a Ray deployment's engines go (``ray_placement``), decided without Ray: the bundle, the
-node label selector per strategy, the message of a placement that timed out."""
+node label selector per strategy, the message of a placement that timed out; and what the Ray
+backend says where Ray is not installed."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 
@@ -99,3 +102,14 @@ def test_placement_error_when_the_resources_are_free_but_the_strategy_forbids_th
         "missing: one node with all of the bundle free in time (free resources may be spread "
         "over several nodes, or placing took longer than placement_timeout_s)"
     )
+
+
+def test_the_ray_backend_without_ray_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine_core import LLM
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as if not installed
+    monkeypatch.delitem(sys.modules, "engine_core._engine.ray_launch", raising=False)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'engine-core\[ray\]'"):
+        LLM(backend="mock", multiprocess=True, data_parallel_size=2, data_parallel_backend="ray")
