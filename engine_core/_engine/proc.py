@@ -423,7 +423,7 @@ class EngineCoreProc:
                 num_handled += 1
                 if num_handled == _MAX_MESSAGES_PER_WAKE:
                     break
-                frame = pipe.recv_nowait()
+                frame = pipe.recv_ready()  # the socket is asked again after the step's turn
             self._wake.set()
             # Let the step task act on what arrived before re-arming the wait on the socket:
             # the re-arm is then off the path from a request's arrival to its step.

@@ -46,6 +46,11 @@ class Receiver(Protocol):
         """The next frame, or None when none is there now."""
         ...
 
+    def recv_ready(self) -> bytes | None:
+        """The next frame if one is at hand without a system call (a Unix stream's frames
+        already read; ZMQ's queue), or None."""
+        ...
+
     async def recv(self) -> bytes:
         """The next frame, waiting in the event loop; cancelling it loses nothing."""
         ...
@@ -117,6 +122,8 @@ class ZmqReceiver:
             return self.sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return None
+
+    recv_ready = recv_nowait
 
     async def recv(self) -> bytes:
         return await recv_async(self.sock)

@@ -34,6 +34,7 @@ import struct
 import threading
 
 import anyio
+import anyio.lowlevel
 
 __all__ = ["MAX_FRAME", "StreamReceiver", "StreamSender", "unix_path"]
 
@@ -83,6 +84,8 @@ class StreamReceiver:
         self._big: bytearray | None = None
         """A frame longer than what was read with its header, filled in place up to ``_fill``."""
         self._fill = 0
+        self._drained = False
+        """The last read took less than it asked for: the socket held no more then."""
         self._posted: collections.deque[bytes] = collections.deque()
         self._lock = threading.Lock()
         self._rung = False
@@ -140,18 +143,25 @@ class StreamReceiver:
     def recv_nowait(self) -> bytes | None:
         """The next frame, or None when none has come whole (then nothing is readable now)."""
         while True:
-            if self._big is None:
-                frame = self._frame()
-                if frame is not None:
-                    return frame
-            if self._posted:
-                return self._take_posted()
+            frame = self.recv_ready()
+            if frame is not None:
+                return frame
             if not self._read():
                 return None
             big = self._big
             if big is not None and self._fill == len(big):
                 self._big = None
                 return bytes(big)
+
+    def recv_ready(self) -> bytes | None:
+        """The next frame if it has been read already (or posted): no system call."""
+        if self._big is None:
+            frame = self._frame()
+            if frame is not None:
+                return frame
+        if self._posted:
+            return self._take_posted()
+        return None
 
     def _read(self) -> bool:
         """Read what the connection holds (accepting it first); whether anything came."""
@@ -168,6 +178,7 @@ class StreamReceiver:
             else:
                 chunk = conn.recv(_CHUNK)
                 count = len(chunk)
+                self._drained = count < _CHUNK
                 if count:
                     data, pos = self._data, self._pos
                     self._data = data[pos:] + chunk if pos < len(data) else chunk
@@ -210,7 +221,15 @@ class StreamReceiver:
         self._conn = None
 
     async def recv(self) -> bytes:
-        """The next frame, waiting in the event loop; cancelling it loses nothing."""
+        """The next frame, waiting in the event loop; cancelling it loses nothing. Returns
+        without yielding when one has been read already; when the last read emptied the socket
+        it yields once before asking again, so that the tasks woken by what it read run before
+        the system calls that find nothing and re-arm the wait."""
+        frame = self.recv_ready()
+        if frame is not None:
+            return frame
+        if self._drained:
+            await anyio.lowlevel.checkpoint()
         while True:
             frame = self.recv_nowait()
             if frame is not None:
