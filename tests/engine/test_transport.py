@@ -247,3 +247,27 @@ def test_zmq_pipes_share_the_interface(pipes: Pipes) -> None:
         pass
     assert not sender.needs_flush
     assert receiver.recv_nowait() == b"c"
+
+
+def test_a_round_trip_under_uvloop(tmp_path: Path) -> None:
+    uvloop = pytest.importorskip("uvloop")
+    assert uvloop  # the engine-core process serves asyncio on uvloop where installed
+
+    async def round_trip() -> list[bytes]:
+        opened = Pipes()
+        try:
+            receiver = opened.receiver(_address(tmp_path), postable=True)
+            sender = opened.sender(_address(tmp_path), hwm=1)
+            got: list[bytes] = []
+            for frame in _frames():
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(sender.send, frame)
+                    got.append(await receiver.recv())
+            threading.Thread(target=receiver.post, args=(b"posted",)).start()
+            got.append(await receiver.recv())
+            return got
+        finally:
+            opened.close()
+
+    got = anyio.run(round_trip, backend="asyncio", backend_options={"use_uvloop": True})
+    assert got == [*_frames(), b"posted"]
