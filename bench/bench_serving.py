@@ -4,15 +4,18 @@
 - (a) throughput: 256 concurrent streams x 256 output tokens, DELTA (``--kind``), ``ignore_eos``;
 - (b) overhead: 1000 sequential requests of max_tokens 1, time from ``generate()`` to the first
   output (p50, p99);
-- (c) under asyncio and trio, side by side; (d) engine core in its own process vs in-process.
+- (c) under asyncio and trio, side by side; (d) engine core in its own process vs in-process;
+- (e) the process's pipes: Unix stream sockets (the default, "unix") and ZMQ ``ipc://`` ("zmq"),
+  over ``--rounds`` interleaved rounds (medians reported with every round's figures).
 
 Usage: ``python bench/bench_serving.py [--json PATH] [--streams 256] [--tokens 256]
-[--kind DELTA|CUMULATIVE|FINAL_ONLY]``.
+[--kind DELTA|CUMULATIVE|FINAL_ONLY] [--pipes unix,zmq] [--rounds 1] [--no-inproc]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Any
@@ -62,7 +65,10 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def run(runtime: str, multiprocess: bool, args: argparse.Namespace) -> dict[str, Any]:
+def run(runtime: str, multiprocess: bool, args: argparse.Namespace, pipes: str) -> dict[str, Any]:
+    # Read when the client binds its pipes (see engine_core/_engine/sockets.py).
+    os.environ["ENGINE_CORE_IPC_TRANSPORT"] = pipes
+
     async def main() -> dict[str, Any]:
         async with AsyncLLM(
             backend="mock", tokenizer="byte", multiprocess=multiprocess, max_num_seqs=args.streams
@@ -94,25 +100,49 @@ def main() -> None:
         "--kind", default="DELTA", choices=[k.name for k in RequestOutputKind], help="for (a)"
     )
     parser.add_argument("--json", default=None)
+    parser.add_argument("--pipes", default="unix,zmq", help="comma-separated: unix, zmq")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--no-inproc", action="store_true", help="skip the in-process runs")
     args = parser.parse_args()
     print(machine_line(), flush=True)
     print(
         f"AsyncLLM, zero-latency mock, byte tokenizer: (a) {args.streams} streams x "
         f"{args.tokens} tokens {args.kind}; (b) {args.requests} sequential max_tokens=1 requests"
     )
+    configs = [(f"multiprocess-{p}", True, p) for p in args.pipes.split(",")]
+    if not args.no_inproc:
+        configs.append(("in-process", False, "unix"))
+    rounds: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(args.rounds):
+        for mode, multiprocess, pipes in configs:
+            for runtime in ("asyncio", "trio"):
+                r = run(runtime, multiprocess, args, pipes)
+                rounds.setdefault(f"{mode}/{runtime}", []).append(r)
+                print(
+                    f"{mode:<18} {runtime:<8} throughput {r['throughput_tok_s']:>10,.0f} tok/s   "
+                    f"first output p50 {r['first_output_us']['p50']:>7.0f} us  "
+                    f"p99 {r['first_output_us']['p99']:>7.0f} us",
+                    flush=True,
+                )
     results: dict[str, dict[str, Any]] = {}
-    for mode, multiprocess in (("multiprocess", True), ("in-process", False)):
-        for runtime in ("asyncio", "trio"):
-            results[f"{mode}/{runtime}"] = run(runtime, multiprocess, args)
-            r = results[f"{mode}/{runtime}"]
-            print(
-                f"{mode:<13} {runtime:<8} throughput {r['throughput_tok_s']:>10,.0f} tok/s   "
-                f"first output p50 {r['first_output_us']['p50']:>7.0f} us  "
-                f"p99 {r['first_output_us']['p99']:>7.0f} us",
-                flush=True,
-            )
+    print(f"medians of {args.rounds} round(s):")
+    for key, rs in rounds.items():
+        results[key] = {
+            "throughput_tok_s": statistics.median(r["throughput_tok_s"] for r in rs),
+            "first_output_us": {
+                q: statistics.median(r["first_output_us"][q] for r in rs)
+                for q in ("p50", "p99", "mean")
+            },
+        }
+        r = results[key]
+        mode, runtime = key.split("/")
+        print(
+            f"{mode:<18} {runtime:<8} throughput {r['throughput_tok_s']:>10,.0f} tok/s   "
+            f"first output p50 {r['first_output_us']['p50']:>7.0f} us  "
+            f"p99 {r['first_output_us']['p99']:>7.0f} us"
+        )
     if args.json:
-        mp = {k.split("/")[1]: v for k, v in results.items() if k.startswith("multiprocess")}
+        mp = {k.split("/")[1]: v for k, v in results.items() if k.startswith("multiprocess-unix")}
         data = {
             "throughput_tok_s": {k: v["throughput_tok_s"] for k, v in mp.items()},
             "first_output_us": {

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Round-trip latency of the ways an anyio program can wait on a ZMQ socket, and of the engine.
+"""Round-trip latency of the ways an anyio program can wait on a ZMQ socket or a Unix stream
+socket, and of the engine over either.
 
 Part 1, transport. An echo process (blocking PULL -> PUSH over ``ipc://``) sends back every
 message; the client sends a small message and waits for the echo, one at a time. Variants:
@@ -17,10 +18,16 @@ message; the client sends a small message and waits for the echo, one at a time.
   uvloop, and trio, instead of blocking in ``recv``;
 - ``unix socket``: the same echo over a plain Unix stream socket (no ZMQ I/O threads), blocking
   and with ``anyio.wait_readable``: what the round trip costs without ZMQ's thread hops (a ZMQ
-  message crosses two I/O threads each way, a socket message none).
+  message crosses two I/O threads each way, a socket message none);
+- ``pipes``: the engine's own Unix stream pipes (``engine_core._engine.unix_stream``: framed
+  messages, the reader waiting on its epoll descriptor) with both ends in event loops, the echo
+  under asyncio, uvloop and trio;
+- ``anyio streams``: the same echo with anyio's own Unix socket streams (``connect_unix``,
+  ``create_unix_listener``) on both ends, each under the one runtime.
 
 Part 2, engine. ``MPClient`` with the zero-latency mock backend: ``add_request`` of a
-``max_tokens=1`` request until its output arrives, for each engine runtime and client kind.
+``max_tokens=1`` request until its output arrives, for each engine runtime and client kind, over
+the Unix stream pipes (the default) and over ZMQ ``ipc://`` sockets.
 
 The variants run interleaved over ``--rounds`` rounds; each line reports the median over rounds
 of the per-round p50, and the p99 of all samples, in microseconds.
@@ -43,6 +50,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import anyio
+import anyio.abc
 import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
@@ -51,7 +59,9 @@ import zmq
 from engine_core._bench.machine import machine_line
 from engine_core._core.protocol import EngineCoreRequest
 from engine_core._engine.mp_client import MPClient
+from engine_core._engine.sockets import Transport as PipeTransport
 from engine_core._engine.sockets import recv_async
+from engine_core._engine.unix_stream import StreamReceiver, StreamSender
 from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams
 
@@ -100,6 +110,134 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
             raise ConnectionError("the echo process closed the socket")
         data += chunk
     return data
+
+
+def _run_in(loop: str, fn: Callable[[], Awaitable[None]]) -> None:
+    if loop == "uvloop":
+        anyio.run(fn, backend="asyncio", backend_options={"use_uvloop": True})
+    else:
+        anyio.run(fn, backend=loop)
+
+
+def _connect_sender(address: str) -> StreamSender:
+    """Connect once the peer listens (it binds after it started)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return StreamSender(address, bounded=True)
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def _echo_pipes(down: str, up: str, loop: str) -> None:
+    """Echo over the engine's pipes until ``_STOP``, waiting in an event loop."""
+    receiver = StreamReceiver(down)
+    sender = _connect_sender(up)
+
+    async def serve() -> None:
+        while (msg := await receiver.recv()) != _STOP:
+            await sender.send(msg)
+
+    _run_in(loop, serve)
+    receiver.close()
+    sender.close()
+
+
+class PipesTransport:
+    """The client's ends of the engine's pipes to an echo process."""
+
+    def __init__(self, directory: str, loop: str, payload: bytes, n: int) -> None:
+        down, up = f"unix://{directory}/pipes-down-{loop}", f"unix://{directory}/pipes-up-{loop}"
+        self.receiver = StreamReceiver(up)
+        self.echo = multiprocessing.get_context("spawn").Process(
+            target=_echo_pipes, args=(down, up, loop)
+        )
+        self.echo.start()
+        self.sender = _connect_sender(down)
+        self.payload, self.n = payload, n
+
+    def close(self) -> None:
+        self.sender.send_blocking(_STOP)
+        self.echo.join()
+        self.sender.close()
+        self.receiver.close()
+
+    async def fd_wait(self) -> Samples:
+        out = []
+        for _ in range(self.n):
+            t0 = time.perf_counter()
+            self.sender.send_nowait(self.payload)
+            await self.receiver.recv()
+            out.append(time.perf_counter() - t0)
+        return out
+
+
+def _echo_anyio(path: str, runtime: str, size: int) -> None:
+    async def serve() -> None:
+        listener = await anyio.create_unix_listener(path)
+        stream = await listener.accept()
+        async with stream, listener:
+            while True:
+                msg = await _receive_exactly(stream, size)
+                if msg == _STOP.ljust(size, b"\0"):
+                    return
+                await stream.send(msg)
+
+    anyio.run(serve, backend=runtime)
+
+
+async def _receive_exactly(stream: anyio.abc.ByteStream, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        data += await stream.receive(size - len(data))
+    return data
+
+
+class AnyioStreams:
+    """An echo process over anyio's Unix socket streams, both ends under ``runtime``."""
+
+    def __init__(self, directory: str, runtime: str, payload: bytes, n: int) -> None:
+        self.path = f"{directory}/anyio-{runtime}"
+        self.runtime, self.payload, self.n = runtime, payload, n
+        self.echo = multiprocessing.get_context("spawn").Process(
+            target=_echo_anyio, args=(self.path, runtime, len(payload))
+        )
+        self.echo.start()
+
+    async def _connect(self) -> anyio.abc.SocketStream:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                return await anyio.connect_unix(self.path)
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise
+                await anyio.sleep(0.01)
+
+    def run_all(self, rounds: int) -> list[Samples]:
+        """Every round's samples, in one connection and one event loop."""
+
+        async def main() -> list[Samples]:
+            stream = await self._connect()
+            size = len(self.payload)
+            results = []
+            async with stream:
+                for _ in range(rounds + 1):  # the first is the warm-up
+                    out = []
+                    for _ in range(self.n):
+                        t0 = time.perf_counter()
+                        await stream.send(self.payload)
+                        await _receive_exactly(stream, size)
+                        out.append(time.perf_counter() - t0)
+                    results.append(out)
+                await stream.send(_STOP.ljust(size, b"\0"))
+            return results[1:]
+
+        results: list[Samples] = anyio.run(main, backend=self.runtime)
+        self.echo.join()
+        return results
 
 
 class UnixTransport:
@@ -218,10 +356,12 @@ class Transport:
 class Engine:
     """``add_request`` -> first output through ``MPClient`` and the mock backend."""
 
-    def __init__(self, runtime: str, n: int) -> None:
+    def __init__(self, runtime: str, n: int, transport: PipeTransport = "ipc") -> None:
         self.client = MPClient(
-            EngineConfig(backend="mock", num_kv_blocks=256, engine_runtime=runtime)  # type: ignore[arg-type]
+            EngineConfig(backend="mock", num_kv_blocks=256, engine_runtime=runtime),  # type: ignore[arg-type]
+            transport=transport,
         )
+        self.transport = transport
         self.params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         self.ids = itertools.count()
         self.n = n
@@ -258,15 +398,16 @@ def _measure(variants: dict[str, Callable[[], Samples]], rounds: int) -> list[st
             samples = run()
             p50s[name].append(statistics.median(samples))
             pooled[name] += samples
-    lines = []
-    for name in variants:
-        pooled[name].sort()
-        p99 = pooled[name][int(len(pooled[name]) * 0.99)]
-        lines.append(
-            f"{name:<34} p50 {statistics.median(p50s[name]) * 1e6:7.1f} us   "
-            f"p99 {p99 * 1e6:7.1f} us"
-        )
-    return lines
+    return [_line(name, [pooled[name]], p50s[name]) for name in variants]
+
+
+def _line(name: str, rounds: list[Samples], p50s: list[float] | None = None) -> str:
+    """The median of the rounds' p50s and the p99 of every sample."""
+    if p50s is None:
+        p50s = [statistics.median(samples) for samples in rounds]
+    pooled = sorted(itertools.chain.from_iterable(rounds))
+    p99 = pooled[int(len(pooled) * 0.99)]
+    return f"{name:<38} p50 {statistics.median(p50s) * 1e6:7.1f} us   p99 {p99 * 1e6:7.1f} us"
 
 
 def _in(runtime: str, fn: Callable[[], Awaitable[Samples]]) -> Callable[[], Samples]:
@@ -313,11 +454,23 @@ def main() -> None:
         variants["unix socket, sync"] = u.sync
         for runtime in ("asyncio", "trio"):
             variants[f"unix socket, fd-wait [{runtime}]"] = _in(runtime, u.fd_wait)
+        pipes = []
+        for loop in ("asyncio", "uvloop", "trio"):
+            pipes.append(PipesTransport(tmp, loop, os.urandom(args.size), args.n))
+            for runtime in ("asyncio", "trio"):
+                variants[f"pipes [{runtime}], {loop} echo"] = _in(runtime, pipes[-1].fd_wait)
         print("part 1: transport round trip")
         try:
             for line in _measure(variants, args.rounds):
                 print("  " + line)
+            for runtime in ("asyncio", "trio"):
+                rounds = AnyioStreams(tmp, runtime, os.urandom(args.size), args.n).run_all(
+                    args.rounds
+                )
+                print("  " + _line(f"anyio streams [{runtime}], {runtime} echo", rounds))
         finally:
+            for p in pipes:
+                p.close()
             u.close()
             t.close()
             echo.join()
@@ -327,14 +480,19 @@ def main() -> None:
     if args.no_engine:
         return
     print("part 2: MPClient add_request -> first output (mock backend, max_tokens=1)")
-    engines = [Engine(runtime, args.n) for runtime in ("asyncio", "trio")]
+    engines = [
+        Engine(runtime, args.n, transport)
+        for transport in ("ipc", "zmq-ipc")
+        for runtime in ("asyncio", "trio")
+    ]
     try:
         variants = {}
         for engine in engines:
             runtime = engine.client.config.engine_runtime
-            variants[f"engine {runtime}, sync client"] = engine.sync
+            pipe = "unix" if engine.transport == "ipc" else "zmq"
+            variants[f"{pipe}: engine {runtime}, sync client"] = engine.sync
             for client_runtime in ("asyncio", "trio"):
-                variants[f"engine {runtime}, {client_runtime} client"] = _in(
+                variants[f"{pipe}: engine {runtime}, {client_runtime} client"] = _in(
                     client_runtime, engine.run_async
                 )
         for line in _measure(variants, args.rounds):

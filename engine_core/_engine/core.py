@@ -209,8 +209,8 @@ class EngineCore:
                 "(at least one token must be generated)"
             )
         vocab = self.vocab_size
-        bad = [t for t in prompt if not (0 <= t < vocab)]
-        if bad:
+        if min(prompt) < 0 or max(prompt) >= vocab:  # in C: the list is only made to report
+            bad = [t for t in prompt if not (0 <= t < vocab)]
             return f"token ids {bad[:5]} are outside the vocabulary (size {vocab})"
         bad_stop = [t for t in request.sampling_params.stop_token_ids or () if t >= vocab]
         if bad_stop:

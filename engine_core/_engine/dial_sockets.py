@@ -14,8 +14,6 @@ dropped by the client (``MPClient``).
 
 from __future__ import annotations
 
-import uuid
-
 import zmq
 
 from engine_core._engine.sockets import (
@@ -25,12 +23,12 @@ from engine_core._engine.sockets import (
     curve_server,
     make_socket,
 )
+from engine_core._engine.transport import Sender, ZmqReceiver, ZmqSender
 
 __all__ = ["DialSockets"]
 
 _PEER_TIMEOUT_S = 10.0
 """After an engine's Hello, how long its input connection may take to be admitted."""
-_WAKE_LINGER_MS = 1000
 
 
 class DialSockets:
@@ -40,16 +38,16 @@ class DialSockets:
     def __init__(self, host: str, keys: DeploymentKeys) -> None:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._auth = admit_only(self._ctx, keys.client_public)
-        self.output = make_socket(self._ctx, zmq.PULL, hwm=OUTPUT_HWM)
-        self.input = make_socket(self._ctx, zmq.PUSH)
-        self.wake = f"inproc://engine-core-wake-{uuid.uuid4().hex}"
+        self.output = ZmqReceiver(make_socket(self._ctx, zmq.PULL, hwm=OUTPUT_HWM), self._ctx)
+        self._input = ZmqSender(make_socket(self._ctx, zmq.PUSH))
+        self.input: Sender | None = None
         try:
-            for sock in (self.output, self.input):
-                curve_server(sock, keys)
-                sock.bind(f"tcp://{_bracketed(host)}:*")
-            self.output_endpoint = self.output.getsockopt_string(zmq.LAST_ENDPOINT)
-            self.input_endpoint = self.input.getsockopt_string(zmq.LAST_ENDPOINT)
-            self.output.bind(self.wake)  # in process: no handshake, no CURVE
+            curve_server(self.output.sock, keys)
+            self.output.bind(f"tcp://{_bracketed(host)}:*")  # and its in-process wake-up
+            curve_server(self._input.sock, keys)
+            self._input.sock.bind(f"tcp://{_bracketed(host)}:*")
+            self.output_endpoint = self.output.endpoint
+            self.input_endpoint = self._input.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException:
             self.close()
             raise
@@ -57,22 +55,18 @@ class DialSockets:
     def connect_input(self, address: str) -> None:
         """The engine dials the input socket: wait until its connection is admitted (it is
         under way when its Hello arrives), so that sending never blocks."""
-        if not self.input.poll(int(_PEER_TIMEOUT_S * 1000), zmq.POLLOUT):
+        if not self._input.sock.poll(int(_PEER_TIMEOUT_S * 1000), zmq.POLLOUT):
             raise ConnectionError(
                 f"the engine said Hello but its input connection to {self.input_endpoint} was "
                 f"not admitted within {_PEER_TIMEOUT_S:g} s"
             )
+        self.input = self._input
 
     def post_to_self(self, frame: bytes) -> None:
-        wake = make_socket(self._ctx, zmq.PUSH, linger_ms=_WAKE_LINGER_MS)
-        try:
-            wake.connect(self.wake)
-            wake.send(frame)
-        finally:
-            wake.close()
+        self.output.post(frame)
 
     def close(self) -> None:
-        self.input.close()
+        self._input.close()
         self.output.close()
         self._auth.stop()
         self._ctx.term()

@@ -459,7 +459,7 @@ class DPClient(EngineCoreClient):
                 return outputs
             poller = zmq.Poller()
             for engine in self.engines_alive:
-                poller.register(self._clients[engine].output_socket, zmq.POLLIN)
+                poller.register(self._clients[engine].output_pollable, zmq.POLLIN)
             poller.poll()
             for engine in self.engines_alive:
                 self._clients[engine].read_pending()

@@ -1,4 +1,4 @@
-"""What comes up a client's output socket, read by whoever needs it and kept for its owner.
+"""What comes up a client's output pipe, read by whoever needs it and kept for its owner.
 
 There is no reader task. A caller reads until what it waits for has arrived (a step's outputs, a
 call's reply, ``Ready``) or the engine is gone; what it reads meanwhile is sorted into
@@ -10,7 +10,7 @@ client belongs to one thread.
 
 Silence. The inbox also knows whether its client waits for the engine (requests in flight, a
 call's reply) and when it last heard from it. :meth:`EngineInbox.look` (called by the client's
-process watch thread) posts a :class:`~engine_core._engine.wire.Silence` notice into the socket
+process watch thread) posts a :class:`~engine_core._engine.wire.Silence` notice into the pipe
 once the client has waited ``heartbeat_timeout_s`` with nothing heard; the reader that takes it
 declares the engine frozen only if no message of the engine's is queued behind it, so a client
 that was itself too busy to read never mistakes the backlog for a silence. Nothing on the hot
@@ -27,11 +27,10 @@ from collections.abc import Callable
 
 import anyio
 import msgspec
-import zmq
 from anyio.lowlevel import RunVar
 
 from engine_core._core.protocol import EngineCoreOutputs
-from engine_core._engine.sockets import recv_async
+from engine_core._engine.transport import Receiver
 from engine_core._engine.wire import (
     EngineDead,
     Heartbeat,
@@ -75,11 +74,11 @@ class EngineInbox:
 
     With ``heartbeat_timeout_s``, ``on_silence(seconds)`` runs in the reader that finds the
     engine silent that long while it was waited for (and :attr:`listening`); ``post(frame)``
-    puts a frame into the socket from another thread."""
+    puts a frame into the pipe from another thread."""
 
     def __init__(
         self,
-        sock: zmq.Socket[bytes],
+        pipe: Receiver,
         on_notice: Callable[[], None],
         *,
         on_hello: Callable[[Hello], None] | None = None,
@@ -89,7 +88,7 @@ class EngineInbox:
     ) -> None:
         if heartbeat_timeout_s is not None and (on_silence is None or post is None):
             raise ValueError("a heartbeat timeout needs on_silence and post")
-        self._sock = sock
+        self._pipe = pipe
         self._on_notice = on_notice
         self._on_hello = on_hello
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -177,9 +176,8 @@ class EngineInbox:
         # A backlog of the engine's messages (the client was too busy to read) is no silence:
         # the first of them ends the check.
         while (quiet_s := self._quiet_s()) >= limit and self.waiting:
-            try:
-                frame = self._sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
+            frame = self._pipe.recv_nowait()
+            if frame is None:
                 self.silent_s = quiet_s
                 assert self._on_silence is not None
                 self._on_silence(quiet_s)
@@ -238,12 +236,8 @@ class EngineInbox:
                 self._on_notice()
             case EngineDead():
                 # From the process watch: what the engine sent before it ended comes first.
-                while True:
-                    try:
-                        frame = self._sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._sort(frame)
+                while (pending := self._pipe.recv_nowait()) is not None:
+                    self._sort(pending)
 
     def read_until_sync(self, done: Callable[[], bool], timeout: float | None = None) -> None:
         """Read until ``done()``, the engine is gone, or ``timeout`` seconds passed."""
@@ -251,21 +245,17 @@ class EngineInbox:
             raise RuntimeError("a task of an event loop is reading; use the *_async methods")
         deadline = None if timeout is None else time.monotonic() + timeout
         while not done() and not self.gone:
-            timeout_ms = None
+            timeout = None
             if deadline is not None:
-                timeout_ms = int((deadline - time.monotonic()) * 1000)
-                if timeout_ms <= 0:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
                     return
-            if self._sock.poll(timeout_ms, zmq.POLLIN):
-                self._sort(self._sock.recv(zmq.NOBLOCK))
+            if self._pipe.poll(timeout) and (frame := self._pipe.recv_nowait()) is not None:
+                self._sort(frame)
 
     def read_pending_sync(self) -> None:
-        """Sort every frame the socket holds now (without waiting)."""
-        while not self.gone:
-            try:
-                frame = self._sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        """Sort every frame the pipe holds now (without waiting)."""
+        while not self.gone and (frame := self._pipe.recv_nowait()) is not None:
             self._sort(frame)
 
     async def read_until(self, done: Callable[[], bool]) -> None:
@@ -277,7 +267,7 @@ class EngineInbox:
                 continue
             try:
                 async with readers.lock:
-                    self._sort(await recv_async(self._sock))
+                    self._sort(await self._pipe.recv())
             finally:
                 readers.announce()
 

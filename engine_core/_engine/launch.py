@@ -1,6 +1,6 @@
 """What ``MPClient`` launches: the sockets it binds and the engine-core process it starts.
 
-:class:`ClientSockets` binds the client's output socket (the engine connects to it);
+:class:`ClientSockets` binds the client's output pipe (the engine connects to it);
 :class:`EngineProcess` starts a fresh interpreter running ``python -m engine_core._engine`` (see
 ``main``): unlike ``multiprocessing``'s spawn it never imports the caller's ``__main__``, so a
 script without an ``if __name__ == "__main__":`` guard, ``python -c``, a script on standard
@@ -29,9 +29,9 @@ from collections.abc import Callable, Mapping
 
 import anyio
 import anyio.to_thread
-import zmq
 
-from engine_core._engine.sockets import OUTPUT_HWM, SocketAddresses, Transport, make_socket
+from engine_core._engine.sockets import OUTPUT_HWM, SocketAddresses, Transport
+from engine_core._engine.transport import Pipes, Sender
 
 __all__ = ["ClientSockets", "EngineProcess"]
 
@@ -41,46 +41,36 @@ _SHUTDOWN_TIMEOUT_S = 5.0
 """How long a stopping process may take to exit by itself before it is terminated."""
 _TERMINATE_TIMEOUT_S = 2.0
 """How long a terminated process may take to exit before it is killed."""
-_WAKE_LINGER_MS = 1000
 _MAX_LOOK_INTERVAL_S = 3600.0
 
 
 class ClientSockets:
-    """The client's ends of the pair: the output socket (bound: the engine connects to it, and
-    the client's own process watch writes into it) and the input socket (connected to the
-    engine's once it is ready)."""
+    """The client's ends of the pipes: the output pipe (bound: the engine connects to it, and the
+    client's own process watch posts into it) and the input pipe (connected to the engine's once
+    it said where it listens, see :meth:`connect_input`)."""
 
     def __init__(self, transport: Transport, host: str) -> None:
         self.addresses = SocketAddresses(transport, host)
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.output = make_socket(self._ctx, zmq.PULL, hwm=OUTPUT_HWM)
-        self.input = make_socket(self._ctx, zmq.PUSH)
+        self._pipes = Pipes()
+        self.input: Sender | None = None
         try:
-            self.output.bind(self.addresses.output)
-            self.output_endpoint = self.output.getsockopt_string(zmq.LAST_ENDPOINT)
-            self.output.bind(self.addresses.wake)
+            self.output = self._pipes.receiver(self.addresses.output, hwm=OUTPUT_HWM, postable=True)
+            self.output_endpoint = self.output.endpoint
         except BaseException:
             self.close()
             raise
 
     def connect_input(self, address: str) -> None:
-        """Connect the input socket to the engine's (its queue exists at once)."""
-        self.input.connect(address)
+        """Connect the input pipe to the engine's, bound at ``address``."""
+        self.input = self._pipes.sender(address)
 
     def post_to_self(self, frame: bytes) -> None:
-        """Put ``frame`` into the output socket as the engine would (from any thread)."""
-        wake = make_socket(self._ctx, zmq.PUSH, linger_ms=_WAKE_LINGER_MS)
-        try:
-            wake.connect(self.addresses.wake)
-            wake.send(frame)
-        finally:
-            wake.close()
+        """Put ``frame`` into the output pipe as the engine would (from any thread)."""
+        self.output.post(frame)
 
     def close(self) -> None:
-        """Close the sockets and delete their private directory."""
-        self.input.close()
-        self.output.close()
-        self._ctx.term()
+        """Close the pipes and delete their private directory."""
+        self._pipes.close()
         self.addresses.remove()
 
 

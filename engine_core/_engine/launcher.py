@@ -15,10 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-import zmq
-
 from engine_core._engine.launch import ClientSockets, EngineProcess
 from engine_core._engine.sockets import Transport
+from engine_core._engine.transport import Receiver, Sender
 
 __all__ = ["EngineHandle", "EngineLauncher", "EngineSockets", "LocalLauncher"]
 
@@ -27,10 +26,11 @@ class EngineSockets(Protocol):
     """The client's ends of the pipe to one engine."""
 
     @property
-    def output(self) -> zmq.Socket[bytes]: ...
+    def output(self) -> Receiver: ...
 
     @property
-    def input(self) -> zmq.Socket[bytes]: ...
+    def input(self) -> Sender | None:
+        """None until :meth:`connect_input`."""
 
     def connect_input(self, address: str) -> None:
         """Make the input socket reach the engine whose ``Hello`` named ``address``; sending

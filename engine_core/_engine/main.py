@@ -3,8 +3,8 @@
 The process is a fresh interpreter running ``python -m engine_core._engine`` (see ``launch``), so
 it never imports its parent's ``__main__``. :func:`main` reads its command line: the client's
 output address, the input address to bind, and the descriptor of its end of a socket pair whose
-other end the parent holds. :func:`run_engine_core` connects the output socket, binds the input
-socket and says :class:`~engine_core._engine.wire.Hello`; the client answers with the
+other end the parent holds. :func:`run_engine_core` connects the output pipe, binds the input
+pipe (see ``transport``) and says :class:`~engine_core._engine.wire.Hello`; the client answers with the
 configuration (:class:`~engine_core._engine.wire.Startup`, msgspec, nothing pickled). It then
 builds the engine core (backend, KV spec, block count, allocation) in a worker thread, sends
 ``Ready`` and serves, with a heartbeat while it has work (``engine_heartbeat_timeout_s``).
@@ -39,7 +39,8 @@ import zmq
 from engine_core._engine.core import EngineCore
 from engine_core._engine.proc import EngineCoreProc
 from engine_core._engine.runtime import run_options
-from engine_core._engine.sockets import OUTPUT_HWM, EngineKeys, curve_client, make_socket
+from engine_core._engine.sockets import OUTPUT_HWM, EngineKeys
+from engine_core._engine.transport import Pipes, Receiver, Sender
 from engine_core._engine.wire import EngineDead, EngineMessage, Hello, Ready, startup_decoder
 from engine_core.config import EngineConfig
 
@@ -55,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 _OUTPUT_LINGER_MS = 2000
 """How long exiting waits for the last messages (the death notice) to leave."""
+_LOCAL_SCHEMES = ("ipc://", "unix://")
+"""Addresses that are paths in the client's private directory."""
 PARENT_GONE_EXIT_CODE = 3
 """Exit status of an engine-core process whose parent died."""
 HEARTBEATS_PER_TIMEOUT = 5
@@ -85,9 +88,9 @@ def run_engine_core(
     *,
     dial_keys: EngineKeys | None = None,
 ) -> None:
-    """The engine-core process: connect the output socket to ``output_address``, bind the input
-    socket to ``input_address`` (with ``dial_keys``: connect it, both sockets CURVE clients),
-    take the configuration from the client, serve; exit when the descriptor ``parent_fd`` reads
+    """The engine-core process: connect the output pipe to ``output_address``, bind the input
+    pipe to ``input_address`` (with ``dial_keys``: connect it, both pipes CURVE clients), take
+    the configuration from the client, serve; exit when the descriptor ``parent_fd`` reads
     end-of-file (the parent is gone). Never returns."""
     # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -98,24 +101,17 @@ def run_engine_core(
             format="%(asctime)s engine-core[%(process)d] %(levelname)s %(name)s: %(message)s",
         )
     exit_code = 1
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    output = make_socket(ctx, zmq.PUSH, linger_ms=_OUTPUT_LINGER_MS, hwm=OUTPUT_HWM)
-    input_ = make_socket(ctx, zmq.PULL)
-    if dial_keys is not None:
-        curve_client(output, dial_keys)
-        curve_client(input_, dial_keys)
+    pipes = Pipes(dial_keys)
     try:
-        server = _Server(output, input_, input_address, parent_fd, dial=dial_keys is not None)
-        output.connect(output_address)
+        output = pipes.sender(output_address, hwm=OUTPUT_HWM, linger_ms=_OUTPUT_LINGER_MS)
+        server = _Server(pipes, output, input_address, parent_fd)
         config = server.handshake()
         if config is not None:
             exit_code = anyio.run(server.serve, config, **run_options(config.engine_runtime))
     except BaseException:
         logger.exception("the engine-core process failed")
     finally:
-        input_.close()
-        output.close()  # lingers until the last messages are out
-        ctx.term()
+        pipes.close()  # a ZMQ pipe lingers until the last messages are out
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -133,18 +129,10 @@ def _root_cause(exc: BaseException) -> BaseException:
 class _Server:
     """Startup handshake, signals and the final notice around one :class:`EngineCoreProc`."""
 
-    def __init__(
-        self,
-        output: zmq.Socket[bytes],
-        input_: zmq.Socket[bytes],
-        input_address: str,
-        parent_fd: int,
-        *,
-        dial: bool = False,
-    ) -> None:
-        self.dial = dial
+    def __init__(self, pipes: Pipes, output: Sender, input_address: str, parent_fd: int) -> None:
+        self.pipes = pipes
         self.output = output
-        self.input = input_
+        self.input: Receiver | None = None
         self.input_address = input_address
         self.parent_fd = parent_fd
         self.config: EngineConfig  # set by serve()
@@ -154,28 +142,25 @@ class _Server:
         self.startup_scope: anyio.CancelScope | None = None
 
     def handshake(self) -> EngineConfig | None:
-        """Bind (or dial) the input socket, say :class:`Hello` and wait for the configuration
+        """Bind (or dial) the input pipe, say :class:`Hello` and wait for the configuration
         (None: the bind failed, reported to the client). Exits if the parent dies meanwhile."""
         try:
-            if self.dial:
-                self.input.connect(self.input_address)
-            else:
-                self.input.bind(self.input_address)
-        except zmq.ZMQError as exc:
+            self.input = input_ = self.pipes.receiver(self.input_address)
+        except (zmq.ZMQError, OSError) as exc:
             self._die(self.output, exc)
             return None
-        self._send(self.output, Hello(self.input.getsockopt_string(zmq.LAST_ENDPOINT)))
+        self._send(self.output, Hello(input_.endpoint))
         poller = zmq.Poller()
-        poller.register(self.input, zmq.POLLIN)
+        poller.register(input_.pollable, zmq.POLLIN)
         poller.register(self.parent_fd, zmq.POLLIN)
         decoder = startup_decoder()
         while True:
             ready = dict(poller.poll())
             if self.parent_fd in ready:
                 self._exit_parent_gone()
-            if self.input in ready:
+            if input_.pollable in ready and (frame := input_.recv_nowait()) is not None:
                 try:
-                    return decoder.decode(self.input.recv()).config
+                    return decoder.decode(frame).config
                 except Exception as exc:  # a client of another version, say
                     self._die(self.output, exc)
                     return None
@@ -185,11 +170,12 @@ class _Server:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._exit_when_parent_dies)
             tg.start_soon(self._watch_signals)
+            assert self.input is not None
             exit_code = await self._serve(self.input, self.output)
             tg.cancel_scope.cancel()
         return exit_code
 
-    async def _serve(self, input_: zmq.Socket[bytes], output: zmq.Socket[bytes]) -> int:
+    async def _serve(self, input_: Receiver, output: Sender) -> int:
         core: EngineCore | None = None
         with anyio.CancelScope() as self.startup_scope:
             try:
@@ -202,7 +188,7 @@ class _Server:
         if core is None or self.stop_reason is not None:
             self._send(output, EngineDead(reason=f"stopped during startup by {self.stop_reason}"))
             return 0
-        endpoint = input_.getsockopt_string(zmq.LAST_ENDPOINT)
+        endpoint = input_.endpoint
         info = core.info
         logger.info("ready: %s, input at %s", info, endpoint)
         self._send(output, Ready(info, endpoint))
@@ -230,11 +216,12 @@ class _Server:
             self._send(output, EngineDead(reason=f"shut down by {proc.stop_reason}"))
         return 0
 
-    def _send(self, output: zmq.Socket[bytes], message: EngineMessage) -> None:
-        # The output socket connects, so its queue exists at once and sending never blocks.
-        output.send(self.encoder.encode(message))
+    def _send(self, output: Sender, message: EngineMessage) -> None:
+        # Outside the serving loop (the handshake, the last notice): a client that stopped
+        # reading holds it up for the linger time at most.
+        output.send_blocking(self.encoder.encode(message), _OUTPUT_LINGER_MS / 1000)
 
-    def _die(self, output: zmq.Socket[bytes], exc: BaseException) -> int:
+    def _die(self, output: Sender, exc: BaseException) -> int:
         root = _root_cause(exc)
         logger.error("fatal error", exc_info=root)
         self._send(
@@ -255,8 +242,9 @@ class _Server:
         """Exit now that the parent is gone (its end of the pair closed), removing the private
         socket directory that the parent can no longer remove."""
         logger.warning("the parent process is gone: exiting")
-        if self.input_address.startswith("ipc://"):
-            shutil.rmtree(os.path.dirname(self.input_address.removeprefix("ipc://")), True)
+        for scheme in _LOCAL_SCHEMES:
+            if self.input_address.startswith(scheme):
+                shutil.rmtree(os.path.dirname(self.input_address.removeprefix(scheme)), True)
         logging.shutdown()
         os._exit(PARENT_GONE_EXIT_CODE)
 

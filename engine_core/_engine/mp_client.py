@@ -3,8 +3,9 @@
 Construction launches the engine-core process (see ``launch``), answers its ``Hello`` with the
 configuration (``Startup``) and waits for its ``Ready``;
 :meth:`MPClient.start_async` does the same without blocking an event loop. Then requests and
-control calls go down the input socket; per-step outputs, call replies and finally a death notice
-come up the output socket (see ``wire``). Lifecycle: starting -> ready -> closing -> closed, or
+control calls go down the input pipe; per-step outputs, call replies and finally a death notice
+come up the output pipe (see ``wire``; the pipes are Unix stream sockets on one host, ZMQ over
+tcp, see ``transport``). Lifecycle: starting -> ready -> closing -> closed, or
 dead when the engine ends on its own (a dead client still closes).
 
 Reading. There is no reader task: whoever needs a message reads it (see ``inbox``).
@@ -15,7 +16,7 @@ the send or the read.
 
 Liveness. A thread watches the process. When the process ends it records the exit code (from
 then on every call raises :class:`EngineDeadError`) and sends a death notice into the client's
-own output socket, which wakes whoever is reading. A process that dies of an error first sends
+own output pipe, which wakes whoever is reading. A process that dies of an error first sends
 its own notice with the exception, which becomes the error's cause. Hung steps are caught in the
 engine (``step_timeout_s``), which then dies the same way. A frozen process (stopped, deadlocked,
 a step holding the GIL) cannot report anything: while requests are in flight or a call waits
@@ -106,8 +107,9 @@ class MPClient(EngineCoreClient):
 
     ``MPClient(config)`` starts the process and blocks until it is ready (or raises: the error
     names the backend's exception and the exit status; ``TimeoutError`` after
-    ``config.startup_timeout_s``). Sockets are ``ipc://`` paths in a private directory, or with
-    ``transport="tcp"`` ports on ``host``. Use it as a (async) context manager, or call
+    ``config.startup_timeout_s``). The pipes are Unix stream sockets at paths in a private
+    directory (``transport="zmq-ipc"``: ZMQ ``ipc://`` sockets there), or with
+    ``transport="tcp"`` ZMQ sockets on ports of ``host``. Use it as a (async) context manager, or call
     :meth:`shutdown` / :meth:`shutdown_async`: in-flight requests then end with finish_reason
     "abort" and the process exits.
     """
@@ -247,16 +249,17 @@ class MPClient(EngineCoreClient):
     # -- sending --------------------------------------------------------------------------------
 
     def _send(self, message: ClientMessage | Startup) -> None:
-        # The input socket connects with an unbounded queue: sending never blocks. A remote
-        # engine dials a bound socket instead, which has no queue once its connection is gone
-        # (its node lost): the message is dropped, and the engine's death comes from its
+        self._send_frame(self._encoder.encode(message))
+
+    def _send_frame(self, frame: bytes) -> None:
+        # The input pipe never blocks (unbounded); it exists from the engine's Hello on. A
+        # remote engine dials a bound socket instead, which has no queue once its connection is
+        # gone (its node lost): the message is dropped, and the engine's death comes from its
         # launcher's watch or, for requests waiting, from its silence.
-        try:
-            self._sockets.input.send(self._encoder.encode(message), zmq.NOBLOCK)
-        except zmq.Again:
-            logger.warning(
-                "the engine core's connection is gone: %s dropped", type(message).__name__
-            )
+        pipe = self._sockets.input
+        assert pipe is not None
+        if not pipe.send_nowait(frame):
+            logger.warning("the engine core's connection is gone: a message was dropped")
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Send ``request`` to the engine core. Raises :class:`EngineDeadError` once it died."""
@@ -274,7 +277,7 @@ class MPClient(EngineCoreClient):
     def send_raw(self, frame: bytes) -> None:
         """Send ``frame`` as it is to the engine's input socket (for tests of its decoding)."""
         self._check_usable()
-        self._sockets.input.send(frame, zmq.NOBLOCK)
+        self._send_frame(frame)
 
     # -- outputs --------------------------------------------------------------------------------
 
@@ -333,9 +336,9 @@ class MPClient(EngineCoreClient):
         await self._inbox.read_until(self._has_output)
 
     @property
-    def output_socket(self) -> zmq.Socket[bytes]:
-        """The socket to poll for :meth:`read_pending`."""
-        return self._sockets.output
+    def output_pollable(self) -> zmq.Socket[bytes] | int:
+        """What ``zmq.Poller`` waits on before :meth:`read_pending`."""
+        return self._sockets.output.pollable
 
     def read_pending(self) -> None:
         """Sort what the output socket holds now, without waiting."""

@@ -1,4 +1,5 @@
-"""The engine-core process: one :class:`EngineCore` served over ZMQ by an anyio event loop.
+"""The engine-core process: one :class:`EngineCore` served over two pipes (see ``transport``) by
+an anyio event loop.
 
 :class:`EngineCoreProc` runs three tasks. The input task decodes what arrives and applies it at
 once: new requests join the waiting queue, aborts end requests (or, while a step executes, are
@@ -35,13 +36,12 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 import msgspec
-import zmq
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest
 from engine_core._engine.client import UTILITY_METHODS
 from engine_core._engine.core import EngineCore, PauseMode
-from engine_core._engine.sockets import recv_async, send_async
+from engine_core._engine.transport import Receiver, Sender
 from engine_core._engine.wire import (
     AbortRequests,
     EngineMessage,
@@ -62,8 +62,8 @@ logger = logging.getLogger(__name__)
 _MAX_MESSAGES_PER_WAKE = 256
 """Input messages handled in one go before the other tasks get a turn."""
 _MAX_QUEUED_OUTPUTS = 4
-"""Messages waiting for room in the output socket (its ZMQ queues full: the client is not
-reading) at which the engine stops stepping until the client catches up."""
+"""Messages waiting for room in the output pipe (its buffers full: the client is not reading) at
+which the engine stops stepping until the client catches up."""
 _FINAL_DRAIN_S = 2.0
 """At shutdown, how long the last messages may wait for a client that stopped reading."""
 
@@ -108,7 +108,7 @@ class _Doorbell:
 
 
 class EngineCoreProc:
-    """Serves one :class:`EngineCore` over an input (PULL) and an output (PUSH) socket.
+    """Serves one :class:`EngineCore` over an input and a (bounded) output pipe.
 
     ``step_timeout_s``: a model call running longer than this fails :meth:`run` with
     ``TimeoutError`` (the thread is abandoned; the process must exit). ``heartbeat_interval_s``:
@@ -118,15 +118,15 @@ class EngineCoreProc:
     def __init__(
         self,
         core: EngineCore,
-        input_socket: zmq.Socket[bytes],
-        output_socket: zmq.Socket[bytes],
+        input_pipe: Receiver,
+        output_pipe: Sender,
         *,
         step_timeout_s: float | None = None,
         heartbeat_interval_s: float | None = None,
     ) -> None:
         self.core = core
-        self._input = input_socket
-        self._output = output_socket
+        self._input = input_pipe
+        self._output = output_pipe
         self._step_timeout_s = step_timeout_s
         self._heartbeat_interval_s = heartbeat_interval_s
         self._decoder = client_message_decoder()
@@ -157,7 +157,7 @@ class EngineCoreProc:
     async def run(self) -> None:
         """Serve until a shutdown is requested (returns once everything is sent), or until a
         step fails or exceeds the step timeout (raises that error, in an exception group)."""
-        send, receive = anyio.create_memory_object_stream[EngineMessage](math.inf)
+        send, receive = anyio.create_memory_object_stream[EngineMessage | None](math.inf)
         doorbell = _Doorbell()
         self.core.set_grammar_waker(doorbell.ring)
         try:
@@ -179,11 +179,11 @@ class EngineCoreProc:
 
     # -- stepping -------------------------------------------------------------------------------
 
-    async def _step_loop(self, out: MemoryObjectSendStream[EngineMessage]) -> None:
+    async def _step_loop(self, out: MemoryObjectSendStream[EngineMessage | None]) -> None:
         while await self._step_once(out):
             pass
 
-    async def _step_once(self, out: MemoryObjectSendStream[EngineMessage]) -> bool:
+    async def _step_once(self, out: MemoryObjectSendStream[EngineMessage | None]) -> bool:
         """One turn of the stepping task: control calls, then a step or a wait for input.
         False once a shutdown has been carried out."""
         core = self.core
@@ -228,7 +228,7 @@ class EngineCoreProc:
             await anyio.lowlevel.checkpoint()
         return True
 
-    async def _step_async(self, out: MemoryObjectSendStream[EngineMessage]) -> bool:
+    async def _step_async(self, out: MemoryObjectSendStream[EngineMessage | None]) -> bool:
         """Steps 5-7 with async scheduling: schedule step n+1, then (in the worker thread)
         launch it and wait for step n, apply step n's results and send them while n+1 runs."""
         core = self.core
@@ -246,7 +246,7 @@ class EngineCoreProc:
             await anyio.lowlevel.checkpoint()
         return True
 
-    async def _drain(self, out: MemoryObjectSendStream[EngineMessage]) -> None:
+    async def _drain(self, out: MemoryObjectSendStream[EngineMessage | None]) -> None:
         """Let the steps in flight end and send their outputs (async scheduling)."""
         core = self.core
         while core.num_in_flight:
@@ -312,26 +312,32 @@ class EngineCoreProc:
         assert scope.cancelled_caught
         raise TimeoutError(f"a step ran longer than step_timeout_s ({self._step_timeout_s} s)")
 
-    def _send(self, out: MemoryObjectSendStream[EngineMessage], message: EngineMessage) -> None:
-        """Send ``message`` right away when nothing is queued before it and the socket takes it;
-        else queue it for the output task (which waits while the socket is full)."""
+    def _send(
+        self, out: MemoryObjectSendStream[EngineMessage | None], message: EngineMessage
+    ) -> None:
+        """Send ``message`` right away when nothing is queued before it and the pipe takes it;
+        else queue it for the output task (which waits while the pipe is full). A message the
+        pipe took only in part queues None: the output task writes the rest."""
         self._num_sent += 1
+        queued: EngineMessage | None = message
         if self._num_queued == 0:
-            try:
-                self._output.send(self._encoder.encode(message), zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                pass
+            pipe = self._output
+            if pipe.send_nowait(self._encoder.encode(message)):
+                if not pipe.needs_flush:
+                    return
+                queued = None
         self._num_queued += 1
-        out.send_nowait(message)
+        out.send_nowait(queued)
 
-    def _emit(self, out: MemoryObjectSendStream[EngineMessage], outputs: EngineCoreOutputs) -> None:
+    def _emit(
+        self, out: MemoryObjectSendStream[EngineMessage | None], outputs: EngineCoreOutputs
+    ) -> None:
         if not outputs.is_empty:
             self._send(out, outputs)
 
     # -- control calls --------------------------------------------------------------------------
 
-    async def _run_calls(self, out: MemoryObjectSendStream[EngineMessage]) -> None:
+    async def _run_calls(self, out: MemoryObjectSendStream[EngineMessage | None]) -> None:
         await self._drain(out)
         while self._calls:
             call = self._calls.popleft()
@@ -362,7 +368,7 @@ class EngineCoreProc:
         return UtilityReply(call.call_id, result=result)
 
     def _answer_pauses(
-        self, out: MemoryObjectSendStream[EngineMessage], *, drained: bool = False
+        self, out: MemoryObjectSendStream[EngineMessage | None], *, drained: bool = False
     ) -> None:
         """Answer pause("wait") calls once nothing is in flight, or once the mode changed."""
         if not self._waiting_pauses:
@@ -392,7 +398,7 @@ class EngineCoreProc:
         )
 
     async def _heartbeat_loop(
-        self, out: MemoryObjectSendStream[EngineMessage], interval_s: float
+        self, out: MemoryObjectSendStream[EngineMessage | None], interval_s: float
     ) -> None:
         """Every ``interval_s``: a heartbeat when the engine has work and nothing was sent since
         the last look. A message at most every two intervals, and none while idle or busy
@@ -407,20 +413,17 @@ class EngineCoreProc:
     # -- input and output -----------------------------------------------------------------------
 
     async def _input_loop(self) -> None:
-        sock = self._input
+        pipe = self._input
         handle = self._handle
         while True:
-            frame = await recv_async(sock)
+            frame: bytes | None = await pipe.recv()
             num_handled = 0
-            while True:
+            while frame is not None:
                 handle(frame)
                 num_handled += 1
                 if num_handled == _MAX_MESSAGES_PER_WAKE:
                     break
-                try:
-                    frame = sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+                frame = pipe.recv_ready()  # the socket is asked again after the step's turn
             self._wake.set()
             # Let the step task act on what arrived before re-arming the wait on the socket:
             # the re-arm is then off the path from a request's arrival to its step.
@@ -452,12 +455,15 @@ class EngineCoreProc:
             case Shutdown():
                 self.request_shutdown("the client")
 
-    async def _output_loop(self, receive: MemoryObjectReceiveStream[EngineMessage]) -> None:
+    async def _output_loop(self, receive: MemoryObjectReceiveStream[EngineMessage | None]) -> None:
         encode = self._encoder.encode
-        sock = self._output
+        pipe = self._output
         async with receive:
             async for message in receive:
-                await send_async(sock, encode(message))
+                if message is None:  # the rest of a message the pipe took in part
+                    await pipe.flush()
+                else:
+                    await pipe.send(encode(message))
                 self._num_queued -= 1
                 if self._backlogged and self._num_queued < _MAX_QUEUED_OUTPUTS // 2:
                     self._wake.set()

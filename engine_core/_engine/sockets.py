@@ -1,9 +1,12 @@
-"""The ZMQ sockets of a client / engine-core pair: where they bind, and how an event loop awaits
-them under asyncio and trio alike.
+"""Where the pipes of a client / engine-core pair bind, and how an event loop awaits a ZMQ
+socket under asyncio and trio alike.
 
-Addresses. By default the sockets are ``ipc://`` paths in a private temporary directory (mode
-0700, so other users cannot connect), removed when the client shuts down. With
-``transport="tcp"`` they bind ``host`` (127.0.0.1 unless told otherwise) on ports the OS picks.
+Addresses. By default the pipes are Unix stream sockets (``unix://``, see ``unix_stream``) at
+paths in a private temporary directory (mode 0700, so other users cannot connect), removed when
+the client shuts down; ``transport="zmq-ipc"`` (or ``ENGINE_CORE_IPC_TRANSPORT=zmq`` in the
+environment, or a platform without epoll) makes them ZMQ ``ipc://`` sockets in the same
+directory. With ``transport="tcp"`` they are ZMQ sockets bound on ``host`` (127.0.0.1 unless
+told otherwise) on ports the OS picks.
 
 Awaiting. pyzmq's async sockets are asyncio-only, so an event loop waits instead on the socket's
 notification descriptor (``zmq.FD``) with :func:`anyio.wait_readable`. That descriptor is
@@ -25,9 +28,9 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import shutil
 import tempfile
-import uuid
 from typing import Any, Literal
 
 import anyio
@@ -36,6 +39,7 @@ import zmq
 
 __all__ = [
     "OUTPUT_HWM",
+    "TRANSPORTS",
     "DeploymentKeys",
     "EngineKeys",
     "admit_only",
@@ -44,12 +48,14 @@ __all__ = [
     "deployment_keys",
     "SocketAddresses",
     "Transport",
+    "unix_stream_available",
     "make_socket",
     "recv_async",
     "send_async",
 ]
 
-Transport = Literal["ipc", "tcp"]
+Transport = Literal["ipc", "zmq-ipc", "tcp"]
+TRANSPORTS: tuple[Transport, ...] = ("ipc", "zmq-ipc", "tcp")
 
 OUTPUT_HWM = 16
 """Step outputs ZMQ holds on each side of the engine -> client pipe. A client that stops reading
@@ -58,33 +64,40 @@ having every step's output pile up in both processes' memory."""
 
 
 class SocketAddresses:
-    """Where the client's output socket and the engine's input socket bind.
+    """Where the client's output pipe and the engine's input pipe bind.
 
     ``output`` and ``input`` are bind addresses (``tcp://host:*`` picks a free port; the bound
-    endpoint is read back from the socket). ``wake`` is an in-process address the client's
-    output socket also binds, for messages from its own process watch.
+    endpoint is read back from the socket); their scheme chooses the pipe (see ``transport``).
     """
 
     def __init__(self, transport: Transport = "ipc", host: str = "127.0.0.1") -> None:
-        if transport not in ("ipc", "tcp"):
-            raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport == "ipc" and not unix_stream_available():
+            transport = "zmq-ipc"
         self.transport = transport
         self.directory: str | None = None
-        if transport == "ipc":
-            self.directory = tempfile.mkdtemp(prefix="engine-core-")
-            os.chmod(self.directory, 0o700)  # mkdtemp's default; stated, not assumed
-            self.output = f"ipc://{self.directory}/output"
-            self.input = f"ipc://{self.directory}/input"
-        else:
+        if transport == "tcp":
             self.output = f"tcp://{host}:*"
             self.input = f"tcp://{host}:*"
-        self.wake = f"inproc://engine-core-wake-{uuid.uuid4().hex}"
+        else:
+            self.directory = tempfile.mkdtemp(prefix="engine-core-")
+            os.chmod(self.directory, 0o700)  # mkdtemp's default; stated, not assumed
+            scheme = "unix" if transport == "ipc" else "ipc"
+            self.output = f"{scheme}://{self.directory}/output"
+            self.input = f"{scheme}://{self.directory}/input"
 
     def remove(self) -> None:
         """Delete the private directory (idempotent)."""
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
+
+
+def unix_stream_available() -> bool:
+    """Whether same-host pipes are Unix stream sockets: where there is epoll, unless
+    ``ENGINE_CORE_IPC_TRANSPORT=zmq`` asks for ZMQ's ``ipc://`` sockets."""
+    return hasattr(select, "epoll") and os.environ.get("ENGINE_CORE_IPC_TRANSPORT") != "zmq"
 
 
 def make_socket(

@@ -1,11 +1,14 @@
-"""``EngineCoreProc`` served in this process over in-process ZMQ sockets (no spawn: fast and
-deterministic). The process entry point and the client are tested in test_mp_client.py."""
+"""``EngineCoreProc`` served in this process over Unix stream pipes (ZMQ in-process sockets
+where a test says so; no spawn: fast and deterministic). The process entry point and the client
+are tested in test_mp_client.py."""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import random
+import socket
+import tempfile
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -16,13 +19,14 @@ import anyio
 import anyio.to_thread
 import msgspec
 import pytest
-import zmq
 from engine_core_mock import MockBackend
 
 from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
 from engine_core._engine.core import EngineCore
 from engine_core._engine.proc import EngineCoreProc
-from engine_core._engine.sockets import OUTPUT_HWM, make_socket, recv_async
+from engine_core._engine.sockets import OUTPUT_HWM
+from engine_core._engine.transport import Pipes, Receiver, Sender
+from engine_core._engine.unix_stream import StreamSender
 from engine_core._engine.wire import (
     AbortRequests,
     ClientMessage,
@@ -88,9 +92,7 @@ def request(request_id: str, prompt: list[int], max_tokens: int = 16) -> EngineC
 class Peer:
     """The client's side of the sockets, speaking the wire protocol by hand."""
 
-    def __init__(
-        self, proc: EngineCoreProc, to_engine: zmq.Socket[bytes], from_engine: zmq.Socket[bytes]
-    ) -> None:
+    def __init__(self, proc: EngineCoreProc, to_engine: Sender, from_engine: Receiver) -> None:
         self.proc = proc
         self.core = proc.core
         self._to_engine = to_engine
@@ -103,14 +105,14 @@ class Peer:
 
     def send(self, *messages: ClientMessage) -> None:
         for message in messages:
-            self._to_engine.send(self._encode(message))
+            self._to_engine.send_nowait(self._encode(message))
 
     def send_raw(self, frame: bytes) -> None:
-        self._to_engine.send(frame)
+        self._to_engine.send_nowait(frame)
 
     async def recv_any(self) -> EngineMessage:
         with anyio.fail_after(_TIMEOUT_S):
-            return self._decoder.decode(await recv_async(self._from_engine))
+            return self._decoder.decode(await self._from_engine.recv())
 
     async def recv(self) -> EngineMessage:
         """The next message other than a heartbeat."""
@@ -159,32 +161,32 @@ def wired(
     core: EngineCore,
     step_timeout_s: float | None = None,
     heartbeat_interval_s: float | None = None,
+    pipes: str = "unix",
 ) -> Iterator[Peer]:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    name = uuid.uuid4().hex
-    sockets = [
-        engine_in := make_socket(ctx, zmq.PULL),
-        engine_out := make_socket(ctx, zmq.PUSH, hwm=OUTPUT_HWM),
-        to_engine := make_socket(ctx, zmq.PUSH),
-        from_engine := make_socket(ctx, zmq.PULL, hwm=OUTPUT_HWM),
-    ]
-    try:
-        engine_in.bind(f"inproc://{name}-in")
-        from_engine.bind(f"inproc://{name}-out")
-        engine_out.connect(f"inproc://{name}-out")
-        to_engine.connect(f"inproc://{name}-in")
-        proc = EngineCoreProc(
-            core,
-            engine_in,
-            engine_out,
-            step_timeout_s=step_timeout_s,
-            heartbeat_interval_s=heartbeat_interval_s,
-        )
-        yield Peer(proc, to_engine, from_engine)
-    finally:
-        for sock in sockets:
-            sock.close()
-        ctx.term()
+    """The engine's pipes and the peer's: Unix stream sockets in a temporary directory
+    (``pipes="unix"``, as between processes) or ZMQ in-process sockets (``"zmq"``)."""
+    opened = Pipes()
+    with tempfile.TemporaryDirectory() as directory:
+        if pipes == "unix":
+            to_in, to_out = f"unix://{directory}/in", f"unix://{directory}/out"
+        else:
+            name = uuid.uuid4().hex
+            to_in, to_out = f"inproc://{name}-in", f"inproc://{name}-out"
+        try:
+            engine_in = opened.receiver(to_in)
+            from_engine = opened.receiver(to_out, hwm=OUTPUT_HWM)
+            engine_out = opened.sender(to_out, hwm=OUTPUT_HWM)
+            to_engine = opened.sender(to_in)
+            proc = EngineCoreProc(
+                core,
+                engine_in,
+                engine_out,
+                step_timeout_s=step_timeout_s,
+                heartbeat_interval_s=heartbeat_interval_s,
+            )
+            yield Peer(proc, to_engine, from_engine)
+        finally:
+            opened.close()
 
 
 def make_core(backend_cls: type[MockBackend] = MockBackend, **options: Any) -> EngineCore:
@@ -195,11 +197,12 @@ def make_core(backend_cls: type[MockBackend] = MockBackend, **options: Any) -> E
 async def serving(
     backend_cls: type[MockBackend] = MockBackend,
     heartbeat_interval_s: float | None = None,
+    pipes: str = "unix",
     **options: Any,
 ) -> AsyncIterator[Peer]:
     core = make_core(backend_cls, **options)
     try:
-        with wired(core, heartbeat_interval_s=heartbeat_interval_s) as peer:
+        with wired(core, heartbeat_interval_s=heartbeat_interval_s, pipes=pipes) as peer:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(peer.proc.run)
                 yield peer
@@ -503,13 +506,21 @@ async def _held_back(peer: Peer) -> int:
     return peer.core.num_steps
 
 
-async def test_a_client_that_stops_reading_holds_the_engine_back() -> None:
-    async with serving() as peer:
+@pytest.mark.parametrize("pipes", ["unix", "zmq"])
+async def test_a_client_that_stops_reading_holds_the_engine_back(pipes: str) -> None:
+    async with serving(pipes=pipes) as peer:
         peer.send(request("r1", [1], max_tokens=100_000))
-        # Nothing is read: the engine steps until the socket's queues (OUTPUT_HWM each way on
-        # an inproc pipe) and the few outputs it queues itself are full, then waits.
+        # Nothing is read: the engine steps until the pipe's buffers and the few outputs it
+        # queues itself are full, then waits.
         held = await _held_back(peer)
-        assert 2 * OUTPUT_HWM <= held <= 2 * OUTPUT_HWM + 8
+        if pipes == "zmq":  # the sockets' queues: OUTPUT_HWM each way on an inproc pipe
+            assert 2 * OUTPUT_HWM <= held <= 2 * OUTPUT_HWM + 8
+        else:  # the kernel's socket buffer, which counts bytes (and a few hundred per write)
+            output = peer.proc._output
+            assert isinstance(output, StreamSender)
+            sndbuf = output._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+            frame = msgspec.msgpack.encode(EngineCoreOutputs(["r1"], [[2]]))
+            assert 2 * OUTPUT_HWM <= held <= sndbuf // len(frame)
         await anyio.sleep(0.1)  # time passing is the test: no step while nothing is read
         assert peer.core.num_steps == held
         # Input is still handled while it waits: a control call answers once read up to.

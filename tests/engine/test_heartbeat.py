@@ -13,21 +13,20 @@ import os
 import re
 import select
 import signal
+import tempfile
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import anyio
 import msgspec
 import pytest
-import zmq
 
 from engine_core import LLM, AsyncLLM, SamplingParams
 from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
 from engine_core._engine.inbox import EngineInbox
 from engine_core._engine.mp_client import MPClient
-from engine_core._engine.sockets import make_socket
+from engine_core._engine.transport import Pipes
 from engine_core._engine.wire import Heartbeat, Silence, UtilityReply
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineDeadError
@@ -355,12 +354,11 @@ class Wire:
     would, but in an order the test chooses)."""
 
     def __init__(self, limit: float) -> None:
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        name = f"inproc://{uuid.uuid4().hex}"
-        self.pull = make_socket(self._ctx, zmq.PULL)
-        self.pull.bind(name)
-        self.push = make_socket(self._ctx, zmq.PUSH)
-        self.push.connect(name)
+        self._directory = tempfile.TemporaryDirectory()
+        self._pipes = Pipes()
+        address = f"unix://{self._directory.name}/output"
+        self.pull = self._pipes.receiver(address)
+        self.push = self._pipes.sender(address)
         self.silences: list[float] = []
         self.posted: list[bytes] = []
         self.inbox = EngineInbox(
@@ -374,7 +372,7 @@ class Wire:
 
     def send(self, *messages: object) -> None:
         for message in messages:
-            self.push.send(msgspec.msgpack.encode(message))
+            self.push.send_nowait(msgspec.msgpack.encode(message))
 
     def read_all(self) -> None:
         """Sort every frame sent so far (the last one is a reply the test expects)."""
@@ -384,9 +382,8 @@ class Wire:
         self.inbox.take_reply(99)
 
     def close(self) -> None:
-        self.push.close()
-        self.pull.close()
-        self._ctx.term()
+        self._pipes.close()
+        self._directory.cleanup()
 
 
 @pytest.fixture

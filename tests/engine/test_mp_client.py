@@ -10,6 +10,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -25,6 +26,7 @@ from engine_core._core.protocol import (
     FinishedRequest,
 )
 from engine_core._engine.mp_client import MPClient, RemoteEngineError
+from engine_core._engine.sockets import Transport
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineClosedError, EngineDeadError
 from engine_core.sampling_params import SamplingParams
@@ -378,10 +380,21 @@ def test_engine_exits_when_its_parent_dies(runtime: str) -> None:
     assert not os.path.exists(directory)  # the engine removed the parent's socket directory
 
 
-def test_tcp_transport_binds_localhost() -> None:
-    with MPClient(config(), transport="tcp") as client:
+@pytest.mark.parametrize(
+    ("transport", "scheme"),
+    [("ipc", "unix://"), ("zmq-ipc", "ipc://"), ("tcp", "tcp://127.0.0.1:")],
+)
+def test_each_transport_serves(transport: Transport, scheme: str) -> None:
+    threads, fds = set(threading.enumerate()), set(os.listdir("/proc/self/fd"))
+    with MPClient(config(), transport=transport) as client:
         ready = client._inbox.ready
         assert ready is not None
-        assert ready.input_address.startswith("tcp://127.0.0.1:")
+        assert ready.input_address.startswith(scheme)
+        directory = client._sockets.addresses.directory
         client.add_request(request("n1", [5], max_tokens=2))
         assert tokens_until_finished(client, "n1") == ([6, 7], FinishedRequest("n1", "length"))
+    # Closed: the socket directory is gone, and so are the client's threads and descriptors.
+    assert (directory is None) == (transport == "tcp")
+    assert directory is None or not os.path.exists(directory)
+    assert set(threading.enumerate()) - threads == set()
+    assert set(os.listdir("/proc/self/fd")) == fds

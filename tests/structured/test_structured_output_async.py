@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 import threading
-import uuid
 from typing import Any
 
 import anyio
 import msgspec
 import pytest
-import zmq
 from helpers.schemas import PERSON
 
 from engine_core import (
@@ -26,7 +25,8 @@ from engine_core import (
 from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
 from engine_core._engine.core import EngineCore
 from engine_core._engine.proc import EngineCoreProc
-from engine_core._engine.sockets import make_socket, recv_async
+from engine_core._engine.sockets import OUTPUT_HWM
+from engine_core._engine.transport import Pipes
 from engine_core._engine.wire import Shutdown, engine_message_decoder
 from engine_core.config import EngineConfig
 
@@ -145,30 +145,26 @@ async def test_an_idle_engine_process_ends_a_request_whose_grammar_times_out(
     monkeypatch.setattr(module, "compile_grammar", lambda *_: release.wait(10) and None)
     core = EngineCore(EngineConfig(backend="mock", tokenizer="byte"))
     core.structured_output.compile_timeout_s = 0.2
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    name = uuid.uuid4().hex
-    engine_in, engine_out = make_socket(ctx, zmq.PULL), make_socket(ctx, zmq.PUSH)
-    to_engine, from_engine = make_socket(ctx, zmq.PUSH), make_socket(ctx, zmq.PULL)
+    pipes = Pipes()
+    directory = tempfile.TemporaryDirectory()
+    to_in, to_out = f"unix://{directory.name}/in", f"unix://{directory.name}/out"
     try:
-        engine_in.bind(f"inproc://{name}-in")
-        from_engine.bind(f"inproc://{name}-out")
-        engine_out.connect(f"inproc://{name}-out")
-        to_engine.connect(f"inproc://{name}-in")
+        engine_in, from_engine = pipes.receiver(to_in), pipes.receiver(to_out)
+        engine_out, to_engine = pipes.sender(to_out, hwm=OUTPUT_HWM), pipes.sender(to_in)
         proc = EngineCoreProc(core, engine_in, engine_out)
         encode = msgspec.msgpack.Encoder().encode
         params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
         async with anyio.create_task_group() as tg:
             tg.start_soon(proc.run)
-            to_engine.send(encode(EngineCoreRequest("slow", [1, 2], params)))
+            to_engine.send_nowait(encode(EngineCoreRequest("slow", [1, 2], params)))
             # Nothing else happens: only the deadline can wake the engine.
             with anyio.fail_after(5):
-                message = engine_message_decoder().decode(await recv_async(from_engine))
-            to_engine.send(encode(Shutdown()))
+                message = engine_message_decoder().decode(await from_engine.recv())
+            to_engine.send_nowait(encode(Shutdown()))
     finally:
         release.set()
-        for sock in (engine_in, engine_out, to_engine, from_engine):
-            sock.close()
-        ctx.term()
+        pipes.close()
+        directory.cleanup()
         core.close()
     assert isinstance(message, EngineCoreOutputs)
     assert message.finished == [
