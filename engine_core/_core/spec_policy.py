@@ -175,7 +175,9 @@ class SpecPolicy:
         rates: dict[int, tuple[float, int]] = {0: (base_rate, _BUCKETS)}
         for k in choices:
             if k:
-                rates[k] = self._best(counts, k, num, base_s, base_rate)
+                rate, first_bucket = self._best(counts, k, num, base_s, base_rate)
+                if first_bucket < _BUCKETS:  # else nobody is drafted: that is k = 0
+                    rates[k] = (rate, first_bucket)
         best = max(rates, key=lambda k: rates[k][0])
         if self.k in rates and rates[self.k][0] * _HYSTERESIS >= rates[best][0]:
             best = self.k  # not worth a change
