@@ -560,12 +560,24 @@ class Scheduler:
         the caller filters it out) and report it."""
         request.set_status(status)
         self._free(request)
+        spec = request.spec
         out.finished.append(
             FinishedRequest(
                 request.request_id,
                 FINISH_REASONS[status],
                 request.stop_reason,
                 request.error,
+            )
+            if spec is None
+            else FinishedRequest(
+                request.request_id,
+                FINISH_REASONS[status],
+                request.stop_reason,
+                request.error,
+                False,
+                spec.num_drafts,
+                spec.num_draft_tokens,
+                spec.num_accepted_tokens,
             )
         )
 
