@@ -14,7 +14,7 @@ from engine_core._core.protocol import EngineCoreRequest
 from engine_core._engine.core import EngineCore
 from engine_core.abc import CachedRequestData, SpecSupport
 from engine_core.config import EngineConfig, SpeculativeConfig
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def _verifier(support: SpecSupport) -> type[MockBackend]:
@@ -235,3 +235,34 @@ def test_a_pinned_k_of_0_is_the_path_without_speculation() -> None:
     assert [msgspec.structs.replace(s, num_draft_tokens=0, draft_req_ids=None) for s in probed] == (
         off
     )
+
+
+@pytest.mark.parametrize(("spec", "options"), SPECS[::2])
+def test_structured_outputs_with_speculation_are_those_without(
+    spec: dict[str, Any], options: dict[str, Any]
+) -> None:
+    pytest.importorskip("llguidance")
+    requests = []
+    for i, pattern in enumerate([r"[a-z ]{10,60}\.", r"(fox|dog|the|quick| )+!", r"[a-e]{30}"]):
+        params = SamplingParams(
+            temperature=0.0 if i % 2 == 0 else 0.8,
+            seed=i,
+            max_tokens=50,
+            structured_outputs=StructuredOutputsParams(regex=pattern),
+        )
+        prompt = list(b"the quick brown fox jumps over the lazy dog the quick brown fox ")
+        requests.append(EngineCoreRequest(f"g{i}", prompt[i:], params))
+    requests += workload(False)[:3]
+    off, _ = run_workload(None, requests, options=options)
+    on, core = run_workload(spec, requests, options=options)
+    assert on == off
+    assert all(off[f"g{i}"].finish is not None for i in range(3))
+    backend = core.backend
+    assert isinstance(backend, ScriptedSpecBackend)
+    assert core.scheduler.spec is not None
+    assert core.scheduler.spec.stats.num_accepted_tokens > 0
+    if spec["method"] == "ngram":
+        # Some step had more grammar rows than constrained requests: the prompt's n-grams
+        # fit the grammars, so constrained requests verified drafts. (The scripted drafter's
+        # drafts ignore the grammars: truncated to none, they leave one row each.)
+        assert max(backend.bitmask_rows) > 3
