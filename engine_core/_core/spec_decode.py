@@ -14,7 +14,8 @@ only verified tokens are ever prefix-cached.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from engine_core._core.spec_policy import Acceptance, CostModel, SpecPolicy
 from engine_core.errors import BackendError
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from engine_core.abc import SpecSupport
     from engine_core.config import SpeculativeConfig
 
-__all__ = ["SpecDecoder", "SpecState", "SpecStats", "check_verified"]
+__all__ = ["Proposer", "SpecDecoder", "SpecState", "SpecStats", "check_verified"]
 
 PROBE_PERIOD = 8
 """A request left undrafted is probed (its proposal scored against the tokens that follow)
@@ -36,6 +37,15 @@ DEFAULT_COST = CostModel(5e-3, 5e-5)
 
 NGRAM_PROPOSE_S = 5e-6
 """Host time of one n-gram proposal, for the policy."""
+
+
+class Proposer(Protocol):
+    """What proposes drafts in the core (:class:`~engine_core.spec.NgramProposer`; the
+    conformance checks script theirs)."""
+
+    def propose(
+        self, token_ids: Sequence[int], k: int, index: NgramIndex | None = None
+    ) -> list[int]: ...
 
 
 class SpecState:
@@ -138,7 +148,7 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.k_max = config.num_speculative_tokens
         self.in_core = config.proposed_in_core
-        self.proposer = (
+        self.proposer: Proposer | None = (
             NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
             if self.in_core
             else None

@@ -15,6 +15,7 @@ from engine_core._engine.core import EngineCore
 from engine_core.abc import CachedRequestData, SpecSupport
 from engine_core.config import EngineConfig, SpeculativeConfig
 from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
+from engine_core.testing import check_spec_decode
 
 
 def _verifier(support: SpecSupport) -> type[MockBackend]:
@@ -266,3 +267,75 @@ def test_structured_outputs_with_speculation_are_those_without(
         # fit the grammars, so constrained requests verified drafts. (The scripted drafter's
         # drafts ignore the grammars: truncated to none, they leave one row each.)
         assert max(backend.bitmask_rows) > 3
+
+
+# -- the conformance check -------------------------------------------------------------------------
+
+
+def test_a_verifying_backend_passes_check_spec_decode() -> None:
+    check_spec_decode(ScriptedSpecBackend)
+
+
+def test_check_spec_decode_passes_a_backend_that_cannot_verify() -> None:
+    check_spec_decode(ScriptedSpecBackend, EngineConfig(backend_options={"spec": False}))
+
+
+class AcceptsEverything(ScriptedSpecBackend):
+    """Accepts every draft, right or wrong (then samples after them)."""
+
+    def sample_tokens(self, grammar_bitmask: Any | None) -> Any:
+        out = super().sample_tokens(grammar_bitmask)
+        cached = self.last.cached  # type: ignore[union-attr]
+        for i in range(len(cached.req_ids)):
+            drafts = cached.drafts_of(i)
+            if drafts:
+                state = self.states[cached.req_ids[i]]
+                kept = out.sampled_token_ids[i]
+                sequence = state.tokens[: len(state.tokens) - len(kept)] + drafts
+                tokens = drafts + [self.next_token(state, sequence)]
+                state.tokens = sequence + tokens[-1:]
+                state.num_computed_tokens = len(state.tokens) - 1
+                out.sampled_token_ids[i] = tokens
+        return out
+
+
+class ForgetsToRollBack(ScriptedSpecBackend):
+    """Counts rejected drafts as computed."""
+
+    def sample_tokens(self, grammar_bitmask: Any | None) -> Any:
+        out = super().sample_tokens(grammar_bitmask)
+        cached = self.last.cached  # type: ignore[union-attr]
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.states.get(req_id)
+            if state is not None and cached.drafts_of(i):
+                state.num_computed_tokens = (
+                    cached.num_computed_tokens[i] + cached.num_scheduled_tokens[i]
+                )
+        return out
+
+
+class OneTokenTooMany(ScriptedSpecBackend):
+    """Returns a token more than a verifier can for requests with drafts."""
+
+    def sample_tokens(self, grammar_bitmask: Any | None) -> Any:
+        out = super().sample_tokens(grammar_bitmask)
+        cached = self.last.cached  # type: ignore[union-attr]
+        for i in range(len(cached.req_ids)):
+            if cached.drafts_of(i):
+                out.sampled_token_ids[i] = [*cached.drafts_of(i), 1, 2]
+        return out
+
+
+def test_check_spec_decode_catches_a_wrong_draft_accepted() -> None:
+    with pytest.raises(AssertionError, match="drafts all wrong, request 'a': got tokens"):
+        check_spec_decode(AcceptsEverything)
+
+
+def test_check_spec_decode_catches_what_no_verifier_returns() -> None:
+    with pytest.raises(AssertionError, match=r"returned \d+ tokens for \d+ drafts"):
+        check_spec_decode(OneTokenTooMany)
+
+
+def test_check_spec_decode_catches_a_missing_rollback() -> None:
+    with pytest.raises(RuntimeError, match="the scheduler says .* tokens are computed"):
+        check_spec_decode(ForgetsToRollBack)
