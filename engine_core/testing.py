@@ -381,7 +381,7 @@ def check_spec_decode(make_backend: BackendFactory, config: EngineConfig | None 
         "b": make_prompt(31, bs + 3),
         "c": make_prompt(32, 2 * bs + 1),
     }
-    num_out = 3 * bs
+    num_out = max(3 * bs, 24)
     sampled = {"temperature": 0.8, "seed": 7}
     with opened(make_backend, config) as h:
         expected = {k: h.generate(f"{k}-ref", p, num_out) for k, p in prompts.items()}
@@ -426,11 +426,12 @@ def check_spec_decode(make_backend: BackendFactory, config: EngineConfig | None 
         h.proposer.right = patterns["mixed"]
         h.add("a", prompts["a"], num_out)
         h.add("b", prompts["b"], num_out)
-        for _ in range(4):
-            h.step()
+        h.step()
+        h.step()
+        assert [r.request_id for r in h.scheduler.running] == ["a", "b"]
         h.scheduler.reset_prefix_cache(reset_running_requests=True)
-        for _ in range(3):
-            h.step()
+        h.step()
+        h.step()
         h.set_token_budget(bs)
         h.add("c", prompts["c"], num_out)
         outputs = h.run()
