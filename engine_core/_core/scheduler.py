@@ -545,10 +545,10 @@ class Scheduler:
                     self.waiting.discard(request)
                 self._finish(request, status, out)
                 any_finished = True
-            elif spec is not None:
-                spec.after_tokens(
-                    request, tokens, backend_drafts[index] if backend_drafts is not None else None
-                )
+            elif spec is not None and request.spec is not None:
+                drafts = backend_drafts[index] if backend_drafts is not None else None
+                if drafts or request.spec.shadow or request.spec.probing:
+                    spec.after_tokens(request, tokens, drafts)
         if runner_output.prompt_logprobs:
             self._add_prompt_logprobs(
                 scheduled, scheduler_output, runner_output.prompt_logprobs, out
