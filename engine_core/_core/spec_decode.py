@@ -292,7 +292,8 @@ class SpecDecoder:
             spec.shadow = self._propose(request, spec, self.k_max)
         else:
             spec.probing = True
-            self._ask_drafts(request, self.k_max)
+            # As many as the drafted requests are asked for, if any (one count per step).
+            self._ask_drafts(request, self.k + 1 if self.k else self.k_max)
 
     def sampling(self, request: Request) -> None:
         """``request`` samples a token this step: a backend proposer drafts for its next step
@@ -311,9 +312,20 @@ class SpecDecoder:
             self.num_draft_tokens = num
         self.draft_req_ids.append(request.request_id)
 
+    def asks_drafts(self, request: Request) -> bool:
+        """Whether a backend proposer drafts for ``request`` after this step (drafted or
+        probed)."""
+        spec = request.spec
+        if self.in_core or spec is None:
+            return False
+        return spec.probing or (self.k > 0 and self._drafted(spec))
+
     def lookahead(self) -> int:
-        """KV slots to reserve past a drafted request's scheduled positions this step."""
-        return self.support.lookahead_tokens(self.k + 1) if self.k and not self.in_core else 0
+        """KV slots to reserve past the scheduled positions of a request a backend proposer
+        drafts for this step (drafted or probed): for the drafts asked of it."""
+        if self.in_core:
+            return 0
+        return self.support.lookahead_tokens(self.k + 1 if self.k else self.k_max)
 
     def unscheduled(self, request: Request) -> None:
         """``request`` left the step or was preempted: its drafts are dropped."""
