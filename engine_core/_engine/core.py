@@ -426,7 +426,11 @@ class EngineCore:
         try:
             return self._execute(scheduler_output)
         finally:
-            self._device_busy_s += self.clock() - start
+            elapsed = self.clock() - start
+            self._device_busy_s += elapsed
+            spec = self.scheduler.spec
+            if spec is not None:
+                spec.observe_step(scheduler_output.total_num_scheduled_tokens, elapsed)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         backend = self.backend
