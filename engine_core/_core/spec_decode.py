@@ -148,12 +148,9 @@ def check_verified(request_id: str, drafts: list[int], tokens: list[int]) -> int
 class SpecDecoder:
     """The scheduler's speculative decoding: drafts, the policy and the counters."""
 
-    def __init__(
-        self, config: SpeculativeConfig, support: SpecSupport, *, max_model_len: int
-    ) -> None:
+    def __init__(self, config: SpeculativeConfig, support: SpecSupport) -> None:
         self.config = config
         self.support = support
-        self.max_model_len = max_model_len
         self.k_max = config.num_speculative_tokens
         self.in_core = config.proposed_in_core
         self.proposer: Proposer | None = (

@@ -214,9 +214,7 @@ class EngineCore:
         self.vocab_size = backend.vocab_size()
         spec = None
         if config.speculative_config is not None and self.spec_support is not None:
-            spec = SpecDecoder(
-                config.speculative_config, self.spec_support, max_model_len=self.max_model_len
-            )
+            spec = SpecDecoder(config.speculative_config, self.spec_support)
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine_config(config), self.num_kv_blocks, spec
         )

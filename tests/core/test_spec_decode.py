@@ -234,7 +234,7 @@ def make_scheduler(
     spec = SpeculativeConfig(
         method=method, num_speculative_tokens=k, dynamic=dynamic, prompt_lookup_min=min_n
     )
-    return Scheduler(config, num_blocks, SpecDecoder(spec, support, max_model_len=max_model_len))
+    return Scheduler(config, num_blocks, SpecDecoder(spec, support))
 
 
 def add(scheduler: Scheduler, request_id: str, prompt: list[int], **params: object) -> Request:
