@@ -39,9 +39,16 @@ from engine_core._core.protocol import (
 )
 from engine_core._core.request import Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
+from engine_core._core.spec_decode import SpecDecoder
 from engine_core._plugins import load_backend, resolve_backend
 from engine_core._structured.manager import StructuredOutputManager
-from engine_core.abc import AsyncModelRunnerOutput, Backend, ModelRunnerOutput, SchedulerOutput
+from engine_core.abc import (
+    AsyncModelRunnerOutput,
+    Backend,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SpecSupport,
+)
 from engine_core.config import EngineConfig
 from engine_core.errors import BackendError
 
@@ -88,6 +95,8 @@ def resolve_async_scheduling(config: EngineConfig, backend: Backend) -> bool:
     whether the backend supports it and its step waits on a device (``step_in_thread``: a step
     that holds the GIL throughout leaves nothing to overlap, and a step in flight would only
     delay its outputs); ``ValueError`` when asked of a backend that does not support it."""
+    if config.speculative_config is not None:
+        return False  # speculative decoding schedules synchronously (True fails in EngineConfig)
     supported = bool(getattr(backend, "supports_async_scheduling", False))
     if config.async_scheduling is None:
         return supported and backend.step_in_thread
@@ -97,6 +106,37 @@ def resolve_async_scheduling(config: EngineConfig, backend: Backend) -> bool:
             "it (leave it None to use it where supported)"
         )
     return config.async_scheduling
+
+
+def resolve_spec_support(config: EngineConfig, backend: Backend) -> SpecSupport | None:
+    """The backend's speculative-decoding capability when ``config`` asks for speculation (else
+    None); ``ValueError`` naming the backend when it cannot verify drafts, does not propose
+    drafts of the asked method, or verifies fewer drafts than asked."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    name = f"the {config.backend!r} backend ({type(backend).__name__})"
+    support = backend.spec_support()
+    if support is None:
+        raise ValueError(
+            f"speculative_config is set but {name} cannot verify drafts "
+            "(Backend.spec_support() is None); remove speculative_config or use a backend "
+            "that supports speculative decoding"
+        )
+    if not spec.proposed_in_core and spec.method not in support.proposers:
+        offered = ", ".join(["ngram", *support.proposers])
+        raise ValueError(
+            f"speculative method {spec.method!r} is not offered by {name}; it offers: {offered}"
+        )
+    if (
+        support.max_num_draft_tokens is not None
+        and spec.num_speculative_tokens > support.max_num_draft_tokens
+    ):
+        raise ValueError(
+            f"num_speculative_tokens ({spec.num_speculative_tokens}) exceeds what {name} "
+            f"verifies in one step ({support.max_num_draft_tokens})"
+        )
+    return support
 
 
 def _blocks_in_kv_memory(config: EngineConfig, backend: Backend) -> int:
@@ -159,6 +199,7 @@ class EngineCore:
         cls = backend_cls if backend_cls is not None else load_backend(config.backend, config)
         backend = cls(config)
         try:
+            self.spec_support = resolve_spec_support(config, backend)
             self.async_scheduling = resolve_async_scheduling(config, backend)
             config = msgspec.structs.replace(config, async_scheduling=self.async_scheduling)
             self.num_kv_blocks, config = size_kv_cache(config, backend)
@@ -171,7 +212,12 @@ class EngineCore:
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         self.max_model_len: int = config.max_model_len
         self.vocab_size = backend.vocab_size()
-        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.num_kv_blocks)
+        spec = None
+        if config.speculative_config is not None and self.spec_support is not None:
+            spec = SpecDecoder(config.speculative_config, self.spec_support)
+        self.scheduler = Scheduler(
+            SchedulerConfig.from_engine_config(config), self.num_kv_blocks, spec
+        )
         self.num_steps = 0
         self._in_flight: deque[_InFlight] = deque()
         """Async scheduling: launched steps whose results were not applied, oldest first."""
@@ -378,28 +424,43 @@ class EngineCore:
         try:
             return self._execute(scheduler_output)
         finally:
-            self._device_busy_s += self.clock() - start
+            elapsed = self.clock() - start
+            self._device_busy_s += elapsed
+            spec = self.scheduler.spec
+            if spec is not None:
+                spec.observe_step(scheduler_output.total_num_scheduled_tokens, elapsed)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         backend = self.backend
         matchers = None
+        drafts = None
         if self.scheduler.num_constrained:
-            matchers = StructuredOutputManager.bitmask_matchers(self.scheduler.scheduled)
+            if self.scheduler.spec is None:
+                matchers = StructuredOutputManager.bitmask_matchers(self.scheduler.scheduled)
+            else:
+                matchers, drafts = StructuredOutputManager.bitmask_matchers_with_drafts(
+                    self.scheduler.scheduled
+                )
         if not matchers:
             backend.execute_model(scheduler_output)
             return backend.sample_tokens(None)
         structured = self.structured_output
         if not backend.step_in_thread:
             backend.execute_model(scheduler_output)
-            return backend.sample_tokens(structured.fill_bitmask(matchers))
-        bitmask = structured.submit_bitmask(matchers)
+            bitmask = (
+                structured.fill_bitmask(matchers)
+                if drafts is None
+                else structured.fill_bitmask(matchers, drafts)
+            )
+            return backend.sample_tokens(bitmask)
+        future = structured.submit_bitmask(matchers, drafts)
         try:
             backend.execute_model(scheduler_output)
         except BaseException:
             # Never leave the helper touching matchers after a failed step.
-            concurrent.futures.wait((bitmask,))
+            concurrent.futures.wait((future,))
             raise
-        return backend.sample_tokens(bitmask.result())
+        return backend.sample_tokens(future.result())
 
     def execute_async(
         self, scheduler_output: SchedulerOutput | None
@@ -550,7 +611,26 @@ class EngineCore:
             prefix_cache_hits=kv.stats.hits,
             num_malformed_messages=self.num_malformed_messages,
             device_busy_s=self.device_busy_s,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        spec = self.scheduler.spec
+        if spec is None:
+            return {}
+        stats = spec.stats
+        return {
+            "spec_num_speculative_tokens": spec.k_max,
+            "spec_num_drafts": stats.num_drafts,
+            "spec_num_draft_tokens": stats.num_draft_tokens,
+            "spec_num_accepted_tokens": stats.num_accepted_tokens,
+            "spec_accepted_per_pos": list(stats.accepted_per_pos),
+            "spec_drafted_per_pos": list(stats.drafted_per_pos),
+            "spec_current_k": spec.k,
+            "spec_steps_by_k": dict(stats.steps_by_k),
+            "spec_shadow_drafts": stats.shadow_drafts,
+            "spec_shadow_accepted": stats.shadow_accepted,
+        }
 
     @property
     def device_busy_s(self) -> float:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from engine_core._core.protocol import EngineStats
-from engine_core.config import EngineConfig
+from engine_core.config import EngineConfig, SpeculativeConfig
 from engine_core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -70,6 +70,16 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "ray_driver_host": "10.0.0.2",
         "placement_timeout_s": 30.0,
     },
+    SpeculativeConfig: {
+        "method": "draft_model",
+        "num_speculative_tokens": 6,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 5,
+        "model": "/models/draft",
+        "dynamic": False,
+        "allowed_k": [2, 4],
+        "verification": "rejection",
+    },
     SamplingParams: {  # all but detokenize (see AT_DEFAULT)
         "n": 2,
         "temperature": 0.7,
@@ -94,18 +104,25 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "structured_outputs": StructuredOutputsParams(choice=["yes", "no"]),
         "logit_bias": {5: 1.5, 9: -100.0},
     },
-    # Every field (all are numbers) a different number, none 0 (the default of those that have
+    # Every field (numbers, or lists and dicts of them) a different number, none 0 (the default of those that have
     # one), so a field dropped or swapped on the way shows.
     EngineStats: {
         **(_numbers := _numbered_stats()),
         "engines": [EngineStats(**_numbers)],
         "engine_ranks": [3],
+        "spec_accepted_per_pos": [101, 102],
+        "spec_drafted_per_pos": [103, 104],
+        "spec_steps_by_k": {0: 105, 4: 106},
     },
 }
 """Per struct, keyword arguments that set every field away from its default."""
 
 AT_DEFAULT: dict[type[msgspec.Struct], dict[str, str]] = {
     SamplingParams: {"detokenize": "the stop strings need detokenize=True"},
+    EngineConfig: {
+        "speculative_config": "async_scheduling=True (set above) excludes speculative decoding; "
+        "SpeculativeConfig has its own instance"
+    },
 }
 """The fields an instance must leave at their default, and why."""
 
