@@ -45,7 +45,10 @@ Tokens (``vocab_size`` V):
   as they move the rule's. So a tool-calling or reasoning flow runs end to end in CI;
 - ``tensor_parallel_size``: pretend N ranks: N-1 dummy worker processes receive each step's
   broadcast and model it (no torch), the KV spec reports per-rank heads; with
-  ``tensor_parallel_memory_bytes`` (one int per rank) KV sizing takes the minimum over ranks.
+  ``tensor_parallel_memory_bytes`` (one int per rank) KV sizing takes the minimum over ranks;
+- ``copy_prompt``: ``{"fraction": f, "period": P}``, outputs come in periods of ``P`` tokens whose
+  last ``round(f * P)`` copy a span of the prompt (a stable hash of the period chooses where), as
+  a summary or an edit repeats its input: the workload prompt-lookup speculation is made for.
 """
 
 from __future__ import annotations

@@ -101,6 +101,7 @@ class MockBackend(Backend):
             fault if fault is None or fault.rank in (None, config.data_parallel_rank) else None
         )
         self._replies = Replies(options.replies, config.tokenizer_name) if options.replies else None
+        self._copy = options.copy
         # Without a latency model or a fault a step is a few microseconds of Python holding the
         # GIL: a worker thread would add its hand-off and no concurrency.
         self.step_in_thread = self.latency is not None or self.fault is not None
@@ -310,7 +311,10 @@ class MockBackend(Backend):
                 else None
             )
             state = RequestState(
-                new, request_seed(req_id, new.sampling_params.seed, self._engine_seed), reply
+                new,
+                request_seed(req_id, new.sampling_params.seed, self._engine_seed),
+                reply,
+                self._copy,
             )
             tokens = state.tokens
             if min(tokens) < 0 or max(tokens) >= vocab_size:
@@ -384,20 +388,17 @@ class MockBackend(Backend):
                     prompt_logprobs = self._add_prompt_logprobs(state, prompt_logprobs)
                 sampled.append([])
                 continue
-            centre = tokens[-1] + 1
-            if centre == vocab_size:
-                centre = 0
             if state.plain:  # the hot path: greedy, nothing else asked
+                centre = tokens[-1] + 1
+                if centre == vocab_size:
+                    centre = 0
                 tokens.append(centre)
                 sampled.append([centre])
                 continue
             if state.num_prompt_logprobs is not None:
                 prompt_logprobs = self._add_prompt_logprobs(state, prompt_logprobs)
-            reply = state.reply_token()
-            if reply is not None:
-                centre = reply
             words = rows.get(index) if rows is not None else None
-            token = self._choose(state, centre, words, reply)
+            token, centre = self._next_token(state, words)
             tokens.append(token)
             sampled.append([token])
             if state.num_logprobs is not None:
@@ -409,6 +410,17 @@ class MockBackend(Backend):
         if self.workers is not None:
             self._previous_sampled = sampled
         return ModelRunnerOutput(self._batch_ids, sampled, logprobs, prompt_logprobs)
+
+    def _next_token(self, state: RequestState, words: list[int] | None) -> tuple[int, int]:
+        """The token the mock samples after ``state.tokens`` (``words``: the grammar's bitmask
+        row), and the centre of the synthetic distribution there."""
+        centre = state.tokens[-1] + 1
+        if centre == self._vocab_size:
+            centre = 0
+        reply = state.reply_token()
+        if reply is not None:
+            centre = reply
+        return self._choose(state, centre, words, reply), centre
 
     def _choose(
         self, state: RequestState, centre: int, words: list[int] | None, reply: int | None
