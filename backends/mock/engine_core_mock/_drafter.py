@@ -66,8 +66,8 @@ class DraftLatency:
 class SpecOptions:
     """The parsed ``backend_options["spec"]``."""
 
-    num_tokens: int = 4
-    """Drafts the mock proposes per request and step at most."""
+    num_tokens: int | None = None
+    """Drafts the mock proposes per request and step at most (None: as many as asked)."""
     acceptance_rates: tuple[float, ...] = (1.0,)
     """Conditional rate of draft ``i`` (``acceptance_rates[i - 1]``; the last one repeats)."""
     wrong_positions: frozenset[int] = frozenset()
@@ -129,7 +129,9 @@ class Drafter:
         options = self.options
         vocab_size = self.vocab_size
         drafts: list[int] = []
-        for index in range(1, min(num, options.num_tokens) + 1):
+        if options.num_tokens is not None:
+            num = min(num, options.num_tokens)
+        for index in range(1, num + 1):
             token = next_token(drafts)
             where = position + index - 1
             if not draft_is_right(key, where, index, options.rate(index)):
@@ -184,8 +186,10 @@ def parse_spec(value: Any) -> SpecOptions | None:
             f"backend_options['spec'] has unknown key(s) {unknown}; known: "
             f"{', '.join(sorted(_SPEC_KEYS))}"
         )
-    num_tokens = value.get("num_tokens", 4)
-    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
+    num_tokens = value.get("num_tokens")
+    if num_tokens is not None and (
+        not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1
+    ):
         raise ValueError(
             f"backend_options['spec']['num_tokens'] must be an int >= 1, got {num_tokens!r}"
         )

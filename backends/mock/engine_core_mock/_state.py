@@ -49,6 +49,7 @@ class RequestState:
         "reply",
         "copy",
         "num_tentative",
+        "drafts",
     )
 
     def __init__(
@@ -91,6 +92,8 @@ class RequestState:
         self.reply = reply
         """The scripted reply's token ids, which the first outputs follow (None: no reply)."""
         self.copy = copy
+        self.drafts: list[int] = []
+        """The drafts this step verifies (speculative decoding; empty: none)."""
         self.num_tentative = 0
         """Drafts appended to ``tokens`` while the drafter asks what would follow them; they
         never enter the random stream's hash state."""
