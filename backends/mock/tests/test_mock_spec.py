@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_core_mock import MockBackend
 from mock_driver import Driver
 
 from engine_core.abc import SpecSupport, StepCostModel
+from engine_core.config import EngineConfig
 from engine_core.sampling_params import StructuredOutputsParams
+from engine_core.testing import check_spec_decode
 
 
 def test_greedy_verification_accepts_the_longest_right_prefix() -> None:
@@ -211,3 +214,15 @@ def test_spec_support_and_cost_model() -> None:
     plain = Driver().backend
     assert plain.step_cost_model() is None
     assert plain.spec_support() == SpecSupport(proposers=["mock"])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"spec": {"acceptance_rate": 0.5}}, {"copy_prompt": {"fraction": 0.5, "period": 8}}],
+)
+def test_the_mock_passes_the_speculative_decoding_conformance_kit(
+    options: dict[str, object],
+) -> None:
+    check_spec_decode(
+        MockBackend, EngineConfig(tokenizer="byte", max_model_len=512, backend_options=options)
+    )
