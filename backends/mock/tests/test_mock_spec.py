@@ -8,9 +8,11 @@ import pytest
 from engine_core_mock import MockBackend
 from mock_driver import Driver
 
+from engine_core._core.protocol import EngineCoreRequest
+from engine_core._engine.core import EngineCore
 from engine_core.abc import SpecSupport, StepCostModel
-from engine_core.config import EngineConfig
-from engine_core.sampling_params import StructuredOutputsParams
+from engine_core.config import EngineConfig, SpeculativeConfig
+from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 from engine_core.testing import check_spec_decode
 
 
@@ -226,3 +228,37 @@ def test_the_mock_passes_the_speculative_decoding_conformance_kit(
     check_spec_decode(
         MockBackend, EngineConfig(tokenizer="byte", max_model_len=512, backend_options=options)
     )
+
+
+@pytest.mark.parametrize("p", [0.5, 0.7, 0.9])
+def test_mean_acceptance_length_through_the_engine(p: float) -> None:
+    """Static k = 4: the engine's counters give 1 + accepted / drafts within 3 % of
+    ``(1 - p**5) / (1 - p)`` over more than 10k drafts."""
+    k = 4
+    core = EngineCore(
+        EngineConfig(
+            backend="mock",
+            tokenizer="byte",
+            max_num_seqs=64,
+            max_model_len=1024,
+            backend_options={"spec": {"acceptance_rate": p}},
+            speculative_config=SpeculativeConfig(
+                method="mock", num_speculative_tokens=k, dynamic=False
+            ),
+        )
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+        model = (1 - p ** (k + 1)) / (1 - p)
+        num_requests = int(11 * model) + 1  # about 1000 / model drafts each: 11k drafts
+        for i in range(num_requests):
+            core.add_request(EngineCoreRequest(f"r{i}", [i % 250 + 1], params))
+        while core.has_unfinished_requests():
+            core.step()
+        stats = core.get_stats()
+    finally:
+        core.close()
+    assert stats.spec_num_drafts >= 10_000
+    assert stats.spec_num_draft_tokens >= k * stats.spec_num_drafts - 4 * num_requests
+    mean = 1 + stats.spec_num_accepted_tokens / stats.spec_num_drafts
+    assert abs(mean / model - 1) <= 0.03, (mean, model)
