@@ -44,6 +44,8 @@ _SPEC_KEYS = frozenset(
 _DRAFT_LATENCY_KEYS = ("step_s", "per_token_s")
 _TWO_64 = float(1 << 64)
 _PACK = struct.Struct("<QQ").pack
+_ALWAYS = 1 << 64
+"""The threshold of rate 1: above every 64-bit draw."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,39 +105,53 @@ def _draw(key: int, position: int, index: int) -> int:
     return xxh3_64_intdigest(_PACK(position, index), seed=key)
 
 
+def _threshold(rate: float) -> int:
+    """Draws (uniform 64-bit hashes) below this are right with probability ``rate``."""
+    return min(int(rate * _TWO_64), _ALWAYS)
+
+
 def draft_is_right(key: int, position: int, index: int, rate: float) -> bool:
     """Whether draft ``index`` of the request with ``key``, at sequence ``position``, is the
     mock's own token: a uniform draw in [0, 1) from the stable hash, below ``rate``."""
-    if rate >= 1.0:
-        return True
-    return _draw(key, position, index) / _TWO_64 < rate
+    threshold = _threshold(rate)
+    return threshold == _ALWAYS or _draw(key, position, index) < threshold
 
 
 class Drafter:
     """Proposes the mock's drafts; ``next_token(extra)`` is the token the mock would produce
     after the request's history followed by ``extra``."""
 
-    __slots__ = ("options", "vocab_size")
+    __slots__ = ("options", "vocab_size", "_thresholds")
 
     def __init__(self, options: SpecOptions, vocab_size: int) -> None:
         self.options = options
         self.vocab_size = vocab_size
+        # Per draft index (from 1), past which the last one repeats.
+        num = max(len(options.acceptance_rates), *options.wrong_positions, 0) + 1
+        self._thresholds = [_threshold(options.rate(i)) for i in range(1, num + 1)]
 
     def propose(
         self, key: int, position: int, num: int, next_token: Callable[[list[int]], int]
     ) -> list[int]:
         """Up to ``num`` drafts for the positions from ``position`` (the index the first draft
         takes in the sequence) of the request with ``key``."""
-        options = self.options
+        cap = self.options.num_tokens
+        if cap is not None:
+            num = min(num, cap)
         vocab_size = self.vocab_size
+        thresholds = self._thresholds
+        num_thresholds = len(thresholds)
         drafts: list[int] = []
-        if options.num_tokens is not None:
-            num = min(num, options.num_tokens)
         for index in range(1, num + 1):
             token = next_token(drafts)
+            threshold = thresholds[min(index, num_thresholds) - 1]
             where = position + index - 1
-            if not draft_is_right(key, where, index, options.rate(index)):
-                # Any other token: the offset is in 1..vocab_size-1, so it never wraps to token.
+            # NOTE: draft_is_right inlined (this runs per draft): always right at rate 1.
+            if (
+                threshold < _ALWAYS
+                and xxh3_64_intdigest(_PACK(where, index), seed=key) >= threshold
+            ):
+                # Any other token: the offset is in 1..vocab_size-1, so never the token.
                 offset = 1 + _draw(key ^ 0x5BD1E995, where, index) % (vocab_size - 1)
                 token = (token + offset) % vocab_size
             drafts.append(token)
