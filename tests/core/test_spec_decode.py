@@ -158,6 +158,36 @@ def test_acceptance_estimates_follow_what_was_observed() -> None:
     assert p.overall_estimate() == pytest.approx(0.5, abs=0.1)
 
 
+def test_requests_alike_share_one_estimate_and_different_ones_keep_theirs() -> None:
+    rng = random.Random(3)
+    p = policy([0, 1, 2])
+    alike = [p.new_acceptance() for _ in range(64)]
+    for _ in range(30):  # every request's drafts right with probability 0.7
+        for acceptance in alike:
+            run = 0
+            while run < 2 and rng.random() < 0.7:
+                run += 1
+            p.observe(acceptance, run, run < 2)
+    estimates = p.shrunk(alike)
+    # Luck spreads the measured rates; none of it is taken for a difference between them.
+    assert max(estimates) - min(estimates) < 0.05
+    assert statistics.mean(estimates) == pytest.approx(0.7, abs=0.05)
+    copying, free = p.new_acceptance(), p.new_acceptance()
+    for _ in range(20):
+        p.observe(copying, 2, False)
+        p.observe(free, 0, True)
+    high, low = p.shrunk([copying, free])
+    assert high > 0.8 and low < 0.3
+
+
+def test_a_step_with_nobody_decoding_decides_from_the_requests_that_sample() -> None:
+    scheduler = make_scheduler(k=3, method="scripted", dynamic=True)
+    add(scheduler, "r", COPY[:15])
+    out = scheduler.schedule()  # nobody decodes yet: decided from r alone (a batch of 1)
+    assert scheduler.spec is not None and scheduler.spec.k == 3
+    assert out.num_draft_tokens == 4 and out.draft_req_ids == ["r"]
+
+
 # -- the scheduler's accounting --------------------------------------------------------------------
 
 
