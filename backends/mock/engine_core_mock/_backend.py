@@ -259,8 +259,9 @@ class MockBackend(Backend):
             start = max(self._clock(), self._device_free_at)
             self._duration = self.latency.duration(total, context)
             if self._num_draft_tokens:
-                drafting = self._spec.drafting(batch, self._draft_req_ids)
-                self._duration += self._spec.draft_cost(self._num_draft_tokens, len(drafting))
+                self._duration += self._spec.draft_cost(
+                    self._num_draft_tokens, batch, self._draft_req_ids
+                )
             self._deadline = self._device_free_at = start + self._duration
         self._batch = batch
         self._batch_ids = scheduler_output.req_ids

@@ -73,23 +73,24 @@ class MockSpeculation:
             for t, c in zip(tokens, centres, strict=True)
         ]
 
-    def drafting(self, batch: list[RequestState], wanted: set[str] | None) -> list[RequestState]:
-        """The requests of ``batch`` that sample this step and are to be drafted for."""
-        return [
-            r
+    def draft_cost(
+        self, num_draft_tokens: int, batch: list[RequestState], wanted: set[str] | None
+    ) -> float:
+        """Seconds drafting adds to a step that asks ``num_draft_tokens`` of the requests of
+        ``batch`` that sample (and are ``wanted``)."""
+        options = self.options
+        latency = options.draft_latency
+        if not (latency.step_s or latency.per_token_s):
+            return 0.0
+        if options.num_tokens is not None:
+            num_draft_tokens = min(num_draft_tokens, options.num_tokens)
+        num_requests = sum(
+            1
             for r in batch
             if (r.drafts or r.num_computed_tokens == len(r.tokens))
             and (wanted is None or r.req_id in wanted)
-        ]
-
-    def draft_cost(self, num_draft_tokens: int, num_requests: int) -> float:
-        """Seconds drafting adds to a step that asks ``num_draft_tokens`` of ``num_requests``."""
-        options = self.options
-        if options.num_tokens is not None:
-            num_draft_tokens = min(num_draft_tokens, options.num_tokens)
-        return options.draft_latency.duration(
-            num_draft_tokens, num_requests, options.parallel_drafting
         )
+        return latency.duration(num_draft_tokens, num_requests, options.parallel_drafting)
 
     def propose(
         self,
@@ -107,12 +108,8 @@ class MockSpeculation:
             if not new or (wanted is not None and state.req_id not in wanted):
                 out.append([])
                 continue
-            out.append(
-                drafter.propose(
-                    request_key(state.req_id),
-                    len(state.tokens),
-                    num_draft_tokens,
-                    rule.after(state),
-                )
-            )
+            key = state.draft_key
+            if key is None:
+                key = state.draft_key = request_key(state.req_id)
+            out.append(drafter.propose(key, len(state.tokens), num_draft_tokens, rule.after(state)))
         return out

@@ -50,6 +50,7 @@ class RequestState:
         "copy",
         "num_tentative",
         "drafts",
+        "draft_key",
     )
 
     def __init__(
@@ -94,6 +95,8 @@ class RequestState:
         self.copy = copy
         self.drafts: list[int] = []
         """The drafts this step verifies (speculative decoding; empty: none)."""
+        self.draft_key: int | None = None
+        """What the drafter's draws for this request hash with (set at its first drafts)."""
         self.num_tentative = 0
         """Drafts appended to ``tokens`` while the drafter asks what would follow them; they
         never enter the random stream's hash state."""
