@@ -41,9 +41,8 @@ from engine_core.config import EngineConfig
 from engine_core_mock._blocks import BlockLedger
 from engine_core_mock._options import Fault, parse_options
 from engine_core_mock._replies import Replies
-from engine_core_mock._rule import TokenRule
+from engine_core_mock._rule import TokenRule, grammar_rows
 from engine_core_mock._sampling import (
-    bitmask_rows,
     synthetic_logprobs,
 )
 from engine_core_mock._speculation import MockSpeculation
@@ -411,7 +410,11 @@ class MockBackend(Backend):
             raise RuntimeError("sample_tokens called without a preceding execute_model")
         self._batch = None
         vocab_size = self._vocab_size
-        rows = self._bitmask_rows(batch, grammar_bitmask) if grammar_bitmask is not None else None
+        rows = (
+            grammar_rows(batch, grammar_bitmask, vocab_size)
+            if grammar_bitmask is not None
+            else None
+        )
         sampled: list[list[int]] = []
         logprobs: list[list[TokenLogprobs] | None] | None = None
         prompt_logprobs: dict[str, list[TokenLogprobs | None]] | None = None
@@ -485,30 +488,6 @@ class MockBackend(Backend):
         if found is None:
             found = {}
         found[state.req_id] = entries
-        return found
-
-    def _bitmask_rows(self, batch: list[RequestState], bitmask: Any) -> dict[int, list[list[int]]]:
-        """Batch index -> bitmask rows. Each constrained request that samples this step (not
-        on a partial prefill chunk) has one row per verified position (``1 + s`` with ``s``
-        drafts), in batch order."""
-        counts = [
-            (i, 1 + len(r.drafts))
-            for i, r in enumerate(batch)
-            if r.constrained and (r.drafts or r.num_computed_tokens == len(r.tokens))
-        ]
-        expected = sum(n for _, n in counts)
-        if len(bitmask) != expected:
-            raise RuntimeError(
-                f"grammar bitmask has {len(bitmask)} rows but the batch has {expected} "
-                "constrained positions to sample (one row per verified position)"
-            )
-        owners = [batch[i].req_id for i, n in counts for _ in range(n)]
-        rows = bitmask_rows(bitmask, self._vocab_size, owners)
-        found: dict[int, list[list[int]]] = {}
-        at = 0
-        for i, n in counts:
-            found[i] = rows[at : at + n]
-            at += n
         return found
 
     # -- control --------------------------------------------------------------------------------

@@ -9,12 +9,40 @@ decodes, verifies drafts position by position and tells the drafter what it woul
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-from engine_core_mock._sampling import next_allowed, nth_allowed
+from engine_core_mock._sampling import bitmask_rows, next_allowed, nth_allowed
 from engine_core_mock._state import RequestState
 from engine_core_mock._whitespace import whitespace_token_ids
 
-__all__ = ["TokenRule"]
+__all__ = ["TokenRule", "grammar_rows"]
+
+
+def grammar_rows(
+    batch: list[RequestState], bitmask: Any, vocab_size: int
+) -> dict[int, list[list[int]]]:
+    """A step's grammar bitmask as batch index -> rows. Each constrained request that samples
+    this step (not on a partial prefill chunk) has one row per verified position (``1 + s``
+    with ``s`` drafts), in batch order."""
+    counts = [
+        (i, 1 + len(r.drafts))
+        for i, r in enumerate(batch)
+        if r.constrained and (r.drafts or r.num_computed_tokens == len(r.tokens))
+    ]
+    expected = sum(n for _, n in counts)
+    if len(bitmask) != expected:
+        raise RuntimeError(
+            f"grammar bitmask has {len(bitmask)} rows but the batch has {expected} "
+            "constrained positions to sample (one row per verified position)"
+        )
+    owners = [batch[i].req_id for i, n in counts for _ in range(n)]
+    rows = bitmask_rows(bitmask, vocab_size, owners)
+    found: dict[int, list[list[int]]] = {}
+    at = 0
+    for i, n in counts:
+        found[i] = rows[at : at + n]
+        at += n
+    return found
 
 
 class TokenRule:
