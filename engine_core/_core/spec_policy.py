@@ -167,7 +167,9 @@ class SpecPolicy:
                 sampling += noise / num
         if not rates:
             return [overall] * len(acceptances)
-        between = max(0.0, (spread - sampling) / len(rates))
+        # Twice the sampling noise: the normal approximation understates how far short runs
+        # of geometric trials spread.
+        between = max(0.0, (spread - 2.0 * sampling) / len(rates))
         estimates = []
         for acceptance in acceptances:
             num = acceptance.accepted + acceptance.rejected

@@ -202,6 +202,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 8192,
     max_model_len: int = 8192,
     enable_prefix_caching: bool = True,
+    cost: tuple[float, float] = (A, B),
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=16,
@@ -213,7 +214,7 @@ def make_scheduler(
     support = SpecSupport(
         proposers=["scripted"],
         lookahead_per_draft=lookahead_per_draft,
-        cost_model=StepCostModel(step_s=A, per_token_s=B),
+        cost_model=StepCostModel(step_s=cost[0], per_token_s=cost[1]),
     )
     spec = SpeculativeConfig(
         method=method, num_speculative_tokens=k, dynamic=dynamic, prompt_lookup_min=min_n
@@ -281,6 +282,36 @@ def test_kv_is_reserved_for_the_drafts_and_the_lookahead_then_rolled_back() -> N
     assert spec.stats.drafted_per_pos == [1, 1, 1]
     scheduler.finish_requests("r")
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
+
+
+def test_a_probe_asks_a_backend_drafter_and_reserves_its_lookahead() -> None:
+    # A token costs 100 times a step's fixed part: drafts never pay, so k stays 0.
+    scheduler = make_scheduler(
+        k=3, method="scripted", dynamic=True, lookahead_per_draft=1, cost=(1e-3, 1e-1)
+    )
+    request = add(scheduler, "r", COPY[:12], max_tokens=200)
+    prefill(scheduler, 12)
+    for _ in range(40):
+        out = scheduler.schedule()
+        assert not out.cached.spec_token_ids  # nothing is verified
+        if out.draft_req_ids:
+            break
+        scheduler.update_from_output(out, ModelRunnerOutput(["r"], [[7]]))
+    else:
+        raise AssertionError("the request was never probed")
+    assert out.draft_req_ids == ["r"] and out.num_draft_tokens == 3
+    # Its slots cover the drafter's KV past the scheduled position: 3 more.
+    assert len(request.blocks) * BLOCK_SIZE >= request.num_computed_tokens + 3
+    scheduler.update_from_output(out, ModelRunnerOutput(["r"], [[7]], draft_token_ids=[[7, 7, 8]]))
+    spec = scheduler.spec
+    assert spec is not None and request.spec is not None
+    assert request.spec.shadow == [7, 7, 8] and not request.spec.probing
+    # Scored against the tokens that follow: 7 and 7 right, 8 wrong (9 came).
+    for token in (7, 7, 9):
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, ModelRunnerOutput(["r"], [[token]]))
+    assert spec.stats.shadow_drafts == 3 and spec.stats.shadow_accepted == 2
+    assert spec.stats.num_draft_tokens == 0
 
 
 def test_only_verified_tokens_enter_the_prefix_cache() -> None:
