@@ -42,9 +42,7 @@ from engine_core_mock._blocks import BlockLedger
 from engine_core_mock._options import Fault, parse_options
 from engine_core_mock._replies import Replies
 from engine_core_mock._rule import TokenRule, grammar_rows
-from engine_core_mock._sampling import (
-    synthetic_logprobs,
-)
+from engine_core_mock._sampling import synthetic_logprobs
 from engine_core_mock._speculation import MockSpeculation
 from engine_core_mock._state import RequestState, request_seed
 
