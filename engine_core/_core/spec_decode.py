@@ -32,8 +32,9 @@ PROBE_PERIOD = 32
 """A request left undrafted is probed (its proposal scored against the tokens that follow)
 once every this many steps (staggered: a 32nd of them per step)."""
 
-DEFAULT_COST = CostModel(5e-3, 5e-5)
-"""The step cost assumed for a backend that gives none (a small model on a GPU)."""
+DEFAULT_STEP_S, DEFAULT_PER_TOKEN_S = 5e-3, 5e-5
+"""The step cost assumed for a backend that gives none (a small model on a GPU), until the
+measured steps refine it."""
 
 NGRAM_PROPOSE_S = 5e-6
 """Host time of one n-gram proposal, for the policy."""
@@ -147,12 +148,9 @@ def check_verified(request_id: str, drafts: list[int], tokens: list[int]) -> int
 class SpecDecoder:
     """The scheduler's speculative decoding: drafts, the policy and the counters."""
 
-    def __init__(
-        self, config: SpeculativeConfig, support: SpecSupport, *, max_model_len: int
-    ) -> None:
+    def __init__(self, config: SpeculativeConfig, support: SpecSupport) -> None:
         self.config = config
         self.support = support
-        self.max_model_len = max_model_len
         self.k_max = config.num_speculative_tokens
         self.in_core = config.proposed_in_core
         self.proposer: Proposer | None = (
@@ -171,9 +169,15 @@ class SpecDecoder:
                 propose_s=NGRAM_PROPOSE_S if self.in_core else 0.0,
             )
             if prior is not None and prior.step_s > 0
-            else DEFAULT_COST
+            else CostModel(
+                DEFAULT_STEP_S,
+                DEFAULT_PER_TOKEN_S,
+                propose_s=NGRAM_PROPOSE_S if self.in_core else 0.0,
+            )
         )
         self.policy = SpecPolicy(config.k_choices, cost, dynamic=config.dynamic)
+        self.measures_cost = prior is None or prior.step_s <= 0
+        """The backend gave no step cost: it is fitted to the measured steps."""
         self.stats = SpecStats(self.k_max)
         self.k = 0
         """The step's draft count (0: nothing is verified)."""
@@ -186,6 +190,11 @@ class SpecDecoder:
         self._pending: list[Request] | None = None
         """Requests that sample in a step that has no decoding request yet to decide from."""
         self._num_states = 0
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step computed ``num_tokens`` tokens in ``seconds`` (refines a measured cost)."""
+        if self.measures_cost and num_tokens > 0 and seconds > 0:
+            self.policy.cost.observe(num_tokens, seconds)
 
     def state(self, request: Request) -> SpecState:
         spec = request.spec

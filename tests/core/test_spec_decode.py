@@ -148,6 +148,21 @@ def test_static_speculation_always_uses_the_most_drafts_the_budget_allows() -> N
     assert p.decide([0.9], 3) == (2, 0.0)
 
 
+def test_the_step_cost_is_fitted_to_measured_steps() -> None:
+    cost = CostModel(A, B)  # the prior: 5 ms + 50 us per token
+    rng = random.Random(2)
+    for _ in range(400):  # the truth: 2 ms + 10 us per token, with noise
+        tokens = rng.randrange(1, 300)
+        cost.observe(tokens, (2e-3 + 1e-5 * tokens) * rng.uniform(0.97, 1.03))
+    assert cost.step_s == pytest.approx(2e-3, rel=0.1)
+    assert cost.per_token_s == pytest.approx(1e-5, rel=0.15)
+    # Steps of one size say nothing of the slope: the fit keeps a cost.
+    flat = CostModel(A, B)
+    for _ in range(100):
+        flat.observe(64, 1e-3)
+    assert flat.step_s > 0 and flat.per_token_s >= 0
+
+
 def test_acceptance_estimates_follow_what_was_observed() -> None:
     p = policy([0, 1, 2])
     mine = p.new_acceptance()
@@ -219,7 +234,7 @@ def make_scheduler(
     spec = SpeculativeConfig(
         method=method, num_speculative_tokens=k, dynamic=dynamic, prompt_lookup_min=min_n
     )
-    return Scheduler(config, num_blocks, SpecDecoder(spec, support, max_model_len=max_model_len))
+    return Scheduler(config, num_blocks, SpecDecoder(spec, support))
 
 
 def add(scheduler: Scheduler, request_id: str, prompt: list[int], **params: object) -> Request:
