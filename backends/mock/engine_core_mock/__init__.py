@@ -45,7 +45,23 @@ Tokens (``vocab_size`` V):
   as they move the rule's. So a tool-calling or reasoning flow runs end to end in CI;
 - ``tensor_parallel_size``: pretend N ranks: N-1 dummy worker processes receive each step's
   broadcast and model it (no torch), the KV spec reports per-rank heads; with
-  ``tensor_parallel_memory_bytes`` (one int per rank) KV sizing takes the minimum over ranks.
+  ``tensor_parallel_memory_bytes`` (one int per rank) KV sizing takes the minimum over ranks;
+- ``copy_prompt``: ``{"fraction": f, "period": P}``, outputs come in periods of ``P`` tokens whose
+  last ``round(f * P)`` copy a span of the prompt (a stable hash of the period chooses where), as
+  a summary or an edit repeats its input: the workload prompt-lookup speculation is made for;
+- ``spec``: speculative decoding (``EngineConfig.speculative_config``). The mock always verifies
+  drafts exactly: it samples each drafted position with its own rule and accepts the longest
+  prefix of drafts equal to those samples, so outputs are the tokens decoding gives, greedy or
+  not. Its own drafter (method ``"mock"``) guesses its next tokens: ``{"num_tokens": N}`` (most
+  drafts per step; default: as many as asked), ``"acceptance_rate": p`` or
+  ``"acceptance_rates": [r1, r2, ...]`` (draft ``i`` is right with probability ``r_i`` given the
+  drafts before it were; the last rate repeats; default 1), ``"wrong_positions": [i, ...]``
+  (draft indices always wrong, for tests), ``"draft_latency": {"step_s", "per_token_s"}`` and
+  ``"parallel_drafting"``: a step that asks for ``n`` drafts of ``B`` requests lasts
+  ``(1 if parallel_drafting else n) * (step_s + per_token_s * B)`` longer. A stable hash of
+  (request, position, draft index) decides which drafts are right: deterministic, whatever
+  the batch. Drafts are scheduled tokens, so the latency model counts them.
+  ``MockBackend.step_cost_model()`` gives the latency numbers to the speculation policy.
 """
 
 from __future__ import annotations

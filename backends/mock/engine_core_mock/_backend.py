@@ -33,20 +33,18 @@ from engine_core.abc import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    SpecSupport,
+    StepCostModel,
     TokenLogprobs,
 )
 from engine_core.config import EngineConfig
 from engine_core_mock._blocks import BlockLedger
 from engine_core_mock._options import Fault, parse_options
 from engine_core_mock._replies import Replies
-from engine_core_mock._sampling import (
-    bitmask_rows,
-    next_allowed,
-    nth_allowed,
-    synthetic_logprobs,
-)
+from engine_core_mock._rule import TokenRule, grammar_rows
+from engine_core_mock._sampling import synthetic_logprobs
+from engine_core_mock._speculation import MockSpeculation
 from engine_core_mock._state import RequestState, request_seed
-from engine_core_mock._whitespace import whitespace_token_ids
 
 __all__ = ["FAULT_EXIT_CODE", "MockBackend"]
 
@@ -101,6 +99,7 @@ class MockBackend(Backend):
             fault if fault is None or fault.rank in (None, config.data_parallel_rank) else None
         )
         self._replies = Replies(options.replies, config.tokenizer_name) if options.replies else None
+        self._copy = options.copy
         # Without a latency model or a fault a step is a few microseconds of Python holding the
         # GIL: a worker thread would add its hand-off and no concurrency.
         self.step_in_thread = self.latency is not None or self.fault is not None
@@ -122,7 +121,11 @@ class MockBackend(Backend):
         self._blocks: BlockLedger | None = None
         self._batch: list[RequestState] | None = None
         self._batch_ids: list[str] = []
-        self._whitespace: frozenset[int] | None = None
+        self._rule = TokenRule(self._vocab_size, config.tokenizer_name)
+        self._spec = MockSpeculation(options.spec, self._rule)
+        self._num_draft_tokens = 0
+        """Drafts per request the step launched by the last execute_model asks for."""
+        self._draft_req_ids: set[str] | None = None
         self.num_steps = 0
         """Calls of :meth:`execute_model` so far."""
         self.is_sleeping = False
@@ -184,6 +187,17 @@ class MockBackend(Backend):
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    def spec_support(self) -> SpecSupport | None:
+        """Exact verification, and the ``"mock"`` drafter (``backend_options["spec"]``); none
+        under pretend tensor parallelism, whose workers model one token per step."""
+        if self.tensor_parallel_size > 1:
+            return None
+        return self._spec.support(self.latency)
+
+    def step_cost_model(self) -> StepCostModel | None:
+        """The latency model as the speculation policy's prior (None without one)."""
+        return self._spec.cost_model(self.latency)
+
     def max_model_len(self) -> int | None:
         return self.geometry.max_model_len
 
@@ -233,10 +247,18 @@ class MockBackend(Backend):
                 f"total_num_scheduled_tokens is {scheduler_output.total_num_scheduled_tokens} "
                 f"but the batch schedules {total} tokens"
             )
+        self._num_draft_tokens = scheduler_output.num_draft_tokens
+        self._draft_req_ids = (
+            None if scheduler_output.draft_req_ids is None else set(scheduler_output.draft_req_ids)
+        )
         if self.latency is not None:
             context = sum(r.num_computed_tokens for r in batch)
             start = max(self._clock(), self._device_free_at)
             self._duration = self.latency.duration(total, context)
+            if self._num_draft_tokens:
+                self._duration += self._spec.draft_cost(
+                    self._num_draft_tokens, batch, self._draft_req_ids
+                )
             self._deadline = self._device_free_at = start + self._duration
         self._batch = batch
         self._batch_ids = scheduler_output.req_ids
@@ -264,14 +286,23 @@ class MockBackend(Backend):
     ) -> int:
         block_size = self._block_size
         total = 0
-        for state, new_block_ids, computed, num in cached.diffs(self._requests):
+        drafts_column = cached.spec_token_ids
+        for index, (state, new_block_ids, computed, num) in enumerate(cached.diffs(self._requests)):
             req_id = state.req_id
             end = computed + num
-            if num <= 0 or end > len(state.tokens):
+            drafts = drafts_column[index] if drafts_column else []
+            if num <= 0 or end > len(state.tokens) + len(drafts):
                 raise RuntimeError(
                     f"request {req_id!r}: cannot schedule {num} tokens after {computed} computed "
                     f"ones; the backend knows {len(state.tokens)} tokens"
+                    + (f" and {len(drafts)} drafts" if drafts else "")
                 )
+            if drafts and end != len(state.tokens) + len(drafts):
+                raise RuntimeError(
+                    f"request {req_id!r}: {len(drafts)} drafts must follow all its "
+                    f"{len(state.tokens)} tokens, but {num} are scheduled after {computed}"
+                )
+            state.drafts = drafts
             if new_block_ids is not None:
                 blocks.append(state, new_block_ids, computed)
             if end > len(state.block_ids) * block_size:
@@ -279,10 +310,11 @@ class MockBackend(Backend):
                     f"request {req_id!r}: a block table of {len(state.block_ids)} blocks cannot "
                     f"hold {end} tokens (block_size {block_size})"
                 )
-            if end // block_size != computed // block_size:
+            # A drafted request's blocks hold its prefix only up to what verification accepts.
+            if not drafts and end // block_size != computed // block_size:
                 blocks.record_written(state, computed, end)
             state.num_computed_tokens = end
-            if state.num_prompt_logprobs is not None:
+            if state.num_prompt_logprobs is not None or drafts:
                 state.step_start = computed
             batch.append(state)
             total += num
@@ -310,7 +342,10 @@ class MockBackend(Backend):
                 else None
             )
             state = RequestState(
-                new, request_seed(req_id, new.sampling_params.seed, self._engine_seed), reply
+                new,
+                request_seed(req_id, new.sampling_params.seed, self._engine_seed),
+                reply,
+                self._copy,
             )
             tokens = state.tokens
             if min(tokens) < 0 or max(tokens) >= vocab_size:
@@ -373,31 +408,43 @@ class MockBackend(Backend):
             raise RuntimeError("sample_tokens called without a preceding execute_model")
         self._batch = None
         vocab_size = self._vocab_size
-        rows = self._bitmask_rows(batch, grammar_bitmask) if grammar_bitmask is not None else None
+        rows = (
+            grammar_rows(batch, grammar_bitmask, vocab_size)
+            if grammar_bitmask is not None
+            else None
+        )
         sampled: list[list[int]] = []
         logprobs: list[list[TokenLogprobs] | None] | None = None
         prompt_logprobs: dict[str, list[TokenLogprobs | None]] | None = None
         for index, state in enumerate(batch):
             tokens = state.tokens
+            if state.drafts:
+                assert self._blocks is not None
+                new, new_logprobs = self._spec.verify(
+                    state, rows.get(index) if rows is not None else None, self._blocks
+                )
+                sampled.append(new)
+                if new_logprobs is not None:
+                    if logprobs is None:
+                        logprobs = [None] * len(batch)
+                    logprobs[index] = new_logprobs
+                continue
             if state.num_computed_tokens != len(tokens):  # a partial prefill chunk
                 if state.num_prompt_logprobs is not None:
                     prompt_logprobs = self._add_prompt_logprobs(state, prompt_logprobs)
                 sampled.append([])
                 continue
-            centre = tokens[-1] + 1
-            if centre == vocab_size:
-                centre = 0
             if state.plain:  # the hot path: greedy, nothing else asked
+                centre = tokens[-1] + 1
+                if centre == vocab_size:
+                    centre = 0
                 tokens.append(centre)
                 sampled.append([centre])
                 continue
             if state.num_prompt_logprobs is not None:
                 prompt_logprobs = self._add_prompt_logprobs(state, prompt_logprobs)
-            reply = state.reply_token()
-            if reply is not None:
-                centre = reply
-            words = rows.get(index) if rows is not None else None
-            token = self._choose(state, centre, words, reply)
+            words = rows[index][0] if rows is not None and index in rows else None
+            token, centre = self._rule.next_token(state, words)
             tokens.append(token)
             sampled.append([token])
             if state.num_logprobs is not None:
@@ -408,52 +455,12 @@ class MockBackend(Backend):
                 ]
         if self.workers is not None:
             self._previous_sampled = sampled
-        return ModelRunnerOutput(self._batch_ids, sampled, logprobs, prompt_logprobs)
-
-    def _choose(
-        self, state: RequestState, centre: int, words: list[int] | None, reply: int | None
-    ) -> int:
-        """The token of a request off the hot path: the scripted ``reply``'s token, else the
-        rule's token (``centre`` when greedy, else the random one) or, under a grammar
-        (``words``), the grammar's choice; then the logit bias; then the first token at or
-        after it that nothing masks."""
-        vocab_size = self._vocab_size
-        masked = state.masked()
-        token: int | None
-        if reply is not None:
-            token = reply
-        elif words is None:
-            token = centre if state.greedy else state.random_token(vocab_size)
-        elif state.greedy:
-            # Not whitespace where the grammar allows more: JSON's flexible whitespace would
-            # otherwise take every token up to the length limit.
-            whitespace = self._whitespace_ids()
-            token = next_allowed(
-                centre, vocab_size, masked | whitespace if masked else whitespace, words
-            )
-        else:
-            token = nth_allowed(state.random_draw(), vocab_size, masked, words)
-        if token is None:
-            token = centre
-        if state.logit_bias is not None:
-            token = state.logit_bias.choose(token, centre, vocab_size, state.greedy, masked, words)
-        if masked is not None or words is not None:
-            allowed = next_allowed(token, vocab_size, masked, words)
-            if allowed is None:
-                # Nothing is allowed: a grammar that admits only stop ids before min_tokens, or
-                # bans covering what the grammar admits. A model's sampler would draw from all
-                # -inf logits; the mock takes a token the grammar refuses (so the grammar check
-                # ends that request with an error) and, past that, lets bans give way.
-                allowed = next_allowed(token, vocab_size, masked, None)
-                return token if allowed is None else allowed
-            token = allowed
-        return token
-
-    def _whitespace_ids(self) -> frozenset[int]:
-        """The tokenizer's whitespace-only token ids (read once, at the first need)."""
-        if self._whitespace is None:
-            self._whitespace = whitespace_token_ids(self.config.tokenizer_name)
-        return self._whitespace
+        drafts = (
+            self._spec.propose(batch, sampled, self._num_draft_tokens, self._draft_req_ids)
+            if self._num_draft_tokens
+            else None
+        )
+        return ModelRunnerOutput(self._batch_ids, sampled, logprobs, prompt_logprobs, drafts)
 
     def _add_prompt_logprobs(
         self,
@@ -480,22 +487,6 @@ class MockBackend(Backend):
             found = {}
         found[state.req_id] = entries
         return found
-
-    def _bitmask_rows(self, batch: list[RequestState], bitmask: Any) -> dict[int, list[int]]:
-        """Batch index -> bitmask words. One row per constrained request that samples a token
-        this step (not on a partial prefill chunk), in batch order."""
-        constrained = [
-            i
-            for i, r in enumerate(batch)
-            if r.constrained and r.num_computed_tokens == len(r.tokens)
-        ]
-        if len(bitmask) != len(constrained):
-            raise RuntimeError(
-                f"grammar bitmask has {len(bitmask)} rows but the batch has {len(constrained)} "
-                "constrained requests to sample"
-            )
-        rows = bitmask_rows(bitmask, self._vocab_size, [batch[i].req_id for i in constrained])
-        return dict(zip(constrained, rows, strict=True))
 
     # -- control --------------------------------------------------------------------------------
 

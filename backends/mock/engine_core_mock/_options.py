@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine_core.config import EngineConfig
+from engine_core_mock._copy import CopyRule, parse_copy
+from engine_core_mock._drafter import SpecOptions, parse_spec
 from engine_core_mock._replies import Reply, parse_replies
 
 __all__ = ["Fault", "Latency", "MockOptions", "ModelGeometry", "parse_options"]
@@ -28,6 +30,8 @@ OPTION_NAMES = frozenset(
         "replies",
         "tensor_parallel_size",
         "tensor_parallel_memory_bytes",
+        "spec",
+        "copy_prompt",
     }
 )
 _LATENCY_KEYS = ("step_s", "per_token_s", "per_context_token_s")
@@ -116,6 +120,10 @@ class MockOptions:
     rank_memory_bytes: tuple[int, ...] | None = None
     """Per-rank device memory (``tensor_parallel_memory_bytes``), else ``device_memory_bytes``
     on every rank."""
+    spec: SpecOptions | None = None
+    """The drafter and its latency (``engine_core_mock._drafter``); None: no drafts."""
+    copy: CopyRule | None = None
+    """Outputs that copy spans of the prompt (``engine_core_mock._copy``)."""
 
 
 def _int_option(name: str, value: Any, *, minimum: int) -> int:
@@ -275,4 +283,6 @@ def parse_options(config: EngineConfig) -> MockOptions:
         parse_replies(options.get("replies")),
         tp,
         memory,
+        parse_spec(options.get("spec")),
+        parse_copy(options.get("copy_prompt")),
     )

@@ -7,6 +7,7 @@ from array import array
 from xxhash import xxh3_64, xxh3_64_intdigest
 
 from engine_core.abc import NewRequestData
+from engine_core_mock._copy import CopyRule
 from engine_core_mock._sampling import LogitBias
 
 __all__ = ["RequestState", "request_seed"]
@@ -46,9 +47,19 @@ class RequestState:
         "hasher",
         "num_hashed",
         "reply",
+        "copy",
+        "num_tentative",
+        "drafts",
+        "draft_key",
     )
 
-    def __init__(self, new: NewRequestData, seed: int, reply: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        new: NewRequestData,
+        seed: int,
+        reply: list[int] | None = None,
+        copy: CopyRule | None = None,
+    ) -> None:
         params = new.sampling_params
         self.req_id = new.req_id
         self.tokens = new.prompt_token_ids + new.output_token_ids
@@ -74,22 +85,35 @@ class RequestState:
             and not self.constrained
             and self.logit_bias is None
             and reply is None
+            and copy is None
         )
         self.step_start = new.num_computed_tokens
         self.hasher = None if self.greedy else xxh3_64(seed=seed)
         self.num_hashed = 0
         self.reply = reply
         """The scripted reply's token ids, which the first outputs follow (None: no reply)."""
+        self.copy = copy
+        self.drafts: list[int] = []
+        """The drafts this step verifies (speculative decoding; empty: none)."""
+        self.draft_key: int | None = None
+        """What the drafter's draws for this request hash with (set at its first drafts)."""
+        self.num_tentative = 0
+        """Drafts appended to ``tokens`` while the drafter asks what would follow them; they
+        never enter the random stream's hash state."""
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.tokens) - self.num_prompt_tokens
 
     def reply_token(self) -> int | None:
-        """The scripted reply's token for the next output (None: no reply, or past it)."""
+        """The scripted reply's token for the next output, else the prompt token it copies
+        (None: neither, and the rule decides)."""
         reply = self.reply
         index = len(self.tokens) - self.num_prompt_tokens
-        return reply[index] if reply is not None and index < len(reply) else None
+        if reply is not None and index < len(reply):
+            return reply[index]
+        copy = self.copy
+        return None if copy is None else copy.token(self.tokens, self.num_prompt_tokens, index)
 
     def masked(self) -> frozenset[int] | None:
         """Token ids excluded now: those ``logit_bias`` bans, and stop ids while fewer than
@@ -103,9 +127,13 @@ class RequestState:
         hasher = self.hasher
         assert hasher is not None
         tokens = self.tokens
-        if self.num_hashed < len(tokens):
-            hasher.update(array("I", tokens[self.num_hashed :]).tobytes())
-            self.num_hashed = len(tokens)
+        end = len(tokens) - self.num_tentative
+        if self.num_hashed < end:
+            hasher.update(array("I", tokens[self.num_hashed : end]).tobytes())
+            self.num_hashed = end
+        if self.num_tentative:
+            hasher = hasher.copy()
+            hasher.update(array("I", tokens[end:]).tobytes())
         return hasher.intdigest()
 
     def random_token(self, vocab_size: int) -> int:

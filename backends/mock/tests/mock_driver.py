@@ -88,18 +88,31 @@ class Driver:
         preempted: Sequence[str] = (),
         bitmask: Any = None,
         total: int | None = None,
+        drafts: Sequence[list[int]] = (),
+        num_draft_tokens: int = 0,
+        draft_req_ids: list[str] | None = None,
     ) -> ModelRunnerOutput:
-        """execute_model + sample_tokens of one hand-built step."""
+        """execute_model + sample_tokens of one hand-built step; ``drafts``: the cached
+        requests' drafts (speculative decoding), parallel to ``cached``."""
         columns = CachedRequestData(
             [c[0] for c in cached],
             [c[3] for c in cached],
             [c[1] for c in cached],
             [c[2] for c in cached],
+            [list(d) for d in drafts],
         )
         if total is None:
             total = sum(r.num_scheduled_tokens for r in new) + sum(c[2] for c in cached)
         self.backend.execute_model(
-            SchedulerOutput(list(new), columns, total, list(finished), list(preempted))
+            SchedulerOutput(
+                list(new),
+                columns,
+                total,
+                list(finished),
+                list(preempted),
+                num_draft_tokens,
+                draft_req_ids,
+            )
         )
         return self.backend.sample_tokens(bitmask)
 
@@ -107,6 +120,13 @@ class Driver:
         """One decode step (one token each) of running requests."""
         return self.step(
             cached=[(r, self.backend.num_computed_tokens(r), 1, None) for r in req_ids]
+        )
+
+    def verify(self, req_id: str, drafts: list[int], **step: Any) -> ModelRunnerOutput:
+        """One decode step of ``req_id`` verifying ``drafts``."""
+        computed = self.backend.num_computed_tokens(req_id)
+        return self.step(
+            cached=[(req_id, computed, 1 + len(drafts), None)], drafts=[drafts], **step
         )
 
     def run(self, requests: Sequence[NewRequestData], num_tokens: int) -> dict[str, list[int]]:
