@@ -57,6 +57,53 @@ flight while it schedules the next. The calls then come in this order::
 
 Backends that leave the flag False keep the synchronous contract: ``execute_model`` and
 ``sample_tokens`` in turn, with each step's output applied before the next is scheduled.
+
+Speculative decoding
+--------------------
+
+A backend that can verify guessed tokens (drafts) says so with :meth:`Backend.spec_support`;
+one that returns None (the default) keeps the contract above, and the engine refuses
+``EngineConfig.speculative_config`` for it. With speculation on the engine schedules
+synchronously (``sample_tokens``, never ``sample_tokens_async``). Each step:
+
+- **Drafts in.** A cached request may carry drafts: ``CachedRequestData.spec_token_ids[i]``
+  (a parallel column, empty when no request of the step has drafts). A request with ``s``
+  drafts is a decoding request scheduled for ``1 + s`` tokens: its last known token at position
+  ``num_computed_tokens``, then the drafts at the ``s`` positions after it. New requests
+  (:class:`NewRequestData`) never carry drafts: a request admitted, or resumed after a
+  preemption, first computes its sequence and samples one token.
+- **Verification**, in :meth:`Backend.sample_tokens`: the backend samples each of the
+  ``1 + s`` positions as decoding would sample it if the drafts before it were the request's
+  tokens (penalties count the preceding drafts as output; ``min_tokens`` bans by the output
+  count at that position; the grammar row of that position; seeded noise keyed by that
+  position), and accepts the longest prefix of drafts equal to those samples. It returns, in
+  ``ModelRunnerOutput.sampled_token_ids[i]``, the ``a`` accepted drafts followed by the token
+  sampled at the first position that disagreed (or, all drafts accepted, at the last one): so
+  ``1 <= len(tokens) <= s + 1``, ``tokens[:a] == drafts[:a]`` with ``a = len(tokens) - 1``, and
+  ``tokens[a] != drafts[a]`` when ``a < s``. Anything else is a :class:`~engine_core.errors.
+  BackendError`: no verifier produces it. Logprobs, when asked for, have one entry per
+  returned token. The backend returns every token it accepted even past a stop token or
+  ``max_tokens``: the engine applies the stop rules to each token in order and drops the rest.
+- **Rollback.** The ``s - a`` rejected positions were computed but are not part of the
+  sequence: after the step the request's computed tokens are ``num_computed_tokens + 1 + a``
+  (the scheduler rolls its count back; :meth:`CachedRequestData.diffs` checks the backend's
+  agrees at the next step). Their KV slots hold garbage that later steps overwrite; only
+  verified tokens ever enter the prefix cache.
+- **Drafts out.** A backend proposer (``SpeculativeConfig.method`` listed in
+  ``SpecSupport.proposers``) returns drafts for the next step in
+  ``ModelRunnerOutput.draft_token_ids``, continuing the sequence after the tokens it returned,
+  for the requests and in the count :class:`SchedulerOutput` asks (``num_draft_tokens``,
+  ``draft_req_ids``). With ``"ngram"`` the engine core proposes drafts itself and the backend
+  only verifies.
+- **KV.** The scheduler allocates slots for the ``1 + s`` positions plus
+  ``SpecSupport.lookahead_tokens(k)`` more for a backend drafter that writes KV ahead of them
+  (``k`` = ``num_draft_tokens`` of the step).
+- **Structured outputs.** The grammar bitmask has one row per verified position: ``1 + s``
+  consecutive rows for a constrained request with ``s`` drafts (row ``j`` constrains the token
+  sampled at its ``j``-th position, after drafts ``0..j-1`` were accepted), in batch order.
+  The engine truncates a constrained request's drafts to those its grammar accepts.
+
+``engine_core.testing.check_spec_decode`` checks a backend against this contract.
 """
 
 from __future__ import annotations
@@ -81,6 +128,8 @@ __all__ = [
     "ModelRunnerOutput",
     "NewRequestData",
     "SchedulerOutput",
+    "SpecSupport",
+    "StepCostModel",
     "TokenLogprobs",
     "Tokenizer",
     "load_tokenizer",
@@ -123,6 +172,54 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """Per request, one entry per sampled token, for requests that asked for logprobs."""
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] | None = None
     """Per request, one entry per prompt position computed this step (None for position 0)."""
+    draft_token_ids: list[list[int]] | None = None
+    """Speculative decoding with a backend proposer: per request (batch order), the drafts
+    for its next step, continuing after the tokens it returned in ``sampled_token_ids``; an
+    empty list for a request not drafted (it sampled nothing, or ``draft_req_ids`` left it
+    out). At most ``SchedulerOutput.num_draft_tokens`` each; the engine may verify fewer.
+    None: no drafts (always so without a backend proposer)."""
+
+
+class StepCostModel(msgspec.Struct, frozen=True, kw_only=True):
+    """What a step costs a backend, in seconds: a prior for the dynamic speculation policy
+    (it refines it from measured step times). A target step computing ``T`` tokens (drafts
+    included) costs ``step_s + per_token_s * T``; drafting, when asked, adds
+    ``draft_step_s + draft_per_token_s * B`` per draft pass for ``B`` drafting requests, once
+    per draft token (``parallel_drafting`` False) or once for all of them (True)."""
+
+    step_s: float
+    per_token_s: float
+    draft_step_s: float = 0.0
+    draft_per_token_s: float = 0.0
+    parallel_drafting: bool = False
+
+
+class SpecSupport(msgspec.Struct, frozen=True, kw_only=True):
+    """What a backend can do for speculative decoding (:meth:`Backend.spec_support`; see
+    "Speculative decoding" in this module's docs). Returning one means the backend verifies
+    drafts as that section says, whatever proposes them."""
+
+    proposers: list[str] = []
+    """Speculative methods whose drafts the backend proposes itself, returned in
+    ``ModelRunnerOutput.draft_token_ids`` (e.g. ``["draft_model"]``, ``["mock"]``). The core's
+    own ``"ngram"`` needs nothing here."""
+    exact_verification: bool = True
+    """Whether verification samples each position as decoding would, so that seeded requests
+    at temperature > 0 give the same tokens as without speculation (greedy ones always do)."""
+    lookahead_per_draft: int = 0
+    """KV slots the backend's drafter writes past the verified positions, per draft token
+    asked for (0 for ``"ngram"``: it writes none). See :meth:`lookahead_tokens`."""
+    max_num_draft_tokens: int | None = None
+    """The most drafts the backend verifies per request in one step (None: no limit); the
+    engine refuses a larger ``num_speculative_tokens``."""
+    cost_model: StepCostModel | None = None
+    """The backend's step cost, as a prior for the dynamic policy (None: the policy starts
+    from a generic prior and measures)."""
+
+    def lookahead_tokens(self, num_draft_tokens: int) -> int:
+        """KV slots to reserve past a request's ``1 + s`` scheduled positions in a step that
+        asks for ``num_draft_tokens`` drafts (0 when it asks for none)."""
+        return self.lookahead_per_draft * num_draft_tokens
 
 
 class AsyncModelRunnerOutput(abc.ABC):
@@ -191,7 +288,9 @@ class Backend(abc.ABC):
         - one row per *constrained* request (``sampling_params.structured_outputs`` set) that
           samples a token this step, in batch order (cached requests, then new ones); a request
           on a partial prefill chunk samples nothing and has no row, nor does an unconstrained
-          one;
+          one; with speculative decoding a constrained request with ``s`` drafts has ``1 + s``
+          consecutive rows, one per verified position (row ``j`` for the token sampled after
+          its first ``j`` drafts);
         - ``words >= ceil(vocab_size / 32)``; bit ``j % 32`` of word ``j // 32`` (an int32,
           so bit 31 is the sign bit) is set when token ``j`` is allowed; words past the
           vocabulary are ignored.
@@ -207,6 +306,12 @@ class Backend(abc.ABC):
         ``grammar_bitmask`` is as for :meth:`sample_tokens`, with one row per constrained
         request that samples in the step, including those whose token will be discarded."""
         raise NotImplementedError(f"{type(self).__name__} does not support async scheduling")
+
+    def spec_support(self) -> SpecSupport | None:
+        """What the backend can do for speculative decoding, or None (the default): it cannot
+        verify drafts, and the engine refuses ``speculative_config`` for it. Called once, after
+        the backend is constructed; see "Speculative decoding" in this module's docs."""
+        return None
 
     def profile(self, action: Literal["start", "stop"]) -> None:  # noqa: B027
         """Start or stop a profiler; no-op by default."""

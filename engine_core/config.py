@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["COMMAND_LINE_ENV", "EngineConfig", "backend_options_hint"]
+__all__ = ["COMMAND_LINE_ENV", "EngineConfig", "SpeculativeConfig", "backend_options_hint"]
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -33,6 +33,103 @@ def _positive(
     kinds = int if integer else (int, float)
     if not isinstance(value, kinds) or isinstance(value, bool) or not value > 0:  # NaN too
         raise ValueError(f"{name} must be {'an int ' if integer else ''}> 0, got {value!r}")
+
+
+SPEC_METHODS_IN_CORE = frozenset({"ngram"})
+"""Speculative methods whose drafts the engine core proposes itself (from token ids alone); any
+other method names a proposer of the backend (``SpecSupport.proposers``)."""
+
+
+def _non_negative_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+class SpeculativeConfig(
+    msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True, forbid_unknown_fields=True
+):
+    """Speculative decoding: each step a request may verify up to ``num_speculative_tokens``
+    guessed tokens (drafts) besides the one it samples, and keeps the longest prefix of them the
+    model agrees with. Output is token-identical to decoding without speculation (greedy, and
+    seeded sampling on a backend with ``SpecSupport.exact_verification``).
+
+    Validated at construction; the engine refuses it at startup for a backend that cannot verify
+    drafts (``Backend.spec_support()`` None) or does not offer ``method``.
+    """
+
+    method: str = "ngram"
+    """Where drafts come from: ``"ngram"`` (prompt lookup, proposed by the engine core from the
+    request's own tokens; works with every backend that verifies), ``"draft_model"`` (a smaller
+    model of the same tokenizer, in ``model``), ``"mock"`` (the mock backend's drafter), or any
+    proposer name a backend lists in ``SpecSupport.proposers``."""
+    num_speculative_tokens: int = 4
+    """The most drafts a request verifies in one step (k_max)."""
+    prompt_lookup_min: int = 2
+    """``"ngram"``: the shortest suffix of the sequence searched for earlier in it."""
+    prompt_lookup_max: int = 4
+    """``"ngram"``: the longest suffix searched for (the longest match wins; on a tie the
+    earliest occurrence)."""
+    model: str | None = None
+    """``"draft_model"``: the draft model's HF directory (same vocabulary as the target)."""
+    dynamic: bool = True
+    """Choose the number of drafts each step (and per request) from the measured acceptance
+    and the backend's step cost: speculation turns itself off as the batch grows, where
+    verifying drafts costs more than it gains, and back on as it shrinks. False: every
+    request verifies up to ``num_speculative_tokens`` drafts in every step."""
+    allowed_k: list[int] | None = None
+    """The draft counts per step the dynamic policy may choose from (a backend may capture one
+    CUDA graph per count). None: every count from 0 to ``num_speculative_tokens``. 0 is always
+    allowed, and so is ``num_speculative_tokens``."""
+    verification: Literal["exact", "rejection"] = "exact"
+    """``"exact"``: a backend samples each verified position as decoding would (seeded requests
+    give the tokens they give without speculation); ``"rejection"``: rejection sampling against
+    the drafter's distribution (a backend that offers it; more drafts accepted, not seed-exact)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, str) or not self.method:
+            raise ValueError(f"speculative method must be a non-empty name, got {self.method!r}")
+        _positive(
+            "num_speculative_tokens", self.num_speculative_tokens, allow_none=False, integer=True
+        )
+        _positive("prompt_lookup_min", self.prompt_lookup_min, allow_none=False, integer=True)
+        _positive("prompt_lookup_max", self.prompt_lookup_max, allow_none=False, integer=True)
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min "
+                f"({self.prompt_lookup_min})"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative method 'draft_model' needs model (the draft's directory)")
+        if not isinstance(self.dynamic, bool):
+            raise ValueError(f"dynamic must be a bool, got {self.dynamic!r}")
+        if self.verification not in ("exact", "rejection"):
+            raise ValueError(
+                f"verification must be 'exact' or 'rejection', got {self.verification!r}"
+            )
+        if self.allowed_k is not None:
+            if not isinstance(self.allowed_k, list) or not self.allowed_k:
+                raise ValueError(f"allowed_k must be a non-empty list, got {self.allowed_k!r}")
+            for k in self.allowed_k:
+                _non_negative_int("each of allowed_k", k)
+                if k > self.num_speculative_tokens:
+                    raise ValueError(
+                        f"allowed_k holds {k}, more than num_speculative_tokens "
+                        f"({self.num_speculative_tokens})"
+                    )
+
+    @property
+    def proposed_in_core(self) -> bool:
+        """Whether the engine core proposes the drafts (``"ngram"``), not the backend."""
+        return self.method in SPEC_METHODS_IN_CORE
+
+    @property
+    def k_choices(self) -> list[int]:
+        """The draft counts a step may use, ascending: ``allowed_k`` with 0 and
+        ``num_speculative_tokens`` added, or 0..``num_speculative_tokens``."""
+        k_max = self.num_speculative_tokens
+        if self.allowed_k is None:
+            return list(range(k_max + 1))
+        return sorted({0, k_max, *self.allowed_k})
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -136,6 +233,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     greedy ones on another engine from the tokens already streamed."""
     dp_restart_engines: bool = False
     """Restart a dead engine (with backoff) and let it rejoin."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (None: off); a dict is converted. The engine then schedules
+    synchronously: ``async_scheduling`` None resolves to off, True is an error."""
 
     @property
     def router_policy(self) -> str:
@@ -152,6 +252,19 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
         return max(4, self.max_num_seqs // 2)
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = msgspec.convert(self.speculative_config, SpeculativeConfig)
+        if self.speculative_config is not None:
+            if not isinstance(self.speculative_config, SpeculativeConfig):
+                raise TypeError(
+                    "speculative_config must be a SpeculativeConfig or a dict, got "
+                    f"{type(self.speculative_config).__name__}"
+                )
+            if self.async_scheduling:
+                raise ValueError(
+                    "async_scheduling=True does not work with speculative decoding, which "
+                    "schedules synchronously (leave async_scheduling None or set it False)"
+                )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"

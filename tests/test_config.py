@@ -8,7 +8,7 @@ import msgspec
 import pytest
 from helpers import every_field
 
-from engine_core.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from engine_core.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, SpeculativeConfig
 
 
 def test_defaults() -> None:
@@ -50,6 +50,7 @@ def test_defaults() -> None:
             "router_balance_rel": 1.0,
             "dp_failover": "retry",
             "dp_restart_engines": False,
+            "speculative_config": None,
         },
     )
     assert c.router_policy == "prefix"
@@ -186,3 +187,71 @@ def test_decoding_validates() -> None:
         )
     with pytest.raises(msgspec.ValidationError, match="max_num_seqs must be an int > 0"):
         msgspec.msgpack.decode(msgspec.msgpack.encode({"max_num_seqs": 0}), type=EngineConfig)
+
+
+# -- speculative decoding --------------------------------------------------------------------------
+
+
+def test_speculative_config_defaults_and_dict_conversion() -> None:
+    c = EngineConfig(speculative_config={"num_speculative_tokens": 3})
+    assert c.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
+    assert every_field.typed(SpeculativeConfig()) == every_field.typed(
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+            "model": None,
+            "dynamic": True,
+            "allowed_k": None,
+            "verification": "exact",
+        }
+    )
+    assert SpeculativeConfig().proposed_in_core
+    assert not SpeculativeConfig(method="mock").proposed_in_core
+    assert SpeculativeConfig(num_speculative_tokens=3).k_choices == [0, 1, 2, 3]
+    assert SpeculativeConfig(num_speculative_tokens=8, allowed_k=[4, 2]).k_choices == [0, 2, 4, 8]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an int > 0, got 0"),
+        ({"num_speculative_tokens": True}, "num_speculative_tokens"),
+        ({"method": ""}, "speculative method must be a non-empty name"),
+        ({"prompt_lookup_min": 0}, "prompt_lookup_min must be an int > 0"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, r"prompt_lookup_max \(2\) must be >="),
+        ({"method": "draft_model"}, "'draft_model' needs model"),
+        ({"allowed_k": []}, "allowed_k must be a non-empty list"),
+        ({"allowed_k": [-1]}, "each of allowed_k must be an int >= 0, got -1"),
+        ({"allowed_k": [5]}, r"allowed_k holds 5, more than num_speculative_tokens \(4\)"),
+        ({"verification": "lossy"}, "verification"),
+    ],
+)
+def test_speculative_config_validation_names_the_parameter(
+    kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig(**kwargs)
+    with pytest.raises(ValueError, match=message):  # converted from a dict: the same checks
+        EngineConfig(speculative_config=kwargs)
+
+
+def test_speculative_config_rejects_unknown_fields_and_other_types() -> None:
+    with pytest.raises(ValueError, match="unknown field `num_spec_tokens`"):
+        EngineConfig(speculative_config={"num_spec_tokens": 2})
+    with pytest.raises(TypeError, match="speculative_config must be a SpeculativeConfig or a dict"):
+        EngineConfig(speculative_config=4)  # type: ignore[arg-type]
+
+
+def test_speculation_excludes_async_scheduling() -> None:
+    with pytest.raises(ValueError, match="async_scheduling=True does not work with speculative"):
+        EngineConfig(speculative_config=SpeculativeConfig(), async_scheduling=True)
+    assert EngineConfig(speculative_config={}, async_scheduling=False).async_scheduling is False
+
+
+def test_speculative_config_round_trip() -> None:
+    spec = every_field.instance(SpeculativeConfig)
+    c = EngineConfig(speculative_config=spec)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(c), type=EngineConfig) == c
+    assert msgspec.json.decode(msgspec.json.encode(spec), type=SpeculativeConfig) == spec

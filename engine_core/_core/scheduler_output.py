@@ -1,7 +1,9 @@
 """What the scheduler hands the backend each step (wire types; re-exported by ``engine_core.abc``).
 
 The batch order of a step is ``cached.req_ids`` followed by ``new_reqs``; a backend returns its
-sampled tokens in that order.
+sampled tokens in that order. Speculative decoding adds drafts to cached requests
+(``CachedRequestData.spec_token_ids``) and asks backend proposers for the next step's drafts
+(``SchedulerOutput.num_draft_tokens``); ``engine_core.abc`` documents the contract.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     """EOS ids that stop this request (empty with ``ignore_eos``). With
     ``sampling_params.stop_token_ids`` they are masked until ``min_tokens`` tokens exist."""
 
+    # NOTE: a new request never carries drafts (speculative decoding): admitted or resumed, it
+    # computes its sequence and samples one token; drafts come with its later steps as cached.
+
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     """Compact diffs for requests the backend already holds, as parallel lists."""
@@ -51,6 +56,16 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     """Blocks appended to each block table this step (None: none)."""
     num_computed_tokens: list[int] = []
     num_scheduled_tokens: list[int] = []
+    """Tokens computed this step, drafts included."""
+    spec_token_ids: list[list[int]] = []
+    """Speculative decoding: each request's drafts, verified this step (an empty list: none).
+    The column is empty when no request of the step has drafts, else parallel to ``req_ids``.
+    A request with ``s`` drafts has ``num_scheduled_tokens == 1 + s``: its last known token at
+    position ``num_computed_tokens``, then the drafts in order (see :meth:`drafts_of`)."""
+
+    def drafts_of(self, index: int) -> list[int]:
+        """The drafts of the ``index``-th request (an empty list: none)."""
+        return self.spec_token_ids[index] if self.spec_token_ids else []
 
     def diffs(
         self, states: Mapping[str, StateT]
@@ -67,6 +82,8 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
             == num
         ):
             raise RuntimeError("CachedRequestData columns have different lengths")
+        if self.spec_token_ids and len(self.spec_token_ids) != num:
+            raise RuntimeError("CachedRequestData.spec_token_ids has a different length")
         for req_id, new_block_ids, computed, num_scheduled in zip(
             self.req_ids,
             self.new_block_ids,
@@ -86,7 +103,7 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One step's batch."""
+    """One step's batch. ``total_num_scheduled_tokens`` counts drafts too."""
 
     new_reqs: list[NewRequestData]
     cached: CachedRequestData
@@ -95,6 +112,16 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """Requests that ended since the previous step: drop their state."""
     preempted_req_ids: list[str] = []
     """Requests preempted this step: drop their state; they come back as new requests."""
+    num_draft_tokens: int = 0
+    """Speculative decoding with a backend proposer: how many drafts to return for each
+    request that samples a token this step (``ModelRunnerOutput.draft_token_ids``), for its
+    next step; 0: none (always so with the core's ``"ngram"`` proposer). It may be one more
+    than the next step verifies: the extra draft is scored against the token sampled after the
+    others, which measures acceptance at no cost."""
+    draft_req_ids: list[str] | None = None
+    """The requests to draft for (None: every request that samples a token this step), when
+    the engine drafts only some of them (per-request gating, probes while speculation is
+    off)."""
 
     @property
     def num_reqs(self) -> int:

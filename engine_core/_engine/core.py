@@ -41,7 +41,13 @@ from engine_core._core.request import Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core._plugins import load_backend, resolve_backend
 from engine_core._structured.manager import StructuredOutputManager
-from engine_core.abc import AsyncModelRunnerOutput, Backend, ModelRunnerOutput, SchedulerOutput
+from engine_core.abc import (
+    AsyncModelRunnerOutput,
+    Backend,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SpecSupport,
+)
 from engine_core.config import EngineConfig
 from engine_core.errors import BackendError
 
@@ -88,6 +94,8 @@ def resolve_async_scheduling(config: EngineConfig, backend: Backend) -> bool:
     whether the backend supports it and its step waits on a device (``step_in_thread``: a step
     that holds the GIL throughout leaves nothing to overlap, and a step in flight would only
     delay its outputs); ``ValueError`` when asked of a backend that does not support it."""
+    if config.speculative_config is not None:
+        return False  # speculative decoding schedules synchronously (True fails in EngineConfig)
     supported = bool(getattr(backend, "supports_async_scheduling", False))
     if config.async_scheduling is None:
         return supported and backend.step_in_thread
@@ -97,6 +105,37 @@ def resolve_async_scheduling(config: EngineConfig, backend: Backend) -> bool:
             "it (leave it None to use it where supported)"
         )
     return config.async_scheduling
+
+
+def resolve_spec_support(config: EngineConfig, backend: Backend) -> SpecSupport | None:
+    """The backend's speculative-decoding capability when ``config`` asks for speculation (else
+    None); ``ValueError`` naming the backend when it cannot verify drafts, does not propose
+    drafts of the asked method, or verifies fewer drafts than asked."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    name = f"the {config.backend!r} backend ({type(backend).__name__})"
+    support = backend.spec_support()
+    if support is None:
+        raise ValueError(
+            f"speculative_config is set but {name} cannot verify drafts "
+            "(Backend.spec_support() is None); remove speculative_config or use a backend "
+            "that supports speculative decoding"
+        )
+    if not spec.proposed_in_core and spec.method not in support.proposers:
+        offered = ", ".join(["ngram", *support.proposers])
+        raise ValueError(
+            f"speculative method {spec.method!r} is not offered by {name}; it offers: {offered}"
+        )
+    if (
+        support.max_num_draft_tokens is not None
+        and spec.num_speculative_tokens > support.max_num_draft_tokens
+    ):
+        raise ValueError(
+            f"num_speculative_tokens ({spec.num_speculative_tokens}) exceeds what {name} "
+            f"verifies in one step ({support.max_num_draft_tokens})"
+        )
+    return support
 
 
 def _blocks_in_kv_memory(config: EngineConfig, backend: Backend) -> int:
@@ -159,6 +198,7 @@ class EngineCore:
         cls = backend_cls if backend_cls is not None else load_backend(config.backend, config)
         backend = cls(config)
         try:
+            self.spec_support = resolve_spec_support(config, backend)
             self.async_scheduling = resolve_async_scheduling(config, backend)
             config = msgspec.structs.replace(config, async_scheduling=self.async_scheduling)
             self.num_kv_blocks, config = size_kv_cache(config, backend)

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from engine_core._core.protocol import EngineStats
-from engine_core.config import EngineConfig
+from engine_core.config import EngineConfig, SpeculativeConfig
 from engine_core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -64,6 +64,16 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "dp_failover": "resume",
         "dp_restart_engines": True,
     },
+    SpeculativeConfig: {
+        "method": "draft_model",
+        "num_speculative_tokens": 6,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 5,
+        "model": "/models/draft",
+        "dynamic": False,
+        "allowed_k": [2, 4],
+        "verification": "rejection",
+    },
     SamplingParams: {  # all but detokenize (see AT_DEFAULT)
         "n": 2,
         "temperature": 0.7,
@@ -100,6 +110,10 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
 
 AT_DEFAULT: dict[type[msgspec.Struct], dict[str, str]] = {
     SamplingParams: {"detokenize": "the stop strings need detokenize=True"},
+    EngineConfig: {
+        "speculative_config": "async_scheduling=True (set above) excludes speculative decoding; "
+        "SpeculativeConfig has its own instance"
+    },
 }
 """The fields an instance must leave at their default, and why."""
 
