@@ -25,6 +25,7 @@ from engine_core.abc import (
     KVCacheSpec,
     ModelRunnerOutput,
     SchedulerOutput,
+    SpecSupport,
 )
 from engine_core.config import EngineConfig
 from engine_core_cuda._cuda_graphs import DecodeGraphs, graph_batch_sizes
@@ -170,6 +171,14 @@ class CudaBackend(Backend):
             graphs.capture()
         runner.graphs = graphs
         logger.info("CUDA graphs captured in %.1f s", time.perf_counter() - started)
+
+    def spec_support(self) -> SpecSupport | None:
+        """Verification of drafts, exact (seeded sampling gives the tokens it gives without
+        speculation); not under tensor parallelism, whose workers take one sampled id per
+        request from rank 0."""
+        if self.config.tensor_parallel_size > 1:
+            return None
+        return SpecSupport(exact_verification=True)
 
     def vocab_size(self) -> int:
         return self.model_config.vocab_size

@@ -42,6 +42,7 @@ from engine_core_cuda._model import CausalLM
 from engine_core_cuda._options import CudaOptions
 from engine_core_cuda._sampler import compute_logprobs, sample
 from engine_core_cuda._sampling_inputs import build_sampling_batch
+from engine_core_cuda._spec_step import sample_with_drafts
 from engine_core_cuda._step_inputs import StepInputs, apply_scheduler_output, build_step_inputs
 
 if TYPE_CHECKING:
@@ -233,7 +234,9 @@ class ModelRunner:
             hidden = None
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.context(step))
-            last = step.query_start_loc[1:].long() - 1
+            last = step.logits_indices
+            if last is None:
+                last = step.query_start_loc[1:].long() - 1
             logits = self.model.compute_logits(hidden[last])
             if wants_prompt and self.parallel is not None:
                 # Every rank joins this gather now; sample_tokens (rank 0 only) reads the rows.
@@ -273,7 +276,11 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in states]
         logprobs: list[list[TokenLogprobs] | None] | None = None
         picks = [i for i, s in enumerate(step.samples) if s]
-        if picks:
+        if picks and step.draft_rows is not None:
+            sampled, logprobs = sample_with_drafts(
+                self.batch, step, forward.logits, picks, grammar_bitmask, self.ops.impl
+            )
+        elif picks:
             tokens = self._sample(step, forward.logits, picks, grammar_bitmask)
             token_list = tokens.tolist()
             for i, token in zip(picks, token_list, strict=True):
@@ -303,6 +310,7 @@ class ModelRunner:
             step is None
             or forward.logits is None
             or forward.hidden is not None
+            or step.draft_rows is not None
             or any(s.params.logprobs is not None for s in step.states)
         ):
             output = self.sample_tokens(grammar_bitmask)
