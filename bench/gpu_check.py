@@ -1163,7 +1163,7 @@ def check_profile(table: Table, args: argparse.Namespace, root: Path) -> None:
             if graphs is not None:
                 step_s = _time(driver.step, backend.device, 10)
                 n = next(size for size in graphs.batch_sizes if size >= b)
-                replay, _ = graphs._graphs[n]
+                replay, _ = graphs._graphs[n, 1]
                 replay_s = _time(replay, backend.device, 10)
                 table.add(f"profile: graph replay vs whole step b={b}",
                           f"{replay_s * 1e3:.2f} of {step_s * 1e3:.2f} ms "

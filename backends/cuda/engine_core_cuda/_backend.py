@@ -166,7 +166,10 @@ class CudaBackend(Backend):
             return
         started = time.perf_counter()
         max_batch = graph_max_batch_size(runner)
-        graphs = DecodeGraphs(runner, graph_batch_sizes(max_batch))
+        spec = self.config.speculative_config
+        # One query length per allowed draft count, so every step the policy picks has a graph.
+        query_lens = [1 + k for k in spec.k_choices] if spec is not None else []
+        graphs = DecodeGraphs(runner, graph_batch_sizes(max_batch), query_lens)
         with torch.inference_mode():
             graphs.capture()
         runner.graphs = graphs

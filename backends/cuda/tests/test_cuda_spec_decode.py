@@ -7,7 +7,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 from engine_core_cuda import CudaBackend
+from engine_core_cuda._cuda_graphs import DecodeGraphs
+from engine_core_cuda._step_inputs import StepInputs
 from hf_reference import greedy
 from tiny_models import VOCAB_SIZE, TinyModel
 
@@ -208,3 +211,51 @@ def test_greedy_spec_decode_equals_transformers(
     drafter = _scripted({"r0": expected}, 3, "mixed")
     (got,) = run(backend, [prompt], [params], drafter)
     assert got.outputs[:12] == expected
+
+
+class EagerGraphs(DecodeGraphs):
+    """Records the forward function instead of a CUDA graph (replays run it eagerly into the
+    same static output) and the shapes that ran."""
+
+    ran: list[tuple[int, int, int]]
+
+    def _record(
+        self, forward: Callable[[], torch.Tensor]
+    ) -> tuple[Callable[[], None], torch.Tensor]:
+        output = forward()
+
+        def replay() -> None:
+            output.copy_(forward())
+
+        return replay, output
+
+    def _run_padded(self, step: StepInputs, n: int, q: int) -> torch.Tensor:
+        self.ran.append((len(step.states), n, q))
+        return super()._run_padded(step, n, q)
+
+
+def test_graphs_of_query_length_one_plus_k_pad_with_fillers(backend: CudaBackend) -> None:
+    """Steps verifying up to k drafts run in the graph of the smallest captured 1 + k, requests
+    with fewer drafts padded with fillers, batches padded with empty sequences."""
+    runner = backend.runner
+    graphs = EagerGraphs(runner, [1, 2, 4, 8, 20], [1, 3, 5])
+    graphs.ran = []
+    assert graphs.shapes == [
+        (1, 1), (2, 1), (4, 1), (8, 1), (20, 1), (1, 3), (2, 3), (4, 3), (6, 3),
+        (1, 5), (2, 5), (4, 5),
+    ]  # fmt: skip
+    graphs.capture()
+    prompts = PROMPTS[:3]
+    params = PARAMS[:3]
+    reference = run(backend, prompts, params)
+    expected = {r.req_id: r.outputs for r in reference}
+    runner.graphs = graphs
+    try:
+        spec = run(backend, prompts, params, _scripted(expected, 4, "mixed"), chunk=5)
+    finally:
+        runner.graphs = None
+    for ref, got in zip(reference, spec, strict=True):
+        assert got.outputs[: len(ref.outputs)] == ref.outputs
+    # Three requests: the graph of 4 sequences; 3 or 5 tokens each by the step's most drafts.
+    assert {(b, n) for b, n, _ in graphs.ran} <= {(3, 4), (2, 2), (1, 1)}
+    assert {q for _, _, q in graphs.ran} == {3, 5}
