@@ -66,30 +66,37 @@ class DecodeGraphs:
     """Captured decode graphs of a :class:`~engine_core_cuda._model_runner.ModelRunner`."""
 
     def __init__(
-        self, runner: ModelRunner, batch_sizes: list[int], query_lens: list[int] | None = None
+        self,
+        runner: ModelRunner,
+        batch_sizes: list[int],
+        query_lens: list[int] | None = None,
+        *,
+        shapes: list[tuple[int, int]] | None = None,
     ) -> None:
         """``batch_sizes``: those of query length 1; ``query_lens``: more query lengths (1 +
-        draft counts) captured for :func:`graph_shapes`."""
+        draft counts) captured for :func:`graph_shapes`; ``shapes``: more (batch size, query
+        length) pairs, as given (a benchmark's)."""
         self.runner = runner
         self.batch_sizes = sorted(batch_sizes)
         self.max_batch_size = self.batch_sizes[-1]
-        n = self.max_batch_size
-        self.shapes = [(size, 1) for size in self.batch_sizes] + [
-            shape for shape in graph_shapes(n, query_lens or []) if shape[1] > 1
-        ]
+        extra = graph_shapes(self.max_batch_size, query_lens or []) + (shapes or [])
+        self.shapes = [(size, 1) for size in self.batch_sizes] + sorted(
+            {shape for shape in extra if shape[1] > 1}, key=lambda shape: (shape[1], shape[0])
+        )
         self.query_lens = sorted({q for _, q in self.shapes})
+        n = max(size for size, _ in self.shapes)
+        tokens = max(size * q for size, q in self.shapes)
         device = runner.device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
         self.seq_rows = torch.full((n,), runner.batch.padding_row, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self._query_start_locs = {
-            q: torch.arange(n // q + 1, dtype=torch.int32, device=device) * q
-            for q in self.query_lens
+            q: torch.arange(n + 1, dtype=torch.int32, device=device) * q for q in self.query_lens
         }
         vocab = runner.model_config.vocab_size
-        self.logits = torch.empty((n, vocab), dtype=torch.float32, device=device)
+        self.logits = torch.empty((tokens, vocab), dtype=torch.float32, device=device)
         self.reserved_bytes = 0
         """Device memory the capture reserved (graph pool and shared buffers), set by
         :meth:`capture`."""
