@@ -23,6 +23,7 @@ from engine_core._core.block_hash import block_keys, extra_key_bytes
 
 if TYPE_CHECKING:
     from engine_core._core.block_pool import KVCacheBlock
+    from engine_core._core.spec_decode import SpecState
     from engine_core.sampling_params import SamplingParams
 
 __all__ = ["GrammarMatcher", "InvalidTransition", "Request", "RequestStatus"]
@@ -90,6 +91,11 @@ class GrammarMatcher(Protocol):
         """Whether the grammar is complete: it allows no token but EOS any more."""
         ...
 
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids``, in order, the grammar would accept from its current state
+        (speculative decoding truncates drafts to them); the state does not change."""
+        ...
+
 
 class InvalidTransition(RuntimeError):
     """A request was moved between states the state machine does not connect (a bug)."""
@@ -127,6 +133,7 @@ class Request:
         "num_prompt_logprobs_sent",
         "use_structured_output",
         "grammar",
+        "spec",
         "_first_block_extra",
         "_block_size",
         "_hash_blocks",
@@ -167,6 +174,8 @@ class Request:
         )
         self.grammar: GrammarMatcher | None = None
         """The matcher of a constrained request, once its grammar is compiled."""
+        self.spec: SpecState | None = None
+        """Speculative decoding: its drafts and acceptance (None: never considered)."""
         limit = sampling_params.max_tokens if max_tokens is None else max_tokens
         self.max_tokens = limit if limit is not None else 1 << 62
         self.min_tokens = sampling_params.min_tokens

@@ -22,8 +22,10 @@ from engine_core._core.request import FINISH_REASONS, GrammarMatcher, Request, R
 from engine_core._core.request_queue import make_queue
 from engine_core._core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.abc import ModelRunnerOutput, TokenLogprobs
+from engine_core.errors import BackendError
 
 if TYPE_CHECKING:
+    from engine_core._core.spec_decode import SpecDecoder
     from engine_core.config import EngineConfig
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -81,8 +83,14 @@ class SchedulerConfig:
 class Scheduler:
     """Decides each step which requests compute how many tokens, and applies the results."""
 
-    def __init__(self, config: SchedulerConfig, num_blocks: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, num_blocks: int, spec: SpecDecoder | None = None
+    ) -> None:
         self.config = config
+        self.spec = spec
+        """Speculative decoding (None: off; nothing of it runs)."""
+        self._num_drafted = 0
+        """Requests of the step being scheduled that verify drafts."""
         self.kv = KVCacheManager(
             num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
         )
@@ -216,6 +224,10 @@ class Scheduler:
         the budget left and whether anything was preempted."""
         threshold = self.config.long_prefill_token_threshold
         allocate_slots = self.kv.allocate_slots
+        spec = self.spec
+        if spec is not None:
+            spec.plan(self.running, budget)
+            self._num_drafted = 0
         # Mutation testing: None is an equivalent start (only its truth is read).
         any_preempted = False  # pragma: no mutate
         # NOTE: preemption rebinds self.running to a new list instead of editing it, so this
@@ -245,10 +257,13 @@ class Scheduler:
                 num_new = budget
             if num_new <= 0:
                 continue
+            num_slots = num_new
+            if spec is not None and num_new == num_tokens - computed == 1:
+                num_new, num_slots = self._add_drafts(spec, request, budget)
             num_blocks_before = len(request.blocks)
             # NOTE: while/else: the else runs once the blocks fit, not after the break (the
             # request preempted itself: nothing fits; with priority, a later request may).
-            while not allocate_slots(request, num_new):
+            while not allocate_slots(request, num_slots):
                 victim = self._pick_victim()
                 budget += self._preempt_running(victim, entries)
                 any_preempted = True
@@ -265,8 +280,30 @@ class Scheduler:
                 request.num_computed_tokens = computed + num_new
                 if self._async and computed + num_new == num_tokens:
                     request.num_output_placeholders = placeholders + 1
+                if spec is not None and computed + num_new >= num_tokens:
+                    if num_new > num_tokens - computed:
+                        self._num_drafted += 1
+                    spec.sampling(request)
                 budget -= num_new
         return budget, any_preempted
+
+    def _add_drafts(self, spec: SpecDecoder, request: Request, budget: int) -> tuple[int, int]:
+        """A decoding request's tokens and KV slots this step with the drafts it verifies: at
+        most the step's draft count, and never past ``max_tokens``, ``max_model_len``, the
+        budget or the long-prefill threshold even if every draft is accepted."""
+        num_tokens = len(request.all_token_ids)
+        config = self.config
+        cap = min(
+            request.max_tokens - (num_tokens - request.num_prompt_tokens),
+            config.max_model_len - num_tokens,
+            budget,
+        )
+        if config.long_prefill_token_threshold:
+            cap = min(cap, config.long_prefill_token_threshold)
+        drafts = spec.drafts_for(request, cap - 1)
+        if not drafts:
+            return 1, 1
+        return 1 + len(drafts), 1 + len(drafts) + spec.lookahead()
 
     def _schedule_waiting(
         self, budget: int, new_reqs: list[NewRequestData], admitted: list[Request]
@@ -308,6 +345,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens + num_new
             if self._async and request.num_computed_tokens == len(request.all_token_ids):
                 request.num_output_placeholders = 1
+            if self.spec is not None and request.num_computed_tokens == len(request.all_token_ids):
+                self.spec.sampling(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             kv.record_admission(request, num_hit_tokens)
@@ -349,6 +388,22 @@ class Scheduler:
             return SchedulerOutput(new_reqs, cached, 0)
         finished_ids, self._finished_req_ids = self._finished_req_ids, []
         preempted_ids, self._preempted_req_ids = self._preempted_req_ids, []
+        spec = self.spec
+        if spec is not None:
+            if self._num_drafted:
+                cached.spec_token_ids = [
+                    r.spec.scheduled if r.spec is not None else [] for r in entries[0::_ENTRY]
+                ]
+            if spec.draft_req_ids:
+                return SchedulerOutput(
+                    new_reqs,
+                    cached,
+                    total,
+                    finished_ids,
+                    preempted_ids,
+                    spec.num_draft_tokens,
+                    spec.draft_req_ids,
+                )
         return SchedulerOutput(new_reqs, cached, total, finished_ids, preempted_ids)
 
     def _pick_victim(self) -> Request:
@@ -384,6 +439,8 @@ class Scheduler:
             return 0  # not scheduled in this step
         computed, num_new = entries[k + 3], entries[k + 4]
         del entries[k : k + _ENTRY]
+        if self.spec is not None and victim.spec is not None and victim.spec.scheduled:
+            self._num_drafted -= 1
         if (
             victim.num_output_placeholders
             and computed + num_new == len(victim.all_token_ids) + victim.num_output_placeholders - 1
@@ -396,6 +453,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV, go back to the front of the waiting queue."""
         self.kv.free(request)
+        if self.spec is not None:
+            self.spec.unscheduled(request)
         request.set_status(_PREEMPTED)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -435,6 +494,8 @@ class Scheduler:
         out = EngineCoreOutputs()
         out_ids, out_tokens = out.req_ids, out.new_token_ids
         logprobs = runner_output.logprobs
+        spec = self.spec
+        backend_drafts = runner_output.draft_token_ids
         max_model_len = self.config.max_model_len
         # Mutation testing: starting True (filtering when nothing ended) is equivalent.
         any_finished = False  # pragma: no mutate
@@ -446,6 +507,15 @@ class Scheduler:
                 continue  # partial prefill chunk
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
+            if spec is not None:
+                if request.spec is not None and request.spec.scheduled:
+                    # The rejected drafts' positions were computed but are not the request's.
+                    request.num_computed_tokens -= spec.verified(request, tokens)
+                elif len(tokens) != 1:
+                    raise BackendError(
+                        f"request {request.request_id!r}: the backend returned {len(tokens)} "
+                        "tokens for a step without drafts"
+                    )
             num_before = len(request.all_token_ids)
             grammar = request.grammar
             if grammar is None:
@@ -473,6 +543,10 @@ class Scheduler:
                     self.waiting.discard(request)
                 self._finish(request, status, out)
                 any_finished = True
+            elif spec is not None:
+                spec.after_tokens(
+                    request, tokens, backend_drafts[index] if backend_drafts is not None else None
+                )
         if runner_output.prompt_logprobs:
             self._add_prompt_logprobs(
                 scheduled, scheduler_output, runner_output.prompt_logprobs, out

@@ -39,6 +39,7 @@ from engine_core._core.protocol import (
 )
 from engine_core._core.request import Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
+from engine_core._core.spec_decode import SpecDecoder
 from engine_core._plugins import load_backend, resolve_backend
 from engine_core._structured.manager import StructuredOutputManager
 from engine_core.abc import (
@@ -211,7 +212,14 @@ class EngineCore:
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         self.max_model_len: int = config.max_model_len
         self.vocab_size = backend.vocab_size()
-        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.num_kv_blocks)
+        spec = None
+        if config.speculative_config is not None and self.spec_support is not None:
+            spec = SpecDecoder(
+                config.speculative_config, self.spec_support, max_model_len=self.max_model_len
+            )
+        self.scheduler = Scheduler(
+            SchedulerConfig.from_engine_config(config), self.num_kv_blocks, spec
+        )
         self.num_steps = 0
         self._in_flight: deque[_InFlight] = deque()
         """Async scheduling: launched steps whose results were not applied, oldest first."""
@@ -423,23 +431,34 @@ class EngineCore:
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         backend = self.backend
         matchers = None
+        drafts = None
         if self.scheduler.num_constrained:
-            matchers = StructuredOutputManager.bitmask_matchers(self.scheduler.scheduled)
+            if self.scheduler.spec is None:
+                matchers = StructuredOutputManager.bitmask_matchers(self.scheduler.scheduled)
+            else:
+                matchers, drafts = StructuredOutputManager.bitmask_matchers_with_drafts(
+                    self.scheduler.scheduled
+                )
         if not matchers:
             backend.execute_model(scheduler_output)
             return backend.sample_tokens(None)
         structured = self.structured_output
         if not backend.step_in_thread:
             backend.execute_model(scheduler_output)
-            return backend.sample_tokens(structured.fill_bitmask(matchers))
-        bitmask = structured.submit_bitmask(matchers)
+            bitmask = (
+                structured.fill_bitmask(matchers)
+                if drafts is None
+                else structured.fill_bitmask(matchers, drafts)
+            )
+            return backend.sample_tokens(bitmask)
+        future = structured.submit_bitmask(matchers, drafts)
         try:
             backend.execute_model(scheduler_output)
         except BaseException:
             # Never leave the helper touching matchers after a failed step.
-            concurrent.futures.wait((bitmask,))
+            concurrent.futures.wait((future,))
             raise
-        return backend.sample_tokens(bitmask.result())
+        return backend.sample_tokens(future.result())
 
     def execute_async(
         self, scheduler_output: SchedulerOutput | None

@@ -105,6 +105,9 @@ class Grammar:
     def is_stopped(self) -> bool:
         return bool(self.matcher.is_stopped())
 
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        return int(self.matcher.validate_tokens(token_ids))
+
 
 def import_structured() -> tuple[ModuleType, ModuleType]:
     """``(llguidance, numpy)``; raises :class:`GrammarError` saying what to install."""

@@ -276,6 +276,23 @@ class StructuredOutputManager:
             if r.grammar is not None and r.num_computed_tokens == len(r.all_token_ids)
         ]
 
+    @staticmethod
+    def bitmask_matchers_with_drafts(
+        scheduled: Sequence[Request],
+    ) -> tuple[list[Any], list[list[int]]]:
+        """:meth:`bitmask_matchers` with speculative decoding: also each one's drafts verified
+        this step (one row per verified position: ``1 + len(drafts)`` rows)."""
+        matchers: list[Any] = []
+        drafts: list[list[int]] = []
+        for r in scheduled:
+            if r.grammar is None:
+                continue
+            scheduled_drafts = r.spec.scheduled if r.spec is not None else []
+            if r.num_computed_tokens - len(scheduled_drafts) == len(r.all_token_ids):
+                matchers.append(r.grammar.matcher)  # type: ignore[attr-defined]
+                drafts.append(scheduled_drafts)
+        return matchers, drafts
+
     def fill_bitmask_rows(self, requests: Sequence[Request]) -> Any:
         """The bitmask of one row per request, in order: its grammar's, or every token allowed
         for a request that ended since it was scheduled (async scheduling: what it samples is
@@ -293,21 +310,27 @@ class StructuredOutputManager:
             bitmask[live] = self.fill_bitmask(matchers)
         return bitmask
 
-    def fill_bitmask(self, matchers: Sequence[Any]) -> Any:
+    def fill_bitmask(
+        self, matchers: Sequence[Any], drafts: Sequence[list[int]] | None = None
+    ) -> Any:
         """The int32 bitmask of ``matchers``: shape (rows, ceil(vocab / 32)), bit ``j % 32`` of
-        word ``j // 32`` set when token ``j`` is allowed."""
+        word ``j // 32`` set when token ``j`` is allowed. With ``drafts`` (speculative
+        decoding, one list per matcher), ``1 + len(drafts[i])`` rows for matcher ``i``: its
+        state, then after each of its drafts in turn (which it is rolled back from)."""
         if self._np is None:
             self._init_bitmask()
         np = self._np
         num_rows = len(matchers)
+        if drafts is not None:
+            num_rows += sum(len(d) for d in drafts)
         num_words, num_llg_words = self._num_words, self._num_llg_words
         if num_llg_words == num_words:
             bitmask = np.empty((num_rows, num_words), dtype=np.int32)
-            self._fill(matchers, bitmask)
+            self._fill(matchers, bitmask, drafts)
             return bitmask
         # The model has ids the tokenizer lacks: they stay disallowed.
         llg_bitmask = np.empty((num_rows, num_llg_words), dtype=np.int32)
-        self._fill(matchers, llg_bitmask)
+        self._fill(matchers, llg_bitmask, drafts)
         bitmask = np.zeros((num_rows, num_words), dtype=np.int32)
         bitmask[:, :num_llg_words] = llg_bitmask
         return bitmask
@@ -318,10 +341,25 @@ class StructuredOutputManager:
         self._num_llg_words = -(-self._tokenizer.vocab_size // 32)
         self._num_words = max(self._num_llg_words, -(-self.vocab_size // 32))
 
-    def _fill(self, matchers: Sequence[Any], bitmask: Any) -> None:
+    def _fill(
+        self, matchers: Sequence[Any], bitmask: Any, drafts: Sequence[list[int]] | None = None
+    ) -> None:
         num_rows, num_words = bitmask.shape
         row_bytes = num_words * 4
         base = bitmask.ctypes.data
+        if drafts is not None:
+            row = 0
+            for matcher, request_drafts in zip(matchers, drafts, strict=True):
+                matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
+                row += 1
+                for draft in request_drafts:
+                    # The drafts were truncated to those the grammar accepts.
+                    matcher.consume_token(draft)
+                    matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
+                    row += 1
+                if request_drafts:
+                    matcher.rollback(len(request_drafts))
+            return
         if self._multicore and num_rows * num_words * 32 >= _PARALLEL_FILL_MIN_BITS:
             if self._parallel_fill is None:
                 llguidance, _ = import_structured()
@@ -333,13 +371,17 @@ class StructuredOutputManager:
         for i, matcher in enumerate(matchers):
             matcher.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
 
-    def submit_bitmask(self, matchers: Sequence[Any]) -> concurrent.futures.Future[Any]:
+    def submit_bitmask(
+        self, matchers: Sequence[Any], drafts: Sequence[list[int]] | None = None
+    ) -> concurrent.futures.Future[Any]:
         """:meth:`fill_bitmask` on the helper thread (to overlap the forward pass)."""
         if self._bitmask_pool is None:
             self._bitmask_pool = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="engine-core-bitmask"
             )
-        return self._bitmask_pool.submit(self.fill_bitmask, matchers)
+        if drafts is None:
+            return self._bitmask_pool.submit(self.fill_bitmask, matchers)
+        return self._bitmask_pool.submit(self.fill_bitmask, matchers, drafts)
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -1,0 +1,338 @@
+"""Speculative decoding on the scheduler's side: where drafts come from, how many each request
+verifies, the check of what a backend returns, and the counters.
+
+The scheduler calls :class:`SpecDecoder` at four points of a step: :meth:`~SpecDecoder.plan`
+before it serves the running requests (the policy's draft count for the step),
+:meth:`~SpecDecoder.drafts_for` for each decoding request (its drafts, within the caps the
+scheduler computes), :meth:`~SpecDecoder.verified` for each request that verified drafts (the
+output check; returns how many to roll back) and :meth:`~SpecDecoder.after_tokens` once a
+request's tokens are appended (scoring, and a backend proposer's drafts for the next step).
+
+Drafts never enter ``Request.all_token_ids`` nor its block keys: only verified tokens do, so
+only verified tokens are ever prefix-cached.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine_core._core.spec_policy import Acceptance, CostModel, SpecPolicy
+from engine_core.errors import BackendError
+from engine_core.spec import NgramIndex, NgramProposer
+
+if TYPE_CHECKING:
+    from engine_core._core.request import Request
+    from engine_core.abc import SpecSupport
+    from engine_core.config import SpeculativeConfig
+
+__all__ = ["SpecDecoder", "SpecState", "SpecStats", "check_verified"]
+
+PROBE_PERIOD = 8
+"""A request left undrafted is probed (its proposal scored against the tokens that follow)
+once every this many steps."""
+
+DEFAULT_COST = CostModel(5e-3, 5e-5)
+"""The step cost assumed for a backend that gives none (a small model on a GPU)."""
+
+NGRAM_PROPOSE_S = 5e-6
+"""Host time of one n-gram proposal, for the policy."""
+
+
+class SpecState:
+    """One request's speculative state (``Request.spec``)."""
+
+    __slots__ = (
+        "drafts",
+        "scheduled",
+        "extra",
+        "index",
+        "acceptance",
+        "probe_in",
+        "probing",
+        "shadow",
+        "num_drafts",
+        "num_draft_tokens",
+        "num_accepted_tokens",
+    )
+
+    def __init__(self, acceptance: Acceptance) -> None:
+        self.drafts: list[int] = []
+        """Drafts a backend proposer returned for the request's next step."""
+        self.scheduled: list[int] = []
+        """The drafts it verifies in the step scheduled (empty: none)."""
+        self.extra: int | None = None
+        """The draft past the scheduled ones, scored against the token sampled after them."""
+        self.index: NgramIndex | None = None
+        self.acceptance = acceptance
+        self.probe_in = PROBE_PERIOD
+        self.probing = False
+        """A backend proposer drafts for it this step, for shadow scoring only."""
+        self.shadow: list[int] = []
+        """A proposal not verified, scored against the tokens that follow."""
+        self.num_drafts = 0
+        """Steps in which it verified drafts."""
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+
+class SpecStats:
+    """Counters since the engine started (vLLM's names where they exist)."""
+
+    __slots__ = (
+        "num_drafts",
+        "num_draft_tokens",
+        "num_accepted_tokens",
+        "accepted_per_pos",
+        "drafted_per_pos",
+        "steps_by_k",
+        "shadow_drafts",
+        "shadow_accepted",
+    )
+
+    def __init__(self, k_max: int) -> None:
+        self.num_drafts = 0
+        """Verifications: (request, step) pairs with at least one draft."""
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * k_max
+        """Drafts accepted at each position (0-based)."""
+        self.drafted_per_pos = [0] * k_max
+        """Drafts verified at each position."""
+        self.steps_by_k: dict[int, int] = {}
+        """Steps by the draft count the policy chose (0: not speculating)."""
+        self.shadow_drafts = 0
+        """Drafts scored without being verified (the extra draft, probes)."""
+        self.shadow_accepted = 0
+
+
+def check_verified(request_id: str, drafts: list[int], tokens: list[int]) -> int:
+    """How many of ``drafts`` a backend accepted, returning ``tokens`` for them; raises
+    :class:`BackendError` when no verifier could return ``tokens``: more than one token past
+    the drafts, a token that differs from its draft before the last one, or a last token equal
+    to the draft it replaces (it would have been accepted)."""
+    num_accepted = len(tokens) - 1
+    if not 0 <= num_accepted <= len(drafts):
+        raise BackendError(
+            f"request {request_id!r}: the backend returned {len(tokens)} tokens for "
+            f"{len(drafts)} drafts (a verifier returns 1 to {len(drafts) + 1})"
+        )
+    if tokens[:num_accepted] != drafts[:num_accepted] or (
+        num_accepted < len(drafts) and tokens[num_accepted] == drafts[num_accepted]
+    ):
+        raise BackendError(
+            f"request {request_id!r}: the backend returned {tokens} for drafts {drafts}; a "
+            "verifier returns the accepted drafts, then one token that differs from the next "
+            "draft"
+        )
+    return num_accepted
+
+
+class SpecDecoder:
+    """The scheduler's speculative decoding: drafts, the policy and the counters."""
+
+    def __init__(
+        self, config: SpeculativeConfig, support: SpecSupport, *, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.support = support
+        self.max_model_len = max_model_len
+        self.k_max = config.num_speculative_tokens
+        self.in_core = config.proposed_in_core
+        self.proposer = (
+            NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            if self.in_core
+            else None
+        )
+        prior = support.cost_model
+        cost = (
+            CostModel(
+                prior.step_s,
+                prior.per_token_s,
+                draft_step_s=prior.draft_step_s,
+                draft_per_token_s=prior.draft_per_token_s,
+                parallel_drafting=prior.parallel_drafting,
+                propose_s=NGRAM_PROPOSE_S if self.in_core else 0.0,
+            )
+            if prior is not None and prior.step_s > 0
+            else DEFAULT_COST
+        )
+        self.policy = SpecPolicy(config.k_choices, cost, dynamic=config.dynamic)
+        self.stats = SpecStats(self.k_max)
+        self.k = 0
+        """The step's draft count (0: nothing is verified)."""
+        self.threshold = 1.0
+        """The step's lowest acceptance estimate that gets drafts."""
+        self.num_draft_tokens = 0
+        """Backend proposers: the drafts to ask for after the step."""
+        self.draft_req_ids: list[str] = []
+        """Backend proposers: the requests to draft for after the step."""
+
+    def state(self, request: Request) -> SpecState:
+        spec = request.spec
+        if spec is None:
+            spec = request.spec = SpecState(self.policy.new_acceptance())
+        return spec
+
+    # -- scheduling -----------------------------------------------------------------------------
+
+    def plan(self, running: list[Request], budget: int) -> None:
+        """Choose the step's draft count from the decoding requests among ``running`` and
+        their acceptance estimates."""
+        policy = self.policy
+        overall = policy.overall_estimate()
+        estimates = []
+        for request in running:
+            if request.num_computed_tokens + 1 == len(request.all_token_ids):
+                spec = request.spec
+                estimates.append(overall if spec is None else policy.estimate(spec.acceptance))
+        max_k = budget // len(estimates) - 1 if estimates else self.k_max
+        self.k, self.threshold = policy.decide(estimates, max_k)
+        steps = self.stats.steps_by_k
+        steps[self.k] = steps.get(self.k, 0) + 1
+        self.num_draft_tokens = 0
+        self.draft_req_ids = []
+
+    def drafts_for(self, request: Request, cap: int) -> list[int]:
+        """The drafts ``request`` verifies this step (at most ``cap``; it decodes), set as its
+        scheduled drafts; an empty list when it gets none (it may be probed instead)."""
+        spec = self.state(request)
+        k = self.k if cap > self.k else cap
+        drafted = k > 0 and self.policy.estimate(spec.acceptance) >= self.threshold
+        if not drafted:
+            spec.scheduled = []
+            spec.probe_in -= 1
+            if spec.probe_in <= 0 and not spec.shadow:
+                spec.probe_in = PROBE_PERIOD
+                self._probe(request, spec)
+            return []
+        if self.in_core:
+            proposal = self._propose(request, spec, k + 1)
+        else:
+            proposal = spec.drafts
+            spec.drafts = []
+        drafts = proposal[:k]
+        grammar = request.grammar
+        if drafts and grammar is not None:
+            drafts = drafts[: grammar.validate_tokens(drafts)]
+        spec.extra = proposal[k] if len(proposal) > k and len(drafts) == k else None
+        spec.scheduled = drafts
+        if not drafts and self.in_core:
+            # Nothing to propose: count it against the request, so that requests whose
+            # proposals keep coming up empty stop costing proposals.
+            self.policy.observe(spec.acceptance, 0, True)
+        return drafts
+
+    def _propose(self, request: Request, spec: SpecState, k: int) -> list[int]:
+        assert self.proposer is not None
+        if spec.index is None:
+            spec.index = NgramIndex()
+        return self.proposer.propose(request.all_token_ids, k, spec.index)
+
+    def _probe(self, request: Request, spec: SpecState) -> None:
+        if self.in_core:
+            spec.shadow = self._propose(request, spec, self.k_max)
+        else:
+            spec.probing = True
+            self._ask_drafts(request, self.k_max)
+
+    def sampling(self, request: Request) -> None:
+        """``request`` samples a token this step: a backend proposer drafts for its next step
+        when it would get drafts."""
+        if self.in_core or self.k == 0:
+            return
+        spec = self.state(request)
+        if not spec.probing and self.policy.estimate(spec.acceptance) >= self.threshold:
+            self._ask_drafts(request, self.k + 1)
+
+    def _ask_drafts(self, request: Request, num: int) -> None:
+        if num > self.num_draft_tokens:
+            self.num_draft_tokens = num
+        self.draft_req_ids.append(request.request_id)
+
+    def lookahead(self) -> int:
+        """KV slots to reserve past a drafted request's scheduled positions this step."""
+        return self.support.lookahead_tokens(self.k + 1) if self.k and not self.in_core else 0
+
+    def unscheduled(self, request: Request) -> None:
+        """``request`` left the step or was preempted: its drafts are dropped."""
+        spec = request.spec
+        if spec is not None:
+            ids = self.draft_req_ids
+            if ids and request.request_id in ids:
+                ids.remove(request.request_id)
+            spec.scheduled = []
+            spec.drafts = []
+            spec.extra = None
+            spec.shadow = []
+            spec.probing = False
+
+    # -- applying a step's results --------------------------------------------------------------
+
+    def verified(self, request: Request, tokens: list[int]) -> int:
+        """Check ``tokens`` against ``request``'s scheduled drafts and count them; returns the
+        drafts rejected (the positions to roll back)."""
+        spec = request.spec
+        assert spec is not None
+        drafts = spec.scheduled
+        num_accepted = check_verified(request.request_id, drafts, tokens)
+        num_drafts = len(drafts)
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        drafted = stats.drafted_per_pos
+        accepted = stats.accepted_per_pos
+        for pos in range(num_drafts):
+            drafted[pos] += 1
+            if pos < num_accepted:
+                accepted[pos] += 1
+        spec.num_drafts += 1
+        spec.num_draft_tokens += num_drafts
+        spec.num_accepted_tokens += num_accepted
+        all_accepted = num_accepted == num_drafts
+        if all_accepted and spec.extra is not None:
+            # The bonus token scores the draft past the verified ones, at no cost.
+            right = tokens[-1] == spec.extra
+            stats.shadow_drafts += 1
+            stats.shadow_accepted += right
+            self.policy.observe(spec.acceptance, num_accepted + right, not right)
+        else:
+            self.policy.observe(spec.acceptance, num_accepted, not all_accepted)
+        spec.scheduled = []
+        spec.extra = None
+        return num_drafts - num_accepted
+
+    def after_tokens(self, request: Request, tokens: list[int], drafts: list[int] | None) -> None:
+        """``request`` appended ``tokens`` (it goes on); ``drafts``: a backend proposer's for its
+        next step."""
+        spec = request.spec
+        if spec is None:
+            return
+        if spec.shadow:
+            self._score_shadow(spec, tokens)
+        if drafts is not None:
+            if spec.probing:
+                spec.probing = False
+                spec.shadow = list(drafts)
+            else:
+                spec.drafts = list(drafts)
+
+    def _score_shadow(self, spec: SpecState, tokens: list[int]) -> None:
+        shadow = spec.shadow
+        matched = 0
+        for token, draft in zip(tokens, shadow, strict=False):
+            if token != draft:
+                break
+            matched += 1
+        stats = self.stats
+        if matched == len(tokens) and matched < len(shadow):
+            spec.shadow = shadow[matched:]  # right so far: score the rest with the next tokens
+            stats.shadow_drafts += matched
+            stats.shadow_accepted += matched
+            self.policy.observe(spec.acceptance, matched, False)
+            return
+        rejected = matched < len(shadow)
+        stats.shadow_drafts += matched + rejected
+        stats.shadow_accepted += matched
+        self.policy.observe(spec.acceptance, matched, rejected)
+        spec.shadow = []

@@ -1,0 +1,210 @@
+"""How many drafts to verify: the dynamic speculation policy.
+
+Each step it picks one draft count ``k`` for the step from the allowed ones, and a threshold of
+acceptance below which a request gets no drafts, to maximise the expected tokens per second::
+
+    rate = (B + sum over drafted requests r of G_r(k)) / (a + b * (B + k * |drafted|) + drafting)
+    G_r(k) = alpha_r + alpha_r**2 + ... + alpha_r**k    (expected extra tokens, geometric)
+
+where ``B`` is the number of decoding requests, ``a`` and ``b`` the step cost's fixed and
+per-token parts (the backend's :class:`~engine_core.abc.StepCostModel`) and ``alpha_r`` a
+request's estimated conditional acceptance. With one acceptance for all, ``k = 1`` pays while
+``B < (a / b) * alpha / (1 - alpha)``: speculation switches itself off as the batch grows and
+back on as it shrinks, with no batch-size table. A request is drafted when its own gain per
+second of verification beats the step's rate (``G_r(k) / cost(k) > rate``), solved by a few
+rounds of Dinkelbach's iteration over requests grouped by acceptance.
+
+Acceptance is estimated from decayed counts of verified drafts, per request and overall, and
+also while nothing is verified: the extra draft past the verified ones is scored against the
+token sampled after them, and requests left undrafted are probed (their proposal scored
+against the tokens that actually follow, "shadow scoring").
+
+Pure arithmetic: no engine state.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Acceptance", "CostModel", "SpecPolicy"]
+
+_BUCKETS = 16
+"""Acceptance is grouped into this many equal ranges for the choice (a request's own estimate
+still decides whether it is drafted)."""
+
+_HYSTERESIS = 1.02
+"""The step's draft count changes only for a predicted gain of 2 % or more."""
+
+
+class Acceptance:
+    """A decayed estimate of conditional acceptance (the chance a draft is right given that the
+    drafts before it were): ``accepted / (accepted + rejected)`` over the recent drafts, drawn
+    towards a prior while few were seen."""
+
+    __slots__ = ("accepted", "rejected", "decay")
+
+    def __init__(self, decay: float) -> None:
+        self.accepted = 0.0
+        self.rejected = 0.0
+        self.decay = decay
+
+    def observe(self, num_accepted: int, rejected: bool) -> None:
+        """One run of drafts: ``num_accepted`` right in a row, then one wrong (``rejected``) or
+        none (all right)."""
+        decay = self.decay
+        self.accepted = self.accepted * decay + num_accepted
+        self.rejected = self.rejected * decay + rejected
+
+    def estimate(self, prior: float, strength: float) -> float:
+        accepted, rejected = self.accepted, self.rejected
+        return (accepted + prior * strength) / (accepted + rejected + strength)
+
+
+class CostModel:
+    """Seconds per step: ``step_s + per_token_s * tokens`` for the target model, and per draft
+    pass ``draft_step_s + draft_per_token_s * drafted requests`` (one pass per draft, or one
+    for all with ``parallel_drafting``), plus ``propose_s`` of host time per drafted request."""
+
+    __slots__ = (
+        "step_s",
+        "per_token_s",
+        "draft_step_s",
+        "draft_per_token_s",
+        "parallel_drafting",
+        "propose_s",
+    )
+
+    def __init__(
+        self,
+        step_s: float,
+        per_token_s: float,
+        *,
+        draft_step_s: float = 0.0,
+        draft_per_token_s: float = 0.0,
+        parallel_drafting: bool = False,
+        propose_s: float = 0.0,
+    ) -> None:
+        if not (step_s > 0 and per_token_s >= 0):
+            raise ValueError(f"need step_s > 0 and per_token_s >= 0, got {step_s}, {per_token_s}")
+        self.step_s = step_s
+        self.per_token_s = per_token_s
+        self.draft_step_s = draft_step_s
+        self.draft_per_token_s = draft_per_token_s
+        self.parallel_drafting = parallel_drafting
+        self.propose_s = propose_s
+
+    def passes(self, k: int) -> int:
+        return 1 if self.parallel_drafting else k
+
+    def fixed_s(self, k: int) -> float:
+        """The cost of drafting at all in a step (its draft passes' fixed part)."""
+        return self.passes(k) * self.draft_step_s if k else 0.0
+
+    def per_request_s(self, k: int) -> float:
+        """What drafting ``k`` tokens for one more request adds to a step."""
+        return k * self.per_token_s + self.passes(k) * self.draft_per_token_s + self.propose_s
+
+
+class SpecPolicy:
+    """Chooses each step's draft count and which requests get drafts."""
+
+    def __init__(
+        self,
+        k_choices: list[int],
+        cost: CostModel,
+        *,
+        dynamic: bool = True,
+        prior: float = 0.6,
+        strength: float = 2.0,
+        request_decay: float = 0.8,
+        global_decay: float = 0.98,
+    ) -> None:
+        self.k_choices = sorted(set(k_choices) | {0})
+        self.k_max = self.k_choices[-1]
+        self.cost = cost
+        self.dynamic = dynamic
+        self.prior = prior
+        self.strength = strength
+        self.request_decay = request_decay
+        self.overall = Acceptance(global_decay)
+        """Acceptance over all requests: the prior of each request's own estimate."""
+        self.k = self.k_max if not dynamic else 0
+        """The draft count of the last step decided."""
+        self.threshold = 0.0
+        """The lowest acceptance estimate drafted in the last step decided."""
+        self.predicted_speedup = 1.0
+        """The last decision's predicted rate over not speculating."""
+        # gains[k][j]: expected extra tokens of k drafts at the acceptance of bucket j's middle.
+        self._gains = [
+            [sum(((j + 0.5) / _BUCKETS) ** i for i in range(1, k + 1)) for j in range(_BUCKETS)]
+            for k in range(self.k_max + 1)
+        ]
+
+    def new_acceptance(self) -> Acceptance:
+        """A request's own estimate."""
+        return Acceptance(self.request_decay)
+
+    def estimate(self, acceptance: Acceptance) -> float:
+        """A request's acceptance, drawn towards the overall one while it has few drafts."""
+        return acceptance.estimate(self.overall_estimate(), self.strength)
+
+    def overall_estimate(self) -> float:
+        return self.overall.estimate(self.prior, self.strength)
+
+    def observe(self, acceptance: Acceptance, num_accepted: int, rejected: bool) -> None:
+        """A run of drafts of one request: its estimate and the overall one."""
+        acceptance.observe(num_accepted, rejected)
+        self.overall.observe(num_accepted, rejected)
+
+    def decide(self, estimates: list[float], max_k: int) -> tuple[int, float]:
+        """The draft count for a step whose decoding requests have these acceptance estimates
+        (``max_k``: the most the token budget allows), and the lowest estimate to draft. With
+        ``dynamic`` off: the largest allowed count, and every request drafted."""
+        choices = [k for k in self.k_choices if k <= max_k] or [0]
+        if not self.dynamic:
+            self.k, self.threshold = choices[-1], 0.0
+            return self.k, 0.0
+        num = len(estimates)
+        if num == 0:
+            return self.k, self.threshold
+        counts = [0] * _BUCKETS
+        for alpha in estimates:
+            j = int(alpha * _BUCKETS)
+            counts[j if j < _BUCKETS else _BUCKETS - 1] += 1
+        cost = self.cost
+        base_s = cost.step_s + cost.per_token_s * num
+        base_rate = num / base_s
+        rates: dict[int, tuple[float, int]] = {0: (base_rate, _BUCKETS)}
+        for k in choices:
+            if k:
+                rates[k] = self._best(counts, k, num, base_s, base_rate)
+        best = max(rates, key=lambda k: rates[k][0])
+        if self.k in rates and rates[self.k][0] * _HYSTERESIS >= rates[best][0]:
+            best = self.k  # not worth a change
+        rate, first_bucket = rates[best]
+        self.k = best
+        self.threshold = first_bucket / _BUCKETS if best else 1.0
+        self.predicted_speedup = rate / base_rate
+        return self.k, self.threshold
+
+    def _best(
+        self, counts: list[int], k: int, num: int, base_s: float, base_rate: float
+    ) -> tuple[float, int]:
+        """The rate with ``k`` drafts for the requests of the best buckets, and the first
+        drafted bucket (``_BUCKETS``: none)."""
+        gains = self._gains[k]
+        per_request_s = self.cost.per_request_s(k)
+        fixed_s = self.cost.fixed_s(k)
+        rate, first = base_rate, _BUCKETS
+        for _ in range(4):
+            # Dinkelbach: draft the buckets whose gain per second beats the current rate.
+            cut = _BUCKETS
+            while cut > 0 and gains[cut - 1] > rate * per_request_s:
+                cut -= 1
+            drafted = sum(counts[cut:])
+            if not drafted:
+                break
+            tokens = num + sum(c * g for c, g in zip(counts[cut:], gains[cut:], strict=True))
+            new_rate = tokens / (base_s + fixed_s + drafted * per_request_s)
+            if new_rate <= rate:
+                break
+            rate, first = new_rate, cut
+        return rate, first
