@@ -5,13 +5,14 @@ forced preemption."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 from hf_reference import greedy
 from tiny_models import TinyModel
 
-from engine_core import SamplingParams
+from engine_core import SamplingParams, StructuredOutputsParams
 
 KINDS = ["llama", "qwen2", "qwen3"]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "dynamic": False}
@@ -117,3 +118,28 @@ def test_speculation_with_chunked_prefill_prefix_hits_and_preemption(
             if spec is not None:
                 assert _stats(llm).num_accepted_tokens > 0
     _assert_same(results[True], results[False])
+
+
+def test_speculation_under_a_grammar(tiny: dict[str, TinyModel]) -> None:
+    """Constrained requests verify drafts with one bitmask row per position."""
+    model = tiny["qwen3"]
+    words = "(engine|decode|prefill|batch|step|chunk)"
+    regex = f"{words}( {words}){{11}}"
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"]} for p in _prompts()[:3]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30,
+                       structured_outputs=StructuredOutputsParams(regex=regex)),
+        SamplingParams(temperature=0.9, seed=4, max_tokens=30,
+                       structured_outputs=StructuredOutputsParams(regex=regex)),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+    ]  # fmt: skip
+    results = {}
+    for spec in (None, NGRAM):
+        with model.llm(speculative_config=spec) as llm:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            results[spec is None] = [(o.outputs[0].token_ids, o.outputs[0].text) for o in outputs]
+            if spec is not None:
+                assert _stats(llm).num_accepted_tokens > 0
+    assert results[True] == results[False]
+    for _, text in results[True][:2]:
+        assert re.fullmatch(regex, text)
