@@ -131,9 +131,16 @@ class CudaBackend(Backend):
         )
 
     def available_kv_cache_memory(self) -> int:
-        """The minimum over the ranks under tensor parallelism."""
+        """The minimum over the ranks under tensor parallelism. With a draft model, the share
+        of the target's cache: the draft's blocks take the rest (same block ids)."""
         if self.tp is None:
-            return available_kv_cache_memory(self.runner, self.config.kv_cache_memory_fraction)
+            memory = available_kv_cache_memory(self.runner, self.config.kv_cache_memory_fraction)
+            drafter = self.runner.drafter
+            if drafter is None:
+                return memory
+            block_size = self.config.block_size
+            own = self.kv_cache_spec().bytes_per_block(block_size)
+            return memory * own // (own + drafter.block_bytes(block_size))
         with self.tp.on_every_rank("available_kv_cache_memory") as others:
             own = available_kv_cache_memory(self.runner, self.config.kv_cache_memory_fraction)
         return min(own, *(v for v in others if isinstance(v, int)))
@@ -181,7 +188,12 @@ class CudaBackend(Backend):
         request from rank 0."""
         if self.config.tensor_parallel_size > 1:
             return None
-        return SpecSupport(exact_verification=True)
+        if self.runner.drafter is None:
+            return SpecSupport(exact_verification=True)
+        # The draft model writes one KV slot past the verified window per draft it proposes.
+        return SpecSupport(
+            proposers=["draft_model"], exact_verification=True, lookahead_per_draft=1
+        )
 
     def vocab_size(self) -> int:
         return self.model_config.vocab_size

@@ -33,6 +33,7 @@ from engine_core.abc import (
 from engine_core.config import EngineConfig
 from engine_core_cuda._attention import AttentionContext, KVCache, split_kv_segments
 from engine_core_cuda._device import prepare_triton, resolve_device, resolve_dtype
+from engine_core_cuda._draft_model import DraftModel
 from engine_core_cuda._hf_config import ModelConfig
 from engine_core_cuda._input_batch import InputBatch
 from engine_core_cuda._kernel_ops import KernelOps
@@ -70,6 +71,9 @@ class _Forward:
     """``[requests, vocab]`` float32 logits of each request's last scheduled position."""
     hidden: torch.Tensor | None
     """Every token's final hidden state, kept only when prompt logprobs are due."""
+    num_draft_tokens: int = 0
+    """Drafts the draft model proposes after sampling (``SchedulerOutput.num_draft_tokens``)."""
+    draft_req_ids: list[str] | None = None
 
 
 class AsyncSampled(AsyncModelRunnerOutput):
@@ -158,6 +162,10 @@ class ModelRunner:
         self._step_start: torch.cuda.Event | None = None
         """Timing event recorded where the last step's forward pass starts (CUDA only)."""
         self.graphs: DecodeGraphs | None = None
+        self.drafter: DraftModel | None = None
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model" and spec.model is not None:
+            self.drafter = DraftModel(self, spec.model)
         self._sm_count = (
             torch.cuda.get_device_properties(self.device).multi_processor_count
             if self.device.type == "cuda"
@@ -197,10 +205,14 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self._kv_tensor = torch.zeros(self.kv_cache_shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self._kv_tensor.unbind(0)]
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks, self.block_size)
 
     def release_kv_cache(self) -> None:
         self.kv_caches = []
         self._kv_tensor = None
+        if self.drafter is not None:
+            self.drafter.release_kv_cache()
 
     # -- stepping -------------------------------------------------------------------------------
 
@@ -241,7 +253,12 @@ class ModelRunner:
             if wants_prompt and self.parallel is not None:
                 # Every rank joins this gather now; sample_tokens (rank 0 only) reads the rows.
                 hidden = self.model.compute_logits(hidden)
-        self._forward = _Forward(req_ids, step, logits, hidden if wants_prompt else None)
+        if self.drafter is not None:
+            self.drafter.catch_up(step, self.context(step))
+        self._forward = _Forward(
+            req_ids, step, logits, hidden if wants_prompt else None,
+            scheduler_output.num_draft_tokens, scheduler_output.draft_req_ids,
+        )  # fmt: skip
 
     def context(self, step: StepInputs) -> AttentionContext:
         """The attention context of a step run outside CUDA graphs."""
@@ -297,7 +314,22 @@ class ModelRunner:
             ]
             score = self.model.compute_logits if self.parallel is None else _gathered
             prompt = prompt_logprobs(self.batch, forward.hidden, score, entries)
-        return ModelRunnerOutput(forward.req_ids, sampled, logprobs, prompt)
+        drafts = self._propose(forward, picks) if self.drafter is not None else None
+        return ModelRunnerOutput(forward.req_ids, sampled, logprobs, prompt, drafts)
+
+    def _propose(self, forward: _Forward, picks: list[int]) -> list[list[int]] | None:
+        """The draft model's drafts for the next step of the requests the engine asked."""
+        assert self.drafter is not None and forward.step is not None
+        if forward.num_draft_tokens <= 0:
+            return None
+        states = forward.step.states
+        wanted = set(forward.draft_req_ids) if forward.draft_req_ids is not None else None
+        chosen = [i for i in picks if wanted is None or states[i].req_id in wanted]
+        drafts: list[list[int]] = [[] for _ in states]
+        proposed = self.drafter.propose([states[i] for i in chosen], forward.num_draft_tokens)
+        for i, proposal in zip(chosen, proposed, strict=True):
+            drafts[i] = proposal
+        return drafts
 
     def sample_tokens_async(self, grammar_bitmask: Any | None) -> AsyncSampled:
         """Launch sampling; the handle's ``get_output`` waits for the tokens (see the module

@@ -1,0 +1,101 @@
+"""Speculative decoding with a draft model (on the CPU, float32): the draft is the target itself
+(every draft accepted), another tiny model (some accepted) or random weights (almost none), and
+the outputs always equal those without speculation."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_core_cuda import CudaBackend
+from tiny_models import TinyModel
+
+from engine_core import SamplingParams
+from engine_core.config import EngineConfig
+
+SMALL = {"block_size": 4, "num_kv_blocks": 48, "max_model_len": 96, "max_num_seqs": 4}
+PROMPTS = [{"prompt_token_ids": [(5 * i + 3 * j) % 90 + 7 for j in range(6 + 3 * i)]}
+           for i in range(3)]  # fmt: skip
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=5, max_tokens=16, ignore_eos=True, logprobs=1),
+    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, frequency_penalty=0.4),
+]
+
+
+def _draft(path: Path, k: int = 3) -> dict[str, Any]:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k,
+            "dynamic": False}  # fmt: skip
+
+
+def _random_draft(model: TinyModel, directory: Path) -> Path:
+    """The model's architecture with other random weights."""
+    hf = copy.deepcopy(model.hf)
+    generator = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    hf.save_pretrained(directory)
+    return directory
+
+
+def _generate(model: TinyModel, spec: dict[str, Any] | None, **fields: Any) -> tuple[Any, Any]:
+    with model.llm(speculative_config=spec, **SMALL, **fields) as llm:
+        outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        core = llm._client.engine_core
+        stats = core.scheduler.spec.stats if spec is not None else None
+    tokens = [(o.outputs[0].token_ids, [list(e) for e in o.outputs[0].logprobs or []])
+              for o in outputs]  # fmt: skip
+    return tokens, stats
+
+
+@pytest.fixture(scope="module")
+def plain(tiny: dict[str, TinyModel]) -> Any:
+    return _generate(tiny["llama"], None)[0]
+
+
+def test_the_target_as_its_own_draft_has_every_draft_accepted(
+    tiny: dict[str, TinyModel], plain: Any
+) -> None:
+    model = tiny["llama"]
+    tokens, stats = _generate(model, _draft(model.path))
+    assert tokens == plain
+    assert stats.num_draft_tokens > 0
+    # Greedy requests accept every draft; the seeded one samples with the same noise.
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("draft", ["qwen2", "random"])
+def test_other_drafts_give_the_same_tokens(
+    tiny: dict[str, TinyModel], plain: Any, draft: str, tmp_path: Path
+) -> None:
+    model = tiny["llama"]
+    path = tiny[draft].path if draft != "random" else _random_draft(model, tmp_path / "rand")
+    tokens, stats = _generate(model, _draft(path))
+    assert tokens == plain
+    assert stats.num_draft_tokens > 0
+    if draft == "random":
+        assert stats.num_accepted_tokens < stats.num_draft_tokens // 4
+    else:
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_a_draft_of_another_vocabulary_is_refused(
+    tiny: dict[str, TinyModel], tmp_path: Path
+) -> None:
+    draft = tmp_path / "other-vocab"
+    shutil.copytree(tiny["qwen3"].path, draft)
+    config = json.loads((draft / "config.json").read_text())
+    config["vocab_size"] += 16
+    (draft / "config.json").write_text(json.dumps(config))
+    config = EngineConfig(
+        model=str(tiny["llama"].path), backend="cuda", backend_options={"device": "cpu"},
+        speculative_config=_draft(draft),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="must share the target's vocabulary"):
+        CudaBackend(config)
