@@ -155,7 +155,7 @@ class CudaBackend(Backend):
             self._initialize_kv_cache(num_blocks)
 
     def _initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner.graphs = None  # they would point at the old cache
+        self.runner.drop_graphs()  # they would point at the old cache
         self.runner.allocate_kv_cache(num_blocks)
         self._capture_graphs()
 
@@ -180,6 +180,13 @@ class CudaBackend(Backend):
         with torch.inference_mode():
             graphs.capture()
         runner.graphs = graphs
+        if runner.drafter is not None:
+            draft_graphs = DecodeGraphs(
+                runner, graph_batch_sizes(max_batch), drafter=runner.drafter
+            )
+            with torch.inference_mode():
+                draft_graphs.capture()
+            runner.drafter.graphs = draft_graphs
         logger.info("CUDA graphs captured in %.1f s", time.perf_counter() - started)
 
     def spec_support(self) -> SpecSupport | None:
@@ -277,12 +284,12 @@ class CudaBackend(Backend):
             self.tp.workers.call("sleep", level)
             self.tp.previous_sampled = None
         runner = self.runner
-        runner.graphs = None
+        runner.drop_graphs()
         runner.drop_requests()
         runner.release_kv_cache()
-        self._param_shapes = [p.shape for p in runner.model.parameters()]
+        self._param_shapes = [p.shape for p in runner.parameters()]
         with torch.no_grad():
-            for param in runner.model.parameters():
+            for param in runner.parameters():
                 param.data = (
                     param.data.to("cpu")
                     if level == 1
@@ -307,7 +314,7 @@ class CudaBackend(Backend):
     def _wake_up(self) -> None:
         runner = self.runner
         with torch.no_grad():
-            for param, shape in zip(runner.model.parameters(), self._param_shapes, strict=True):
+            for param, shape in zip(runner.parameters(), self._param_shapes, strict=True):
                 if self._sleep_level == 1:
                     param.data = param.data.to(runner.device)
                 else:
@@ -331,11 +338,11 @@ class CudaBackend(Backend):
             self._profiler.stop()
             self._profiler = None
         runner = self.runner
-        runner.graphs = None
+        runner.drop_graphs()
         runner.drop_requests()
         runner.release_kv_cache()
         with torch.no_grad():
-            for param in runner.model.parameters():
+            for param in runner.parameters():
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         if runner.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -27,9 +27,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine_core_cuda._attention import AttentionContext
+from engine_core_cuda._attention import AttentionContext, KVCache
 
 if TYPE_CHECKING:
+    from engine_core_cuda._draft_model import DraftModel
+    from engine_core_cuda._model import CausalLM
     from engine_core_cuda._model_runner import ModelRunner
     from engine_core_cuda._step_inputs import StepInputs
 
@@ -72,11 +74,14 @@ class DecodeGraphs:
         query_lens: list[int] | None = None,
         *,
         shapes: list[tuple[int, int]] | None = None,
+        drafter: DraftModel | None = None,
     ) -> None:
         """``batch_sizes``: those of query length 1; ``query_lens``: more query lengths (1 +
         draft counts) captured for :func:`graph_shapes`; ``shapes``: more (batch size, query
-        length) pairs, as given (a benchmark's)."""
+        length) pairs, as given (a benchmark's); ``drafter``: capture the runner's draft model
+        (its model and KV cache) instead of the target."""
         self.runner = runner
+        self.drafter = drafter
         self.batch_sizes = sorted(batch_sizes)
         self.max_batch_size = self.batch_sizes[-1]
         extra = graph_shapes(self.max_batch_size, query_lens or []) + (shapes or [])
@@ -125,14 +130,20 @@ class DecodeGraphs:
             )
 
             def forward(t: int = t, ctx: AttentionContext = ctx) -> torch.Tensor:
-                hidden = runner.model(self.input_ids[:t], self.positions[:t], runner.kv_caches, ctx)
-                return runner.model.compute_logits(hidden, out=self.logits[:t])
+                model, caches = self._model()
+                hidden = model(self.input_ids[:t], self.positions[:t], caches, ctx)
+                return model.compute_logits(hidden, out=self.logits[:t])
 
             self._graphs[n, q] = self._record(forward)
         self.reserved_bytes = (torch.cuda.memory_reserved(device) if on_gpu else 0) - before
         logger.info("captured %d decode CUDA graphs (batch sizes %s, query lengths %s), "
                     "%.2f GiB reserved", len(self._graphs), self.batch_sizes, self.query_lens,
                     self.reserved_bytes / 2**30)  # fmt: skip
+
+    def _model(self) -> tuple[CausalLM, list[KVCache]]:
+        if self.drafter is not None:
+            return self.drafter.model, self.drafter.kv_caches
+        return self.runner.model, self.runner.kv_caches
 
     def _record(
         self, forward: Callable[[], torch.Tensor]

@@ -33,10 +33,11 @@ from engine_core_cuda._loader import init_random_weights, load_weights
 from engine_core_cuda._model import CausalLM
 from engine_core_cuda._sampler import sample
 from engine_core_cuda._sampling_inputs import build_sampling_batch
+from engine_core_cuda._step_inputs import StepInputs
 
 if TYPE_CHECKING:
+    from engine_core_cuda._cuda_graphs import DecodeGraphs
     from engine_core_cuda._model_runner import ModelRunner
-    from engine_core_cuda._step_inputs import StepInputs
 
 __all__ = ["DraftModel"]
 
@@ -67,6 +68,8 @@ class DraftModel:
         self.load_weights()
         self.kv_caches: list[KVCache] = []
         self._kv_tensor: torch.Tensor | None = None
+        self.graphs: DecodeGraphs | None = None
+        """Captured decode graphs of the draft's single-token passes (the backend sets them)."""
 
     def load_weights(self) -> None:
         if self.runner.options.load_format == "dummy":
@@ -136,19 +139,26 @@ class DraftModel:
         packed = host.to(device, non_blocking=True) if device.type == "cuda" else host
         rows, positions = packed[:num], packed[num:]
         block_ids = batch.block_table[rows, positions // batch.block_size].long()
-        ctx = AttentionContext(
-            ops=runner.ops,
+        step = StepInputs(
+            states=states,
+            starts=positions_host.tolist(),
+            query_start_loc_host=np.arange(num + 1, dtype=np.int32),
+            samples=[True] * num,
+            num_tokens=num,
+            max_query_len=1,
+            input_ids=batch.token_ids[rows, positions].long(),
+            positions=positions,
             slot_mapping=block_ids * batch.block_size + positions % batch.block_size,
-            block_table=batch.block_table,
             seq_rows=rows.to(torch.int32),
             query_start_loc=torch.arange(num + 1, dtype=torch.int32, device=device),
             seq_lens=(positions + 1).to(torch.int32),
-            max_query_len=1,
-            num_segments=runner.num_segments(num, 1, int(positions_host.max()) + 1),
         )
-        input_ids = batch.token_ids[rows, positions].long()
-        hidden = self.model(input_ids, positions, self.kv_caches, ctx)
-        logits = self.model.compute_logits(hidden)
+        if self.graphs is not None and self.graphs.can_run(step):
+            logits = self.graphs.run(step)
+        else:
+            ctx = runner.context(step)
+            hidden = self.model(step.input_ids, positions, self.kv_caches, ctx)
+            logits = self.model.compute_logits(hidden)
         sampling = build_sampling_batch(batch, states, rows, positions + 1, None)
         tokens = sample(logits, sampling, runner.ops.impl)
         batch.token_ids[rows, positions + 1] = tokens.to(batch.token_ids.dtype)

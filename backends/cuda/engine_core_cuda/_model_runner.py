@@ -146,6 +146,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or model_config.max_model_len
         self.model = CausalLM(model_config, self.max_model_len, self.dtype, self.device, parallel)
+        self.drafter: DraftModel | None = None
         self.load_weights()
         self.batch = InputBatch(
             max_num_reqs=config.max_num_seqs,
@@ -162,7 +163,6 @@ class ModelRunner:
         self._step_start: torch.cuda.Event | None = None
         """Timing event recorded where the last step's forward pass starts (CUDA only)."""
         self.graphs: DecodeGraphs | None = None
-        self.drafter: DraftModel | None = None
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model" and spec.model is not None:
             self.drafter = DraftModel(self, spec.model)
@@ -192,6 +192,15 @@ class ModelRunner:
                 Path(model_dir),
                 lambda name, ndim: slice_of(name, ndim, full, rank, size),
             )
+        if self.drafter is not None:
+            self.drafter.load_weights()
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The weights of the model and of the draft model (if any)."""
+        params = list(self.model.parameters())
+        if self.drafter is not None:
+            params += self.drafter.model.parameters()
+        return params
 
     @property
     def kv_cache_shape(self) -> tuple[int, ...]:
@@ -457,6 +466,12 @@ class ModelRunner:
             step.states[i].num_tokens += 1
 
     # -- lifecycle ------------------------------------------------------------------------------
+
+    def drop_graphs(self) -> None:
+        """Forget the captured graphs (they point at the KV cache)."""
+        self.graphs = None
+        if self.drafter is not None:
+            self.drafter.graphs = None
 
     def drop_requests(self) -> None:
         """Forget every request (their KV contents are gone)."""

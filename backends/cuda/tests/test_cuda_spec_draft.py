@@ -7,12 +7,14 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from engine_core_cuda import CudaBackend
+from engine_core_cuda._cuda_graphs import DecodeGraphs
 from tiny_models import TinyModel
 
 from engine_core import SamplingParams
@@ -99,3 +101,57 @@ def test_a_draft_of_another_vocabulary_is_refused(
     )  # fmt: skip
     with pytest.raises(ValueError, match="must share the target's vocabulary"):
         CudaBackend(config)
+
+
+class EagerGraphs(DecodeGraphs):
+    """Replays the captured function eagerly (a CUDA graph's stand-in on the CPU)."""
+
+    replays = 0
+
+    def _record(
+        self, forward: Callable[[], torch.Tensor]
+    ) -> tuple[Callable[[], None], torch.Tensor]:
+        output = forward()
+
+        def replay() -> None:
+            self.replays += 1
+            output.copy_(forward())
+
+        return replay, output
+
+
+def test_draft_passes_in_decode_graphs(tiny: dict[str, TinyModel], plain: Any) -> None:
+    model = tiny["llama"]
+    with model.llm(speculative_config=_draft(tiny["qwen2"].path), **SMALL) as llm:
+        runner = llm._client.engine_core.backend.runner
+        graphs = EagerGraphs(runner, [1, 2, 4], drafter=runner.drafter)
+        graphs.capture()
+        runner.drafter.graphs = graphs
+        outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    tokens = [(o.outputs[0].token_ids, [list(e) for e in o.outputs[0].logprobs or []])
+              for o in outputs]  # fmt: skip
+    assert tokens == plain
+    assert graphs.replays > 0
+    # The draft's graphs write its own cache, not the target's.
+    assert graphs._model()[0] is runner.drafter.model
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_and_wake_up_keep_the_draft_model(
+    tiny: dict[str, TinyModel], plain: Any, level: int
+) -> None:
+    model = tiny["llama"]
+    with model.llm(speculative_config=_draft(model.path), **SMALL) as llm:
+        backend = llm._client.engine_core.backend
+        drafter = backend.runner.drafter
+        backend.sleep(level)
+        if level == 2:  # dropped, reloaded from the draft's directory on waking
+            assert all(p.numel() == 0 for p in drafter.model.parameters())
+        assert drafter.kv_caches == []
+        backend.wake_up()
+        outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        stats = llm._client.engine_core.scheduler.spec.stats
+    tokens = [(o.outputs[0].token_ids, [list(e) for e in o.outputs[0].logprobs or []])
+              for o in outputs]  # fmt: skip
+    assert tokens == plain
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
