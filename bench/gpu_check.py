@@ -40,8 +40,9 @@ with the reason. Rows already written before a crash are kept.
 - spec: speculative decoding (information only): the verify-cost curve, step time of the
   8B-shaped model verifying q - 1 drafts per request for q = 1..9 at batch 1, 8, 64 and 256
   (CUDA graphs captured for each shape) with a fit ``a + b x tokens``; prompt-lookup speculation
-  (k = 4) against none through the engine on prompts that repeat a phrase, at batch 1, 64 and
-  256; and how many greedy outputs differ between the two (bfloat16 flips).
+  (k = 4) and a 2-layer draft model of random weights (its drafting cost; little is accepted)
+  against none through the engine on prompts that repeat a phrase, at batch 1, 64 and 256; and
+  how many greedy outputs differ (bfloat16 flips).
 
 ``--device cpu`` runs the same code at toy sizes on the CPU (Triton interpreted) to check the
 script itself; the speed targets are then not enforced. Exit status: 0 when every row passes, 1
@@ -1292,11 +1293,12 @@ def _copy_prompts(batch: int, context: int, vocab: int) -> list[list[int]]:
     return prompts
 
 
-def _engine_generate(model_dir: Path, args: argparse.Namespace, prompts: list[list[int]],
+def _engine_generate(model_dir: Path, args: argparse.Namespace, batches: list[list[list[int]]],
                      steps: int, speculative: dict[str, Any] | None,
-                     ) -> tuple[float, list[list[int]], int]:  # fmt: skip
-    """Greedy decoding of ``prompts`` (``steps`` tokens each) by an in-process engine core:
-    output tokens per second after the first steps, the outputs, and the engine steps."""
+                     ) -> list[tuple[float, list[list[int]], int]]:  # fmt: skip
+    """Greedy decoding of each batch of prompts in turn (``steps`` tokens each) by one
+    in-process engine core: per batch, output tokens per second after its first steps, the
+    outputs, and the engine steps taken."""
     from engine_core_cuda import CudaBackend
 
     from engine_core import SamplingParams
@@ -1305,7 +1307,8 @@ def _engine_generate(model_dir: Path, args: argparse.Namespace, prompts: list[li
     from engine_core.config import EngineConfig
 
     gpu = args.device != "cpu"
-    batch, context = len(prompts), max(len(p) for p in prompts)
+    batch = max(len(b) for b in batches)
+    context = max(len(p) for b in batches for p in b)
     config = EngineConfig(
         model=str(model_dir), backend="cuda", dtype="bfloat16" if gpu else "float32",
         backend_options={"device": args.device, "load_format": "dummy",
@@ -1316,23 +1319,28 @@ def _engine_generate(model_dir: Path, args: argparse.Namespace, prompts: list[li
         speculative_config=speculative,
     )  # fmt: skip
     core = EngineCore(config, backend_cls=CudaBackend)
+    results = []
     try:
         sharpen(core.backend, 0)
         params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
-        outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(batch)}
-        num_tokens, started, n = 0, 0.0, 0
-        while core.has_unfinished_requests():
-            out = core.step()
-            for req_id, tokens in zip(out.req_ids, out.new_token_ids, strict=True):
-                outputs[req_id] += tokens
-            if n == 2:  # the prefill and the first decode steps are not timed
-                started = time.perf_counter()
-            elif n > 2:
-                num_tokens += sum(len(t) for t in out.new_token_ids)
-            n += 1
-        return num_tokens / (time.perf_counter() - started), list(outputs.values()), n
+        for k, prompts in enumerate(batches):
+            ids = [f"b{k}-r{i}" for i in range(len(prompts))]
+            for req_id, prompt in zip(ids, prompts, strict=True):
+                core.add_request(EngineCoreRequest(req_id, prompt, params))
+            outputs: dict[str, list[int]] = {req_id: [] for req_id in ids}
+            num_tokens, started, n = 0, 0.0, 0
+            while core.has_unfinished_requests():
+                out = core.step()
+                for req_id, tokens in zip(out.req_ids, out.new_token_ids, strict=True):
+                    outputs[req_id] += tokens
+                if n == 2:  # the prefill and the first decode steps are not timed
+                    started = time.perf_counter()
+                elif n > 2:
+                    num_tokens += sum(len(t) for t in out.new_token_ids)
+                n += 1
+            rate = num_tokens / (time.perf_counter() - started)
+            results.append((rate, list(outputs.values()), n))
+        return results
     finally:
         core.close()
 
@@ -1376,22 +1384,31 @@ def check_spec(table: Table, args: argparse.Namespace, root: Path) -> None:
         release(backend)
     shape = big_shape(args)
     model_dir = write_config(root, "llama3-8b-shaped-spec", shape)
-    copy_sizes = [1, 64, 256] if gpu else [1, 2]
+    draft_dir = write_config(root, "llama3-8b-shaped-draft", {**shape, "num_hidden_layers": 2})
+    sizes = [1, 64, 256] if gpu else [1, 2]
     out_steps = 64 if gpu else 6
-    ngram = {"method": "ngram", "num_speculative_tokens": 4, "allowed_k": [1, 2, 4]}
-    for b in copy_sizes:
-        prompts = _copy_prompts(b, 256 if gpu else 64, shape["vocab_size"])
-        off, off_out, off_steps = _engine_generate(model_dir, args, prompts, out_steps, None)
-        on, on_out, on_steps = _engine_generate(model_dir, args, prompts, out_steps, ngram)
-        differ = sum(x != y for x, y in zip(off_out, on_out, strict=True))
-        first = [next((i for i, (p, q) in enumerate(zip(x, y, strict=True)) if p != q), None)
-                 for x, y in zip(off_out, on_out, strict=True)]  # fmt: skip
-        where = sorted(i for i in first if i is not None)
-        table.add(f"spec: ngram k=4 vs off b={b} (copy prompts)",
-                  f"{on:,.0f} / {off:,.0f} tok/s, {off_steps} -> {on_steps} steps",
-                  f"x{on / off:.2f}", None,
-                  [f"greedy outputs differing (bf16 flips): {differ} of {b}"
-                   + (f", first at tokens {where[:8]}" if where else "")])  # fmt: skip
+    batches = [_copy_prompts(b, 256 if gpu else 64, shape["vocab_size"]) for b in sizes]
+    off = _engine_generate(model_dir, args, batches, out_steps, None)
+    modes = {
+        "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4, "allowed_k": [1, 2, 4]},
+        "draft k=4": {  # a 2-layer draft of random weights: its cost, little accepted
+            "method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 4,
+            "allowed_k": [1, 2, 4]},
+    }  # fmt: skip
+    for name, speculative in modes.items():
+        on = _engine_generate(model_dir, args, batches, out_steps, speculative)
+        for b, (off_rate, off_out, off_steps), (on_rate, on_out, on_steps) in zip(
+            sizes, off, on, strict=True
+        ):
+            differ = sum(x != y for x, y in zip(off_out, on_out, strict=True))
+            first = [next((i for i, (p, q) in enumerate(zip(x, y, strict=True)) if p != q), None)
+                     for x, y in zip(off_out, on_out, strict=True)]  # fmt: skip
+            where = sorted(i for i in first if i is not None)
+            table.add(f"spec: {name} vs off b={b} (copy prompts)",
+                      f"{on_rate:,.0f} / {off_rate:,.0f} tok/s, {off_steps} -> {on_steps} steps",
+                      f"x{on_rate / off_rate:.2f}", None,
+                      [f"greedy outputs differing (bf16 flips): {differ} of {b}"
+                       + (f", first at tokens {where[:8]}" if where else "")])  # fmt: skip
 
 
 # -- the checks' processes --------------------------------------------------------------------

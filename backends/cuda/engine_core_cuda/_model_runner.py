@@ -6,6 +6,11 @@ decode batches when captured) and keeps the last position's logits of every requ
 returns them. No host synchronization happens between the two, so the forward pass runs while
 the engine core computes the grammar bitmask.
 
+With speculative decoding a request may carry drafts: they are written after its last known
+token, the logits cover its ``1 + drafts`` last positions, and ``sample_tokens`` verifies them
+(:mod:`engine_core_cuda._spec_step`); a draft model (:mod:`engine_core_cuda._draft_model`)
+catches up on each step's tokens and proposes the next step's drafts after sampling.
+
 Under async scheduling ``sample_tokens_async`` launches the sampling and returns at once: the
 tokens are written into the persistent rows on the device (the next step's input ids are
 gathered from there, so they never go through the host) and copied to pinned host memory with a
@@ -68,7 +73,8 @@ class _Forward:
     req_ids: list[str]
     step: StepInputs | None
     logits: torch.Tensor | None
-    """``[requests, vocab]`` float32 logits of each request's last scheduled position."""
+    """``[requests, vocab]`` float32 logits of each request's last scheduled position; with
+    drafts, of each request's ``1 + drafts`` last positions (``step.draft_rows``)."""
     hidden: torch.Tensor | None
     """Every token's final hidden state, kept only when prompt logprobs are due."""
     num_draft_tokens: int = 0

@@ -194,7 +194,8 @@ def test_cpu_smoke_run(tmp_path: Path) -> None:
                      "decode b=1 ctx=96 16 KV splits graphs off", "prefill 2 x 40 tokens per step",
                      "profile: eager decode b=4, top 15 kernels",
                      "spec: verify cost b=2 (eager)",
-                     "spec: ngram k=4 vs off b=1 (copy prompts)"):  # fmt: skip
+                     "spec: ngram k=4 vs off b=1 (copy prompts)",
+                     "spec: draft k=4 vs off b=2 (copy prompts)"):  # fmt: skip
         assert expected in checks
     for name in only.split(","):
         assert (tmp_path / f"{name}.jsonl").is_file() and (tmp_path / f"{name}.log").is_file()
