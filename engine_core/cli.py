@@ -57,6 +57,8 @@ def _flag_type(annotation: Any) -> tuple[Any, dict[str, Any]]:
         return (_or_none(base), {"help": "or 'none'"}) if optional else (base, {})
     if typing.get_origin(base) is dict or base is dict:
         return json.loads, {"metavar": "JSON"}
+    if isinstance(base, type) and issubclass(base, msgspec.Struct):
+        return json.loads, {"metavar": "JSON"}  # a dict: EngineConfig converts it
     return str, {}
 
 

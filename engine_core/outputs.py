@@ -50,6 +50,22 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    spec_num_drafts: int = 0
+    """Speculative decoding: steps in which the request verified drafts (summed over its
+    completions; known once the engine ended them: a completion the front end ends on a stop
+    string does not report)."""
+    spec_num_draft_tokens: int = 0
+    """Speculative decoding: drafts verified."""
+    spec_num_accepted_tokens: int = 0
+    """Speculative decoding: drafts accepted."""
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        """Tokens per verifying step, the sampled one included (1 + accepted / drafts, as
+        vLLM counts it); None before any."""
+        if not self.spec_num_drafts:
+            return None
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -22,9 +22,12 @@ chunked, its prefix came from the prefix cache, or it was preempted and resumed.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from itertools import pairwise
+from typing import Any
 
+from engine_core._core.request import Request
 from engine_core._engine.backend_harness import (
     MAX_BLOCKS,
     BackendFactory,
@@ -35,8 +38,10 @@ from engine_core._engine.backend_harness import (
     num_blocks_for,
     opened,
 )
-from engine_core.abc import Backend, KVCacheSpec, TokenLogprobs
+from engine_core._engine.spec_harness import SpecHarness
+from engine_core.abc import Backend, KVCacheSpec, SpecSupport, TokenLogprobs
 from engine_core.config import EngineConfig
+from engine_core.sampling_params import SamplingParams
 
 __all__ = [
     "BACKEND_CHECKS",
@@ -52,6 +57,7 @@ __all__ = [
     "check_preemption",
     "check_prefill_chunks",
     "check_prefix_caching",
+    "check_spec_decode",
     "check_startup",
 ]
 
@@ -350,6 +356,137 @@ def check_async_scheduling(
         assert_same("an id reused at once after that abort", outputs["d"], expected["a"])
 
 
+def check_spec_decode(make_backend: BackendFactory, config: EngineConfig | None = None) -> None:
+    """With ``spec_support()`` set, verifying drafts gives the tokens of decoding without them:
+    a reference run without drafts, then the same requests with scripted drafts (all right,
+    all wrong, mixed), drafts running into ``max_tokens``, a stop token and ``max_model_len``,
+    a preemption of drafting requests, a chunked prefill beside them, and (with
+    ``exact_verification``) seeded sampling at temperature > 0. Every result must be one a
+    verifier returns (the accepted drafts, then one token that differs from the next), the
+    backend's computed tokens must follow the rollback (``CachedRequestData.diffs`` checks
+    them), and no KV block may leak. A backend whose ``spec_support()`` is None passes: the
+    engine never sends it drafts."""
+    config = config or default_config()
+    backend = make_backend(config)
+    try:
+        support = backend.spec_support()
+    finally:
+        backend.close()
+    if support is None:
+        return
+    assert isinstance(support, SpecSupport), f"spec_support() returned {support!r}"
+    bs = config.block_size
+    prompts = {
+        "a": make_prompt(30, 7),
+        "b": make_prompt(31, bs + 3),
+        "c": make_prompt(32, 2 * bs + 1),
+    }
+    num_out = max(3 * bs, 24)
+    sampled = {"temperature": 0.8, "seed": 7}
+    with opened(make_backend, config) as h:
+        expected = {k: h.generate(f"{k}-ref", p, num_out) for k, p in prompts.items()}
+        max_model_len = h.scheduler.config.max_model_len
+        edge_prompt = make_prompt(33, max_model_len - 6)
+        expected_edge = h.generate("edge-ref", edge_prompt, 10)
+    references = {k: prompts[k] + expected[k] for k in prompts}
+    patterns = {
+        "all right": lambda position, i: True,
+        "all wrong": lambda position, i: False,
+        "mixed": lambda position, i: (position * 7 + i * 3) % 5 < 3,
+    }
+    for label, right in patterns.items():
+        with _spec_opened(make_backend, config, support) as h:
+            h.proposer.sequences = list(references.values())
+            h.proposer.right = right
+            for k, prompt in prompts.items():
+                h.add(k, prompt, num_out)
+            outputs = h.run()
+            for k in prompts:
+                assert_same(f"drafts {label}, request {k!r}", outputs[k], expected[k])
+            assert h.num_verified > 0, f"drafts {label}: nothing was verified"
+            if label == "all wrong":
+                assert h.num_rejected == h.num_verified
+            _assert_no_leak(h, f"drafts {label}")
+    with _spec_opened(make_backend, config, support) as h:
+        # Limits among the drafts: max_tokens, a stop token, max_model_len.
+        h.proposer.sequences = [*references.values(), edge_prompt + expected_edge]
+        stop = expected["b"][5]
+        h.add("short", prompts["a"], 5)
+        h.add("stop", prompts["b"], num_out, stop_token_ids=[stop])
+        h.add("edge", edge_prompt, 10)
+        outputs = h.run()
+        assert_same("drafts past max_tokens", outputs["short"], expected["a"][:5])
+        first_stop = expected["b"].index(stop)
+        assert_same("drafts past a stop token", outputs["stop"], expected["b"][: first_stop + 1])
+        assert_same("drafts past max_model_len", outputs["edge"], expected_edge[:6])
+        _assert_no_leak(h, "drafts past the limits")
+    with _spec_opened(make_backend, config, support) as h:
+        # A preemption of requests with drafts in flight, then a chunked prefill beside them.
+        h.proposer.sequences = list(references.values())
+        h.proposer.right = patterns["mixed"]
+        h.add("a", prompts["a"], num_out)
+        h.add("b", prompts["b"], num_out)
+        h.step()
+        h.step()
+        assert [r.request_id for r in h.scheduler.running] == ["a", "b"]
+        h.scheduler.reset_prefix_cache(reset_running_requests=True)
+        h.step()
+        h.step()
+        h.set_token_budget(bs)
+        h.add("c", prompts["c"], num_out)
+        outputs = h.run()
+        for k in prompts:
+            assert_same(f"preemption and chunked prefill, request {k!r}", outputs[k], expected[k])
+        _assert_no_leak(h, "preemption and chunked prefill")
+    if support.exact_verification:
+        with opened(make_backend, config) as ref:
+            request = "seeded-ref"
+            _add_sampled(ref, request, prompts["c"], num_out, sampled)
+            expected_seeded = ref.run()[request]
+        with _spec_opened(make_backend, config, support) as h:
+            h.proposer.sequences = [prompts["c"] + expected_seeded]
+            h.proposer.right = patterns["mixed"]
+            h.add_sampled("seeded", prompts["c"], num_out, **sampled)
+            outputs = h.run()
+            assert_same("seeded sampling with drafts", outputs["seeded"], expected_seeded)
+            _assert_no_leak(h, "seeded sampling")
+
+
+def _add_sampled(
+    h: Harness, req_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any]
+) -> None:
+    request = Request(
+        req_id,
+        prompt,
+        SamplingParams(max_tokens=max_tokens, **params),
+        block_size=h.block_size,
+        cache_salt=req_id,
+    )
+    h.scheduler.add_request(request)
+    h.outputs[req_id] = []
+
+
+@contextmanager
+def _spec_opened(
+    make_backend: BackendFactory, config: EngineConfig, support: SpecSupport
+) -> Iterator[SpecHarness]:
+    backend = make_backend(config)
+    try:
+        num_blocks = num_blocks_for(backend, config)
+        backend.initialize_kv_cache(num_blocks)
+        yield SpecHarness(backend, config, num_blocks, support)
+    finally:
+        backend.close()
+
+
+def _assert_no_leak(h: Harness, label: str) -> None:
+    kv = h.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks, (
+        f"{label}: {kv.num_blocks - kv.num_free_blocks} KV blocks still held after every "
+        "request ended"
+    )
+
+
 def check_close(make_backend: BackendFactory, config: EngineConfig | None = None) -> None:
     """``close()`` succeeds while requests are still live."""
     config = config or default_config()
@@ -380,6 +517,7 @@ BACKEND_CHECKS: tuple[Callable[[BackendFactory, EngineConfig | None], None], ...
     check_greedy_determinism,
     check_logprobs,
     check_async_scheduling,
+    check_spec_decode,
     check_close,
 )
 """Every check, in the order :func:`check_backend` runs them."""

@@ -17,7 +17,7 @@ import pytest
 from engine_core import EngineConfig
 from engine_core._bench.server_process import server_process
 from engine_core.cli import build_parser, engine_config_from_args, main
-from engine_core.config import COMMAND_LINE_ENV
+from engine_core.config import COMMAND_LINE_ENV, SpeculativeConfig
 
 MOCK = ["--backend", "mock", "--tokenizer", "byte"]
 
@@ -55,6 +55,12 @@ def test_every_engine_config_field_is_a_serve_flag(capsys: pytest.CaptureFixture
         )
     )
     assert (timeouts.step_timeout_s, timeouts.engine_heartbeat_timeout_s) == (None, 2.5)
+    spec = engine_config_from_args(
+        parser.parse_args(
+            ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+        )
+    )
+    assert spec.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3)
     assert (args.port, args.host, args.served_model_name) == (0, "127.0.0.1", ["a", "b"])
     assert (args.runtime, args.api_key) == ("asyncio", None)
     with pytest.raises(SystemExit) as info:

@@ -67,6 +67,12 @@ class FinishedRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
     retryable: bool = False
     """The request was rejected for now (the engine is paused); sending it again later may work."""
+    spec_num_drafts: int = 0
+    """Speculative decoding: the steps in which the request verified drafts."""
+    spec_num_draft_tokens: int = 0
+    """Speculative decoding: the drafts it verified."""
+    spec_num_accepted_tokens: int = 0
+    """Speculative decoding: the drafts accepted."""
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag="out"):
@@ -136,6 +142,28 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Each live engine's own stats, by rank (data parallelism only)."""
     engine_ranks: list[int] = []
     """The rank of each entry of ``engines``."""
+    spec_num_speculative_tokens: int = 0
+    """Speculative decoding: the most drafts a request verifies in a step (0: off)."""
+    spec_num_drafts: int = 0
+    """Verifications: (request, step) pairs with at least one draft (vLLM's ``num_drafts``)."""
+    spec_num_draft_tokens: int = 0
+    """Drafts verified."""
+    spec_num_accepted_tokens: int = 0
+    """Drafts accepted. Acceptance rate: accepted / draft tokens; mean acceptance length:
+    1 + accepted / drafts."""
+    spec_accepted_per_pos: list[int] = []
+    """Drafts accepted at each position (0-based)."""
+    spec_drafted_per_pos: list[int] = []
+    """Drafts verified at each position."""
+    spec_current_k: int = 0
+    """The draft count the policy chose for the last step (0: not speculating)."""
+    spec_steps_by_k: dict[int, int] = {}
+    """Steps by the draft count chosen."""
+    spec_shadow_drafts: int = 0
+    """Drafts scored without being verified: the one past the verified drafts, scored against
+    the token sampled after them, and those of requests probed while not drafted."""
+    spec_shadow_accepted: int = 0
+    """Of those, the right ones."""
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -380,6 +380,9 @@ class Scheduler:
             entries[1::_ENTRY], entries[2::_ENTRY], entries[3::_ENTRY], entries[4::_ENTRY]
         )
         self._scheduled = entries[0::_ENTRY] + admitted
+        spec = self.spec
+        if spec is not None:
+            spec.finish_plan()
         if self._async and total:
             self._unapplied.append(self._scheduled)
         if total == 0:
@@ -388,7 +391,6 @@ class Scheduler:
             return SchedulerOutput(new_reqs, cached, 0)
         finished_ids, self._finished_req_ids = self._finished_req_ids, []
         preempted_ids, self._preempted_req_ids = self._preempted_req_ids, []
-        spec = self.spec
         if spec is not None:
             if self._num_drafted:
                 cached.spec_token_ids = [
@@ -560,12 +562,24 @@ class Scheduler:
         the caller filters it out) and report it."""
         request.set_status(status)
         self._free(request)
+        spec = request.spec
         out.finished.append(
             FinishedRequest(
                 request.request_id,
                 FINISH_REASONS[status],
                 request.stop_reason,
                 request.error,
+            )
+            if spec is None
+            else FinishedRequest(
+                request.request_id,
+                FINISH_REASONS[status],
+                request.stop_reason,
+                request.error,
+                False,
+                spec.num_drafts,
+                spec.num_draft_tokens,
+                spec.num_accepted_tokens,
             )
         )
 

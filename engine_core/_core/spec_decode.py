@@ -14,7 +14,8 @@ only verified tokens are ever prefix-cached.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from engine_core._core.spec_policy import Acceptance, CostModel, SpecPolicy
 from engine_core.errors import BackendError
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from engine_core.abc import SpecSupport
     from engine_core.config import SpeculativeConfig
 
-__all__ = ["SpecDecoder", "SpecState", "SpecStats", "check_verified"]
+__all__ = ["Proposer", "SpecDecoder", "SpecState", "SpecStats", "check_verified"]
 
 PROBE_PERIOD = 8
 """A request left undrafted is probed (its proposal scored against the tokens that follow)
@@ -38,6 +39,15 @@ NGRAM_PROPOSE_S = 5e-6
 """Host time of one n-gram proposal, for the policy."""
 
 
+class Proposer(Protocol):
+    """What proposes drafts in the core (:class:`~engine_core.spec.NgramProposer`; the
+    conformance checks script theirs)."""
+
+    def propose(
+        self, token_ids: Sequence[int], k: int, index: NgramIndex | None = None
+    ) -> list[int]: ...
+
+
 class SpecState:
     """One request's speculative state (``Request.spec``)."""
 
@@ -47,6 +57,7 @@ class SpecState:
         "extra",
         "index",
         "acceptance",
+        "alpha",
         "probe_in",
         "probing",
         "shadow",
@@ -55,7 +66,7 @@ class SpecState:
         "num_accepted_tokens",
     )
 
-    def __init__(self, acceptance: Acceptance) -> None:
+    def __init__(self, acceptance: Acceptance, probe_in: int) -> None:
         self.drafts: list[int] = []
         """Drafts a backend proposer returned for the request's next step."""
         self.scheduled: list[int] = []
@@ -64,7 +75,10 @@ class SpecState:
         """The draft past the scheduled ones, scored against the token sampled after them."""
         self.index: NgramIndex | None = None
         self.acceptance = acceptance
-        self.probe_in = PROBE_PERIOD
+        self.alpha: float | None = None
+        """The acceptance estimate of the step scheduled (None: the overall one)."""
+        self.probe_in = probe_in
+        """Steps until its next probe while undrafted (staggered over requests)."""
         self.probing = False
         """A backend proposer drafts for it this step, for shadow scoring only."""
         self.shadow: list[int] = []
@@ -138,7 +152,7 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.k_max = config.num_speculative_tokens
         self.in_core = config.proposed_in_core
-        self.proposer = (
+        self.proposer: Proposer | None = (
             NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
             if self.in_core
             else None
@@ -166,12 +180,24 @@ class SpecDecoder:
         """Backend proposers: the drafts to ask for after the step."""
         self.draft_req_ids: list[str] = []
         """Backend proposers: the requests to draft for after the step."""
+        self._pending: list[Request] | None = None
+        """Requests that sample in a step that has no decoding request yet to decide from."""
+        self._num_states = 0
 
     def state(self, request: Request) -> SpecState:
         spec = request.spec
         if spec is None:
-            spec = request.spec = SpecState(self.policy.new_acceptance())
+            self._num_states += 1
+            probe_in = 1 + self._num_states % PROBE_PERIOD
+            spec = request.spec = SpecState(self.policy.new_acceptance(), probe_in)
         return spec
+
+    def _drafted(self, spec: SpecState) -> bool:
+        """Whether a request gets drafts in the step planned."""
+        if self.k == 0:
+            return False
+        alpha = spec.alpha if spec.alpha is not None else self.policy.overall_estimate()
+        return alpha >= self.threshold
 
     # -- scheduling -----------------------------------------------------------------------------
 
@@ -179,25 +205,46 @@ class SpecDecoder:
         """Choose the step's draft count from the decoding requests among ``running`` and
         their acceptance estimates."""
         policy = self.policy
-        overall = policy.overall_estimate()
-        estimates = []
-        for request in running:
-            if request.num_computed_tokens + 1 == len(request.all_token_ids):
-                spec = request.spec
-                estimates.append(overall if spec is None else policy.estimate(spec.acceptance))
-        max_k = budget // len(estimates) - 1 if estimates else self.k_max
-        self.k, self.threshold = policy.decide(estimates, max_k)
-        steps = self.stats.steps_by_k
-        steps[self.k] = steps.get(self.k, 0) + 1
+        states = [
+            self.state(request)
+            for request in running
+            if request.num_computed_tokens + 1 == len(request.all_token_ids)
+        ]
+        estimates = policy.shrunk([spec.acceptance for spec in states])
+        for spec, alpha in zip(states, estimates, strict=True):
+            spec.alpha = alpha
         self.num_draft_tokens = 0
         self.draft_req_ids = []
+        self._pending = None
+        if not estimates:
+            # Nobody decodes: decide once the step's admissions are known (finish_plan),
+            # from the requests that sample.
+            self.k, self.threshold = 0, 1.0
+            self._pending = []
+            return
+        self.k, self.threshold = policy.decide(estimates, budget // len(estimates) - 1)
+
+    def finish_plan(self) -> None:
+        """The step is scheduled: count it by its draft count. A step in which nobody decoded
+        decides now, from the requests that sample a token in it, whose drafts a backend
+        proposer makes for the next step."""
+        pending, self._pending = self._pending, None
+        if pending:
+            policy = self.policy
+            self.k, self.threshold = policy.decide(
+                [policy.overall_estimate()] * len(pending), self.k_max
+            )
+            for request in pending:
+                self.sampling(request)
+        steps = self.stats.steps_by_k
+        steps[self.k] = steps.get(self.k, 0) + 1
 
     def drafts_for(self, request: Request, cap: int) -> list[int]:
         """The drafts ``request`` verifies this step (at most ``cap``; it decodes), set as its
         scheduled drafts; an empty list when it gets none (it may be probed instead)."""
         spec = self.state(request)
         k = self.k if cap > self.k else cap
-        drafted = k > 0 and self.policy.estimate(spec.acceptance) >= self.threshold
+        drafted = k > 0 and self._drafted(spec)
         if not drafted:
             spec.scheduled = []
             spec.probe_in -= 1
@@ -238,10 +285,13 @@ class SpecDecoder:
     def sampling(self, request: Request) -> None:
         """``request`` samples a token this step: a backend proposer drafts for its next step
         when it would get drafts."""
+        if self._pending is not None:
+            self._pending.append(request)
+            return
         if self.in_core or self.k == 0:
             return
         spec = self.state(request)
-        if not spec.probing and self.policy.estimate(spec.acceptance) >= self.threshold:
+        if not spec.probing and self._drafted(spec):
             self._ask_drafts(request, self.k + 1)
 
     def _ask_drafts(self, request: Request, num: int) -> None:

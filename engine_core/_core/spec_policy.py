@@ -14,7 +14,8 @@ back on as it shrinks, with no batch-size table. A request is drafted when its o
 second of verification beats the step's rate (``G_r(k) / cost(k) > rate``), solved by a few
 rounds of Dinkelbach's iteration over requests grouped by acceptance.
 
-Acceptance is estimated from decayed counts of verified drafts, per request and overall, and
+Acceptance is estimated from decayed counts of verified drafts, per request and overall (each
+request drawn towards the overall estimate by as much as its own count is noise), and
 also while nothing is verified: the extra draft past the verified ones is scored against the
 token sampled after them, and requests left undrafted are probed (their proposal scored
 against the tokens that actually follow, "shadow scoring").
@@ -113,8 +114,8 @@ class SpecPolicy:
         *,
         dynamic: bool = True,
         prior: float = 0.6,
-        strength: float = 2.0,
-        request_decay: float = 0.8,
+        strength: float = 4.0,
+        request_decay: float = 0.9,
         global_decay: float = 0.98,
     ) -> None:
         self.k_choices = sorted(set(k_choices) | {0})
@@ -146,6 +147,38 @@ class SpecPolicy:
         """A request's acceptance, drawn towards the overall one while it has few drafts."""
         return acceptance.estimate(self.overall_estimate(), self.strength)
 
+    def shrunk(self, acceptances: list[Acceptance]) -> list[float]:
+        """The requests' acceptance estimates, each drawn towards the overall one by as much
+        as its own count is noise (empirical Bayes): the spread of the requests' measured
+        rates beyond what sampling alone explains is real, the rest is luck. Requests that all
+        draft alike then share one estimate, and a run of bad luck leaves none undrafted;
+        requests that differ (prompt lookup on copying and on free text) keep theirs."""
+        overall = self.overall_estimate()
+        noise = overall * (1.0 - overall)
+        rates: list[tuple[float, float]] = []
+        spread = 0.0
+        sampling = 0.0
+        for acceptance in acceptances:
+            num = acceptance.accepted + acceptance.rejected
+            if num > 0:
+                rate = acceptance.accepted / num
+                rates.append((rate, num))
+                spread += (rate - overall) ** 2
+                sampling += noise / num
+        if not rates:
+            return [overall] * len(acceptances)
+        between = max(0.0, (spread - sampling) / len(rates))
+        estimates = []
+        for acceptance in acceptances:
+            num = acceptance.accepted + acceptance.rejected
+            if num <= 0 or between == 0.0:
+                estimates.append(overall)
+                continue
+            rate = acceptance.accepted / num
+            variance = noise / num
+            estimates.append(overall + (rate - overall) * between / (between + variance))
+        return estimates
+
     def overall_estimate(self) -> float:
         return self.overall.estimate(self.prior, self.strength)
 
@@ -175,7 +208,9 @@ class SpecPolicy:
         rates: dict[int, tuple[float, int]] = {0: (base_rate, _BUCKETS)}
         for k in choices:
             if k:
-                rates[k] = self._best(counts, k, num, base_s, base_rate)
+                rate, first_bucket = self._best(counts, k, num, base_s, base_rate)
+                if first_bucket < _BUCKETS:  # else nobody is drafted: that is k = 0
+                    rates[k] = (rate, first_bucket)
         best = max(rates, key=lambda k: rates[k][0])
         if self.k in rates and rates[self.k][0] * _HYSTERESIS >= rates[best][0]:
             best = self.k  # not worth a change

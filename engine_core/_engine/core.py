@@ -609,7 +609,26 @@ class EngineCore:
             prefix_cache_hits=kv.stats.hits,
             num_malformed_messages=self.num_malformed_messages,
             device_busy_s=self.device_busy_s,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        spec = self.scheduler.spec
+        if spec is None:
+            return {}
+        stats = spec.stats
+        return {
+            "spec_num_speculative_tokens": spec.k_max,
+            "spec_num_drafts": stats.num_drafts,
+            "spec_num_draft_tokens": stats.num_draft_tokens,
+            "spec_num_accepted_tokens": stats.num_accepted_tokens,
+            "spec_accepted_per_pos": list(stats.accepted_per_pos),
+            "spec_drafted_per_pos": list(stats.drafted_per_pos),
+            "spec_current_k": spec.k,
+            "spec_steps_by_k": dict(stats.steps_by_k),
+            "spec_shadow_drafts": stats.shadow_drafts,
+            "spec_shadow_accepted": stats.shadow_accepted,
+        }
 
     @property
     def device_busy_s(self) -> float:

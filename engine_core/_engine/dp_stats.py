@@ -17,7 +17,20 @@ _SUMMED = (
     "prefix_cache_hits",
     "num_malformed_messages",
     "device_busy_s",
+    "spec_num_drafts",
+    "spec_num_draft_tokens",
+    "spec_num_accepted_tokens",
+    "spec_shadow_drafts",
+    "spec_shadow_accepted",
 )
+
+
+def _sum_lists(lists: list[list[int]]) -> list[int]:
+    total = [0] * max((len(values) for values in lists), default=0)
+    for values in lists:
+        for i, value in enumerate(values):
+            total[i] += value
+    return total
 
 
 def aggregate_stats(per_engine: dict[int, EngineStats], num_engines: int) -> EngineStats:
@@ -28,8 +41,17 @@ def aggregate_stats(per_engine: dict[int, EngineStats], num_engines: int) -> Eng
     sums = {name: sum(getattr(s, name) for s in stats) for name in _SUMMED}
     blocks, free = sums["num_kv_blocks"], sums["num_free_kv_blocks"]
     queries, hits = sums["prefix_cache_queries"], sums["prefix_cache_hits"]
+    steps_by_k: dict[int, int] = {}
+    for s in stats:
+        for k, count in s.spec_steps_by_k.items():
+            steps_by_k[k] = steps_by_k.get(k, 0) + count
     return EngineStats(
         **sums,
+        spec_num_speculative_tokens=max((s.spec_num_speculative_tokens for s in stats), default=0),
+        spec_accepted_per_pos=_sum_lists([s.spec_accepted_per_pos for s in stats]),
+        spec_drafted_per_pos=_sum_lists([s.spec_drafted_per_pos for s in stats]),
+        spec_current_k=max((s.spec_current_k for s in stats), default=0),
+        spec_steps_by_k=steps_by_k,
         kv_cache_usage=1.0 - free / blocks if blocks else 0.0,
         prefix_cache_hit_rate=hits / queries if queries else 0.0,
         num_engines=num_engines,

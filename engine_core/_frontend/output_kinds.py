@@ -99,7 +99,15 @@ def request_output(state: RequestState, outputs: list[CompletionOutput]) -> Requ
     m = state.metrics
     if state.kind != _FINAL_ONLY:
         # Streamed outputs get a snapshot: the live metrics keep changing.
-        m = RequestMetrics(m.arrival_time, m.first_token_time, m.last_token_time, m.finished_time)
+        m = RequestMetrics(
+            m.arrival_time,
+            m.first_token_time,
+            m.last_token_time,
+            m.finished_time,
+            m.spec_num_drafts,
+            m.spec_num_draft_tokens,
+            m.spec_num_accepted_tokens,
+        )
     return RequestOutput(
         state.external_id,
         state.prompt,

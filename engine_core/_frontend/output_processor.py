@@ -286,6 +286,11 @@ class OutputProcessor:
         step: StepOutputs,
     ) -> None:
         """Apply one step's tokens (and finish) to one completion and emit its output."""
+        if fin is not None and fin.spec_num_drafts:
+            metrics = completion.request.metrics
+            metrics.spec_num_drafts += fin.spec_num_drafts
+            metrics.spec_num_draft_tokens += fin.spec_num_draft_tokens
+            metrics.spec_num_accepted_tokens += fin.spec_num_accepted_tokens
         if token_ids:
             detokenizer = completion.detokenizer
             before = detokenizer.num_tokens

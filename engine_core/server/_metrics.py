@@ -16,6 +16,17 @@ Engine state, read from :meth:`AsyncLLM.get_stats` at each scrape:
   measures it); its rate against wall time is the fraction of time the host kept the device
   fed (1.0: never idle while there was work)
 
+With speculative decoding on (vLLM's counters, so its PromQL for the acceptance rate, the mean
+acceptance length and the per-position rate carries over):
+
+- ``engine_core_spec_decode_num_drafts_total``, ``engine_core_spec_decode_num_draft_tokens_total``
+  and ``engine_core_spec_decode_num_accepted_tokens_total`` (counters): verifications (request
+  steps with drafts), drafts verified, drafts accepted
+- ``engine_core_spec_decode_num_accepted_tokens_per_pos_total{position}`` (counter, 0-based)
+- ``engine_core_spec_decode_k`` (gauge): the draft count of the last step (0: not speculating)
+- ``engine_core_spec_decode_steps_total{k}`` (counter): steps by the draft count chosen
+- ``engine_core_spec_decode_wasted_tokens_total`` (counter): rejected drafts, computed for nothing
+
 With data parallelism each of these has one series per live engine, labelled ``engine``
 (its rank), and the router adds:
 
@@ -41,7 +52,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -139,6 +150,8 @@ class _Collector(Collector):
         m = self.metrics
         if m.stats is not None:
             yield from _engine_state(m.stats)
+            if m.stats.spec_num_speculative_tokens:
+                yield from _spec_state(m.stats)
         if m.router is not None:
             yield from _router_state(m.router, m.stats)
         yield CounterMetricFamily(
@@ -200,6 +213,44 @@ def _engine_state(stats: EngineStats) -> Iterator[Metric]:
         for rank, engine in zip(stats.engine_ranks, stats.engines, strict=True):
             metric.add_metric([str(rank)], getattr(engine, field))
         yield metric
+
+
+def _spec_state(stats: EngineStats) -> Iterator[Metric]:
+    """The speculative decoding series, per live engine (``engine``) with data parallelism."""
+    engines = (
+        list(zip([str(r) for r in stats.engine_ranks], stats.engines, strict=True))
+        if stats.engines
+        else [(None, stats)]
+    )
+    base = ["engine"] if stats.engines else []
+
+    def family(kind: Any, name: str, doc: str, extra: list[str] | None = None) -> Any:
+        return kind(f"engine_core_spec_decode_{name}", doc, labels=base + (extra or []))
+
+    drafts = family(CounterMetricFamily, "num_drafts", "Request steps that verified drafts.")
+    draft_tokens = family(CounterMetricFamily, "num_draft_tokens", "Drafts verified.")
+    accepted = family(CounterMetricFamily, "num_accepted_tokens", "Drafts accepted.")
+    per_pos = family(
+        CounterMetricFamily,
+        "num_accepted_tokens_per_pos",
+        "Drafts accepted at each position (0-based).",
+        ["position"],
+    )
+    current_k = family(GaugeMetricFamily, "k", "Draft count of the last step (0: off).")
+    steps = family(CounterMetricFamily, "steps", "Steps by the draft count chosen.", ["k"])
+    wasted = family(CounterMetricFamily, "wasted_tokens", "Rejected drafts, computed for nothing.")
+    for rank, s in engines:
+        labels = [rank] if rank is not None else []
+        drafts.add_metric(labels, s.spec_num_drafts)
+        draft_tokens.add_metric(labels, s.spec_num_draft_tokens)
+        accepted.add_metric(labels, s.spec_num_accepted_tokens)
+        for position, count in enumerate(s.spec_accepted_per_pos):
+            per_pos.add_metric([*labels, str(position)], count)
+        current_k.add_metric(labels, s.spec_current_k)
+        for k, count in sorted(s.spec_steps_by_k.items()):
+            steps.add_metric([*labels, str(k)], count)
+        wasted.add_metric(labels, s.spec_num_draft_tokens - s.spec_num_accepted_tokens)
+    yield from (drafts, draft_tokens, accepted, per_pos, current_k, steps, wasted)
 
 
 def _router_state(router: RouterMetrics, stats: EngineStats | None) -> Iterator[Metric]:

@@ -2,7 +2,9 @@
 
 Random sequences of add / abort / step / reset on a small block pool (so preemption happens),
 under both policies, chunked prefill on and off, prefix caching on and off. A step is schedule +
-update with one sampled token for every request whose prompt is complete after the step.
+update with one sampled token for every request whose prompt is complete after the step, and
+with speculative decoding (n-gram drafts, static or dynamic) the drafts it accepted before that
+token: the rejected drafts' KV stays behind as garbage, which no prefix hit may ever read.
 
 An emulated backend follows the ``SchedulerOutput`` diffs (block tables, computed positions) and
 records a fingerprint of the prefix written into every KV slot. A prefix-cache hit must point at
@@ -24,8 +26,9 @@ from hypothesis import strategies as st
 from engine_core._core.request import Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core._core.scheduler_output import SchedulerOutput
-from engine_core.abc import ModelRunnerOutput
-from engine_core.config import EngineConfig
+from engine_core._core.spec_decode import SpecDecoder, SpecStats
+from engine_core.abc import ModelRunnerOutput, SpecSupport, StepCostModel
+from engine_core.config import EngineConfig, SpeculativeConfig
 from engine_core.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
@@ -114,11 +117,19 @@ class Backend:
         for req_id in output.finished_req_ids + output.preempted_req_ids:
             self.requests.pop(req_id, None)
         work: list[tuple[Held, int, int]] = []
-        # Raises for an id unknown here or computed tokens other than the backend's.
-        for held, new_blocks, computed, num in output.cached.diffs(self.requests):
+        drafts_of: dict[str, list[int]] = {}
+        # Raises for an id unknown here or computed tokens other than the backend's (so also
+        # when a rollback of rejected drafts went wrong).
+        for index, (held, new_blocks, computed, num) in enumerate(
+            output.cached.diffs(self.requests)
+        ):
             if new_blocks is not None:
                 held.table.extend(new_blocks)
                 self._fresh(new_blocks)
+            drafts = output.cached.drafts_of(index)
+            if drafts:
+                assert num == 1 + len(drafts) and computed + 1 == len(held.tokens)
+                drafts_of[held.req_id] = drafts
             work.append((held, computed, num))
         for new in output.new_reqs:
             assert new.req_id not in self.requests, f"{new.req_id} sent twice"
@@ -133,12 +144,18 @@ class Backend:
         # layer), so a hit on a block another request fills in this same step is valid.
         for held, start, num in work:
             assert num > 0
+            drafts = drafts_of.get(held.req_id, [])
             fps = held.fingerprints
+            tokens = held.tokens
+            if drafts:  # their KV is written as if they were the request's tokens
+                fps, tokens = list(fps), tokens + drafts
+                for draft in drafts:
+                    fps.append(hash((fps[-1], draft)))
             assert start + num <= len(fps), (held.req_id, start, num, len(fps))
             for position in range(start, start + num):
                 slot = self._slot(held, position)
                 self.slots[slot] = fps[position]
-                self.slot_tokens[slot] = held.tokens[position]
+                self.slot_tokens[slot] = tokens[position]
             held.num_computed_tokens = start + num
         for new in output.new_reqs:
             held = self.requests[new.req_id]
@@ -148,10 +165,21 @@ class Backend:
                 )
         sampled = []
         for held, _, _ in work:
-            if held.num_computed_tokens >= len(held.tokens):
-                token = self.rng.choice(VOCAB)
-                held.append(token)
-                sampled.append([token])
+            drafts = drafts_of.get(held.req_id, [])
+            if held.num_computed_tokens - len(drafts) >= len(held.tokens):
+                # Each draft is right with probability 0.6; the first wrong one is replaced.
+                tokens = []
+                for draft in drafts:
+                    if self.rng.random() >= 0.6:
+                        tokens.append(self.rng.choice([t for t in VOCAB if t != draft]))
+                        break
+                    tokens.append(draft)
+                else:
+                    tokens.append(self.rng.choice(VOCAB))
+                held.num_computed_tokens -= len(drafts) + 1 - len(tokens)  # the rollback
+                for token in tokens:
+                    held.append(token)
+                sampled.append(tokens)
             else:
                 sampled.append([])
         return ModelRunnerOutput(output.req_ids, sampled)
@@ -219,8 +247,9 @@ def new_request(op: Add, serial: int, params: SamplingParams, config: Config) ->
     )
 
 
-def make_scheduler(config: Config) -> Scheduler:
-    """A scheduler configured the way the engine does it: from a (valid) EngineConfig."""
+def make_scheduler(config: Config, spec: str | None = None) -> Scheduler:
+    """A scheduler configured the way the engine does it: from a (valid) EngineConfig; with
+    ``spec`` (``"static"``, ``"dynamic"``), n-gram speculative decoding of up to 3 drafts."""
     # Without chunked prefill, a whole prompt must fit one step.
     budget = config.budget if config.chunked else max(config.budget, MAX_MODEL_LEN)
     engine_config = EngineConfig(
@@ -233,7 +262,15 @@ def make_scheduler(config: Config) -> Scheduler:
         enable_prefix_caching=config.caching,
         scheduling_policy=config.policy,
     )
-    return Scheduler(SchedulerConfig.from_engine_config(engine_config), config.num_blocks)
+    decoder = None
+    if spec is not None:
+        # A step cost under which speculation pays for a few requests, not for many.
+        support = SpecSupport(cost_model=StepCostModel(step_s=1e-3, per_token_s=1e-4))
+        speculative = SpeculativeConfig(
+            num_speculative_tokens=3, prompt_lookup_min=1, dynamic=spec == "dynamic"
+        )
+        decoder = SpecDecoder(speculative, support, max_model_len=MAX_MODEL_LEN)
+    return Scheduler(SchedulerConfig.from_engine_config(engine_config), config.num_blocks, decoder)
 
 
 def check_cached_blocks(scheduler: Scheduler, backend: Backend) -> None:
@@ -317,7 +354,34 @@ def check_stop(request: Request) -> None:
 def test_random_operations_keep_the_books_straight(
     config: Config, ops: list[Add | Abort | Step | Reset], seed: int
 ) -> None:
-    scheduler = make_scheduler(config)
+    run_operations(config, ops, seed)
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    config=configs,
+    ops=operations,
+    seed=st.integers(0, 2**16),
+    spec=st.sampled_from(["static", "dynamic"]),
+)
+def test_random_operations_with_drafts_keep_the_books_straight(
+    config: Config, ops: list[Add | Abort | Step | Reset], seed: int, spec: str
+) -> None:
+    stats = run_operations(config, ops, seed, spec)
+    assert stats is not None
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens
+
+
+def run_operations(
+    config: Config, ops: list[Add | Abort | Step | Reset], seed: int, spec: str | None = None
+) -> SpecStats | None:
+    """Apply ``ops``, then run everything to its end, checking the books all along; returns
+    the speculative counters (None without ``spec``)."""
+    scheduler = make_scheduler(config, spec)
     budget = scheduler.config.max_num_batched_tokens
     backend = Backend(BLOCK_SIZE, random.Random(seed))
     all_requests: list[Request] = []
@@ -375,6 +439,7 @@ def test_random_operations_keep_the_books_straight(
     pool = scheduler.kv.pool
     assert scheduler.kv.num_free_blocks == pool.num_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks)
+    return scheduler.spec.stats if scheduler.spec is not None else None
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

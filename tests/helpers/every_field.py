@@ -98,12 +98,15 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "structured_outputs": StructuredOutputsParams(choice=["yes", "no"]),
         "logit_bias": {5: 1.5, 9: -100.0},
     },
-    # Every field (all are numbers) a different number, none 0 (the default of those that have
+    # Every field (numbers, or lists and dicts of them) a different number, none 0 (the default of those that have
     # one), so a field dropped or swapped on the way shows.
     EngineStats: {
         **(_numbers := _numbered_stats()),
         "engines": [EngineStats(**_numbers)],
         "engine_ranks": [3],
+        "spec_accepted_per_pos": [101, 102],
+        "spec_drafted_per_pos": [103, 104],
+        "spec_steps_by_k": {0: 105, 4: 106},
     },
 }
 """Per struct, keyword arguments that set every field away from its default."""

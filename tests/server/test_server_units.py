@@ -201,6 +201,49 @@ def test_engine_state_comes_from_the_stats() -> None:
     _expect(_samples(ServerMetrics(), stats), {metric: value for metric, _, value in shown})
 
 
+def test_speculative_decoding_series_use_vllms_names() -> None:
+    stats = EngineStats(
+        num_running=1,
+        num_waiting=0,
+        kv_cache_usage=0.0,
+        prefix_cache_hit_rate=0.0,
+        num_preemptions=0,
+        num_steps=9,
+        num_kv_blocks=100,
+        num_free_kv_blocks=75,
+        spec_num_speculative_tokens=2,
+        spec_num_drafts=5,
+        spec_num_draft_tokens=9,
+        spec_num_accepted_tokens=6,
+        spec_accepted_per_pos=[4, 2],
+        spec_drafted_per_pos=[5, 4],
+        spec_current_k=2,
+        spec_steps_by_k={0: 3, 2: 6},
+    )
+    _expect(
+        _samples(ServerMetrics(), stats),
+        {
+            "engine_core_spec_decode_num_drafts_total": 5,
+            "engine_core_spec_decode_num_draft_tokens_total": 9,
+            "engine_core_spec_decode_num_accepted_tokens_total": 6,
+            "engine_core_spec_decode_num_accepted_tokens_per_pos_total|position=0": 4,
+            "engine_core_spec_decode_num_accepted_tokens_per_pos_total|position=1": 2,
+            "engine_core_spec_decode_k": 2,
+            "engine_core_spec_decode_steps_total|k=0": 3,
+            "engine_core_spec_decode_steps_total|k=2": 6,
+            "engine_core_spec_decode_wasted_tokens_total": 3,
+        },
+    )
+    # Off: no series at all.
+    off = msgspec.structs.replace(stats, spec_num_speculative_tokens=0)
+    assert not any("spec_decode" in name for name in _samples(ServerMetrics(), off))
+    # Data parallelism: one series per engine.
+    dp = msgspec.structs.replace(stats, engines=[stats, stats], engine_ranks=[0, 1])
+    samples = _samples(ServerMetrics(), dp)
+    assert samples["engine_core_spec_decode_num_drafts_total|engine=1"] == 5
+    assert samples["engine_core_spec_decode_steps_total|engine=0|k=2"] == 6
+
+
 def test_histogram_observes_many_equal_values_at_once() -> None:
     histogram = Histogram((0.1, 1.0))
     histogram.observe(0.05, 3)
