@@ -43,15 +43,20 @@ class _Request:
         return len(self.outputs) >= self.params.max_tokens
 
 
-@pytest.fixture(scope="module")
-def backend(tiny: dict[str, TinyModel]) -> Iterator[CudaBackend]:
+def _backend(model: TinyModel, kernels: str) -> CudaBackend:
     config = EngineConfig(
-        model=str(tiny["llama"].path), backend="cuda",
-        backend_options={"device": "cpu", "kernels": "torch"},
+        model=str(model.path), backend="cuda",
+        backend_options={"device": "cpu", "kernels": kernels},
         block_size=BLOCK, max_model_len=MAX_LEN, max_num_seqs=8,
     )  # fmt: skip
     backend = CudaBackend(config)
     backend.initialize_kv_cache(8 * MAX_LEN // BLOCK)
+    return backend
+
+
+@pytest.fixture(scope="module")
+def backend(tiny: dict[str, TinyModel]) -> Iterator[CudaBackend]:
+    backend = _backend(tiny["llama"], "torch")
     yield backend
     backend.close()
 
@@ -259,3 +264,18 @@ def test_graphs_of_query_length_one_plus_k_pad_with_fillers(backend: CudaBackend
     # Three requests: the graph of 4 sequences; 3 or 5 tokens each by the step's most drafts.
     assert {(b, n) for b, n, _ in graphs.ran} <= {(3, 4), (2, 2), (1, 1)}
     assert {q for _, _, q in graphs.ran} == {3, 5}
+
+
+def test_the_triton_kernels_verify_the_same_tokens(tiny: dict[str, TinyModel]) -> None:
+    """Mixed query lengths through the interpreted Triton attention and the fused sampler."""
+    backend = _backend(tiny["qwen3"], "triton")
+    try:
+        params = [PARAMS[0].clone(max_tokens=6), PARAMS[1].clone(max_tokens=6)]
+        prompts = [p[:5] for p in PROMPTS[:2]]
+        reference = run(backend, prompts, params)
+        expected = {r.req_id: r.outputs for r in reference}
+        spec = run(backend, prompts, params, _scripted(expected, 3, "mixed"))
+    finally:
+        backend.close()
+    assert [r.outputs[:6] for r in spec] == [r.outputs for r in reference]
+    assert [r.sampling_steps for r in spec] == [_mixed_steps(r.req_id, 3, 6) for r in spec]

@@ -19,6 +19,7 @@ from tiny_models import TinyModel
 
 from engine_core import SamplingParams
 from engine_core.config import EngineConfig
+from engine_core.testing import check_spec_decode
 
 SMALL = {"block_size": 4, "num_kv_blocks": 48, "max_model_len": 96, "max_num_seqs": 4}
 PROMPTS = [{"prompt_token_ids": [(5 * i + 3 * j) % 90 + 7 for j in range(6 + 3 * i)]}
@@ -155,3 +156,12 @@ def test_sleep_and_wake_up_keep_the_draft_model(
               for o in outputs]  # fmt: skip
     assert tokens == plain
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+def test_conformance_with_a_draft_model(tiny: dict[str, TinyModel]) -> None:
+    config = EngineConfig(
+        model=str(tiny["llama"].path), backend="cuda",
+        backend_options={"device": "cpu", "kernels": "torch"}, max_model_len=256,
+        speculative_config=_draft(tiny["qwen2"].path),
+    )  # fmt: skip
+    check_spec_decode(CudaBackend, config)
