@@ -258,7 +258,7 @@ class Scheduler:
             if num_new <= 0:
                 continue
             num_slots = num_new
-            if spec is not None and num_new == num_tokens - computed == 1:
+            if spec is not None and spec.k and num_new == num_tokens - computed == 1:
                 num_new, num_slots = self._add_drafts(spec, request, budget)
             num_blocks_before = len(request.blocks)
             # NOTE: while/else: the else runs once the blocks fit, not after the break (the
@@ -382,7 +382,7 @@ class Scheduler:
         self._scheduled = entries[0::_ENTRY] + admitted
         spec = self.spec
         if spec is not None:
-            spec.finish_plan()
+            spec.finish_plan(self._scheduled)
         if self._async and total:
             self._unapplied.append(self._scheduled)
         if total == 0:

@@ -205,11 +205,12 @@ class SpecDecoder:
         """Choose the step's draft count from the decoding requests among ``running`` and
         their acceptance estimates."""
         policy = self.policy
-        states = [
-            self.state(request)
+        decoding = [
+            request
             for request in running
             if request.num_computed_tokens + 1 == len(request.all_token_ids)
         ]
+        states = [self.state(request) for request in decoding]
         estimates = policy.shrunk([spec.acceptance for spec in states])
         for spec, alpha in zip(states, estimates, strict=True):
             spec.alpha = alpha
@@ -223,11 +224,20 @@ class SpecDecoder:
             self._pending = []
             return
         self.k, self.threshold = policy.decide(estimates, budget // len(estimates) - 1)
+        # Requests left undrafted are probed now and then (the scheduler asks drafts_for
+        # only while the step verifies drafts).
+        for request, spec in zip(decoding, states, strict=True):
+            if self._drafted(spec):
+                continue
+            spec.probe_in -= 1
+            if spec.probe_in <= 0 and not spec.shadow:
+                spec.probe_in = PROBE_PERIOD
+                self._probe(request, spec)
 
-    def finish_plan(self) -> None:
-        """The step is scheduled: count it by its draft count. A step in which nobody decoded
-        decides now, from the requests that sample a token in it, whose drafts a backend
-        proposer makes for the next step."""
+    def finish_plan(self, scheduled: list[Request]) -> None:
+        """The step is scheduled (``scheduled``: its batch): count it by its draft count. A
+        step in which nobody decoded decides now, from the requests that sample a token in it,
+        whose drafts a backend proposer makes for the next step."""
         pending, self._pending = self._pending, None
         if pending:
             policy = self.policy
@@ -236,6 +246,10 @@ class SpecDecoder:
             )
             for request in pending:
                 self.sampling(request)
+        if self.draft_req_ids:
+            # Probes of requests the budget then left out of the step are not asked for.
+            in_batch = {r.request_id for r in scheduled}
+            self.draft_req_ids = [i for i in self.draft_req_ids if i in in_batch]
         steps = self.stats.steps_by_k
         steps[self.k] = steps.get(self.k, 0) + 1
 
@@ -244,13 +258,8 @@ class SpecDecoder:
         scheduled drafts; an empty list when it gets none (it may be probed instead)."""
         spec = self.state(request)
         k = self.k if cap > self.k else cap
-        drafted = k > 0 and self._drafted(spec)
-        if not drafted:
+        if k <= 0 or not self._drafted(spec):
             spec.scheduled = []
-            spec.probe_in -= 1
-            if spec.probe_in <= 0 and not spec.shadow:
-                spec.probe_in = PROBE_PERIOD
-                self._probe(request, spec)
             return []
         if self.in_core:
             proposal = self._propose(request, spec, k + 1)
