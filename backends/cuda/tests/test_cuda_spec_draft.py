@@ -73,13 +73,16 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(
     assert stats.num_accepted_tokens == stats.num_draft_tokens
 
 
-@pytest.mark.parametrize("draft", ["qwen2", "random"])
+@pytest.mark.parametrize(("draft", "dynamic"), [("qwen2", False), ("random", False),
+                                               ("random", True)])  # fmt: skip
 def test_other_drafts_give_the_same_tokens(
-    tiny: dict[str, TinyModel], plain: Any, draft: str, tmp_path: Path
+    tiny: dict[str, TinyModel], plain: Any, draft: str, dynamic: bool, tmp_path: Path
 ) -> None:
+    """With ``dynamic`` the policy stops drafting for a draft that is always wrong, probing
+    now and then (drafts asked for without lookahead slots: fewer come back)."""
     model = tiny["llama"]
     path = tiny[draft].path if draft != "random" else _random_draft(model, tmp_path / "rand")
-    tokens, stats = _generate(model, _draft(path))
+    tokens, stats = _generate(model, {**_draft(path), "dynamic": dynamic})
     assert tokens == plain
     assert stats.num_draft_tokens > 0
     if draft == "random":
