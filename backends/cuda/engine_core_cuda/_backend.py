@@ -182,7 +182,7 @@ class CudaBackend(Backend):
         runner.graphs = graphs
         if runner.drafter is not None:
             draft_graphs = DecodeGraphs(
-                runner, graph_batch_sizes(max_batch), drafter=runner.drafter
+                runner, graph_batch_sizes(max_batch), query_lens, drafter=runner.drafter
             )
             with torch.inference_mode():
                 draft_graphs.capture()

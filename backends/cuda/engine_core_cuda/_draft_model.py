@@ -69,7 +69,8 @@ class DraftModel:
         self.kv_caches: list[KVCache] = []
         self._kv_tensor: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
-        """Captured decode graphs of the draft's single-token passes (the backend sets them)."""
+        """Captured graphs of the draft (the backend sets them): its single-token passes, and
+        catch-up passes of the target's decode and verification shapes."""
 
     def load_weights(self) -> None:
         if self.runner.options.load_format == "dummy":
@@ -94,8 +95,12 @@ class DraftModel:
         self._kv_tensor = None
 
     def catch_up(self, step: StepInputs, ctx: AttentionContext) -> None:
-        """Compute the draft's KV of the step's tokens (the target's attention geometry)."""
-        self.model(step.input_ids, step.positions, self.kv_caches, ctx)
+        """Compute the draft's KV of the step's tokens (the target's attention geometry), in a
+        captured graph when one fits the step (its logits go unused)."""
+        if self.graphs is not None and self.graphs.can_run(step):
+            self.graphs.run(step)
+        else:
+            self.model(step.input_ids, step.positions, self.kv_caches, ctx)
 
     def propose(self, states: list[RequestState], num_drafts: int) -> list[list[int]]:
         """Up to ``num_drafts`` drafts continuing each of ``states`` (whose tokens are

@@ -15,6 +15,7 @@ import pytest
 import torch
 from engine_core_cuda import CudaBackend
 from engine_core_cuda._cuda_graphs import DecodeGraphs
+from engine_core_cuda._step_inputs import StepInputs
 from tiny_models import TinyModel
 
 from engine_core import SamplingParams
@@ -111,6 +112,11 @@ class EagerGraphs(DecodeGraphs):
     """Replays the captured function eagerly (a CUDA graph's stand-in on the CPU)."""
 
     replays = 0
+    padded = 0
+
+    def _run_padded(self, step: StepInputs, n: int, q: int) -> torch.Tensor:
+        self.padded += 1
+        return super()._run_padded(step, n, q)
 
     def _record(
         self, forward: Callable[[], torch.Tensor]
@@ -128,14 +134,15 @@ def test_draft_passes_in_decode_graphs(tiny: dict[str, TinyModel], plain: Any) -
     model = tiny["llama"]
     with model.llm(speculative_config=_draft(tiny["qwen2"].path), **SMALL) as llm:
         runner = llm._client.engine_core.backend.runner
-        graphs = EagerGraphs(runner, [1, 2, 4], drafter=runner.drafter)
+        graphs = EagerGraphs(runner, [1, 2, 4, 16], [1, 2, 3, 4], drafter=runner.drafter)
         graphs.capture()
         runner.drafter.graphs = graphs
         outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     tokens = [(o.outputs[0].token_ids, [list(e) for e in o.outputs[0].logprobs or []])
               for o in outputs]  # fmt: skip
     assert tokens == plain
-    assert graphs.replays > 0
+    # Single-token passes, and catch-up on verification steps (q = 1 + drafts).
+    assert graphs.replays > graphs.padded > 0
     # The draft's graphs write its own cache, not the target's.
     assert graphs._model()[0] is runner.drafter.model
 
