@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine_core._core.protocol import EngineStats
 from engine_core._plugins import list_backends
-from engine_core.config import EngineConfig
+from engine_core.config import EngineConfig, SpeculativeConfig
 from engine_core.errors import (
     BackendError,
     EngineClosedError,
@@ -47,6 +47,7 @@ __all__ = [
     "RequestOutputKind",
     "RetryableRequestError",
     "SamplingParams",
+    "SpeculativeConfig",
     "StructuredOutputsParams",
     "list_backends",
 ]

@@ -4,7 +4,9 @@ One idea: each step every request tries to make ``num_computed_tokens`` catch up
 ``num_tokens`` within one budget of tokens per step. Prefill chunks, decodes, prefix-cache hits
 and resumed preemptions are all the same computation. Running requests are served first (in
 admission order), then waiting ones are admitted while the budget, the sequence cap and the free
-blocks allow.
+blocks allow. With speculative decoding a decoding request may also verify drafts, which count in
+the budget and are rolled back when rejected (``spec_decode``: where they come from and how
+many).
 
 Pure, synchronous logic: no event loop, sockets or tensors.
 """
@@ -258,8 +260,11 @@ class Scheduler:
             if num_new <= 0:
                 continue
             num_slots = num_new
-            if spec is not None and spec.k and num_new == num_tokens - computed == 1:
-                num_new, num_slots = self._add_drafts(spec, request, budget)
+            if spec is not None and num_new == num_tokens - computed == 1:
+                if spec.k:
+                    num_new, num_slots = self._add_drafts(spec, request, budget)
+                elif spec.asks_drafts(request):
+                    num_slots = 1 + spec.lookahead()  # a probe: its drafter writes KV ahead
             num_blocks_before = len(request.blocks)
             # NOTE: while/else: the else runs once the blocks fit, not after the break (the
             # request preempted itself: nothing fits; with priority, a later request may).
@@ -302,7 +307,7 @@ class Scheduler:
             cap = min(cap, config.long_prefill_token_threshold)
         drafts = spec.drafts_for(request, cap - 1)
         if not drafts:
-            return 1, 1
+            return 1, 1 + spec.lookahead() if spec.asks_drafts(request) else 1
         return 1 + len(drafts), 1 + len(drafts) + spec.lookahead()
 
     def _schedule_waiting(
@@ -545,10 +550,10 @@ class Scheduler:
                     self.waiting.discard(request)
                 self._finish(request, status, out)
                 any_finished = True
-            elif spec is not None:
-                spec.after_tokens(
-                    request, tokens, backend_drafts[index] if backend_drafts is not None else None
-                )
+            elif spec is not None and request.spec is not None:
+                drafts = backend_drafts[index] if backend_drafts is not None else None
+                if drafts or request.spec.shadow or request.spec.probing:
+                    spec.after_tokens(request, tokens, drafts)
         if runner_output.prompt_logprobs:
             self._add_prompt_logprobs(
                 scheduled, scheduler_output, runner_output.prompt_logprobs, out

@@ -28,12 +28,13 @@ if TYPE_CHECKING:
 
 __all__ = ["Proposer", "SpecDecoder", "SpecState", "SpecStats", "check_verified"]
 
-PROBE_PERIOD = 8
+PROBE_PERIOD = 32
 """A request left undrafted is probed (its proposal scored against the tokens that follow)
-once every this many steps."""
+once every this many steps (staggered: a 32nd of them per step)."""
 
-DEFAULT_COST = CostModel(5e-3, 5e-5)
-"""The step cost assumed for a backend that gives none (a small model on a GPU)."""
+DEFAULT_STEP_S, DEFAULT_PER_TOKEN_S = 5e-3, 5e-5
+"""The step cost assumed for a backend that gives none (a small model on a GPU), until the
+measured steps refine it."""
 
 NGRAM_PROPOSE_S = 5e-6
 """Host time of one n-gram proposal, for the policy."""
@@ -53,6 +54,7 @@ class SpecState:
 
     __slots__ = (
         "drafts",
+        "drafts_at",
         "scheduled",
         "extra",
         "index",
@@ -69,6 +71,8 @@ class SpecState:
     def __init__(self, acceptance: Acceptance, probe_in: int) -> None:
         self.drafts: list[int] = []
         """Drafts a backend proposer returned for the request's next step."""
+        self.drafts_at = -1
+        """The sequence length ``drafts`` continue (they are stale at any other)."""
         self.scheduled: list[int] = []
         """The drafts it verifies in the step scheduled (empty: none)."""
         self.extra: int | None = None
@@ -144,12 +148,9 @@ def check_verified(request_id: str, drafts: list[int], tokens: list[int]) -> int
 class SpecDecoder:
     """The scheduler's speculative decoding: drafts, the policy and the counters."""
 
-    def __init__(
-        self, config: SpeculativeConfig, support: SpecSupport, *, max_model_len: int
-    ) -> None:
+    def __init__(self, config: SpeculativeConfig, support: SpecSupport) -> None:
         self.config = config
         self.support = support
-        self.max_model_len = max_model_len
         self.k_max = config.num_speculative_tokens
         self.in_core = config.proposed_in_core
         self.proposer: Proposer | None = (
@@ -168,9 +169,15 @@ class SpecDecoder:
                 propose_s=NGRAM_PROPOSE_S if self.in_core else 0.0,
             )
             if prior is not None and prior.step_s > 0
-            else DEFAULT_COST
+            else CostModel(
+                DEFAULT_STEP_S,
+                DEFAULT_PER_TOKEN_S,
+                propose_s=NGRAM_PROPOSE_S if self.in_core else 0.0,
+            )
         )
         self.policy = SpecPolicy(config.k_choices, cost, dynamic=config.dynamic)
+        self.measures_cost = prior is None or prior.step_s <= 0
+        """The backend gave no step cost: it is fitted to the measured steps."""
         self.stats = SpecStats(self.k_max)
         self.k = 0
         """The step's draft count (0: nothing is verified)."""
@@ -183,6 +190,11 @@ class SpecDecoder:
         self._pending: list[Request] | None = None
         """Requests that sample in a step that has no decoding request yet to decide from."""
         self._num_states = 0
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step computed ``num_tokens`` tokens in ``seconds`` (refines a measured cost)."""
+        if self.measures_cost and num_tokens > 0 and seconds > 0:
+            self.policy.cost.observe(num_tokens, seconds)
 
     def state(self, request: Request) -> SpecState:
         spec = request.spec
@@ -264,7 +276,7 @@ class SpecDecoder:
         if self.in_core:
             proposal = self._propose(request, spec, k + 1)
         else:
-            proposal = spec.drafts
+            proposal = spec.drafts if spec.drafts_at == len(request.all_token_ids) else []
             spec.drafts = []
         drafts = proposal[:k]
         grammar = request.grammar
@@ -289,7 +301,8 @@ class SpecDecoder:
             spec.shadow = self._propose(request, spec, self.k_max)
         else:
             spec.probing = True
-            self._ask_drafts(request, self.k_max)
+            # As many as the drafted requests are asked for, if any (one count per step).
+            self._ask_drafts(request, self.k + 1 if self.k else self.k_max)
 
     def sampling(self, request: Request) -> None:
         """``request`` samples a token this step: a backend proposer drafts for its next step
@@ -308,9 +321,20 @@ class SpecDecoder:
             self.num_draft_tokens = num
         self.draft_req_ids.append(request.request_id)
 
+    def asks_drafts(self, request: Request) -> bool:
+        """Whether a backend proposer drafts for ``request`` after this step (drafted or
+        probed)."""
+        spec = request.spec
+        if self.in_core or spec is None:
+            return False
+        return spec.probing or (self.k > 0 and self._drafted(spec))
+
     def lookahead(self) -> int:
-        """KV slots to reserve past a drafted request's scheduled positions this step."""
-        return self.support.lookahead_tokens(self.k + 1) if self.k and not self.in_core else 0
+        """KV slots to reserve past the scheduled positions of a request a backend proposer
+        drafts for this step (drafted or probed): for the drafts asked of it."""
+        if self.in_core:
+            return 0
+        return self.support.lookahead_tokens(self.k + 1 if self.k else self.k_max)
 
     def unscheduled(self, request: Request) -> None:
         """``request`` left the step or was preempted: its drafts are dropped."""
@@ -369,12 +393,12 @@ class SpecDecoder:
             return
         if spec.shadow:
             self._score_shadow(spec, tokens)
-        if drafts is not None:
-            if spec.probing:
-                spec.probing = False
-                spec.shadow = list(drafts)
-            else:
-                spec.drafts = list(drafts)
+        if spec.probing:
+            spec.probing = False
+            spec.shadow = list(drafts or ())
+        elif drafts:
+            spec.drafts = list(drafts)
+            spec.drafts_at = len(request.all_token_ids)
 
     def _score_shadow(self, spec: SpecState, tokens: list[int]) -> None:
         shadow = spec.shadow

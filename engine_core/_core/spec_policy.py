@@ -71,6 +71,7 @@ class CostModel:
         "draft_per_token_s",
         "parallel_drafting",
         "propose_s",
+        "_sums",
     )
 
     def __init__(
@@ -91,6 +92,37 @@ class CostModel:
         self.draft_per_token_s = draft_per_token_s
         self.parallel_drafting = parallel_drafting
         self.propose_s = propose_s
+        self._sums: list[float] | None = None
+
+    def observe(self, num_tokens: int, seconds: float, decay: float = 0.99) -> None:
+        """Refine ``step_s`` and ``per_token_s`` from a measured step: a least-squares line
+        through the recent steps' (tokens, seconds), decayed, starting from the prior as two
+        pseudo-steps (1 and 256 tokens). The fit is kept only while it is a cost (a fixed part
+        > 0, a per-token part >= 0)."""
+        sums = self._sums
+        if sums is None:
+            sums = self._sums = [0.0] * 5
+            for x in (1.0, 256.0):
+                self._add(sums, x, self.step_s + self.per_token_s * x, 1.0)
+        for i in range(5):
+            sums[i] *= decay
+        self._add(sums, float(num_tokens), seconds, 1.0)
+        weight, sum_x, sum_xx, sum_y, sum_xy = sums
+        det = weight * sum_xx - sum_x * sum_x
+        if det <= 1e-12 * weight * sum_xx:
+            return
+        per_token_s = (weight * sum_xy - sum_x * sum_y) / det
+        step_s = (sum_y - per_token_s * sum_x) / weight
+        if step_s > 0 and per_token_s >= 0:
+            self.step_s, self.per_token_s = step_s, per_token_s
+
+    @staticmethod
+    def _add(sums: list[float], x: float, y: float, w: float) -> None:
+        sums[0] += w
+        sums[1] += w * x
+        sums[2] += w * x * x
+        sums[3] += w * y
+        sums[4] += w * x * y
 
     def passes(self, k: int) -> int:
         return 1 if self.parallel_drafting else k
@@ -167,7 +199,9 @@ class SpecPolicy:
                 sampling += noise / num
         if not rates:
             return [overall] * len(acceptances)
-        between = max(0.0, (spread - sampling) / len(rates))
+        # Twice the sampling noise: the normal approximation understates how far short runs
+        # of geometric trials spread.
+        between = max(0.0, (spread - 2.0 * sampling) / len(rates))
         estimates = []
         for acceptance in acceptances:
             num = acceptance.accepted + acceptance.rejected

@@ -214,9 +214,7 @@ class EngineCore:
         self.vocab_size = backend.vocab_size()
         spec = None
         if config.speculative_config is not None and self.spec_support is not None:
-            spec = SpecDecoder(
-                config.speculative_config, self.spec_support, max_model_len=self.max_model_len
-            )
+            spec = SpecDecoder(config.speculative_config, self.spec_support)
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine_config(config), self.num_kv_blocks, spec
         )
@@ -426,7 +424,11 @@ class EngineCore:
         try:
             return self._execute(scheduler_output)
         finally:
-            self._device_busy_s += self.clock() - start
+            elapsed = self.clock() - start
+            self._device_busy_s += elapsed
+            spec = self.scheduler.spec
+            if spec is not None:
+                spec.observe_step(scheduler_output.total_num_scheduled_tokens, elapsed)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         backend = self.backend

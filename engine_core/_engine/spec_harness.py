@@ -54,7 +54,6 @@ class SpecHarness(Harness):
         spec = SpecDecoder(
             SpeculativeConfig(num_speculative_tokens=NUM_DRAFTS, dynamic=False),
             support,
-            max_model_len=self.scheduler.config.max_model_len,
         )
         spec.proposer = self.proposer
         old = self.scheduler

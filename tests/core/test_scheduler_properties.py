@@ -269,7 +269,7 @@ def make_scheduler(config: Config, spec: str | None = None) -> Scheduler:
         speculative = SpeculativeConfig(
             num_speculative_tokens=3, prompt_lookup_min=1, dynamic=spec == "dynamic"
         )
-        decoder = SpecDecoder(speculative, support, max_model_len=MAX_MODEL_LEN)
+        decoder = SpecDecoder(speculative, support)
     return Scheduler(SchedulerConfig.from_engine_config(engine_config), config.num_blocks, decoder)
 
 

@@ -148,6 +148,21 @@ def test_static_speculation_always_uses_the_most_drafts_the_budget_allows() -> N
     assert p.decide([0.9], 3) == (2, 0.0)
 
 
+def test_the_step_cost_is_fitted_to_measured_steps() -> None:
+    cost = CostModel(A, B)  # the prior: 5 ms + 50 us per token
+    rng = random.Random(2)
+    for _ in range(400):  # the truth: 2 ms + 10 us per token, with noise
+        tokens = rng.randrange(1, 300)
+        cost.observe(tokens, (2e-3 + 1e-5 * tokens) * rng.uniform(0.97, 1.03))
+    assert cost.step_s == pytest.approx(2e-3, rel=0.1)
+    assert cost.per_token_s == pytest.approx(1e-5, rel=0.15)
+    # Steps of one size say nothing of the slope: the fit keeps a cost.
+    flat = CostModel(A, B)
+    for _ in range(100):
+        flat.observe(64, 1e-3)
+    assert flat.step_s > 0 and flat.per_token_s >= 0
+
+
 def test_acceptance_estimates_follow_what_was_observed() -> None:
     p = policy([0, 1, 2])
     mine = p.new_acceptance()
@@ -202,6 +217,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 8192,
     max_model_len: int = 8192,
     enable_prefix_caching: bool = True,
+    cost: tuple[float, float] = (A, B),
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=16,
@@ -213,12 +229,12 @@ def make_scheduler(
     support = SpecSupport(
         proposers=["scripted"],
         lookahead_per_draft=lookahead_per_draft,
-        cost_model=StepCostModel(step_s=A, per_token_s=B),
+        cost_model=StepCostModel(step_s=cost[0], per_token_s=cost[1]),
     )
     spec = SpeculativeConfig(
         method=method, num_speculative_tokens=k, dynamic=dynamic, prompt_lookup_min=min_n
     )
-    return Scheduler(config, num_blocks, SpecDecoder(spec, support, max_model_len=max_model_len))
+    return Scheduler(config, num_blocks, SpecDecoder(spec, support))
 
 
 def add(scheduler: Scheduler, request_id: str, prompt: list[int], **params: object) -> Request:
@@ -281,6 +297,36 @@ def test_kv_is_reserved_for_the_drafts_and_the_lookahead_then_rolled_back() -> N
     assert spec.stats.drafted_per_pos == [1, 1, 1]
     scheduler.finish_requests("r")
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
+
+
+def test_a_probe_asks_a_backend_drafter_and_reserves_its_lookahead() -> None:
+    # A token costs 100 times a step's fixed part: drafts never pay, so k stays 0.
+    scheduler = make_scheduler(
+        k=3, method="scripted", dynamic=True, lookahead_per_draft=1, cost=(1e-3, 1e-1)
+    )
+    request = add(scheduler, "r", COPY[:12], max_tokens=200)
+    prefill(scheduler, 12)
+    for _ in range(40):
+        out = scheduler.schedule()
+        assert not out.cached.spec_token_ids  # nothing is verified
+        if out.draft_req_ids:
+            break
+        scheduler.update_from_output(out, ModelRunnerOutput(["r"], [[7]]))
+    else:
+        raise AssertionError("the request was never probed")
+    assert out.draft_req_ids == ["r"] and out.num_draft_tokens == 3
+    # Its slots cover the drafter's KV past the scheduled position: 3 more.
+    assert len(request.blocks) * BLOCK_SIZE >= request.num_computed_tokens + 3
+    scheduler.update_from_output(out, ModelRunnerOutput(["r"], [[7]], draft_token_ids=[[7, 7, 8]]))
+    spec = scheduler.spec
+    assert spec is not None and request.spec is not None
+    assert request.spec.shadow == [7, 7, 8] and not request.spec.probing
+    # Scored against the tokens that follow: 7 and 7 right, 8 wrong (9 came).
+    for token in (7, 7, 9):
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, ModelRunnerOutput(["r"], [[token]]))
+    assert spec.stats.shadow_drafts == 3 and spec.stats.shadow_accepted == 2
+    assert spec.stats.num_draft_tokens == 0
 
 
 def test_only_verified_tokens_enter_the_prefix_cache() -> None:

@@ -12,10 +12,12 @@ from helpers.spec_backend import ScriptedSpecBackend
 
 from engine_core._core.protocol import EngineCoreRequest
 from engine_core._engine.core import EngineCore
-from engine_core.abc import CachedRequestData, SpecSupport
+from engine_core.abc import CachedRequestData, SpecSupport, StepCostModel
 from engine_core.config import EngineConfig, SpeculativeConfig
 from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 from engine_core.testing import check_spec_decode
+
+COST = StepCostModel(step_s=5e-3, per_token_s=5e-5)
 
 
 def _verifier(support: SpecSupport) -> type[MockBackend]:
@@ -72,6 +74,31 @@ def test_more_drafts_than_the_backend_verifies_are_refused() -> None:
             _config(num_speculative_tokens=5),
             backend_cls=_verifier(SpecSupport(max_num_draft_tokens=4)),
         )
+
+
+def test_a_backend_without_a_step_cost_gets_one_measured() -> None:
+    class Unpriced(MockBackend):
+        def spec_support(self) -> SpecSupport | None:
+            return SpecSupport()
+
+    ticks = iter(range(10**6))
+    # Each clock reading moves 1 ms: every step measures the same few ms.
+    core = EngineCore(_config(), backend_cls=Unpriced, clock=lambda: next(ticks) * 1e-3)
+    try:
+        spec = core.scheduler.spec
+        assert spec is not None and spec.measures_cost
+        before = (spec.policy.cost.step_s, spec.policy.cost.per_token_s)
+        core.add_request(EngineCoreRequest("r", [1, 2, 3], SamplingParams(max_tokens=20)))
+        while core.has_unfinished_requests():
+            core.step()
+        assert (spec.policy.cost.step_s, spec.policy.cost.per_token_s) != before
+    finally:
+        core.close()
+    priced = EngineCore(_config(), backend_cls=_verifier(SpecSupport(cost_model=COST)))
+    try:
+        assert priced.scheduler.spec is not None and not priced.scheduler.spec.measures_cost
+    finally:
+        priced.close()
 
 
 def test_lookahead_is_proportional_to_the_drafts_asked_for() -> None:
