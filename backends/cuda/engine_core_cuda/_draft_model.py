@@ -31,7 +31,7 @@ from engine_core_cuda._hf_config import ModelConfig, load_model_config
 from engine_core_cuda._input_batch import RequestState
 from engine_core_cuda._loader import init_random_weights, load_weights
 from engine_core_cuda._model import CausalLM
-from engine_core_cuda._sampler import sample
+from engine_core_cuda._sampler import SamplingBatch, sample
 from engine_core_cuda._sampling_inputs import build_sampling_batch
 from engine_core_cuda._step_inputs import StepInputs
 
@@ -116,7 +116,7 @@ class DraftModel:
         passes: list[tuple[list[int], torch.Tensor]] = []
         for i in range(max(limits, default=0)):
             active = [k for k, limit in enumerate(limits) if limit > i]
-            tokens = self._draft_pass([states[k] for k in active], i)
+            tokens = self._draft_pass([states[k] for k in active], i, active, passes)
             passes.append((active, tokens))
         drafts: list[list[int]] = [[] for _ in states]
         if not passes:
@@ -129,9 +129,17 @@ class DraftModel:
                 at += 1
         return drafts
 
-    def _draft_pass(self, states: list[RequestState], index: int) -> torch.Tensor:
+    def _draft_pass(
+        self,
+        states: list[RequestState],
+        index: int,
+        active: list[int],
+        earlier: list[tuple[list[int], torch.Tensor]],
+    ) -> torch.Tensor:
         """Pass ``index``: each request's token at ``num_tokens - 1 + index`` in, the next one
-        out (written after it in the persistent row, for the next pass)."""
+        out (written after it in the persistent row, for the next pass). ``active``: the
+        requests' indices among those drafted; ``earlier``: the previous passes' (indices,
+        drafts), which count as output for the penalties and ``min_tokens``."""
         runner = self.runner
         batch = runner.batch
         device = runner.device
@@ -165,6 +173,41 @@ class DraftModel:
             hidden = self.model(step.input_ids, positions, self.kv_caches, ctx)
             logits = self.model.compute_logits(hidden)
         sampling = build_sampling_batch(batch, states, rows, positions + 1, None)
+        if index:
+            _count_earlier_drafts(sampling, states, index, active, earlier)
         tokens = sample(logits, sampling, runner.ops.impl)
         batch.token_ids[rows, positions + 1] = tokens.to(batch.token_ids.dtype)
         return tokens
+
+
+def _count_earlier_drafts(
+    sampling: SamplingBatch,
+    states: list[RequestState],
+    index: int,
+    active: list[int],
+    earlier: list[tuple[list[int], torch.Tensor]],
+) -> None:
+    """Sample draft ``index`` as the target will verify it: the drafts before it count in the
+    penalties, and stop tokens stay banned while the output there is below ``min_tokens``."""
+    if sampling.output_counts is not None:
+        device = sampling.output_counts.device
+        local = torch.arange(len(active), device=device)
+        counts = sampling.output_counts.clone()
+        for previous, tokens in earlier:
+            where = {k: j for j, k in enumerate(previous)}
+            picked = torch.tensor([where[k] for k in active], dtype=torch.int64).to(device)
+            ones = torch.ones(len(active), dtype=counts.dtype, device=device)
+            counts.index_put_((local, tokens[picked]), ones, accumulate=True)
+        sampling.output_counts = counts
+    rows: list[int] = []
+    banned: list[int] = []
+    for j, state in enumerate(states):
+        if state.stop_ids and state.num_output_tokens + index < state.params.min_tokens:
+            rows.extend([j] * len(state.stop_ids))
+            banned.extend(state.stop_ids)
+    if not rows:
+        sampling.banned = None
+        return
+    device = sampling.seeds.device
+    packed = torch.tensor([rows, banned], dtype=torch.int64).to(device)
+    sampling.banned = (packed[0], packed[1])

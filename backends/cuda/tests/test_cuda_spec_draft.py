@@ -175,3 +175,31 @@ def test_conformance_with_a_draft_model(tiny: dict[str, TinyModel]) -> None:
         speculative_config=_draft(tiny["qwen2"].path),
     )  # fmt: skip
     check_spec_decode(CudaBackend, config)
+
+
+def test_the_target_as_its_own_draft_under_penalties_and_min_tokens(
+    tiny: dict[str, TinyModel],
+) -> None:
+    """Each draft counts the drafts before it in the penalties and ``min_tokens``, as the
+    target does when it verifies them: a draft that is the target accepts everything."""
+    model = tiny["llama"]
+    with model.llm(**SMALL) as llm:
+        first = llm.generate(PROMPTS[:1], PARAMS[0], use_tqdm=False)[0].outputs[0].token_ids
+    stop = first[2]  # held back by min_tokens at first
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, presence_penalty=1.5,
+                       frequency_penalty=1.0, repetition_penalty=1.4),
+        SamplingParams(temperature=0.0, max_tokens=16, min_tokens=6, stop_token_ids=[stop]),
+    ]  # fmt: skip
+    results = {}
+    for spec in (None, _draft(model.path, k=4)):
+        with model.llm(speculative_config=spec, **SMALL) as llm:
+            outputs = llm.generate(PROMPTS[:1] * 2, params, use_tqdm=False)
+            results[spec is None] = [o.outputs[0].token_ids for o in outputs]
+            if spec is not None:
+                stats = llm._client.engine_core.scheduler.spec.stats
+    assert results[True] == results[False]
+    penalized, held_back = results[False]
+    assert penalized != first  # the penalties changed the greedy path
+    assert stop not in held_back[:6]  # sampled at output 3 without min_tokens
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
