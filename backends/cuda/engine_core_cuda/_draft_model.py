@@ -13,7 +13,7 @@ one block table for both). Each step:
    proposing the next token. Drafts are sampled as the target samples (greedy for greedy
    requests; at temperature > 0 with the request's seeded noise at the drafted position, so a
    draft equals the target's sample whenever both distributions pick the same token of the
-   same race). A pass writes KV only within the request's blocks: the engine reserves one slot
+   same race; the drafts before it count in the penalties and ``min_tokens``). A pass writes KV only within the request's blocks: the engine reserves one slot
    per asked draft past the verified window (``SpecSupport.lookahead_per_draft``), and fewer
    drafts come back where fewer slots are there.
 """
