@@ -36,7 +36,13 @@ with the reason. Rows already written before a crash are kept.
   since NCCL cannot put two ranks on one GPU): teacher-forced per-position logprobs of TP=2
   against TP=1 within 0.05 (95th percentile; the maximum is printed), top-1 agreement >= 95%;
 - overlap: decode throughput of the 8B-shaped model through the engine core (real scheduler,
-  CUDA graphs on) with async scheduling off and on, at each batch size (information only).
+  CUDA graphs on) with async scheduling off and on, at each batch size (information only);
+- spec: speculative decoding (information only): the verify-cost curve, step time of the
+  8B-shaped model verifying q - 1 drafts per request for q = 1..9 at batch 1, 8, 64 and 256
+  (CUDA graphs captured for each shape) with a fit ``a + b x tokens``; prompt-lookup speculation
+  (k = 4) and a 2-layer draft model of random weights (its drafting cost; little is accepted)
+  against none through the engine on prompts that repeat a phrase, at batch 1, 64 and 256; and
+  how many greedy outputs differ (bfloat16 flips).
 
 ``--device cpu`` runs the same code at toy sizes on the CPU (Triton interpreted) to check the
 script itself; the speed targets are then not enforced. Exit status: 0 when every row passes, 1
@@ -69,10 +75,10 @@ from pathlib import Path
 from typing import Any
 
 CHECKS = ("preflight", "kernels", "startup", "throughput", "sampling", "longctx", "prefill",
-          "profile", "parity", "conformance", "tp", "overlap")  # fmt: skip
+          "profile", "parity", "conformance", "tp", "overlap", "spec")  # fmt: skip
 TIMEOUTS_S = {"preflight": 90, "kernels": 120, "startup": 150, "throughput": 180, "sampling": 120,
               "longctx": 120, "prefill": 100, "profile": 120, "parity": 120,
-              "conformance": 150, "tp": 150, "overlap": 150}  # fmt: skip
+              "conformance": 150, "tp": 150, "overlap": 150, "spec": 180}  # fmt: skip
 """Each check's time limit (seconds, scaled by ``--timeout-scale``); typical runs take a fraction."""
 MIN_CHECK_S = 15
 """A check is not started with less of the ``--budget`` left."""
@@ -453,7 +459,9 @@ class Driver:
         self.blocks.clear()
         self.next_block = 0
 
-    def step(self) -> Any:
+    def step(self, drafts: dict[str, list[int]] | None = None) -> Any:
+        """One step; ``drafts``: tokens to verify per decoding request (speculative decoding,
+        the returned tokens are appended, rejected drafts dropped)."""
         from engine_core.abc import CachedRequestData, SchedulerOutput
 
         new_ids = {n.req_id for n in self.new}
@@ -461,12 +469,16 @@ class Driver:
         for req_id, tokens in self.tokens.items():
             if req_id in new_ids:
                 continue
-            fresh = self._grow(req_id, len(tokens))
+            guessed = (drafts or {}).get(req_id, [])
+            fresh = self._grow(req_id, len(tokens) + len(guessed))
             cached.req_ids.append(req_id)
             cached.new_block_ids.append(fresh or None)
             cached.num_computed_tokens.append(len(tokens) - 1)
-            cached.num_scheduled_tokens.append(1)
-        total = len(cached.req_ids) + sum(n.num_scheduled_tokens for n in self.new)
+            cached.num_scheduled_tokens.append(1 + len(guessed))
+            cached.spec_token_ids.append(guessed)
+        if not any(cached.spec_token_ids):
+            cached.spec_token_ids = []
+        total = sum(cached.num_scheduled_tokens) + sum(n.num_scheduled_tokens for n in self.new)
         self.backend.execute_model(SchedulerOutput(self.new, cached, total))
         self.new = []
         out = self.backend.sample_tokens(None)
@@ -1163,7 +1175,7 @@ def check_profile(table: Table, args: argparse.Namespace, root: Path) -> None:
             if graphs is not None:
                 step_s = _time(driver.step, backend.device, 10)
                 n = next(size for size in graphs.batch_sizes if size >= b)
-                replay, _ = graphs._graphs[n]
+                replay, _ = graphs._graphs[n, 1]
                 replay_s = _time(replay, backend.device, 10)
                 table.add(f"profile: graph replay vs whole step b={b}",
                           f"{replay_s * 1e3:.2f} of {step_s * 1e3:.2f} ms "
@@ -1232,6 +1244,173 @@ def check_overlap(table: Table, args: argparse.Namespace, root: Path) -> None:
                   f"x{on / off:.2f}", None)  # fmt: skip
 
 
+# -- speculative decoding ---------------------------------------------------------------------
+
+
+def _verify_step_s(backend: Any, batch: int, q: int, context: int, steps: int,
+                   vocab: int) -> float:  # fmt: skip
+    """Seconds per step of ``batch`` greedy requests each verifying ``q - 1`` drafts (random
+    ones: rejected, so the context stays put), after ``context`` cached tokens."""
+    from engine_core.sampling_params import SamplingParams
+
+    rng = random.Random(batch * 100 + q)
+    driver = Driver(backend, backend.config.block_size)
+    params = SamplingParams(temperature=0.0)
+    for i in range(batch):
+        prompt = [rng.randrange(vocab) for _ in range(context + 1)]
+        driver.add(f"r{i}", prompt, params, hit=context)
+
+    def drafts() -> dict[str, list[int]]:
+        return {r: [rng.randrange(vocab) for _ in range(q - 1)] for r in driver.tokens}
+
+    driver.step()  # computes position `context`
+    for _ in range(2):
+        driver.step(drafts())
+    sync(backend)
+    started = time.perf_counter()
+    for _ in range(steps):
+        driver.step(drafts())  # each ends in a sync (the sampled tokens reach the host)
+    elapsed = (time.perf_counter() - started) / steps
+    driver.finish()
+    return elapsed
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x``."""
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    b = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    return mean_y - b * mean_x, b
+
+
+def _copy_prompts(batch: int, context: int, vocab: int) -> list[list[int]]:
+    """Prompts that repeat a 32-token phrase: prompt lookup finds continuations in them."""
+    rng = random.Random(7)
+    prompts = []
+    for _ in range(batch):
+        phrase = [rng.randrange(vocab) for _ in range(32)]
+        prompts.append((phrase * (context // 32 + 1))[:context])
+    return prompts
+
+
+def _engine_generate(model_dir: Path, args: argparse.Namespace, batches: list[list[list[int]]],
+                     steps: int, speculative: dict[str, Any] | None,
+                     ) -> list[tuple[float, list[list[int]], int]]:  # fmt: skip
+    """Greedy decoding of each batch of prompts in turn (``steps`` tokens each) by one
+    in-process engine core: per batch, output tokens per second after its first steps, the
+    outputs, and the engine steps taken."""
+    from engine_core_cuda import CudaBackend
+
+    from engine_core import SamplingParams
+    from engine_core._core.protocol import EngineCoreRequest
+    from engine_core._engine.core import EngineCore
+    from engine_core.config import EngineConfig
+
+    gpu = args.device != "cpu"
+    batch = max(len(b) for b in batches)
+    context = max(len(p) for b in batches for p in b)
+    config = EngineConfig(
+        model=str(model_dir), backend="cuda", dtype="bfloat16" if gpu else "float32",
+        backend_options={"device": args.device, "load_format": "dummy",
+                         "max_graph_batch_size": batch},
+        max_model_len=context + steps + 64, max_num_seqs=batch,
+        max_num_batched_tokens=max(batch * (context + 1), 8192),
+        num_kv_blocks=batch * (-(-(context + steps + 64) // 16)) + 1,
+        speculative_config=speculative,
+    )  # fmt: skip
+    core = EngineCore(config, backend_cls=CudaBackend)
+    results = []
+    try:
+        sharpen(core.backend, 0)
+        params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+        for k, prompts in enumerate(batches):
+            ids = [f"b{k}-r{i}" for i in range(len(prompts))]
+            for req_id, prompt in zip(ids, prompts, strict=True):
+                core.add_request(EngineCoreRequest(req_id, prompt, params))
+            outputs: dict[str, list[int]] = {req_id: [] for req_id in ids}
+            num_tokens, started, n = 0, 0.0, 0
+            while core.has_unfinished_requests():
+                out = core.step()
+                for req_id, tokens in zip(out.req_ids, out.new_token_ids, strict=True):
+                    outputs[req_id] += tokens
+                if n == 2:  # the prefill and the first decode steps are not timed
+                    started = time.perf_counter()
+                elif n > 2:
+                    num_tokens += sum(len(t) for t in out.new_token_ids)
+                n += 1
+            rate = num_tokens / (time.perf_counter() - started)
+            results.append((rate, list(outputs.values()), n))
+        return results
+    finally:
+        core.close()
+
+
+def check_spec(table: Table, args: argparse.Namespace, root: Path) -> None:
+    """The verify-cost curve (a step verifying q - 1 drafts per request, against q = 1), then
+    prompt-lookup speculation against none through the engine, and how often bfloat16 rounding
+    makes their greedy tokens differ (reported, not asserted)."""
+    from engine_core_cuda._cuda_graphs import DecodeGraphs
+
+    gpu = args.gpu
+    batch_sizes = [1, 8, 64, 256] if gpu else [1, 2]
+    query_lens = list(range(1, 10)) if gpu else [1, 2, 3]
+    context, steps = (args.context, 8) if gpu else (24, 2)
+    backend = big_backend(args, root, max_len=context + 128, max_seqs=max(batch_sizes),
+                          graphs=False, num_blocks=_blocks_for(max(batch_sizes), context + 64))  # fmt: skip
+    try:
+        vocab = backend.runner.model_config.vocab_size
+        runner = backend.runner
+        if gpu:
+            graphs = DecodeGraphs(runner, batch_sizes,
+                                  shapes=[(b, q) for b in batch_sizes for q in query_lens])  # fmt: skip
+            import torch
+
+            with torch.inference_mode():
+                graphs.capture()
+            runner.graphs = graphs
+        for b in batch_sizes:
+            _verify_step_s(backend, b, query_lens[-1], context, 1, vocab)  # warms up
+            times = [_verify_step_s(backend, b, q, context, steps, vocab) for q in query_lens]
+            a, per_token = _fit_line([float(b * q) for q in query_lens], times)
+            curve = ", ".join(
+                f"q={q} {t * 1e3:.2f}" for q, t in zip(query_lens, times, strict=True)
+            )
+            table.add(f"spec: verify cost b={b} ({'graphs' if gpu else 'eager'})",
+                      f"q={query_lens[-1]} costs x{times[-1] / times[0]:.2f} of q=1",
+                      "", None,
+                      [f"ms per step: {curve}",
+                       f"fit: {a * 1e3:.2f} ms + {per_token * 1e6:.1f} us x tokens"])  # fmt: skip
+    finally:
+        release(backend)
+    shape = big_shape(args)
+    model_dir = write_config(root, "llama3-8b-shaped-spec", shape)
+    draft_dir = write_config(root, "llama3-8b-shaped-draft", {**shape, "num_hidden_layers": 2})
+    sizes = [1, 64, 256] if gpu else [1, 2]
+    out_steps = 64 if gpu else 6
+    batches = [_copy_prompts(b, 256 if gpu else 64, shape["vocab_size"]) for b in sizes]
+    off = _engine_generate(model_dir, args, batches, out_steps, None)
+    modes = {
+        "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4, "allowed_k": [1, 2, 4]},
+        "draft k=4": {  # a 2-layer draft of random weights: its cost, little accepted
+            "method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 4,
+            "allowed_k": [1, 2, 4]},
+    }  # fmt: skip
+    for name, speculative in modes.items():
+        on = _engine_generate(model_dir, args, batches, out_steps, speculative)
+        for b, (off_rate, off_out, off_steps), (on_rate, on_out, on_steps) in zip(
+            sizes, off, on, strict=True
+        ):
+            differ = sum(x != y for x, y in zip(off_out, on_out, strict=True))
+            first = [next((i for i, (p, q) in enumerate(zip(x, y, strict=True)) if p != q), None)
+                     for x, y in zip(off_out, on_out, strict=True)]  # fmt: skip
+            where = sorted(i for i in first if i is not None)
+            table.add(f"spec: {name} vs off b={b} (copy prompts)",
+                      f"{on_rate:,.0f} / {off_rate:,.0f} tok/s, {off_steps} -> {on_steps} steps",
+                      f"x{on_rate / off_rate:.2f}", None,
+                      [f"greedy outputs differing (bf16 flips): {differ} of {b}"
+                       + (f", first at tokens {where[:8]}" if where else "")])  # fmt: skip
+
+
 # -- the checks' processes --------------------------------------------------------------------
 
 CHECK_FUNCTIONS: dict[str, Callable[[Table, argparse.Namespace, Path], None]] = {
@@ -1247,6 +1426,7 @@ CHECK_FUNCTIONS: dict[str, Callable[[Table, argparse.Namespace, Path], None]] = 
     "conformance": check_conformance,
     "tp": check_tp,
     "overlap": check_overlap,
+    "spec": check_spec,
 }
 
 

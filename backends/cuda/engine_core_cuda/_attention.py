@@ -9,12 +9,22 @@ import torch
 
 from engine_core_cuda._kernel_ops import KernelOps
 
-__all__ = ["MAX_SEGMENTS", "AttentionContext", "KVCache", "split_kv_segments"]
+__all__ = [
+    "MAX_SEGMENTS",
+    "MAX_SPLIT_QUERY_LEN",
+    "AttentionContext",
+    "KVCache",
+    "split_kv_segments",
+]
 
 MAX_SEGMENTS = 128
 """Most split-KV segments a sequence's keys are cut into."""
 MIN_SEGMENT_TOKENS = 256
 """Fewest keys per segment worth a program of its own (at the longest sequence's length)."""
+MAX_SPLIT_QUERY_LEN = 16
+"""Longest query per sequence that still splits: decode steps, and steps verifying up to 15
+draft tokens per request (speculative decoding), whose few queries per sequence leave the GPU
+as idle as a decode step does."""
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 """One layer's (key_cache, value_cache), each ``[num_blocks, block_size, num_kv_heads,
@@ -27,8 +37,9 @@ def split_kv_segments(
     """Split-KV segments (a power of two) for a decode batch on ``sm_count`` SMs (0: not a GPU,
     no split): enough programs for about four per SM when the batch alone has fewer, but no
     segment shorter than :data:`MIN_SEGMENT_TOKENS` keys of the longest sequence, and at most
-    :data:`MAX_SEGMENTS`. Prefill steps never split."""
-    if sm_count <= 0 or max_query_len > 1:
+    :data:`MAX_SEGMENTS`. Steps with longer queries than :data:`MAX_SPLIT_QUERY_LEN` (prefill
+    chunks) never split."""
+    if sm_count <= 0 or max_query_len > MAX_SPLIT_QUERY_LEN:
         return 1
     programs = max(1, num_seqs * num_kv_heads)
     wanted = -(-4 * sm_count // programs)

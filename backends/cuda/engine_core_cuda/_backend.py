@@ -25,6 +25,7 @@ from engine_core.abc import (
     KVCacheSpec,
     ModelRunnerOutput,
     SchedulerOutput,
+    SpecSupport,
 )
 from engine_core.config import EngineConfig
 from engine_core_cuda._cuda_graphs import DecodeGraphs, graph_batch_sizes
@@ -130,9 +131,16 @@ class CudaBackend(Backend):
         )
 
     def available_kv_cache_memory(self) -> int:
-        """The minimum over the ranks under tensor parallelism."""
+        """The minimum over the ranks under tensor parallelism. With a draft model, the share
+        of the target's cache: the draft's blocks take the rest (same block ids)."""
         if self.tp is None:
-            return available_kv_cache_memory(self.runner, self.config.kv_cache_memory_fraction)
+            memory = available_kv_cache_memory(self.runner, self.config.kv_cache_memory_fraction)
+            drafter = self.runner.drafter
+            if drafter is None:
+                return memory
+            block_size = self.config.block_size
+            own = self.kv_cache_spec().bytes_per_block(block_size)
+            return memory * own // (own + drafter.block_bytes(block_size))
         with self.tp.on_every_rank("available_kv_cache_memory") as others:
             own = available_kv_cache_memory(self.runner, self.config.kv_cache_memory_fraction)
         return min(own, *(v for v in others if isinstance(v, int)))
@@ -147,7 +155,7 @@ class CudaBackend(Backend):
             self._initialize_kv_cache(num_blocks)
 
     def _initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner.graphs = None  # they would point at the old cache
+        self.runner.drop_graphs()  # they would point at the old cache
         self.runner.allocate_kv_cache(num_blocks)
         self._capture_graphs()
 
@@ -165,11 +173,34 @@ class CudaBackend(Backend):
             return
         started = time.perf_counter()
         max_batch = graph_max_batch_size(runner)
-        graphs = DecodeGraphs(runner, graph_batch_sizes(max_batch))
+        spec = self.config.speculative_config
+        # One query length per allowed draft count, so every step the policy picks has a graph.
+        query_lens = [1 + k for k in spec.k_choices] if spec is not None else []
+        graphs = DecodeGraphs(runner, graph_batch_sizes(max_batch), query_lens)
         with torch.inference_mode():
             graphs.capture()
         runner.graphs = graphs
+        if runner.drafter is not None:
+            draft_graphs = DecodeGraphs(
+                runner, graph_batch_sizes(max_batch), query_lens, drafter=runner.drafter
+            )
+            with torch.inference_mode():
+                draft_graphs.capture()
+            runner.drafter.graphs = draft_graphs
         logger.info("CUDA graphs captured in %.1f s", time.perf_counter() - started)
+
+    def spec_support(self) -> SpecSupport | None:
+        """Verification of drafts, exact (seeded sampling gives the tokens it gives without
+        speculation); not under tensor parallelism, whose workers take one sampled id per
+        request from rank 0."""
+        if self.config.tensor_parallel_size > 1:
+            return None
+        if self.runner.drafter is None:
+            return SpecSupport(exact_verification=True)
+        # The draft model writes one KV slot past the verified window per draft it proposes.
+        return SpecSupport(
+            proposers=["draft_model"], exact_verification=True, lookahead_per_draft=1
+        )
 
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
@@ -253,12 +284,12 @@ class CudaBackend(Backend):
             self.tp.workers.call("sleep", level)
             self.tp.previous_sampled = None
         runner = self.runner
-        runner.graphs = None
+        runner.drop_graphs()
         runner.drop_requests()
         runner.release_kv_cache()
-        self._param_shapes = [p.shape for p in runner.model.parameters()]
+        self._param_shapes = [p.shape for p in runner.parameters()]
         with torch.no_grad():
-            for param in runner.model.parameters():
+            for param in runner.parameters():
                 param.data = (
                     param.data.to("cpu")
                     if level == 1
@@ -283,7 +314,7 @@ class CudaBackend(Backend):
     def _wake_up(self) -> None:
         runner = self.runner
         with torch.no_grad():
-            for param, shape in zip(runner.model.parameters(), self._param_shapes, strict=True):
+            for param, shape in zip(runner.parameters(), self._param_shapes, strict=True):
                 if self._sleep_level == 1:
                     param.data = param.data.to(runner.device)
                 else:
@@ -307,11 +338,11 @@ class CudaBackend(Backend):
             self._profiler.stop()
             self._profiler = None
         runner = self.runner
-        runner.graphs = None
+        runner.drop_graphs()
         runner.drop_requests()
         runner.release_kv_cache()
         with torch.no_grad():
-            for param in runner.model.parameters():
+            for param in runner.parameters():
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         if runner.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -12,7 +12,7 @@ The host keeps a small :class:`RequestState` per request (counters, no token lis
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,6 +50,9 @@ class RequestState:
     pending_prompt_logprobs: TokenLogprobs | None = None
     """The prompt-logprobs entry of the next chunk's first position, computed with this
     chunk's last logits."""
+    drafts: list[int] = field(default_factory=list)
+    """Speculative decoding: the draft tokens this step verifies after the last known token
+    (written at positions ``num_tokens ..``; empty: none)."""
 
     @property
     def num_output_tokens(self) -> int:
@@ -216,6 +219,10 @@ class InputBatch:
             )
         self._block_writes.add(state.row, state.num_blocks, block_ids)
         state.num_blocks += len(block_ids)
+
+    def stage_tokens(self, state: RequestState, start: int, token_ids: list[int]) -> None:
+        """Stage ``token_ids`` at positions ``start ..`` of a request's row."""
+        self._token_writes.add(state.row, start, token_ids)
 
     def flush(self) -> None:
         """Send the staged writes to the device."""

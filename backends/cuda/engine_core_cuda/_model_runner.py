@@ -6,6 +6,11 @@ decode batches when captured) and keeps the last position's logits of every requ
 returns them. No host synchronization happens between the two, so the forward pass runs while
 the engine core computes the grammar bitmask.
 
+With speculative decoding a request may carry drafts: they are written after its last known
+token, the logits cover its ``1 + drafts`` last positions, and ``sample_tokens`` verifies them
+(:mod:`engine_core_cuda._spec_step`); a draft model (:mod:`engine_core_cuda._draft_model`)
+catches up on each step's tokens and proposes the next step's drafts after sampling.
+
 Under async scheduling ``sample_tokens_async`` launches the sampling and returns at once: the
 tokens are written into the persistent rows on the device (the next step's input ids are
 gathered from there, so they never go through the host) and copied to pinned host memory with a
@@ -33,6 +38,7 @@ from engine_core.abc import (
 from engine_core.config import EngineConfig
 from engine_core_cuda._attention import AttentionContext, KVCache, split_kv_segments
 from engine_core_cuda._device import prepare_triton, resolve_device, resolve_dtype
+from engine_core_cuda._draft_model import DraftModel
 from engine_core_cuda._hf_config import ModelConfig
 from engine_core_cuda._input_batch import InputBatch
 from engine_core_cuda._kernel_ops import KernelOps
@@ -42,6 +48,7 @@ from engine_core_cuda._model import CausalLM
 from engine_core_cuda._options import CudaOptions
 from engine_core_cuda._sampler import compute_logprobs, sample
 from engine_core_cuda._sampling_inputs import build_sampling_batch
+from engine_core_cuda._spec_step import sample_with_drafts
 from engine_core_cuda._step_inputs import StepInputs, apply_scheduler_output, build_step_inputs
 
 if TYPE_CHECKING:
@@ -66,9 +73,13 @@ class _Forward:
     req_ids: list[str]
     step: StepInputs | None
     logits: torch.Tensor | None
-    """``[requests, vocab]`` float32 logits of each request's last scheduled position."""
+    """``[requests, vocab]`` float32 logits of each request's last scheduled position; with
+    drafts, of each request's ``1 + drafts`` last positions (``step.draft_rows``)."""
     hidden: torch.Tensor | None
     """Every token's final hidden state, kept only when prompt logprobs are due."""
+    num_draft_tokens: int = 0
+    """Drafts the draft model proposes after sampling (``SchedulerOutput.num_draft_tokens``)."""
+    draft_req_ids: list[str] | None = None
 
 
 class AsyncSampled(AsyncModelRunnerOutput):
@@ -141,6 +152,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or model_config.max_model_len
         self.model = CausalLM(model_config, self.max_model_len, self.dtype, self.device, parallel)
+        self.drafter: DraftModel | None = None
         self.load_weights()
         self.batch = InputBatch(
             max_num_reqs=config.max_num_seqs,
@@ -157,6 +169,9 @@ class ModelRunner:
         self._step_start: torch.cuda.Event | None = None
         """Timing event recorded where the last step's forward pass starts (CUDA only)."""
         self.graphs: DecodeGraphs | None = None
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model" and spec.model is not None:
+            self.drafter = DraftModel(self, spec.model)
         self._sm_count = (
             torch.cuda.get_device_properties(self.device).multi_processor_count
             if self.device.type == "cuda"
@@ -183,6 +198,15 @@ class ModelRunner:
                 Path(model_dir),
                 lambda name, ndim: slice_of(name, ndim, full, rank, size),
             )
+        if self.drafter is not None:
+            self.drafter.load_weights()
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The weights of the model and of the draft model (if any)."""
+        params = list(self.model.parameters())
+        if self.drafter is not None:
+            params += self.drafter.model.parameters()
+        return params
 
     @property
     def kv_cache_shape(self) -> tuple[int, ...]:
@@ -196,10 +220,14 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self._kv_tensor = torch.zeros(self.kv_cache_shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self._kv_tensor.unbind(0)]
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks, self.block_size)
 
     def release_kv_cache(self) -> None:
         self.kv_caches = []
         self._kv_tensor = None
+        if self.drafter is not None:
+            self.drafter.release_kv_cache()
 
     # -- stepping -------------------------------------------------------------------------------
 
@@ -233,12 +261,19 @@ class ModelRunner:
             hidden = None
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.context(step))
-            last = step.query_start_loc[1:].long() - 1
+            last = step.logits_indices
+            if last is None:
+                last = step.query_start_loc[1:].long() - 1
             logits = self.model.compute_logits(hidden[last])
             if wants_prompt and self.parallel is not None:
                 # Every rank joins this gather now; sample_tokens (rank 0 only) reads the rows.
                 hidden = self.model.compute_logits(hidden)
-        self._forward = _Forward(req_ids, step, logits, hidden if wants_prompt else None)
+        if self.drafter is not None:
+            self.drafter.catch_up(step, self.context(step))
+        self._forward = _Forward(
+            req_ids, step, logits, hidden if wants_prompt else None,
+            scheduler_output.num_draft_tokens, scheduler_output.draft_req_ids,
+        )  # fmt: skip
 
     def context(self, step: StepInputs) -> AttentionContext:
         """The attention context of a step run outside CUDA graphs."""
@@ -273,7 +308,11 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in states]
         logprobs: list[list[TokenLogprobs] | None] | None = None
         picks = [i for i, s in enumerate(step.samples) if s]
-        if picks:
+        if picks and step.draft_rows is not None:
+            sampled, logprobs = sample_with_drafts(
+                self.batch, step, forward.logits, picks, grammar_bitmask, self.ops.impl
+            )
+        elif picks:
             tokens = self._sample(step, forward.logits, picks, grammar_bitmask)
             token_list = tokens.tolist()
             for i, token in zip(picks, token_list, strict=True):
@@ -290,7 +329,22 @@ class ModelRunner:
             ]
             score = self.model.compute_logits if self.parallel is None else _gathered
             prompt = prompt_logprobs(self.batch, forward.hidden, score, entries)
-        return ModelRunnerOutput(forward.req_ids, sampled, logprobs, prompt)
+        drafts = self._propose(forward, picks) if self.drafter is not None else None
+        return ModelRunnerOutput(forward.req_ids, sampled, logprobs, prompt, drafts)
+
+    def _propose(self, forward: _Forward, picks: list[int]) -> list[list[int]] | None:
+        """The draft model's drafts for the next step of the requests the engine asked."""
+        assert self.drafter is not None and forward.step is not None
+        if forward.num_draft_tokens <= 0:
+            return None
+        states = forward.step.states
+        wanted = set(forward.draft_req_ids) if forward.draft_req_ids is not None else None
+        chosen = [i for i in picks if wanted is None or states[i].req_id in wanted]
+        drafts: list[list[int]] = [[] for _ in states]
+        proposed = self.drafter.propose([states[i] for i in chosen], forward.num_draft_tokens)
+        for i, proposal in zip(chosen, proposed, strict=True):
+            drafts[i] = proposal
+        return drafts
 
     def sample_tokens_async(self, grammar_bitmask: Any | None) -> AsyncSampled:
         """Launch sampling; the handle's ``get_output`` waits for the tokens (see the module
@@ -303,6 +357,7 @@ class ModelRunner:
             step is None
             or forward.logits is None
             or forward.hidden is not None
+            or step.draft_rows is not None
             or any(s.params.logprobs is not None for s in step.states)
         ):
             output = self.sample_tokens(grammar_bitmask)
@@ -417,6 +472,12 @@ class ModelRunner:
             step.states[i].num_tokens += 1
 
     # -- lifecycle ------------------------------------------------------------------------------
+
+    def drop_graphs(self) -> None:
+        """Forget the captured graphs (they point at the KV cache)."""
+        self.graphs = None
+        if self.drafter is not None:
+            self.drafter.graphs = None
 
     def drop_requests(self) -> None:
         """Forget every request (their KV contents are gone)."""

@@ -14,6 +14,7 @@ import torch
 
 from engine_core.abc import SchedulerOutput
 from engine_core_cuda._input_batch import InputBatch, RequestState
+from engine_core_cuda._spec_verify import DraftRows
 
 __all__ = ["StepInputs", "apply_scheduler_output", "build_step_inputs"]
 
@@ -37,6 +38,12 @@ class StepInputs:
     seq_rows: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
+    draft_rows: DraftRows | None = None
+    """Speculative decoding: the logits rows of each request (``1 + drafts``), None when no
+    request of the step has drafts (one row each, its last position)."""
+    logits_indices: torch.Tensor | None = None
+    """With ``draft_rows``: the token index of each logits row (its request's ``1 + drafts``
+    last positions)."""
 
     @property
     def is_decode_only(self) -> bool:
@@ -57,9 +64,12 @@ def apply_scheduler_output(
     states: list[RequestState] = []
     starts: list[int] = []
     counts: list[int] = []
-    for state, new_blocks, computed, num in cached.diffs(batch.requests):
+    for index, (state, new_blocks, computed, num) in enumerate(cached.diffs(batch.requests)):
         if new_blocks:
             batch.append_blocks(state, new_blocks)
+        state.drafts = cached.drafts_of(index)
+        if state.drafts:
+            _stage_drafts(batch, state, computed, num)
         states.append(state)
         starts.append(computed)
         counts.append(num)
@@ -72,13 +82,32 @@ def apply_scheduler_output(
     block_size = batch.block_size
     for state, start, num in zip(states, starts, counts, strict=True):
         end = start + num
-        if num <= 0 or end > state.num_tokens or end > state.num_blocks * block_size:
+        known = state.num_tokens + len(state.drafts)
+        if num <= 0 or end > known or end > state.num_blocks * block_size:
             raise RuntimeError(
                 f"request {state.req_id!r}: cannot compute tokens [{start}, {end}) of "
-                f"{state.num_tokens} with {state.num_blocks} blocks of {block_size}"
+                f"{known} with {state.num_blocks} blocks of {block_size}"
             )
         state.num_computed_tokens = end
     return states, starts, counts
+
+
+def _stage_drafts(batch: InputBatch, state: RequestState, computed: int, num: int) -> None:
+    """Write a decoding request's drafts after its last known token."""
+    num_drafts = len(state.drafts)
+    if computed != state.num_tokens - 1 or num != 1 + num_drafts:
+        raise RuntimeError(
+            f"request {state.req_id!r} has {num_drafts} drafts but is scheduled for {num} "
+            f"tokens from {computed} of {state.num_tokens} (drafts need 1 + drafts from the "
+            "last known token)"
+        )
+    if state.num_tokens + num_drafts >= batch.max_model_len:
+        raise RuntimeError(
+            f"request {state.req_id!r}: {num_drafts} drafts after {state.num_tokens} tokens "
+            f"leave no position for the sampled token within max_model_len "
+            f"{batch.max_model_len}"
+        )
+    batch.stage_tokens(state, state.num_tokens, state.drafts)
 
 
 def build_step_inputs(
@@ -100,22 +129,31 @@ def build_step_inputs(
     positions = (
         np.arange(num_tokens, dtype=np.int32) - query_start_loc[token_req] + start_arr[token_req]
     )
-    packed = np.concatenate(
-        [rows, start_arr + num_scheduled, query_start_loc, positions, rows[token_req]]
-    )
+    parts = [rows, start_arr + num_scheduled, query_start_loc, positions, rows[token_req]]
+    draft_rows = None
+    if any(state.drafts for state in states):
+        draft_rows = DraftRows.of([state.drafts for state in states])
+        # Row j of request i: token qsl[i + 1] - 1 - drafts + j.
+        num_drafts = np.diff(draft_rows.row_start) - 1
+        last = query_start_loc[1:] - 1 - num_drafts
+        parts.append((last[draft_rows.row_request] + draft_rows.row_offset).astype(np.int32))
+    packed = np.concatenate(parts)
     host = torch.from_numpy(packed)
     dev = host.to(device, non_blocking=True) if device.type == "cuda" else host
     seq_rows = dev[:num_reqs]
     seq_lens = dev[num_reqs : 2 * num_reqs]
     qsl = dev[2 * num_reqs : 3 * num_reqs + 1]
     positions_dev = dev[3 * num_reqs + 1 : 3 * num_reqs + 1 + num_tokens].long()
-    token_rows = dev[3 * num_reqs + 1 + num_tokens :].long()
+    token_rows = dev[3 * num_reqs + 1 + num_tokens : 3 * num_reqs + 1 + 2 * num_tokens].long()
+    logits_indices = None
+    if draft_rows is not None:
+        logits_indices = dev[3 * num_reqs + 1 + 2 * num_tokens :].long()
     block_size = batch.block_size
     input_ids = batch.token_ids[token_rows, positions_dev].long()
     block_ids = batch.block_table[token_rows, positions_dev // block_size].long()
     slot_mapping = block_ids * block_size + positions_dev % block_size
     samples = [
-        start + num == state.num_tokens
+        start + num == state.num_tokens + len(state.drafts)
         for state, start, num in zip(states, starts, counts, strict=True)
     ]
     return StepInputs(
@@ -131,4 +169,6 @@ def build_step_inputs(
         seq_rows=seq_rows,
         query_start_loc=qsl,
         seq_lens=seq_lens,
+        draft_rows=draft_rows,
+        logits_indices=logits_indices,
     )

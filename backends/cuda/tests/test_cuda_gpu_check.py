@@ -75,6 +75,11 @@ def test_arguments_and_the_output_folder(monkeypatch: pytest.MonkeyPatch) -> Non
     assert set(gpu_check.TIMEOUTS_S) == set(gpu_check.CHECKS) == set(gpu_check.CHECK_FUNCTIONS)
 
 
+def test_the_verify_cost_fit() -> None:
+    a, b = _module()._fit_line([1.0, 2.0, 3.0, 4.0], [5.05, 5.10, 5.15, 5.20])
+    assert (a, b) == (pytest.approx(5.0), pytest.approx(0.05))
+
+
 def test_the_roofline_counts_compute_and_memory() -> None:
     gpu_check = _module()
     shape = gpu_check.Shape.from_config(gpu_check.LLAMA3_8B)
@@ -177,7 +182,7 @@ def test_checks_past_the_budget_are_failed_rows(tmp_path: Path) -> None:
 
 
 def test_cpu_smoke_run(tmp_path: Path) -> None:
-    only = "kernels,startup,throughput,sampling,longctx,prefill,profile"
+    only = "kernels,startup,throughput,sampling,longctx,prefill,profile,spec"
     result = _run("--device", "cpu", "--out", str(tmp_path), "--only", only, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert " 0 failed" in result.stdout
@@ -187,7 +192,10 @@ def test_cpu_smoke_run(tmp_path: Path) -> None:
                      "startup: profiling pass (compiles prefill)",
                      "sampling b=4: T=1 top_p=0.9 step vs greedy",
                      "decode b=1 ctx=96 16 KV splits graphs off", "prefill 2 x 40 tokens per step",
-                     "profile: eager decode b=4, top 15 kernels"):  # fmt: skip
+                     "profile: eager decode b=4, top 15 kernels",
+                     "spec: verify cost b=2 (eager)",
+                     "spec: ngram k=4 vs off b=1 (copy prompts)",
+                     "spec: draft k=4 vs off b=2 (copy prompts)"):  # fmt: skip
         assert expected in checks
     for name in only.split(","):
         assert (tmp_path / f"{name}.jsonl").is_file() and (tmp_path / f"{name}.log").is_file()

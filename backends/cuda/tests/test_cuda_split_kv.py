@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from engine_core_cuda._attention import MAX_SEGMENTS, MIN_SEGMENT_TOKENS, split_kv_segments
+import pytest
+from engine_core_cuda._attention import (
+    MAX_SEGMENTS,
+    MAX_SPLIT_QUERY_LEN,
+    MIN_SEGMENT_TOKENS,
+    split_kv_segments,
+)
 from test_cuda_kernels import check_attention, make_batch
 
 H200_SMS = 132
@@ -24,8 +30,23 @@ def test_segments_grow_with_context_and_shrink_with_the_batch() -> None:
 
 
 def test_no_split_for_prefill_or_off_the_gpu() -> None:
-    assert split_kv_segments(1, 8, H200_SMS, 32768, 2) == 1
+    assert split_kv_segments(1, 8, H200_SMS, 32768, MAX_SPLIT_QUERY_LEN + 1) == 1
     assert split_kv_segments(1, 8, 0, 32768, 1) == 1
+
+
+def test_verification_steps_split_as_decode_steps_do() -> None:
+    decode = split_kv_segments(1, 8, H200_SMS, 32768, 1)
+    assert decode > 1
+    assert [split_kv_segments(1, 8, H200_SMS, 32768, q) for q in (2, 5, 9)] == [decode] * 3
+
+
+@pytest.mark.parametrize("num_segments", [4, 16])
+def test_split_queries_of_several_tokens(num_segments: int) -> None:
+    """Verification steps: 1 + drafts queries per sequence, causal within them, some queries of
+    a sequence seeing no key of a segment the others see."""
+    batch = make_batch([1, 5, 3, 9], [70, 41, 8, 130], num_heads=4, num_kv_heads=2,
+                       head_size=16, block_size=8, seed=11)  # fmt: skip
+    check_attention(batch, num_segments=num_segments, tile_size=16)
 
 
 def test_many_segments_most_of_them_empty() -> None:
