@@ -19,7 +19,16 @@ import msgspec
 import zmq
 
 from engine_core._core.scheduler_output import SchedulerOutput
-from engine_core._workers.messages import REPORT_DECODER, Call, Failure, Ready, Result, Scalar, Step
+from engine_core._workers.messages import (
+    REPORT_DECODER,
+    Call,
+    Failure,
+    Ready,
+    Result,
+    Sampled,
+    Scalar,
+    Step,
+)
 from engine_core.config import EngineConfig
 
 __all__ = ["WorkerDiedError", "WorkerGroup", "describe_exit"]
@@ -226,13 +235,15 @@ class WorkerGroup:
         for push in self._pushes.values():
             push.send(frame, copy=False)
 
-    def step(
-        self, scheduler_output: SchedulerOutput, previous_sampled: list[list[int]] | None
-    ) -> None:
+    def step(self, scheduler_output: SchedulerOutput) -> None:
         """Broadcast one step (workers answer nothing; a failure surfaces at the next check)."""
         self._drain(0)
         self._check_dead()
-        self._send(msgspec.msgpack.encode(Step(scheduler_output, previous_sampled)))
+        self._send(msgspec.msgpack.encode(Step(scheduler_output)))
+
+    def sampled(self, step: int, token_ids: list[list[int]]) -> None:
+        """Send the ids sampled in ``step`` (the mock's model of a device broadcast)."""
+        self._send(msgspec.msgpack.encode(Sampled(step, token_ids)))
 
     def call(self, method: str, *args: Scalar, timeout_s: float | None = None) -> list[Scalar]:
         """Run ``method`` on every worker; their results in rank order."""

@@ -13,8 +13,9 @@ import torch
 
 from engine_core._workers import WorkerGroup
 from engine_core._workers.messages import Scalar
-from engine_core.abc import SchedulerOutput
+from engine_core.abc import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 from engine_core.config import EngineConfig
+from engine_core_cuda._model_runner import AsyncSampled
 from engine_core_cuda._options import CudaOptions
 from engine_core_cuda._tp.parallel import TensorParallel, init_distributed, share_cpu
 
@@ -23,6 +24,21 @@ __all__ = ["Coordinator", "rank_options"]
 logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "engine_core_cuda._tp.worker"
+
+
+class _Watched(AsyncModelRunnerOutput):
+    __slots__ = ("_handle", "_coordinator", "device_time_s")
+
+    def __init__(self, handle: AsyncSampled, coordinator: Coordinator) -> None:
+        self._handle = handle
+        self._coordinator = coordinator
+        self.device_time_s: float | None = None
+
+    def get_output(self) -> ModelRunnerOutput:
+        self._coordinator.wait_ready(self._handle)
+        output = self._handle.get_output()
+        self.device_time_s = self._handle.device_time_s
+        return output
 
 
 def rank_options(options: CudaOptions, rank: int) -> CudaOptions:
@@ -54,8 +70,9 @@ class Coordinator:
                     f"has {torch.cuda.device_count()} CUDA device(s)"
                 )
         self.parallel: TensorParallel | None = None
+        self.died = threading.Event()
+        """Set on the watcher thread when a worker dies (a pending step's handle then fails)."""
         self.workers = WorkerGroup(WORKER_MODULE, size, config, on_death=self._abort)
-        self.previous_sampled: list[list[int]] | None = None
         try:
             self.workers.wait_ready()
             share_cpu(device, size)
@@ -91,6 +108,7 @@ class Coordinator:
         self.workers.finish_call(self._loading)
 
     def _abort(self, rank: int) -> None:
+        self.died.set()
         if self.parallel is not None:
             self.parallel.abort()
 
@@ -104,14 +122,28 @@ class Coordinator:
         results.extend(self.workers.finish_call(seq))
 
     def step(self, scheduler_output: SchedulerOutput) -> None:
-        self.workers.step(scheduler_output, self.previous_sampled)
-        self.previous_sampled = None
+        self.workers.step(scheduler_output)
 
     def blame(self, exc: BaseException) -> None:
         """Re-raise a failed step as the death of the worker that caused it, if one died."""
         failure = self.workers.failure()
         if failure is not None:
             raise failure from exc
+
+    def watch(self, handle: AsyncSampled) -> AsyncModelRunnerOutput:
+        """A step's handle that fails when a worker dies before the step's results are ready
+        (a collective waiting for a dead peer would otherwise never end on the device)."""
+        return _Watched(handle, self)
+
+    def wait_ready(self, handle: AsyncSampled) -> None:
+        """Until ``handle``'s results are ready; ``WorkerDiedError`` if a worker dies first."""
+        delay = 20e-6
+        while not handle.ready():
+            if self.died.wait(delay):
+                failure = self.workers.failure()
+                assert failure is not None  # recorded before ``died`` is set
+                raise failure
+            delay = min(2 * delay, 1e-3)
 
     def close(self) -> None:
         self.workers.close()
