@@ -232,8 +232,22 @@ class WorkerGroup:
     # -- commands -------------------------------------------------------------------------------
 
     def _send(self, frame: bytes) -> None:
-        for push in self._pushes.values():
-            push.send(frame, copy=False)
+        """To every worker. A PUSH socket blocks once its worker's connection is gone (no
+        unlimited queue is left to take the frame): wait for room while watching for deaths
+        instead, so that a worker dying just before a send fails it rather than hanging it."""
+        for rank, push in self._pushes.items():
+            deadline = time.monotonic() + CLOSE_TIMEOUT_S
+            while True:
+                try:
+                    push.send(frame, zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    self._check_dead()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"tensor-parallel worker rank {rank} takes no messages"
+                        ) from None
+                    push.poll(_POLL_MS, zmq.POLLOUT)
 
     def step(self, scheduler_output: SchedulerOutput) -> None:
         """Broadcast one step (workers answer nothing; a failure surfaces at the next check)."""
@@ -262,11 +276,17 @@ class WorkerGroup:
         results = self._gather(lambda r: isinstance(r, Result) and r.seq == seq, timeout_s)
         return [r.value for r in results]
 
-    def close(self) -> None:
-        """Ask the workers to close, then end those that do not within a few seconds."""
+    def close(self, *, graceful: bool = True) -> None:
+        """Ask the workers to close, then end those that do not within a few seconds.
+        ``graceful=False`` kills them at once (e.g. they may wait in a collective that rank 0
+        will never join)."""
         if self._closing:
             return
-        if self._failure is None and getattr(self, "_pidfds", None):
+        if not graceful:
+            self._closing = True
+            for process in self.processes.values():
+                process.kill()
+        elif self._failure is None and getattr(self, "_pidfds", None):
             self._stopping = True
             try:
                 self.call("close", timeout_s=CLOSE_TIMEOUT_S)

@@ -197,11 +197,14 @@ class CudaBackend(Backend):
         """Under tensor parallelism the sampled ids are broadcast to the workers here."""
         try:
             with torch.inference_mode():
-                return self.runner.sample_tokens(grammar_bitmask)
+                output = self.runner.sample_tokens(grammar_bitmask)
         except Exception as exc:
             if self.tp is not None:
                 self.tp.blame(exc)
             raise
+        if self.tp is not None:
+            self.tp.sampled()
+        return output
 
     def sample_tokens_async(self, grammar_bitmask: Any | None) -> AsyncModelRunnerOutput:
         try:
@@ -211,7 +214,10 @@ class CudaBackend(Backend):
             if self.tp is not None:
                 self.tp.blame(exc)
             raise
-        return handle if self.tp is None else self.tp.watch(handle)
+        if self.tp is None:
+            return handle
+        self.tp.sampled()
+        return self.tp.watch(handle)
 
     # -- control --------------------------------------------------------------------------------
 

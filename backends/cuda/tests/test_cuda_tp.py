@@ -31,9 +31,9 @@ from engine_core._workers import WorkerDiedError
 from engine_core.abc import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.config import EngineConfig
 from engine_core.testing import (
+    BACKEND_CHECKS,
     BackendFactory,
     check_async_scheduling,
-    check_backend,
     check_logprobs,
     check_mixed_batch,
     check_preemption,
@@ -293,8 +293,8 @@ def test_tp2_greedy_tokens_equal_tp1(tiny: dict[str, TinyModel], kind: str) -> N
 # Each check starts a backend, hence a worker importing torch (~4 s on 2 loaded cores): the
 # checks that reach TP-specific paths (rows reused after preemption, prompt logprobs from
 # gathered logits, steps launched before the previous step's ids reached the host) run by
-# default, all of them under ``slow``; prefix hits and preemptions under both schedulings are
-# also in test_tp2_async_scheduling_gives_the_tokens_of_sync_and_of_tp1.
+# default, the rest of ``check_backend`` under ``slow``. Prefix hits and preemptions under both
+# schedulings are also in test_tp2_async_scheduling_gives_the_tokens_of_sync_and_of_tp1.
 TP_CHECKS = (check_mixed_batch, check_preemption, check_logprobs, check_async_scheduling)
 
 
@@ -313,8 +313,11 @@ def test_tp2_passes_the_backend_checks_on_its_paths(
 
 
 @pytest.mark.slow
-def test_tp2_passes_check_backend(tiny: dict[str, TinyModel]) -> None:
-    check_backend(CudaBackend, _tp_config(tiny))
+def test_tp2_passes_the_rest_of_check_backend(tiny: dict[str, TinyModel]) -> None:
+    """With the checks above, the whole of ``check_backend`` (async scheduling included)."""
+    for check in BACKEND_CHECKS:
+        if check not in TP_CHECKS:
+            check(CudaBackend, _tp_config(tiny))
 
 
 # -- async scheduling ------------------------------------------------------------------------
@@ -401,6 +404,24 @@ def test_a_pending_step_fails_when_a_worker_dies(tiny: dict[str, TinyModel]) -> 
         assert time.monotonic() - killed_at < 1.0
     finally:
         backend.close()
+
+
+def test_close_after_a_step_rank_0_did_not_finish_does_not_wait_for_the_workers(
+    tiny: dict[str, TinyModel],
+) -> None:
+    """A step that failed on rank 0 before its sampling leaves the workers waiting in its
+    broadcast: closing kills them rather than waiting for an answer they cannot give."""
+    backend = CudaBackend(_tp_config(tiny))
+    assert backend.tp is not None
+    process = backend.tp.workers.processes[1]
+    try:
+        backend.initialize_kv_cache(16)
+        backend.execute_model(_steps([[0, 1, 2, 3]], [[5, 6, 7]], 0)[0])
+    finally:
+        started = time.monotonic()
+        backend.close()
+    assert time.monotonic() - started < 2.0
+    assert process.returncode is not None
 
 
 def _worker_pids(parent: int) -> list[int]:

@@ -224,6 +224,22 @@ async def test_kill_9_of_rank_1_reaches_the_caller_as_engine_dead_within_a_secon
         assert "rank 1" in failed[0][1]
 
 
+def test_a_message_to_a_dead_worker_fails_instead_of_blocking() -> None:
+    """Once a worker's connection is gone its PUSH socket takes no frame: a send must notice the
+    death (the pending step's sampled ids are sent without a check first)."""
+    d = Driver(tensor_parallel_size=2)
+    workers = d.backend.workers
+    assert workers is not None
+    process = workers.processes[1]
+    process.kill()
+    process.wait()
+    with pytest.raises(WorkerDiedError, match=r"rank 1 was killed by signal 9"):
+        for step in range(1, 1_000_000):  # frames queue until the connection's end is seen
+            workers.sampled(step, [])
+            time.sleep(0.001)
+    d.backend.close()
+
+
 def test_a_worker_error_is_reported_and_fails_the_next_step() -> None:
     d = Driver(tensor_parallel_size=2)
     assert d.backend.workers is not None

@@ -73,6 +73,9 @@ class Coordinator:
         self.died = threading.Event()
         """Set on the watcher thread when a worker dies (a pending step's handle then fails)."""
         self.workers = WorkerGroup(WORKER_MODULE, size, config, on_death=self._abort)
+        self.mid_step = False
+        """A step was broadcast whose collectives rank 0 has not all joined (it failed before
+        sampling): the workers may wait in one forever, so closing kills them."""
         try:
             self.workers.wait_ready()
             share_cpu(device, size)
@@ -123,6 +126,11 @@ class Coordinator:
 
     def step(self, scheduler_output: SchedulerOutput) -> None:
         self.workers.step(scheduler_output)
+        self.mid_step = True
+
+    def sampled(self) -> None:
+        """Rank 0 joined the last step's collectives, its sampled ids' broadcast included."""
+        self.mid_step = False
 
     def blame(self, exc: BaseException) -> None:
         """Re-raise a failed step as the death of the worker that caused it, if one died."""
@@ -143,9 +151,9 @@ class Coordinator:
                 failure = self.workers.failure()
                 assert failure is not None  # recorded before ``died`` is set
                 raise failure
-            delay = min(2 * delay, 1e-3)
+            delay = min(2 * delay, 2e-4)
 
     def close(self) -> None:
-        self.workers.close()
+        self.workers.close(graceful=not self.mid_step)
         if self.parallel is not None:
             self.parallel.destroy()
