@@ -424,6 +424,38 @@ def test_close_after_a_step_rank_0_did_not_finish_does_not_wait_for_the_workers(
     assert process.returncode is not None
 
 
+def test_a_worker_dying_during_the_rendezvous_fails_startup_naming_it(
+    tiny: dict[str, TinyModel],
+) -> None:
+    """Rank 0 waits in the rendezvous for a worker killed meanwhile: startup fails at once with
+    the rank, not at the store's timeout."""
+    killed_at: list[float] = []
+
+    def kill_rank_1_once_the_store_exists() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                for pid in _worker_pids(os.getpid()):
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    if Path(argv[3].decode(), "store").exists():  # a rank is in the rendezvous
+                        os.kill(pid, signal.SIGKILL)
+                        killed_at.append(time.monotonic())
+                        return
+            except OSError:
+                pass  # a process ended while it was looked at
+            time.sleep(0.002)
+
+    killer = threading.Thread(target=kill_rank_1_once_the_store_exists)
+    killer.start()
+    try:
+        with pytest.raises(WorkerDiedError, match=r"rank 1 was killed by signal 9"):
+            CudaBackend(_tp_config(tiny))
+    finally:
+        killer.join()
+    assert killed_at and time.monotonic() - killed_at[0] < 1.0
+    assert not _worker_pids(os.getpid())
+
+
 def _worker_pids(parent: int) -> list[int]:
     pids = []
     for task in Path(f"/proc/{parent}/task").iterdir():
