@@ -175,6 +175,12 @@ class WorkerGroup:
         self._drain(0)
         self._check_dead()
 
+    def raise_failure(self) -> None:
+        """Raise the death or failure already recorded (by the watcher thread, or a report
+        read earlier), without polling: cheap enough for every step's results."""
+        if self._failure is not None:
+            self._check_dead()
+
     def failure(self) -> WorkerDiedError | None:
         """The first death or failure noticed (after waiting briefly for the watcher, so that a
         collective broken by a death is blamed on the dead rank)."""

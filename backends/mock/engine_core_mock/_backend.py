@@ -365,7 +365,7 @@ class MockBackend(Backend):
         self._wait(deadline, fault)
         workers = self.workers
         if workers is not None:
-            workers.check()
+            workers.raise_failure()
             workers.sampled(step, output.sampled_token_ids)
 
     def _sample(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:

@@ -224,6 +224,21 @@ async def test_kill_9_of_rank_1_reaches_the_caller_as_engine_dead_within_a_secon
         assert "rank 1" in failed[0][1]
 
 
+def test_a_step_in_flight_fails_when_a_worker_dies() -> None:
+    d = Driver(tensor_parallel_size=2, latency={"step_s": 0.001})
+    backend = d.backend
+    assert backend.workers is not None
+    backend.execute_model(SchedulerOutput([d.new("a", [1, 2, 3])], CachedRequestData(), 3))
+    handle = backend.sample_tokens_async(None)
+    process = backend.workers.processes[1]
+    process.kill()
+    process.wait()
+    assert backend.workers.failure() is not None  # the death is recorded
+    with pytest.raises(WorkerDiedError, match=r"rank 1 was killed by signal 9"):
+        handle.get_output()
+    backend.close()
+
+
 def test_a_message_to_a_dead_worker_fails_instead_of_blocking() -> None:
     """Once a worker's connection is gone its PUSH socket takes no frame: a send must notice the
     death (the pending step's sampled ids are sent without a check first)."""
