@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from engine_core._workers import WorkerGroup
+from engine_core._workers import WorkerDiedError, WorkerGroup
 from engine_core._workers.messages import Scalar
 from engine_core.abc import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 from engine_core.config import EngineConfig
@@ -72,6 +72,7 @@ class Coordinator:
         self.parallel: TensorParallel | None = None
         self.died = threading.Event()
         """Set on the watcher thread when a worker dies (a pending step's handle then fails)."""
+        self._dead_rank = 0
         self.workers = WorkerGroup(WORKER_MODULE, size, config, on_death=self._abort)
         self.mid_step = False
         """A step was broadcast whose collectives rank 0 has not all joined (it failed before
@@ -111,6 +112,7 @@ class Coordinator:
         self.workers.finish_call(self._loading)
 
     def _abort(self, rank: int) -> None:
+        self._dead_rank = rank
         self.died.set()
         if self.parallel is not None:
             self.parallel.abort()
@@ -148,9 +150,8 @@ class Coordinator:
         delay = 20e-6
         while not handle.ready():
             if self.died.wait(delay):
-                failure = self.workers.failure()
-                assert failure is not None  # recorded before ``died`` is set
-                raise failure
+                # Recorded before ``died`` is set, with the exit status or the worker's report.
+                raise self.workers.failure() or WorkerDiedError(self._dead_rank, "died")
             delay = min(2 * delay, 2e-4)
 
     def close(self) -> None:
