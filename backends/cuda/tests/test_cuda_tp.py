@@ -406,17 +406,45 @@ def test_a_pending_step_fails_when_a_worker_dies(tiny: dict[str, TinyModel]) -> 
         backend.close()
 
 
-def test_close_after_a_step_rank_0_did_not_finish_does_not_wait_for_the_workers(
+def _chunked(backend: CudaBackend) -> list[list[int]]:
+    """A partial prefill chunk alone (nothing sampled, so nothing broadcast), its last chunk,
+    then a decode step: the tokens sampled."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9]
+    steps = [
+        SchedulerOutput([NewRequestData("r", prompt, greedy, [0, 1, 2, 3], 0, 3)],
+                        CachedRequestData(), 3),
+        SchedulerOutput([], CachedRequestData(["r"], [None], [3], [2]), 2),
+        SchedulerOutput([], CachedRequestData(["r"], [None], [5], [1]), 1),
+    ]  # fmt: skip
+    sampled = []
+    for out in steps:
+        backend.execute_model(out)
+        sampled.append(backend.sample_tokens(None).sampled_token_ids[0])
+    return sampled
+
+
+def test_steps_that_sample_nothing_and_a_close_after_a_step_rank_0_did_not_finish(
     tiny: dict[str, TinyModel],
 ) -> None:
-    """A step that failed on rank 0 before its sampling leaves the workers waiting in its
-    broadcast: closing kills them rather than waiting for an answer they cannot give."""
+    """Every rank skips the broadcast of a step that samples nothing (the ranks would otherwise
+    pair different collectives). Then a step that fails on rank 0 before its sampling leaves the
+    workers waiting in its broadcast: closing kills them rather than waiting for an answer they
+    cannot give."""
+    single = CudaBackend(msgspec.structs.replace(_tp_config(tiny), tensor_parallel_size=1))
+    try:
+        single.initialize_kv_cache(16)
+        expected = _chunked(single)
+    finally:
+        single.close()
     backend = CudaBackend(_tp_config(tiny))
     assert backend.tp is not None
     process = backend.tp.workers.processes[1]
     try:
         backend.initialize_kv_cache(16)
-        backend.execute_model(_steps([[0, 1, 2, 3]], [[5, 6, 7]], 0)[0])
+        got = _chunked(backend)
+        assert got[0] == [] and got == expected
+        backend.execute_model(SchedulerOutput([], CachedRequestData(["r"], [None], [6], [1]), 1))
     finally:
         started = time.monotonic()
         backend.close()
