@@ -16,8 +16,11 @@ with ``async_scheduling`` off and on (several rounds, medians):
 - **engine busy**: the engine's own ``device_busy_s`` over the wall time, as a cross-check.
 - **tok/s**: output tokens per second.
 
+``--tensor-parallel-size N`` runs the mock's pretend tensor parallelism (N-1 worker processes
+that receive each step and its sampled ids), to see what the broadcast costs the overlap.
+
 Usage: ``python bench/bench_overlap.py [--rounds 3] [--tokens 128] [--cases 10x1,10x256,2x256]
-[--json PATH]``.
+[--tensor-parallel-size N] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -99,7 +102,10 @@ def run_case(
             engine_runtime=runtime,  # type: ignore[arg-type]
             max_num_seqs=256,
             async_scheduling=async_scheduling,
-            backend_options={"latency": {"step_s": step_s}},
+            backend_options={
+                "latency": {"step_s": step_s},
+                "tensor_parallel_size": args.tensor_parallel_size,
+            },
         ) as engine:
             await _round(engine, min(streams, 8), 8)  # warm up
             return [await _round(engine, streams, args.tokens) for _ in range(args.rounds)]
@@ -117,6 +123,7 @@ def main() -> None:
         default=",".join(f"{s * 1e3:g}x{n}" for s, n in CASES),
         help="step milliseconds x streams, comma-separated",
     )
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     cases = [
@@ -134,7 +141,7 @@ def main() -> None:
         )
     print(
         f"AsyncLLM, engine in its own process, {args.tokens} tokens per stream, DELTA; "
-        f"median of {args.rounds} rounds"
+        f"mock tensor_parallel_size={args.tensor_parallel_size}; median of {args.rounds} rounds"
     )
     header = (
         f"{'step':>5} {'streams':>7} {'runtime':<8} "

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Tensor parallelism's costs on the CPU: the per-step broadcast to the workers (the mock's
-pretend TP, whose steps otherwise cost microseconds) and a TP=2 vs TP=1 greedy run of a tiny
-Llama on two gloo ranks (one thread per process). Both configurations are timed in the same run, alternating, several
-rounds; medians are printed.
+pretend TP, whose steps otherwise cost microseconds) and greedy runs of a tiny Llama at TP=1 and
+on two gloo ranks (one thread per process), with async scheduling off and on. The
+configurations are timed in the same run, alternating, several rounds; medians are printed.
 
 Usage: ``python bench/bench_tp.py [--rounds 5] [--steps 400]``.
 """
@@ -52,18 +52,20 @@ def mock_step_us(tp: int, steps: int) -> float:
         backend.close()
 
 
-def greedy_s(model_dir: Path, tp: int) -> float:
+def greedy_s(model_dir: Path, tp: int, async_scheduling: bool) -> tuple[float, list[list[int]]]:
+    """Seconds for 8 prompts x 16 greedy tokens, and the tokens."""
     from engine_core import LLM, SamplingParams
 
     prompts = [f"the engine token block cache {i}" for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     with LLM(model=str(model_dir), backend="cuda", dtype="float32", max_model_len=256,
              num_kv_blocks=96, tensor_parallel_size=tp, multiprocess=False,
+             async_scheduling=async_scheduling,
              backend_options={"device": "cpu", "kernels": "torch"}) as llm:  # fmt: skip
         llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
         started = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - started
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - started, [list(o.outputs[0].token_ids) for o in outs]
 
 
 def main() -> int:
@@ -87,13 +89,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "llama"
         tiny_models.build("llama", model_dir)
-        cpu: dict[int, list[float]] = {1: [], 2: []}
+        configs = [(1, False), (2, False), (2, True)]
+        cpu: dict[tuple[int, bool], list[float]] = {c: [] for c in configs}
+        tokens: dict[tuple[int, bool], list[list[int]]] = {}
         for _ in range(max(1, args.rounds // 2)):
-            for tp in (1, 2):
-                cpu[tp].append(greedy_s(model_dir, tp))
-    c1, c2 = statistics.median(cpu[1]), statistics.median(cpu[2])
+            for tp, on in configs:
+                seconds, tokens[tp, on] = greedy_s(model_dir, tp, on)
+                cpu[tp, on].append(seconds)
+    c1, c2, c2a = (statistics.median(cpu[c]) for c in configs)
     print(f"tiny Llama fp32 greedy 8 x 16 tokens on the CPU: TP=1 {c1:.2f} s, TP=2 {c2:.2f} s "
-          f"({c2 / c1:.1f}x)")  # fmt: skip
+          f"({c2 / c1:.1f}x), TP=2 with async scheduling {c2a:.2f} s ({c2a / c2:.2f}x TP=2 sync; "
+          f"same tokens: {tokens[2, True] == tokens[2, False]})")  # fmt: skip
     return 0
 
 

@@ -34,7 +34,8 @@ with the reason. Rows already written before a crash are kept.
 - conformance: ``engine_core.testing.check_backend`` on the GPU;
 - tp: tensor parallelism's sharded path in bfloat16 with two ranks on the same device (gloo,
   since NCCL cannot put two ranks on one GPU): teacher-forced per-position logprobs of TP=2
-  against TP=1 within 0.05 (95th percentile; the maximum is printed), top-1 agreement >= 95%;
+  against TP=1 within 0.05 (95th percentile; the maximum is printed), top-1 agreement >= 95%,
+  and TP=2's greedy tokens with async scheduling equal to synchronous steps';
 - overlap: decode throughput of the 8B-shaped model through the engine core (real scheduler,
   CUDA graphs on) with async scheduling off and on, at each batch size (information only);
 - spec: speculative decoding (information only): the verify-cost curve, step time of the
@@ -758,9 +759,28 @@ def _teacher_forced(
         release(backend)
 
 
+def _tp_greedy(
+    model_dir: Path, device: str, sequences: dict[str, list[int]], options: dict[str, Any],
+    async_scheduling: bool,
+) -> list[list[int]]:  # fmt: skip
+    """Greedy tokens of TP=2 through the engine core, async scheduling off or on."""
+    from engine_core import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with LLM(model=str(model_dir), tokenizer="byte", backend="cuda", dtype="bfloat16",
+             max_model_len=256, num_kv_blocks=64, tensor_parallel_size=2, multiprocess=False,
+             async_scheduling=async_scheduling,
+             backend_options={"device": device, **options}) as llm:  # fmt: skip
+        prompts = [{"prompt_token_ids": t} for t in sequences.values()]
+        outs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[arg-type]
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def check_tp(table: Table, args: argparse.Namespace, root: Path) -> None:
     """TP=2 vs TP=1 in bf16 with both ranks on one device (gloo: NCCL refuses two ranks on one
-    GPU): teacher-forced per-position logprobs within 0.05 (p95), top-1 agreement >= 95%."""
+    GPU): teacher-forced per-position logprobs within 0.05 (p95), top-1 agreement >= 95%; and
+    TP=2's greedy tokens with async scheduling (the sampled ids broadcast on the device, the
+    step's handle watching for worker deaths) equal to synchronous steps'."""
     from engine_core_cuda._loader import checkpoint_tensors
     from safetensors.torch import save_file
 
@@ -796,6 +816,13 @@ def check_tp(table: Table, args: argparse.Namespace, root: Path) -> None:
         table.add(f"tp/{kind} bf16 TP=2 (gloo, one device) vs TP=1",
                   f"|dlogprob| p95 {p95:.4f} max {worst:.4f}, top-1 {agree}/{total}",
                   "p95<=0.05, >=95%", p95 <= 0.05 and agree >= 0.95 * total)  # fmt: skip
+        if kind == next(iter(TINY)):
+            gloo = {**kernels, "distributed_backend": "gloo"}
+            sync = _tp_greedy(model_dir, args.device, sequences, gloo, async_scheduling=False)
+            on = _tp_greedy(model_dir, args.device, sequences, gloo, async_scheduling=True)
+            same = sum(a == b for a, b in zip(sync, on, strict=True))
+            table.add(f"tp/{kind} bf16 TP=2 greedy: async scheduling vs sync",
+                      f"{same}/{len(sync)} sequences identical", "all", same == len(sync))  # fmt: skip
 
 
 # -- 3. conformance ---------------------------------------------------------------------------

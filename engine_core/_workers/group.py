@@ -19,7 +19,16 @@ import msgspec
 import zmq
 
 from engine_core._core.scheduler_output import SchedulerOutput
-from engine_core._workers.messages import REPORT_DECODER, Call, Failure, Ready, Result, Scalar, Step
+from engine_core._workers.messages import (
+    REPORT_DECODER,
+    Call,
+    Failure,
+    Ready,
+    Result,
+    Sampled,
+    Scalar,
+    Step,
+)
 from engine_core.config import EngineConfig
 
 __all__ = ["WorkerDiedError", "WorkerGroup", "describe_exit"]
@@ -166,6 +175,12 @@ class WorkerGroup:
         self._drain(0)
         self._check_dead()
 
+    def raise_failure(self) -> None:
+        """Raise the death or failure already recorded (by the watcher thread, or a report
+        read earlier), without polling: cheap enough for every step's results."""
+        if self._failure is not None:
+            self._check_dead()
+
     def failure(self) -> WorkerDiedError | None:
         """The first death or failure noticed (after waiting briefly for the watcher, so that a
         collective broken by a death is blamed on the dead rank)."""
@@ -223,16 +238,32 @@ class WorkerGroup:
     # -- commands -------------------------------------------------------------------------------
 
     def _send(self, frame: bytes) -> None:
-        for push in self._pushes.values():
-            push.send(frame, copy=False)
+        """To every worker. A PUSH socket blocks once its worker's connection is gone (no
+        unlimited queue is left to take the frame): wait for room while watching for deaths
+        instead, so that a worker dying just before a send fails it rather than hanging it."""
+        for rank, push in self._pushes.items():
+            deadline = time.monotonic() + CLOSE_TIMEOUT_S
+            while True:
+                try:
+                    push.send(frame, zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    self._check_dead()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"tensor-parallel worker rank {rank} takes no messages"
+                        ) from None
+                    push.poll(_POLL_MS, zmq.POLLOUT)
 
-    def step(
-        self, scheduler_output: SchedulerOutput, previous_sampled: list[list[int]] | None
-    ) -> None:
+    def step(self, scheduler_output: SchedulerOutput) -> None:
         """Broadcast one step (workers answer nothing; a failure surfaces at the next check)."""
         self._drain(0)
         self._check_dead()
-        self._send(msgspec.msgpack.encode(Step(scheduler_output, previous_sampled)))
+        self._send(msgspec.msgpack.encode(Step(scheduler_output)))
+
+    def sampled(self, step: int, token_ids: list[list[int]]) -> None:
+        """Send the ids sampled in ``step`` (the mock's model of a device broadcast)."""
+        self._send(msgspec.msgpack.encode(Sampled(step, token_ids)))
 
     def call(self, method: str, *args: Scalar, timeout_s: float | None = None) -> list[Scalar]:
         """Run ``method`` on every worker; their results in rank order."""
@@ -251,11 +282,17 @@ class WorkerGroup:
         results = self._gather(lambda r: isinstance(r, Result) and r.seq == seq, timeout_s)
         return [r.value for r in results]
 
-    def close(self) -> None:
-        """Ask the workers to close, then end those that do not within a few seconds."""
+    def close(self, *, graceful: bool = True) -> None:
+        """Ask the workers to close, then end those that do not within a few seconds.
+        ``graceful=False`` kills them at once (e.g. they may wait in a collective that rank 0
+        will never join)."""
         if self._closing:
             return
-        if self._failure is None and getattr(self, "_pidfds", None):
+        if not graceful:
+            self._closing = True
+            for process in self.processes.values():
+                process.kill()
+        elif self._failure is None and getattr(self, "_pidfds", None):
             self._stopping = True
             try:
                 self.call("close", timeout_s=CLOSE_TIMEOUT_S)

@@ -6,18 +6,36 @@ import msgspec
 
 from engine_core._core.scheduler_output import SchedulerOutput
 
-__all__ = ["COMMAND_DECODER", "REPORT_DECODER", "Call", "Failure", "Ready", "Result", "Step"]
+__all__ = [
+    "COMMAND_DECODER",
+    "REPORT_DECODER",
+    "Call",
+    "Failure",
+    "Ready",
+    "Result",
+    "Sampled",
+    "Step",
+]
 
 Scalar = int | float | str | bool | None
 
 
 class Step(msgspec.Struct, tag="step", array_like=True):
-    """One step: the scheduler's batch, and the ids rank 0 sampled in the previous step (one
-    list per request of the previous batch, in its order; None when the previous step sampled
-    nothing or there was none)."""
+    """One step: the scheduler's batch. The ids rank 0 samples do not ride here: under async
+    scheduling the next step is launched before they are known on the host. A real backend
+    broadcasts them device to device on the step's stream; the mock sends :class:`Sampled`."""
 
     scheduler_output: SchedulerOutput
-    previous_sampled: list[list[int]] | None = None
+
+
+class Sampled(msgspec.Struct, tag="sampled", array_like=True):
+    """The ids rank 0 sampled in step ``step`` (the count of steps broadcast so far, from 1):
+    one list per request of that step's batch, in its order. The mock's model of a device
+    broadcast: sent only once the step's results exist on its device timeline, so a worker
+    must hold back the next step until they arrive."""
+
+    step: int
+    token_ids: list[list[int]]
 
 
 class Call(msgspec.Struct, tag="call", array_like=True):
@@ -49,5 +67,5 @@ class Failure(msgspec.Struct, tag="failure", array_like=True):
     error: str
 
 
-COMMAND_DECODER = msgspec.msgpack.Decoder(Step | Call)
+COMMAND_DECODER = msgspec.msgpack.Decoder(Step | Sampled | Call)
 REPORT_DECODER = msgspec.msgpack.Decoder(Ready | Result | Failure)

@@ -14,8 +14,16 @@ from typing import NoReturn, Protocol
 import msgspec
 import zmq
 
-from engine_core._workers.messages import COMMAND_DECODER, Call, Failure, Ready, Result, Scalar
-from engine_core._workers.messages import Step as Step
+from engine_core._workers.messages import (
+    COMMAND_DECODER,
+    Call,
+    Failure,
+    Ready,
+    Result,
+    Sampled,
+    Scalar,
+    Step,
+)
 from engine_core.config import EngineConfig
 
 __all__ = ["PARENT_GONE_EXIT_CODE", "WorkerHandler", "serve"]
@@ -30,6 +38,10 @@ class WorkerHandler(Protocol):
     """What a backend runs in a worker process."""
 
     def step(self, step: Step) -> None: ...
+
+    def sampled(self, sampled: Sampled) -> None:
+        """The ids rank 0 sampled in a step, for a backend that sends them as a message."""
+        ...
 
     def call(self, method: str, args: list[Scalar]) -> Scalar:
         """Run a control call; raise ``ValueError`` for an unknown ``method``."""
@@ -92,8 +104,10 @@ def serve(make_handler: HandlerFactory) -> NoReturn:
                 reports.send(msgspec.msgpack.encode(Result(rank, seq, value)))
                 if command.method == "close":
                     break
-            else:
+            elif isinstance(command, Step):
                 handler.step(command)
+            else:
+                handler.sampled(command)
         except Exception as exc:  # noqa: BLE001 (reported to rank 0)
             fail(seq, exc)
     commands.close()

@@ -7,7 +7,8 @@ KV cache may take; :meth:`CudaBackend.initialize_kv_cache` allocates it and capt
 CUDA graphs.
 
 With ``tensor_parallel_size`` N > 1 this object is rank 0: it starts ranks 1..N-1 as worker
-processes (:mod:`engine_core_cuda._tp`), broadcasts each step to them, and only it samples.
+processes (:mod:`engine_core_cuda._tp`), broadcasts each step to them, and only it samples; the
+sampled ids reach the workers by a device broadcast, so async scheduling works as at TP=1.
 """
 
 from __future__ import annotations
@@ -84,10 +85,6 @@ class CudaBackend(Backend):
         if size > 1 and tp_rank == 0:
             self.tp = Coordinator(config, self.options)
             parallel = self.tp.parallel
-            # The workers take the previous step's sampled ids from rank 0's step message, on
-            # the host: a step launched before those ids reach the host would hand them stale
-            # inputs. Under tensor parallelism the engine schedules synchronously.
-            self.supports_async_scheduling = False
         elif size > 1:
             assert tp_directory is not None
             share_cpu(torch.device(self.options.device), size)
@@ -228,15 +225,30 @@ class CudaBackend(Backend):
             raise
 
     def sample_tokens(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
-        with torch.inference_mode():
-            output = self.runner.sample_tokens(grammar_bitmask)
+        """Under tensor parallelism the sampled ids are broadcast to the workers here."""
+        try:
+            with torch.inference_mode():
+                output = self.runner.sample_tokens(grammar_bitmask)
+        except Exception as exc:
+            if self.tp is not None:
+                self.tp.blame(exc)
+            raise
         if self.tp is not None:
-            self.tp.previous_sampled = output.sampled_token_ids
+            self.tp.sampled()
         return output
 
     def sample_tokens_async(self, grammar_bitmask: Any | None) -> AsyncModelRunnerOutput:
-        with torch.inference_mode():
-            return self.runner.sample_tokens_async(grammar_bitmask)
+        try:
+            with torch.inference_mode():
+                handle = self.runner.sample_tokens_async(grammar_bitmask)
+        except Exception as exc:
+            if self.tp is not None:
+                self.tp.blame(exc)
+            raise
+        if self.tp is None:
+            return handle
+        self.tp.sampled()
+        return self.tp.watch(handle)
 
     # -- control --------------------------------------------------------------------------------
 
@@ -282,7 +294,6 @@ class CudaBackend(Backend):
             return
         if self.tp is not None:
             self.tp.workers.call("sleep", level)
-            self.tp.previous_sampled = None
         runner = self.runner
         runner.drop_graphs()
         runner.drop_requests()

@@ -110,6 +110,10 @@ class AsyncSampled(AsyncModelRunnerOutput):
         """A handle whose results are already on the host."""
         return cls(output.req_ids, [], None, events, output)
 
+    def ready(self) -> bool:
+        """Whether ``get_output`` would return without waiting."""
+        return self._events is None or self._events[1].query()
+
     def get_output(self) -> ModelRunnerOutput:
         if self._events is not None:
             start, end = self._events
@@ -398,6 +402,8 @@ class ModelRunner:
             self.batch, picked, rows, positions, self._bitmask_rows(step, picks, bitmask)
         )
         tokens = sample(picked_logits, batch, self.ops.impl)
+        if self.parallel is not None:
+            self.parallel.broadcast(tokens)  # the other ranks' next input ids (receive_tokens)
         self.batch.record_sampled(rows, positions, tokens)
         return tokens
 
@@ -453,20 +459,21 @@ class ModelRunner:
 
     def skip_sampling(self) -> StepInputs | None:
         """End a step without sampling (ranks other than 0): the step, for
-        :meth:`record_tokens` once rank 0's sampled ids arrive."""
+        :meth:`receive_tokens`."""
         forward, self._forward = self._forward, None
         return forward.step if forward is not None else None
 
-    def record_tokens(self, step: StepInputs, sampled: list[list[int]]) -> None:
-        """Write the ids rank 0 sampled in ``step`` (one list per request of the step) into
-        the batch, as :meth:`sample_tokens` does on rank 0."""
+    def receive_tokens(self, step: StepInputs) -> None:
+        """Take the ids rank 0 sampled in ``step`` from its broadcast (issued in :meth:`_sample`
+        on rank 0, in the same order on every rank) and write them into the batch, as
+        :meth:`_sample` does on rank 0: the next step gathers its input ids from there."""
         picks = [i for i, s in enumerate(step.samples) if s]
         if not picks:
-            return
-        if len(sampled) != len(step.states) or any(len(sampled[i]) != 1 for i in picks):
-            raise RuntimeError("the sampled ids from rank 0 do not match the previous step")
+            return  # rank 0 sampled nothing, hence broadcast nothing
+        assert self.parallel is not None
+        tokens = torch.empty(len(picks), dtype=torch.int64, device=self.device)
+        self.parallel.broadcast(tokens)
         index = torch.tensor(picks, dtype=torch.int64).to(self.device)
-        tokens = torch.tensor([sampled[i][0] for i in picks], dtype=torch.int64).to(self.device)
         self.batch.record_sampled(step.seq_rows[index].long(), step.seq_lens[index].long(), tokens)
         for i in picks:
             step.states[i].num_tokens += 1

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -26,15 +27,16 @@ from tiny_models import TinyModel
 
 from engine_core import AsyncLLM, EngineDeadError, SamplingParams
 from engine_core._engine.core import resolve_async_scheduling
+from engine_core._workers import WorkerDiedError
 from engine_core.abc import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.config import EngineConfig
 from engine_core.testing import (
+    BACKEND_CHECKS,
     BackendFactory,
-    check_backend,
+    check_async_scheduling,
     check_logprobs,
     check_mixed_batch,
     check_preemption,
-    check_prefix_caching,
 )
 
 CPU = {"device": "cpu", "kernels": "torch"}
@@ -112,6 +114,18 @@ class _SimulatedParallel(TensorParallel):
         super().__init__(rank, size, "simulated")
         self.exchange = exchange
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        ex = self.exchange
+        if self.rank == 0:
+            ex.slots[0] = x.clone()
+        ex.barrier.wait()
+        if self.rank:
+            source = ex.slots[0]
+            assert source is not None
+            x.copy_(source)
+        ex.barrier.wait()
+        return x
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         ex = self.exchange
         ex.slots[self.rank] = x.clone()
@@ -156,12 +170,8 @@ def test_tp2_logits_equal_a_one_process_simulation_of_the_shards(
 
     backend = CudaBackend(config)
     try:
-        # Workers read the sampled ids from the host: no step may be launched before them.
-        assert backend.supports_async_scheduling is False
-        with pytest.raises(ValueError, match="async_scheduling=True but the CudaBackend"):
-            resolve_async_scheduling(
-                msgspec.structs.replace(config, async_scheduling=True), backend
-            )
+        # The workers take the sampled ids from a device broadcast: steps may be launched early.
+        assert resolve_async_scheduling(config, backend) is True
         backend.initialize_kv_cache(16)
         real: list[torch.Tensor] = []
         for out in outputs:
@@ -181,8 +191,9 @@ def test_tp2_logits_equal_a_one_process_simulation_of_the_shards(
 def _simulate(
     config: EngineConfig, model_dir: Path, size: int, outputs: list[SchedulerOutput]
 ) -> list[torch.Tensor]:
-    """Rank 0's logits of each step with the ranks as threads of this process (the others fed
-    rank 0's sampled ids, as the workers are); every rank's logits are checked equal."""
+    """Rank 0's logits of each step with the ranks as threads of this process (the others take
+    rank 0's sampled ids from its broadcast, as the workers do); every rank's logits are checked
+    equal."""
     options = parse_options(msgspec.structs.replace(config, tensor_parallel_size=1))
     full = load_model_config(model_dir)
     exchange = _Exchange(size)
@@ -193,26 +204,21 @@ def _simulate(
     for runner in runners:
         runner.allocate_kv_cache(16)
     logits: list[list[torch.Tensor]] = [[] for _ in range(size)]
-    sampled: list[list[list[int]]] = []
-    ready = [threading.Event() for _ in outputs]
 
     def run(rank: int) -> None:
         runner = runners[rank]
-        previous = None
         with torch.inference_mode():
-            for k, out in enumerate(outputs):
-                if rank and previous is not None:
-                    ready[k - 1].wait()
-                    runner.record_tokens(previous, sampled[k - 1])
+            for out in outputs:
                 runner.execute_model(out)
                 forward = runner._forward
                 assert forward is not None and forward.logits is not None
                 logits[rank].append(forward.logits.clone())
                 if rank == 0:
-                    sampled.append(runner.sample_tokens(None).sampled_token_ids)
-                    ready[k].set()
+                    runner.sample_tokens(None)
                 else:
-                    previous = runner.skip_sampling()
+                    step = runner.skip_sampling()
+                    assert step is not None
+                    runner.receive_tokens(step)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
     for t in threads:
@@ -285,9 +291,11 @@ def test_tp2_greedy_tokens_equal_tp1(tiny: dict[str, TinyModel], kind: str) -> N
 
 
 # Each check starts a backend, hence a worker importing torch (~4 s on 2 loaded cores): the
-# checks that reach TP-specific paths (rows reused after preemption, block ids shared by the
-# ranks, prompt logprobs from gathered logits) run by default, all of them under ``slow``.
-TP_CHECKS = (check_mixed_batch, check_preemption, check_prefix_caching, check_logprobs)
+# checks that reach TP-specific paths (rows reused after preemption, prompt logprobs from
+# gathered logits, steps launched before the previous step's ids reached the host) run by
+# default, the rest of ``check_backend`` under ``slow``. Prefix hits and preemptions under both
+# schedulings are also in test_tp2_async_scheduling_gives_the_tokens_of_sync_and_of_tp1.
+TP_CHECKS = (check_mixed_batch, check_preemption, check_logprobs, check_async_scheduling)
 
 
 def _tp_config(tiny: dict[str, TinyModel]) -> EngineConfig:
@@ -305,8 +313,175 @@ def test_tp2_passes_the_backend_checks_on_its_paths(
 
 
 @pytest.mark.slow
-def test_tp2_passes_check_backend(tiny: dict[str, TinyModel]) -> None:
-    check_backend(CudaBackend, _tp_config(tiny))
+def test_tp2_passes_the_rest_of_check_backend(tiny: dict[str, TinyModel]) -> None:
+    """With the checks above, the whole of ``check_backend`` (async scheduling included)."""
+    for check in BACKEND_CHECKS:
+        if check not in TP_CHECKS:
+            check(CudaBackend, _tp_config(tiny))
+
+
+# -- async scheduling ------------------------------------------------------------------------
+
+
+# Few blocks (preemption) and a small token budget (chunked prefill).
+SMALL = {
+    "block_size": 4, "num_kv_blocks": 32, "max_model_len": 128, "max_num_batched_tokens": 16,
+    "max_num_seqs": 4, "dtype": "float32",
+}  # fmt: skip
+
+
+def _outputs(outs: list[Any]) -> list[tuple[list[int], str, str | None]]:
+    return [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason)
+            for o in outs]  # fmt: skip
+
+
+def test_tp2_async_scheduling_gives_the_tokens_of_sync_and_of_tp1(
+    tiny: dict[str, TinyModel],
+) -> None:
+    """Chunked prefills, prefix hits, forced preemptions and stop strings (the front end aborts
+    those requests in the engine), with a step always in flight: the workers' input ids come
+    from rank 0's device broadcast, never from the host."""
+    model = tiny["llama"]
+    shared = PROMPTS[3]
+    prompts = [*PROMPTS[:6], shared + " again", shared + " and more"]
+    margins_params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with model.llm(**SMALL) as llm:
+        one = llm.generate(prompts, margins_params, use_tqdm=False)
+    stops = [
+        SamplingParams(
+            temperature=0.0, max_tokens=24, ignore_eos=True, stop=[o.outputs[0].text[8:11]]
+        )
+        for o in one
+    ]
+    results = {}
+    for async_scheduling in (False, True):
+        with model.llm(tensor_parallel_size=2, async_scheduling=async_scheduling, **SMALL) as llm:
+            core = llm._client.engine_core  # type: ignore[attr-defined]
+            assert core.async_scheduling is async_scheduling
+            plain = _outputs(llm.generate(prompts, params, use_tqdm=False))
+            stopped = _outputs(llm.generate(prompts, stops, use_tqdm=False))
+            stats = llm.get_stats()
+            assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+        results[async_scheduling] = (plain, stopped)
+    assert results[True] == results[False]
+    assert any(reason == "stop" for _, _, reason in results[True][1])
+    compared = 0
+    for out, (got, _, _) in zip(one, results[True][0], strict=True):
+        entries = out.outputs[0].logprobs
+        assert entries is not None
+        for position, (a, b) in enumerate(zip(out.outputs[0].token_ids, got, strict=True)):
+            top = sorted((lp.logprob for lp in entries[position].values()), reverse=True)
+            if top[0] - top[1] < 1e-4:
+                break  # a near-tie: the sequences may part here
+            assert a == b, position
+            compared += 1
+    assert compared >= 0.9 * len(prompts) * 24
+
+
+class _NeverReady:
+    """A step's handle whose device work never completes (a collective waiting for a peer)."""
+
+    device_time_s = None
+
+    def ready(self) -> bool:
+        return False
+
+    def get_output(self) -> object:
+        raise AssertionError("a handle whose step never completed returned its output")
+
+
+def test_a_pending_step_fails_when_a_worker_dies(tiny: dict[str, TinyModel]) -> None:
+    backend = CudaBackend(_tp_config(tiny))
+    try:
+        assert backend.tp is not None
+        handle = backend.tp.watch(_NeverReady())  # type: ignore[arg-type]
+        process = backend.tp.workers.processes[1]
+        killed_at = time.monotonic()
+        process.kill()
+        with pytest.raises(WorkerDiedError, match=r"rank 1 was killed by signal 9"):
+            handle.get_output()
+        assert time.monotonic() - killed_at < 1.0
+    finally:
+        backend.close()
+
+
+def _chunked(backend: CudaBackend) -> list[list[int]]:
+    """A partial prefill chunk alone (nothing sampled, so nothing broadcast), its last chunk,
+    then a decode step: the tokens sampled."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9]
+    steps = [
+        SchedulerOutput([NewRequestData("r", prompt, greedy, [0, 1, 2, 3], 0, 3)],
+                        CachedRequestData(), 3),
+        SchedulerOutput([], CachedRequestData(["r"], [None], [3], [2]), 2),
+        SchedulerOutput([], CachedRequestData(["r"], [None], [5], [1]), 1),
+    ]  # fmt: skip
+    sampled = []
+    for out in steps:
+        backend.execute_model(out)
+        sampled.append(backend.sample_tokens(None).sampled_token_ids[0])
+    return sampled
+
+
+def test_steps_that_sample_nothing_and_a_close_after_a_step_rank_0_did_not_finish(
+    tiny: dict[str, TinyModel],
+) -> None:
+    """Every rank skips the broadcast of a step that samples nothing (the ranks would otherwise
+    pair different collectives). Then a step that fails on rank 0 before its sampling leaves the
+    workers waiting in its broadcast: closing kills them rather than waiting for an answer they
+    cannot give."""
+    single = CudaBackend(msgspec.structs.replace(_tp_config(tiny), tensor_parallel_size=1))
+    try:
+        single.initialize_kv_cache(16)
+        expected = _chunked(single)
+    finally:
+        single.close()
+    backend = CudaBackend(_tp_config(tiny))
+    assert backend.tp is not None
+    process = backend.tp.workers.processes[1]
+    try:
+        backend.initialize_kv_cache(16)
+        got = _chunked(backend)
+        assert got[0] == [] and got == expected
+        backend.execute_model(SchedulerOutput([], CachedRequestData(["r"], [None], [6], [1]), 1))
+    finally:
+        started = time.monotonic()
+        backend.close()
+    assert time.monotonic() - started < 2.0
+    assert process.returncode is not None
+
+
+def test_a_worker_dying_during_the_rendezvous_fails_startup_naming_it(
+    tiny: dict[str, TinyModel],
+) -> None:
+    """Rank 0 waits in the rendezvous for a worker killed meanwhile: startup fails at once with
+    the rank, not at the store's timeout."""
+    killed_at: list[float] = []
+
+    def kill_rank_1_once_the_store_exists() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                for pid in _worker_pids(os.getpid()):
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    if Path(argv[3].decode(), "store").exists():  # a rank is in the rendezvous
+                        os.kill(pid, signal.SIGKILL)
+                        killed_at.append(time.monotonic())
+                        return
+            except OSError:
+                pass  # a process ended while it was looked at
+            time.sleep(0.002)
+
+    killer = threading.Thread(target=kill_rank_1_once_the_store_exists)
+    killer.start()
+    try:
+        with pytest.raises(WorkerDiedError, match=r"rank 1 was killed by signal 9"):
+            CudaBackend(_tp_config(tiny))
+    finally:
+        killer.join()
+    assert killed_at and time.monotonic() - killed_at[0] < 1.0
+    assert not _worker_pids(os.getpid())
 
 
 def _worker_pids(parent: int) -> list[int]:
@@ -333,7 +508,7 @@ async def test_kill_9_of_rank_1_is_an_engine_death_naming_it_within_a_second(
 ) -> None:
     engine = AsyncLLM(
         model=str(tiny["llama"].path), backend="cuda", backend_options=CPU, max_model_len=256,
-        num_kv_blocks=96, tensor_parallel_size=2,
+        num_kv_blocks=96, tensor_parallel_size=2, async_scheduling=True,
     )  # fmt: skip
     async with engine:
         outs: list[object] = []

@@ -18,6 +18,7 @@ one runs keeps the modelled device busy, and timer overshoot never accumulates.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 import time
@@ -55,24 +56,20 @@ FAULT_EXIT_CODE = 13
 class _MockHandle(AsyncModelRunnerOutput):
     """A launched mock step: its results, known at launch, are released at its deadline."""
 
-    __slots__ = ("_output", "_deadline", "_fault", "_wait", "device_time_s")
+    __slots__ = ("_output", "_release", "device_time_s")
 
     def __init__(
         self,
         output: ModelRunnerOutput,
-        deadline: float | None,
-        fault: Fault | None,
-        wait: Callable[[float | None, Fault | None], None],
+        release: Callable[[ModelRunnerOutput], None],
         device_time_s: float,
     ) -> None:
         self.device_time_s = device_time_s
         self._output = output
-        self._deadline = deadline
-        self._fault = fault
-        self._wait = wait
+        self._release = release
 
     def get_output(self) -> ModelRunnerOutput:
-        self._wait(self._deadline, self._fault)
+        self._release(self._output)
         return self._output
 
 
@@ -137,11 +134,7 @@ class MockBackend(Backend):
         self._rank_memory = options.rank_memory_bytes
         self.workers: WorkerGroup | None = None
         """The pretend tensor-parallel workers (ranks 1..N-1), when N > 1."""
-        self._previous_sampled: list[list[int]] | None = None
         if self.tensor_parallel_size > 1:
-            # As the CUDA backend's tensor parallelism: the workers take the sampled ids from
-            # the step message on the host, so the engine schedules synchronously.
-            self.supports_async_scheduling = False
             self.workers = WorkerGroup(
                 "engine_core_mock._worker", self.tensor_parallel_size, config
             )
@@ -231,8 +224,7 @@ class MockBackend(Backend):
             raise RuntimeError("execute_model called twice without sample_tokens in between")
         self.num_steps += 1
         if self.workers is not None:
-            self.workers.step(scheduler_output, self._previous_sampled)
-            self._previous_sampled = None
+            self.workers.step(scheduler_output)
         fault = self.fault
         self._step_fault = fault if fault is not None and self.num_steps == fault.at_step else None
         for req_id in scheduler_output.finished_req_ids:
@@ -388,19 +380,28 @@ class MockBackend(Backend):
 
     def sample_tokens(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
         output = self._sample(grammar_bitmask)
-        self._wait(self._deadline, self._step_fault)
+        self._release(self._deadline, self._step_fault, self.num_steps, output)
         return output
 
     def sample_tokens_async(self, grammar_bitmask: Any | None) -> AsyncModelRunnerOutput:
         """The tokens are drawn at once (the mock's sampling is host work) and released at the
         step's deadline on the device timeline."""
-        return _MockHandle(
-            self._sample(grammar_bitmask),
-            self._deadline,
-            self._step_fault,
-            self._wait,
-            self._duration,
-        )
+        output = self._sample(grammar_bitmask)
+        release = functools.partial(self._release, self._deadline, self._step_fault, self.num_steps)
+        return _MockHandle(output, release, self._duration)
+
+    def _release(
+        self, deadline: float | None, fault: Fault | None, step: int, output: ModelRunnerOutput
+    ) -> None:
+        """Wait for a step's end on the device timeline (then its fault fires, if it has one).
+        Under pretend tensor parallelism the workers get its sampled ids only now, as from a
+        device broadcast at the end of the step: a worker that ran the next step without
+        them would fail its checks. A worker that died meanwhile fails the step."""
+        self._wait(deadline, fault)
+        workers = self.workers
+        if workers is not None:
+            workers.raise_failure()
+            workers.sampled(step, output.sampled_token_ids)
 
     def _sample(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
         batch = self._batch
@@ -453,8 +454,6 @@ class MockBackend(Backend):
                 logprobs[index] = [
                     synthetic_logprobs(token, centre, state.num_logprobs, vocab_size)
                 ]
-        if self.workers is not None:
-            self._previous_sampled = sampled
         drafts = (
             self._spec.propose(batch, sampled, self._num_draft_tokens, self._draft_req_ids)
             if self._num_draft_tokens

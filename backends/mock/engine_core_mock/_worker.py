@@ -1,14 +1,20 @@
 """The mock's pretend tensor-parallel worker (``backend_options["tensor_parallel_size"]``): it
 receives rank 0's broadcast and models the step — it keeps each request's token count and
-computed tokens from the scheduler's diffs and the sampled ids rank 0 forwards, checks them as a
+computed tokens from the scheduler's diffs and the sampled ids rank 0 sends, checks them as a
 real rank would need them, and waits the latency model's step time — so spawning, the broadcast,
-KV sizing and worker deaths are exercised without torch. Run as ``python -m`` by the backend."""
+KV sizing and worker deaths are exercised without torch. Run as ``python -m`` by the backend.
+
+The sampled ids of step n arrive as a :class:`~engine_core._workers.Sampled` message that rank 0
+sends only once step n's results exist on its device timeline (as a device broadcast completes
+at the end of the step's stream work). Under async scheduling step n+1 is broadcast before that:
+the worker holds it back until step n's ids arrive, as a real rank's stream orders step n+1's
+input preparation after the broadcast. A step run on stale ids fails the worker's checks."""
 
 from __future__ import annotations
 
 import time
 
-from engine_core._workers import Step, serve
+from engine_core._workers import Sampled, Step, serve
 from engine_core._workers.messages import Scalar
 from engine_core.config import EngineConfig
 from engine_core_mock._options import parse_options
@@ -27,16 +33,38 @@ class MockWorker:
         self.tokens: dict[str, int] = {}
         """Request -> tokens known (prompt + outputs)."""
         self.computed: dict[str, int] = {}
-        self._previous: list[str] = []
+        self.unsampled: list[str] | None = None
+        """The requests of the last step run, until its sampled ids arrive."""
+        self.held: list[Step] = []
+        """Steps received before the sampled ids of the step before them."""
+        self.num_held = 0
+        """Steps that had to wait for those ids (async scheduling launches them early)."""
 
     def step(self, step: Step) -> None:
         if self.num_blocks == 0 or self.sleeping:
             raise RuntimeError("a step reached the worker before initialize_kv_cache or asleep")
+        if self.unsampled is not None or self.held:
+            self.held.append(step)  # its inputs include the previous step's sampled ids
+            self.num_held += 1
+            return
+        self._run(step)
+
+    def sampled(self, sampled: Sampled) -> None:
+        if self.unsampled is None or sampled.step != self.num_steps:
+            awaited = self.num_steps if self.unsampled is not None else None
+            raise RuntimeError(
+                f"the sampled ids of step {sampled.step} arrived; the worker awaits those of "
+                f"step {awaited}"
+            )
+        for req_id, ids in zip(self.unsampled, sampled.token_ids, strict=True):
+            if req_id in self.tokens:
+                self.tokens[req_id] += len(ids)
+        self.unsampled = None
+        if self.held:
+            self._run(self.held.pop(0))
+
+    def _run(self, step: Step) -> None:
         self.num_steps += 1
-        if step.previous_sampled is not None:
-            for req_id, ids in zip(self._previous, step.previous_sampled, strict=True):
-                if req_id in self.tokens:
-                    self.tokens[req_id] += len(ids)
         out = step.scheduler_output
         for req_id in [*out.finished_req_ids, *out.preempted_req_ids]:
             self.tokens.pop(req_id, None)
@@ -57,7 +85,7 @@ class MockWorker:
             self.tokens[new.req_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
             self._schedule(new.req_id, new.num_computed_tokens, new.num_scheduled_tokens)
             context += new.num_computed_tokens + new.num_scheduled_tokens
-        self._previous = out.req_ids
+        self.unsampled = out.req_ids
         latency = self.options.latency
         if latency is not None:
             time.sleep(latency.duration(out.total_num_scheduled_tokens, context))
@@ -92,6 +120,8 @@ class MockWorker:
             return len(self.computed)
         if method == "num_steps":
             return self.num_steps
+        if method == "num_held":
+            return self.num_held
         raise ValueError(f"unknown worker call {method!r}")
 
 

@@ -11,10 +11,11 @@ from contextlib import contextmanager
 
 import torch
 
-from engine_core._workers import WorkerGroup
+from engine_core._workers import WorkerDiedError, WorkerGroup
 from engine_core._workers.messages import Scalar
-from engine_core.abc import SchedulerOutput
+from engine_core.abc import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 from engine_core.config import EngineConfig
+from engine_core_cuda._model_runner import AsyncSampled
 from engine_core_cuda._options import CudaOptions
 from engine_core_cuda._tp.parallel import TensorParallel, init_distributed, share_cpu
 
@@ -23,6 +24,21 @@ __all__ = ["Coordinator", "rank_options"]
 logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "engine_core_cuda._tp.worker"
+
+
+class _Watched(AsyncModelRunnerOutput):
+    __slots__ = ("_handle", "_coordinator", "device_time_s")
+
+    def __init__(self, handle: AsyncSampled, coordinator: Coordinator) -> None:
+        self._handle = handle
+        self._coordinator = coordinator
+        self.device_time_s: float | None = None
+
+    def get_output(self) -> ModelRunnerOutput:
+        self._coordinator.wait_ready(self._handle)
+        output = self._handle.get_output()
+        self.device_time_s = self._handle.device_time_s
+        return output
 
 
 def rank_options(options: CudaOptions, rank: int) -> CudaOptions:
@@ -54,8 +70,13 @@ class Coordinator:
                     f"has {torch.cuda.device_count()} CUDA device(s)"
                 )
         self.parallel: TensorParallel | None = None
+        self.died = threading.Event()
+        """Set on the watcher thread when a worker dies (a pending step's handle then fails)."""
+        self._dead_rank = 0
         self.workers = WorkerGroup(WORKER_MODULE, size, config, on_death=self._abort)
-        self.previous_sampled: list[list[int]] | None = None
+        self.mid_step = False
+        """A step was broadcast whose collectives rank 0 has not all joined (it failed before
+        sampling): the workers may wait in one forever, so closing kills them."""
         try:
             self.workers.wait_ready()
             share_cpu(device, size)
@@ -91,6 +112,8 @@ class Coordinator:
         self.workers.finish_call(self._loading)
 
     def _abort(self, rank: int) -> None:
+        self._dead_rank = rank
+        self.died.set()
         if self.parallel is not None:
             self.parallel.abort()
 
@@ -104,8 +127,12 @@ class Coordinator:
         results.extend(self.workers.finish_call(seq))
 
     def step(self, scheduler_output: SchedulerOutput) -> None:
-        self.workers.step(scheduler_output, self.previous_sampled)
-        self.previous_sampled = None
+        self.workers.step(scheduler_output)
+        self.mid_step = True
+
+    def sampled(self) -> None:
+        """Rank 0 joined the last step's collectives, its sampled ids' broadcast included."""
+        self.mid_step = False
 
     def blame(self, exc: BaseException) -> None:
         """Re-raise a failed step as the death of the worker that caused it, if one died."""
@@ -113,7 +140,21 @@ class Coordinator:
         if failure is not None:
             raise failure from exc
 
+    def watch(self, handle: AsyncSampled) -> AsyncModelRunnerOutput:
+        """A step's handle that fails when a worker dies before the step's results are ready
+        (a collective waiting for a dead peer would otherwise never end on the device)."""
+        return _Watched(handle, self)
+
+    def wait_ready(self, handle: AsyncSampled) -> None:
+        """Until ``handle``'s results are ready; ``WorkerDiedError`` if a worker dies first."""
+        delay = 20e-6
+        while not handle.ready():
+            if self.died.wait(delay):
+                # Recorded before ``died`` is set, with the exit status or the worker's report.
+                raise self.workers.failure() or WorkerDiedError(self._dead_rank, "died")
+            delay = min(2 * delay, 2e-4)
+
     def close(self) -> None:
-        self.workers.close()
+        self.workers.close(graceful=not self.mid_step)
         if self.parallel is not None:
             self.parallel.destroy()

@@ -21,8 +21,8 @@ STARTUP_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 class TensorParallel:
-    """One rank's view of the group: its rank, the size, and the two collectives the sharded
-    model needs."""
+    """One rank's view of the group: its rank, the size, the two collectives the sharded model
+    needs, and the broadcast of rank 0's sampled ids."""
 
     def __init__(self, rank: int, size: int, backend: str) -> None:
         self.rank = rank
@@ -32,6 +32,12 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns it."""
         dist.all_reduce(x)
+        return x
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank, in place (on the current stream with NCCL: the ranks'
+        later work on the stream sees it without a host synchronization); returns it."""
+        dist.broadcast(x, src=0)
         return x
 
     def gather_columns(self, local: torch.Tensor, total: int) -> torch.Tensor:

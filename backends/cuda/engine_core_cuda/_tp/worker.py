@@ -1,18 +1,20 @@
 """A tensor-parallel worker (ranks 1..N-1), run as ``python -m engine_core_cuda._tp.worker`` by
 rank 0's :class:`~engine_core._workers.WorkerGroup`. It holds a
 :class:`~engine_core_cuda.CudaBackend` for its rank, runs every step rank 0 broadcasts (the same
-forward pass, joining the collectives) and never samples: the ids rank 0 sampled arrive with the
-next step, as that step's input tokens."""
+forward pass, joining the collectives) and never samples: right after its forward pass it joins
+rank 0's broadcast of the step's sampled ids, device to device on the step's stream, and writes
+them into its persistent rows, where the next step gathers its input ids (as at TP=1). So the
+host never needs them: under async scheduling step n+1 is launched before step n's ids reach
+rank 0's host, and each rank's stream orders the broadcast before step n+1's inputs."""
 
 from __future__ import annotations
 
 import torch
 
-from engine_core._workers import Step, serve
+from engine_core._workers import Sampled, Step, serve
 from engine_core._workers.messages import Scalar
 from engine_core.config import EngineConfig
 from engine_core_cuda._backend import CudaBackend
-from engine_core_cuda._step_inputs import StepInputs
 
 __all__ = ["CudaWorker"]
 
@@ -23,7 +25,6 @@ class CudaWorker:
         self.rank = rank
         self.directory = directory
         self.backend: CudaBackend | None = None
-        self._previous: StepInputs | None = None
 
     def _backend(self) -> CudaBackend:
         if self.backend is None:
@@ -33,12 +34,14 @@ class CudaWorker:
     def step(self, step: Step) -> None:
         backend = self._backend()
         runner = backend.runner
-        if step.previous_sampled is not None and self._previous is not None:
-            with torch.inference_mode():
-                runner.record_tokens(self._previous, step.previous_sampled)
-        self._previous = None
         backend.execute_model(step.scheduler_output)
-        self._previous = runner.skip_sampling()
+        inputs = runner.skip_sampling()
+        if inputs is not None:
+            with torch.inference_mode():
+                runner.receive_tokens(inputs)
+
+    def sampled(self, sampled: Sampled) -> None:
+        raise RuntimeError("the CUDA workers receive the sampled ids by broadcast, not by message")
 
     def call(self, method: str, args: list[Scalar]) -> Scalar:
         if method == "load":
@@ -53,7 +56,6 @@ class CudaWorker:
         elif method == "profile":
             backend.profile("start" if args[0] == "start" else "stop")
         elif method == "sleep":
-            self._previous = None
             backend.sleep(int(args[0]) if isinstance(args[0], int) else 1)
         elif method == "wake_up":
             backend.wake_up()
