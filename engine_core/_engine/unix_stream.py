@@ -4,8 +4,9 @@ engine-core process.
 Each frame goes as a 4-byte little-endian length and the bytes. A pipe has one direction: a
 :class:`StreamReceiver` listens on a path and takes the first connection, a
 :class:`StreamSender` connects to it. Both sockets are non-blocking; an event loop waits on a
-descriptor with :func:`anyio.wait_readable` / :func:`anyio.wait_writable` (asyncio, uvloop and
-trio alike), and only after the non-blocking call found nothing to read or no room. One
+descriptor (asyncio, uvloop and trio alike: see ``fd_wait`` for the receiver, which keeps its
+descriptor registered with an asyncio loop between waits; :func:`anyio.wait_writable` for the
+sender), and only after the non-blocking call found nothing to read or no room. One
 message costs a ``send`` and a ``recv`` and no thread hop, where ZMQ hands every message to its
 I/O thread on each side.
 
@@ -35,6 +36,8 @@ import threading
 
 import anyio
 import anyio.lowlevel
+
+from engine_core._engine.fd_wait import ReadableWaiter
 
 __all__ = ["MAX_FRAME", "StreamReceiver", "StreamSender", "unix_path"]
 
@@ -66,6 +69,7 @@ class StreamReceiver:
         self._listener: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._conn: socket.socket | None = None
         self._epoll = select.epoll()
+        self._readable = ReadableWaiter(self._epoll.fileno())
         self._wake_r, self._wake_w = os.pipe()
         try:
             self._listener.bind(unix_path(address))
@@ -234,7 +238,7 @@ class StreamReceiver:
             frame = self.recv_nowait()
             if frame is not None:
                 return frame
-            await anyio.wait_readable(self._epoll.fileno())
+            await self._readable.wait()
 
     def poll(self, timeout_s: float | None) -> bool:
         """Whether something may be read within ``timeout_s`` (None: no limit), waiting here."""
@@ -250,6 +254,7 @@ class StreamReceiver:
             self._closed = True
             os.close(self._wake_r)
             os.close(self._wake_w)
+        self._readable.close()
         for sock in (self._listener, self._conn):
             if sock is not None:
                 sock.close()
