@@ -49,20 +49,32 @@ logger = logging.getLogger(__name__)
 
 class _LoopReaders:
     """The readers of one event loop: the task that reads holds ``lock``; the others wait for
-    ``sorted``, set (and renewed) after each message the reader sorts."""
+    ``sorted``, set (and renewed) after each message the reader sorts while one waits."""
 
-    __slots__ = ("lock", "sorted")
+    __slots__ = ("lock", "num_waiting", "sorted")
 
     def __init__(self) -> None:
         # fast_acquire: taking the lock when nobody holds it must not yield, or the output
         # handler would hand the event loop over after every message and never batch outputs.
         self.lock = anyio.Lock(fast_acquire=True)
         self.sorted = anyio.Event()
+        self.num_waiting = 0
+        """Tasks waiting for ``sorted``: with none (the usual case, the output handler alone
+        reads), a sorted message renews nothing."""
+
+    async def wait_sorted(self) -> None:
+        """Until the reader sorted a message (or gave up)."""
+        self.num_waiting += 1
+        try:
+            await self.sorted.wait()
+        finally:
+            self.num_waiting -= 1
 
     def announce(self) -> None:
         """Wake the waiting readers: a message was sorted (or the reader gave up)."""
-        self.sorted.set()
-        self.sorted = anyio.Event()
+        if self.num_waiting:
+            self.sorted.set()
+            self.sorted = anyio.Event()
 
 
 _SILENCE_FRAME = msgspec.msgpack.encode(Silence())
@@ -263,7 +275,7 @@ class EngineInbox:
         readers = self._readers()
         while not done() and not self.gone:
             if readers.lock.locked():  # another task reads: wait for it to sort a message
-                await readers.sorted.wait()
+                await readers.wait_sorted()
                 continue
             try:
                 async with readers.lock:
