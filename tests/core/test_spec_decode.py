@@ -329,6 +329,20 @@ def test_a_probe_asks_a_backend_drafter_and_reserves_its_lookahead() -> None:
     assert spec.stats.num_draft_tokens == 0
 
 
+def test_a_drafters_drafts_are_used_only_where_they_continue_the_sequence() -> None:
+    scheduler = make_scheduler(k=3, method="scripted")
+    request = add(scheduler, "r", COPY[:15])
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, ModelRunnerOutput(["r"], [[15]], draft_token_ids=[[16] * 4]))
+    # The token after 15 arrives without those drafts being verified (say the step verified
+    # none): they continue a shorter sequence, and are not verified later.
+    request.all_token_ids.append(16)
+    request.num_computed_tokens += 1
+    out = scheduler.schedule()
+    assert not out.cached.spec_token_ids
+    assert out.cached.num_scheduled_tokens == [1]
+
+
 def test_only_verified_tokens_enter_the_prefix_cache() -> None:
     scheduler = make_scheduler(k=3)
     request = add(scheduler, "r", COPY[:14])
