@@ -270,9 +270,12 @@ PROMPTS = st.lists(
 
 
 def summary(outputs: list[Any]) -> list[Any]:
+    # NOTE: whether a request failed, not its message: with n > 1 the message is that of the
+    # child that failed last, and speculation changes which child ends first (each child's
+    # tokens and finish reason are compared).
     return [
         (
-            o.error,
+            o.error is None,
             o.prompt_logprobs,
             [(c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs],
         )
