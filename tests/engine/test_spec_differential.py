@@ -26,6 +26,9 @@ from engine_core.config import EngineConfig, SpeculativeConfig
 from engine_core.sampling_params import StructuredOutputsParams
 
 EOS = 257
+LATENCY = {"latency": {"step_s": 1e-4, "per_token_s": 1e-6}}
+"""A step cost the mock reports to the dynamic policy (which otherwise fits one to measured
+step times, and so would decide differently from run to run)."""
 _BASE: dict[str, Any] = {
     "backend": "mock",
     "tokenizer": "byte",
@@ -148,7 +151,7 @@ def drive(config: EngineConfig) -> Result:
 def _config(engine: str, spec: dict[str, Any] | None, options: dict[str, Any]) -> EngineConfig:
     return EngineConfig(
         **{**_BASE, **ENGINES[engine]},
-        backend_options=options,
+        backend_options={**options, **LATENCY},
         async_scheduling=False,
         speculative_config=None if spec is None else SpeculativeConfig(**spec),
     )
@@ -221,7 +224,11 @@ def llms() -> Iterator[tuple[LLM, LLM, LLM]]:
     spec_mock = SpeculativeConfig(method="mock", num_speculative_tokens=3)
     spec_ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3, dynamic=False)
     # Outputs copy from their prompts half the time: the n-gram proposer finds matches.
-    options = {"spec": {"acceptance_rate": 0.8}, "copy_prompt": {"fraction": 0.5, "period": 8}}
+    options = {
+        "spec": {"acceptance_rate": 0.8},
+        "copy_prompt": {"fraction": 0.5, "period": 8},
+        **LATENCY,
+    }
     with (
         LLM(**_LLM_ENGINE, backend_options=options, async_scheduling=False) as off,
         LLM(**_LLM_ENGINE, backend_options=options, speculative_config=spec_mock) as mock,
@@ -263,9 +270,12 @@ PROMPTS = st.lists(
 
 
 def summary(outputs: list[Any]) -> list[Any]:
+    # NOTE: whether a request failed, not its message: with n > 1 the message is that of the
+    # child that failed last, and speculation changes which child ends first (each child's
+    # tokens and finish reason are compared).
     return [
         (
-            o.error,
+            o.error is None,
             o.prompt_logprobs,
             [(c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs],
         )

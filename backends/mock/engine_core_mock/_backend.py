@@ -420,6 +420,9 @@ class MockBackend(Backend):
         for index, state in enumerate(batch):
             tokens = state.tokens
             if state.drafts:
+                # Drafts may follow the last prompt token, computed in this same step.
+                if state.num_prompt_logprobs is not None:
+                    prompt_logprobs = self._add_prompt_logprobs(state, prompt_logprobs)
                 assert self._blocks is not None
                 new, new_logprobs = self._spec.verify(
                     state, rows.get(index) if rows is not None else None, self._blocks

@@ -262,3 +262,15 @@ def test_mean_acceptance_length_through_the_engine(p: float) -> None:
     assert stats.spec_num_draft_tokens >= k * stats.spec_num_drafts - 4 * num_requests
     mean = 1 + stats.spec_num_accepted_tokens / stats.spec_num_drafts
     assert abs(mean / model - 1) <= 0.03, (mean, model)
+
+
+def test_drafts_after_the_last_prompt_token_keep_its_prompt_logprob() -> None:
+    # A prefill chunk leaves the last prompt token; the next step computes it and drafts.
+    d = Driver()
+    out = d.step(new=[d.new("r", [1, 2, 3, 4], scheduled=3, prompt_logprobs=0)])
+    assert out.sampled_token_ids == [[]]
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs["r"]) == 3
+    out = d.step(cached=[("r", 3, 3, None)], drafts=[[5, 6]])
+    assert out.sampled_token_ids == [[5, 6, 7]]
+    assert out.prompt_logprobs is not None
+    assert [e.token_ids[0] for e in out.prompt_logprobs["r"]] == [4]
