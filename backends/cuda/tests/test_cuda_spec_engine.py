@@ -143,3 +143,32 @@ def test_speculation_under_a_grammar(tiny: dict[str, TinyModel]) -> None:
     assert results[True] == results[False]
     for _, text in results[True][:2]:
         assert re.fullmatch(regex, text)
+
+
+def test_prompt_logprobs_when_the_last_prefill_chunk_is_drafted(
+    tiny: dict[str, TinyModel],
+) -> None:
+    """A 17-token prompt under a 16-token budget leaves one prompt token for the second step,
+    which the scheduler may draft (prompt lookup over the prompt): its prompt logprob still comes
+    back, and the drafted positions are not taken for prompt positions."""
+    model = tiny["llama"]
+    prompt = {"prompt_token_ids": ([21, 22, 23, 24] * 5)[:17]}
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=1)
+    results = {}
+    for spec in (None, NGRAM):
+        with model.llm(speculative_config=spec, **SMALL) as llm:
+            (out,) = llm.generate([prompt], params, use_tqdm=False)
+            results[spec is None] = out
+            if spec is not None:
+                assert _stats(llm).num_accepted_tokens > 0
+    spec_out, plain = results[False], results[True]
+    assert spec_out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert plain.prompt_logprobs is not None and spec_out.prompt_logprobs is not None
+    assert len(spec_out.prompt_logprobs) == len(plain.prompt_logprobs) == 17
+    for got, expected in zip(spec_out.prompt_logprobs, plain.prompt_logprobs, strict=True):
+        if expected is None:
+            assert got is None
+            continue
+        assert got is not None and got.keys() == expected.keys()
+        for token, lp in expected.items():
+            assert got[token].logprob == pytest.approx(lp.logprob, abs=1e-3)
