@@ -27,7 +27,6 @@ from contextlib import contextmanager
 from itertools import pairwise
 from typing import Any
 
-from engine_core._core.request import Request
 from engine_core._engine.backend_harness import (
     MAX_BLOCKS,
     BackendFactory,
@@ -41,7 +40,6 @@ from engine_core._engine.backend_harness import (
 from engine_core._engine.spec_harness import SpecHarness
 from engine_core.abc import Backend, KVCacheSpec, SpecSupport, TokenLogprobs
 from engine_core.config import EngineConfig
-from engine_core.sampling_params import SamplingParams
 
 __all__ = [
     "BACKEND_CHECKS",
@@ -382,7 +380,7 @@ def check_spec_decode(make_backend: BackendFactory, config: EngineConfig | None 
         "c": make_prompt(32, 2 * bs + 1),
     }
     num_out = max(3 * bs, 24)
-    sampled = {"temperature": 0.8, "seed": 7}
+    sampled: dict[str, Any] = {"temperature": 0.8, "seed": 7}
     with opened(make_backend, config) as h:
         expected = {k: h.generate(f"{k}-ref", p, num_out) for k, p in prompts.items()}
         max_model_len = h.scheduler.config.max_model_len
@@ -441,7 +439,7 @@ def check_spec_decode(make_backend: BackendFactory, config: EngineConfig | None 
     if support.exact_verification:
         with opened(make_backend, config) as ref:
             request = "seeded-ref"
-            _add_sampled(ref, request, prompts["c"], num_out, sampled)
+            ref.add_sampled(request, prompts["c"], num_out, **sampled)
             expected_seeded = ref.run()[request]
         with _spec_opened(make_backend, config, support) as h:
             h.proposer.sequences = [prompts["c"] + expected_seeded]
@@ -450,20 +448,6 @@ def check_spec_decode(make_backend: BackendFactory, config: EngineConfig | None 
             outputs = h.run()
             assert_same("seeded sampling with drafts", outputs["seeded"], expected_seeded)
             _assert_no_leak(h, "seeded sampling")
-
-
-def _add_sampled(
-    h: Harness, req_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any]
-) -> None:
-    request = Request(
-        req_id,
-        prompt,
-        SamplingParams(max_tokens=max_tokens, **params),
-        block_size=h.block_size,
-        cache_salt=req_id,
-    )
-    h.scheduler.add_request(request)
-    h.outputs[req_id] = []
 
 
 @contextmanager

@@ -97,11 +97,16 @@ class Harness:
         self, req_id: str, prompt: list[int], max_tokens: int, *, cold: bool = True, **params: Any
     ) -> None:
         """Queue a greedy request; ``cold`` ones never hit the prefix cache."""
-        sampling_params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+        self.add_sampled(req_id, prompt, max_tokens, cold=cold, temperature=0.0, **params)
+
+    def add_sampled(
+        self, req_id: str, prompt: list[int], max_tokens: int, *, cold: bool = True, **params: Any
+    ) -> None:
+        """Queue a request with its own sampling parameters; ``cold`` as for :meth:`add`."""
         request = Request(
             req_id,
             prompt,
-            sampling_params,
+            SamplingParams(max_tokens=max_tokens, **params),
             block_size=self.block_size,
             cache_salt=req_id if cold else None,
         )

@@ -6,14 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine_core._core.request import Request
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core._core.spec_decode import SpecDecoder, check_verified
 from engine_core._engine.backend_harness import Harness
 from engine_core.abc import Backend, ModelRunnerOutput, SchedulerOutput, SpecSupport
 from engine_core.config import EngineConfig, SpeculativeConfig
 from engine_core.errors import BackendError
-from engine_core.sampling_params import SamplingParams
 from engine_core.spec import NgramIndex
 
 NUM_DRAFTS = 4
@@ -69,18 +67,6 @@ class SpecHarness(Harness):
         )
         self.num_verified = 0
         self.num_rejected = 0
-
-    def add_sampled(self, req_id: str, prompt: list[int], max_tokens: int, **params: Any) -> None:
-        """Queue a request with its own sampling parameters."""
-        request = Request(
-            req_id,
-            prompt,
-            SamplingParams(max_tokens=max_tokens, **params),
-            block_size=self.block_size,
-            cache_salt=req_id,
-        )
-        self.scheduler.add_request(request)
-        self.outputs[req_id] = []
 
     def step(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
         scheduler_output = self.scheduler.schedule()
