@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from helpers.differential import ENGINE, prompts, sampling_params, summary
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +24,6 @@ from engine_core import LLM, SamplingParams
 from engine_core._core.protocol import EngineCoreRequest
 from engine_core._engine.core import EngineCore
 from engine_core.config import EngineConfig, SpeculativeConfig
-from engine_core.sampling_params import StructuredOutputsParams
 
 EOS = 257
 LATENCY = {"latency": {"step_s": 1e-4, "per_token_s": 1e-6}}
@@ -207,16 +207,6 @@ def test_outputs_are_token_identical(
 
 # -- through the front end: stop strings, n > 1, structured outputs -------------------------------
 
-_LLM_ENGINE: dict[str, Any] = {
-    "backend": "mock",
-    "tokenizer": "byte",
-    "max_model_len": 96,
-    "num_kv_blocks": 24,  # few: requests get preempted
-    "block_size": 8,
-    "max_num_batched_tokens": 32,  # long prompts are chunked
-    "max_num_seqs": 8,
-}
-
 
 @pytest.fixture(scope="module")
 def llms() -> Iterator[tuple[LLM, LLM, LLM]]:
@@ -230,57 +220,14 @@ def llms() -> Iterator[tuple[LLM, LLM, LLM]]:
         **LATENCY,
     }
     with (
-        LLM(**_LLM_ENGINE, backend_options=options, async_scheduling=False) as off,
-        LLM(**_LLM_ENGINE, backend_options=options, speculative_config=spec_mock) as mock,
-        LLM(**_LLM_ENGINE, backend_options=options, speculative_config=spec_ngram) as ngram,
+        LLM(**ENGINE, backend_options=options, async_scheduling=False) as off,
+        LLM(**ENGINE, backend_options=options, speculative_config=spec_mock) as mock,
+        LLM(**ENGINE, backend_options=options, speculative_config=spec_ngram) as ngram,
     ):
         yield off, mock, ngram
 
 
-@st.composite
-def sampling_params(draw: st.DrawFn) -> SamplingParams:
-    n = draw(st.integers(1, 3))
-    choice = st.lists(st.text("abcxyz", min_size=1, max_size=5), min_size=1, max_size=3)
-    structured = draw(
-        st.one_of(st.none(), st.none(), st.builds(StructuredOutputsParams, choice=choice))
-    )
-    max_tokens = draw(st.integers(1, 30))
-    return SamplingParams(
-        n=n,
-        temperature=0.9 if n > 1 else draw(st.sampled_from([0.0, 0.9])),
-        seed=draw(st.integers(0, 5)),
-        max_tokens=max_tokens,
-        min_tokens=draw(st.integers(0, min(3, max_tokens))),
-        stop=draw(st.lists(st.text("defghijk", min_size=1, max_size=2), max_size=2)),
-        include_stop_str_in_output=draw(st.booleans()),
-        logprobs=draw(st.one_of(st.none(), st.integers(0, 2))),
-        prompt_logprobs=draw(st.one_of(st.none(), st.integers(0, 1))),
-        structured_outputs=structured,
-    )
-
-
-PROMPTS = st.lists(
-    st.tuples(
-        st.sampled_from(["", "a shared prompt prefix ", "abcdefgh"]),
-        st.text("abcdef", max_size=40),
-    ),
-    min_size=1,
-    max_size=6,
-)
-
-
-def summary(outputs: list[Any]) -> list[Any]:
-    # NOTE: whether a request failed, not its message: with n > 1 the message is that of the
-    # child that failed last, and speculation changes which child ends first (each child's
-    # tokens and finish reason are compared).
-    return [
-        (
-            o.error is None,
-            o.prompt_logprobs,
-            [(c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs],
-        )
-        for o in outputs
-    ]
+PROMPTS = prompts(["", "a shared prompt prefix ", "abcdefgh"])
 
 
 @settings(
@@ -288,16 +235,19 @@ def summary(outputs: list[Any]) -> list[Any]:
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-@given(prompts=PROMPTS, params=st.lists(sampling_params(), min_size=6, max_size=6))
+@given(prompts=PROMPTS, params=st.lists(sampling_params(min_tokens=True), min_size=6, max_size=6))
 def test_llm_outputs_are_those_without_speculation(
     llms: tuple[LLM, LLM, LLM], prompts: list[tuple[str, str]], params: list[SamplingParams]
 ) -> None:
     texts = [(prefix + body) or "x" for prefix, body in prompts]
     per_prompt = params[: len(texts)]
     off, mock, ngram = llms
-    expected = summary(off.generate(texts, per_prompt, use_tqdm=False))
-    assert summary(mock.generate(texts, per_prompt, use_tqdm=False)) == expected
-    assert summary(ngram.generate(texts, per_prompt, use_tqdm=False)) == expected
+    # Whether a request failed, not its message: with n > 1 the message is that of the child
+    # that failed last, and speculation changes which child ends first (each child's tokens
+    # and finish reason are compared).
+    expected = summary(off.generate(texts, per_prompt, use_tqdm=False), error_text=False)
+    assert summary(mock.generate(texts, per_prompt, use_tqdm=False), error_text=False) == expected
+    assert summary(ngram.generate(texts, per_prompt, use_tqdm=False), error_text=False) == expected
     for llm in llms:
         stats = llm.get_stats()
         assert stats.num_running == 0 and stats.num_free_kv_blocks == stats.num_kv_blocks
@@ -307,9 +257,9 @@ def test_the_llms_speculated(llms: tuple[LLM, LLM, LLM]) -> None:
     off, mock, ngram = llms
     params = SamplingParams(temperature=0.0, max_tokens=40)
     prompts = ["abcdefgh abcdefgh abcdefgh", "xyz"]
-    expected = summary(off.generate(prompts, params, use_tqdm=False))
+    expected = summary(off.generate(prompts, params, use_tqdm=False), error_text=False)
     for llm in (mock, ngram):
         before = llm.get_stats().spec_num_accepted_tokens
-        assert summary(llm.generate(prompts, params, use_tqdm=False)) == expected
+        assert summary(llm.generate(prompts, params, use_tqdm=False), error_text=False) == expected
         assert llm.get_stats().spec_num_accepted_tokens > before
     assert off.get_stats().spec_num_drafts == 0

@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
+from helpers.differential import ENGINE, prompts, sampling_params, summary
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,65 +21,18 @@ pytest.importorskip("llguidance")
 
 async_test = pytest.mark.anyio
 
-_ENGINE = {
-    "backend": "mock",
-    "tokenizer": "byte",
-    "max_model_len": 96,
-    "num_kv_blocks": 24,  # few: requests get preempted
-    "block_size": 8,
-    "max_num_batched_tokens": 32,  # long prompts are chunked
-    "max_num_seqs": 8,
-}
-
 
 @pytest.fixture(scope="module")
 def llms() -> Iterator[tuple[LLM, LLM]]:
     with (
-        LLM(**_ENGINE, async_scheduling=False) as sync,
-        LLM(**_ENGINE, async_scheduling=True) as asynchronous,
+        LLM(**ENGINE, async_scheduling=False) as sync,
+        LLM(**ENGINE, async_scheduling=True) as asynchronous,
     ):
         yield sync, asynchronous
 
 
-@st.composite
-def sampling_params(draw: st.DrawFn) -> SamplingParams:
-    n = draw(st.integers(1, 3))
-    choice = st.lists(st.text("abcxyz", min_size=1, max_size=5), min_size=1, max_size=3)
-    structured = draw(
-        st.one_of(st.none(), st.none(), st.builds(StructuredOutputsParams, choice=choice))
-    )
-    return SamplingParams(
-        n=n,
-        temperature=0.9 if n > 1 else draw(st.sampled_from([0.0, 0.9])),  # greedy: n = 1
-        seed=draw(st.integers(0, 5)),
-        max_tokens=draw(st.integers(1, 30)),
-        stop=draw(st.lists(st.text("defghijk", min_size=1, max_size=2), max_size=2)),
-        include_stop_str_in_output=draw(st.booleans()),
-        logprobs=draw(st.one_of(st.none(), st.integers(0, 2))),
-        prompt_logprobs=draw(st.one_of(st.none(), st.integers(0, 1))),
-        structured_outputs=structured,
-    )
-
-
 PARAMS = sampling_params()
-PROMPTS = st.lists(
-    st.tuples(
-        st.sampled_from(["", "a shared prompt prefix ", "zz"]), st.text("abcdef", max_size=40)
-    ),
-    min_size=1,
-    max_size=6,
-)
-
-
-def summary(outputs: list[Any]) -> list[Any]:
-    return [
-        (
-            o.error,
-            o.prompt_logprobs,
-            [(c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs],
-        )
-        for o in outputs
-    ]
+PROMPTS = prompts(["", "a shared prompt prefix ", "zz"])
 
 
 @settings(
@@ -131,7 +85,7 @@ async def _streams(async_scheduling: bool) -> tuple[dict[int, list[Any]], float]
     results: dict[int, list[Any]] = {}
     options = {"latency": {"step_s": 0.002}}
     async with AsyncLLM(
-        **_ENGINE, async_scheduling=async_scheduling, backend_options=options
+        **ENGINE, async_scheduling=async_scheduling, backend_options=options
     ) as engine:
 
         async def one(i: int) -> None:
