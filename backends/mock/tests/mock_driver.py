@@ -138,3 +138,18 @@ class Driver:
             for req_id, sampled in zip(output.req_ids, output.sampled_token_ids, strict=True):
                 tokens[req_id] += sampled
         return tokens
+
+
+class FakeTime:
+    """A clock that only its sleep advances; records each sleep."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds

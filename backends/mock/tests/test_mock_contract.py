@@ -9,7 +9,7 @@ import time
 
 import pytest
 from engine_core_mock import FAULT_EXIT_CODE, MockBackend
-from mock_driver import Driver
+from mock_driver import Driver, FakeTime
 
 from engine_core.abc import CachedRequestData, SchedulerOutput
 from engine_core.config import EngineConfig
@@ -267,21 +267,6 @@ def test_freeze_fault_blocks_the_whole_process() -> None:
 
 
 # -- latency -------------------------------------------------------------------------------------
-
-
-class FakeTime:
-    """A clock that only its sleep advances; records each sleep."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.slept: list[float] = []
-
-    def clock(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds
 
 
 def test_latency_model_sleeps_per_step_token_and_context_token() -> None:

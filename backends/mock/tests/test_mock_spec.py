@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from engine_core_mock import MockBackend
-from mock_driver import Driver
+from mock_driver import Driver, FakeTime
 
 from engine_core._core.protocol import EngineCoreRequest
 from engine_core._engine.core import EngineCore
@@ -157,21 +157,8 @@ def test_the_drafter_for_sampled_requests_guesses_their_samples() -> None:
     assert d.verify("r", drafts).sampled_token_ids == [expected[1:3]]
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.slept: list[float] = []
-
-    def clock(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(round(seconds, 9))
-        self.now += seconds
-
-
 def test_latency_counts_drafts_and_drafting_only_when_asked() -> None:
-    c = _Clock()
+    c = FakeTime()
     d = Driver(
         sleep=c.sleep,
         clock=c.clock,
@@ -179,14 +166,14 @@ def test_latency_counts_drafts_and_drafting_only_when_asked() -> None:
         spec={"draft_latency": {"step_s": 0.001, "per_token_s": 0.00001}},
     )
     d.step(new=[d.new("a", [1, 2]), d.new("b", [3])])
-    assert c.slept == [0.005 + 3 * 0.0001]
+    assert c.slept == [pytest.approx(0.005 + 3 * 0.0001, rel=0, abs=1e-12)]
     d.step(cached=[("a", 2, 3, None), ("b", 1, 1, None)], drafts=[[4, 5], []], num_draft_tokens=4)
     # 4 target tokens; 4 draft passes over 2 requests.
     assert c.slept[-1] == pytest.approx(0.005 + 4 * 0.0001 + 4 * (0.001 + 2 * 0.00001))
     a = d.backend.num_computed_tokens("a")
     d.step(cached=[("a", a, 1, None), ("b", 2, 1, None)], num_draft_tokens=2, draft_req_ids=["a"])
     assert c.slept[-1] == pytest.approx(0.005 + 2 * 0.0001 + 2 * (0.001 + 0.00001))
-    c2 = _Clock()
+    c2 = FakeTime()
     d2 = Driver(
         sleep=c2.sleep,
         clock=c2.clock,
