@@ -33,7 +33,7 @@ import anyio.to_thread
 from engine_core._engine.sockets import OUTPUT_HWM, SocketAddresses, Transport
 from engine_core._engine.transport import Pipes, Sender
 
-__all__ = ["ClientSockets", "EngineProcess"]
+__all__ = ["ClientSockets", "EngineProcess", "WatchedEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,50 @@ def _wait_readable(fd: int, timeout: float | None) -> bool:
     return bool(poller.poll(None if timeout is None else math.ceil(max(timeout, 0.0) * 1000)))
 
 
-class EngineProcess:
+class WatchedEngine:
+    """Stopping an engine and waiting for its watch thread (``_watch``), as every engine handle
+    does: a subclass says how the end is awaited (:meth:`exited`, :meth:`exited_async`) and what
+    is done, in turn, when it does not come in time (:meth:`_escalation`)."""
+
+    _watch: threading.Thread
+
+    def exited(self, timeout: float | None) -> bool:
+        """Whether the engine ends within ``timeout`` seconds (None: no limit)."""
+        raise NotImplementedError
+
+    async def exited_async(self, timeout: float | None) -> bool:
+        """Like :meth:`exited`, waiting in the event loop."""
+        raise NotImplementedError
+
+    def _escalation(self) -> tuple[tuple[float, Callable[[], None]], ...]:
+        """How long to wait for the end, and what to do when it did not come, step by step."""
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Wait for the end that a ``Shutdown`` asked for; escalate when it does not come in
+        time (a process: terminate, then kill)."""
+        for timeout, escalate in self._escalation():
+            if self.exited(timeout):
+                return
+            escalate()
+
+    async def stop_async(self) -> None:
+        """Like :meth:`stop`, waiting in the event loop."""
+        for timeout, escalate in self._escalation():
+            if await self.exited_async(timeout):
+                return
+            escalate()
+
+    def wait_watch(self, timeout: float | None = None) -> None:
+        """Until the watch has handed over the exit status (or ``timeout`` seconds passed)."""
+        self._watch.join(timeout)
+
+    async def wait_watch_async(self, timeout: float | None = None) -> None:
+        """Like :meth:`wait_watch`, waiting in a worker thread."""
+        await anyio.to_thread.run_sync(self._watch.join, timeout)
+
+
+class EngineProcess(WatchedEngine):
     """One engine-core process and the thread that watches it.
 
     ``on_exit(exit_code)`` runs in the watch thread once the process has ended and been reaped
@@ -178,29 +221,6 @@ class EngineProcess:
     def _terminate(self) -> None:
         logger.warning("the engine core did not shut down in time: terminating it")
         self._process.terminate()
-
-    def stop(self) -> None:
-        """Wait for the exit that a ``Shutdown`` asked for; terminate the process when it does
-        not come in time, and kill it when that does not help either."""
-        for timeout, escalate in self._escalation():
-            if self.exited(timeout):
-                return
-            escalate()
-
-    async def stop_async(self) -> None:
-        """Like :meth:`stop`, waiting in the event loop."""
-        for timeout, escalate in self._escalation():
-            if await self.exited_async(timeout):
-                return
-            escalate()
-
-    def wait_watch(self, timeout: float | None = None) -> None:
-        """Until the watch has handed over the exit status (or ``timeout`` seconds passed)."""
-        self._watch.join(timeout)
-
-    async def wait_watch_async(self, timeout: float | None = None) -> None:
-        """Like :meth:`wait_watch`, waiting in a worker thread."""
-        await anyio.to_thread.run_sync(self._watch.join, timeout)
 
     def close(self) -> None:
         """Kill the process if it still runs, wait for the watch, release the process."""

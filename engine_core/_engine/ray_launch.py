@@ -47,7 +47,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine_core._engine.dial_sockets import DialSockets
-from engine_core._engine.launch import EngineProcess
+from engine_core._engine.launch import EngineProcess, WatchedEngine
 from engine_core._engine.main import DIAL_KEYS_ENV
 from engine_core._engine.ray_placement import (
     NodeView,
@@ -103,7 +103,7 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"
 
 
-class RayEngineHandle:
+class RayEngineHandle(WatchedEngine):
     """One engine's actor and the thread that waits on its ``run`` ref (see the module's
     docstring): the :class:`~engine_core._engine.launcher.EngineHandle` of a Ray engine."""
 
@@ -164,23 +164,11 @@ class RayEngineHandle:
         logger.warning("the engine core did not shut down in time: killing its Ray actor")
         self.kill()
 
-    def stop(self) -> None:
-        for timeout, escalate in self._escalation():
-            if self._ended.wait(timeout):
-                return
-            escalate()
+    def exited(self, timeout: float | None) -> bool:
+        return self._ended.wait(timeout)
 
-    async def stop_async(self) -> None:
-        for timeout, escalate in self._escalation():
-            if await anyio.to_thread.run_sync(self._ended.wait, timeout, abandon_on_cancel=True):
-                return
-            escalate()
-
-    def wait_watch(self, timeout: float | None = None) -> None:
-        self._watch.join(timeout)
-
-    async def wait_watch_async(self, timeout: float | None = None) -> None:
-        await anyio.to_thread.run_sync(self._watch.join, timeout)
+    async def exited_async(self, timeout: float | None) -> bool:
+        return await anyio.to_thread.run_sync(self._ended.wait, timeout, abandon_on_cancel=True)
 
     def close(self) -> None:
         """Kill the actor (its ``run`` may have returned: the actor still holds its bundle) and
