@@ -309,7 +309,8 @@ def tool_choice_of(state: ServerState, body: ChatCompletionRequest) -> ToolChoic
 def chat_reader(state: ServerState, choice: ToolChoice) -> ChatReader:
     """How the request's outputs become messages."""
     parser = choice.parser(state.tool_parser)
-    return ChatReader(state.tokenizer, parser, state.reasoning, choice.parallel)
+    names = frozenset(tool.name for tool in choice.tools)
+    return ChatReader(state.tokenizer, parser, state.reasoning, choice.parallel, names)
 
 
 def chat_params(

@@ -11,7 +11,9 @@ from typing import Any
 import openai
 import pytest
 from helpers.tool_servers import (
+    BROKEN,
     MODEL,
+    TIME_SCHEMA,
     WEATHER_ARGS,
     WEATHER_SCHEMA,
     ToolServers,
@@ -22,6 +24,7 @@ from helpers.tool_servers import (
 pytestmark = pytest.mark.anyio
 
 WEATHER_TOOL: Any = {"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA}
+TIME_TOOL: Any = {"type": "function", "name": "get_time", "parameters": TIME_SCHEMA}
 
 
 @pytest.fixture(scope="module", params=["asyncio", "trio"])
@@ -157,6 +160,46 @@ async def test_agent_loop_over_function_call_output(servers: ToolServers) -> Non
     second = await create(servers, "hermes", input=items, tools=[WEATHER_TOOL])
     assert second.output_text == "It is 22 degrees in Paris."
     assert second.status == "completed"
+
+
+def _items(response: Any) -> list[tuple[str, Any]]:
+    """(type, stripped text or (name, arguments text)) of each output item."""
+    found: list[tuple[str, Any]] = []
+    for item in response.output:
+        if item.type == "function_call":
+            found.append((item.type, (item.name, item.arguments)))
+        else:
+            found.append((item.type, "".join(part.text for part in item.content).strip()))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("text", "tools"),
+    [
+        ("truncated", [WEATHER_TOOL]),
+        ("broken", [WEATHER_TOOL]),
+        ("call then cut", [WEATHER_TOOL, TIME_TOOL]),
+        ("hermes two", [WEATHER_TOOL]),  # the second call names a tool not offered
+        ("hermes two", [WEATHER_TOOL, TIME_TOOL]),
+    ],
+)
+async def test_streamed_and_whole_responses_agree(
+    servers: ToolServers, text: str, tools: list[Any]
+) -> None:
+    whole = await create(servers, "hermes", input=text, tools=tools)
+    got = await events(servers, "hermes", input=text, tools=tools)
+    streamed = _final(got)
+    assert _items(streamed) == _items(whole)
+    assert streamed.status == whole.status == "completed"
+    for item in streamed.output:
+        if item.type == "function_call":
+            assert isinstance(json.loads(item.arguments), dict)
+    added = [e.item.type for e in got if e.type == "response.output_item.added"]
+    assert added == [item.type for item in streamed.output]
+    offered = {tool["name"] for tool in tools}
+    assert all(i.name in offered for i in streamed.output if i.type == "function_call")
+    if text in ("truncated", "broken"):
+        assert _items(whole) == [("message", BROKEN[text])]
 
 
 @pytest.mark.parametrize(

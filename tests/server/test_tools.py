@@ -15,6 +15,7 @@ import pydantic
 import pytest
 from helpers.tool_servers import (
     BROKEN,
+    HERMES_CALLS,
     MODEL,
     SCHEMAS,
     TIME_ARGS,
@@ -186,25 +187,43 @@ async def test_auto_without_parallel_calls_keeps_the_first(
     assert _without_ids(calls) == [("get_weather", WEATHER_ARGS)]
 
 
-@pytest.mark.parametrize(
-    ("broken", "stream"),
-    [("broken", False), ("broken", True), ("truncated", False)],
-)
+async def answer(
+    servers: ToolServers, text: str, stream: bool, **kwargs: Any
+) -> tuple[str, list[dict[str, str]], str | None]:
+    """(content, calls, finish reason) of the hermes server's answer, streamed or whole."""
+    if stream:
+        return assembled(await chat_stream(servers, "hermes", text, **kwargs))
+    result = await chat(servers, "hermes", text, **kwargs)
+    content, calls = result.choices[0].message.content or "", whole_calls(result)
+    return content, calls, result.choices[0].finish_reason
+
+
+@pytest.mark.parametrize("broken", ["broken", "truncated"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 async def test_malformed_call_text_comes_back_as_content(
     servers: ToolServers, broken: str, stream: bool
 ) -> None:
-    # A stream sends a call once its name is read; the truncated call's name is, so only the
-    # whole response can give it back as content.
-    text = BROKEN[broken]
-    if stream:
-        content, calls, reason = assembled(
-            await chat_stream(servers, "hermes", broken, tools=TOOLS)
-        )
-    else:
-        result = await chat(servers, "hermes", broken, tools=TOOLS)
-        content, calls = result.choices[0].message.content or "", whole_calls(result)
-        reason = result.choices[0].finish_reason
-    assert (content, calls, reason) == (text, [], "stop")
+    # The truncated call's name is readable early: a stream must not send it all the same.
+    got = await answer(servers, broken, stream, tools=TOOLS)
+    assert got == (BROKEN[broken], [], "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_calls_before_a_broken_one_stand(servers: ToolServers, stream: bool) -> None:
+    content, calls, reason = await answer(servers, "call then cut", stream, tools=TOOLS)
+    assert (_without_ids(calls), reason) == ([("get_time", TIME_ARGS)], "tool_calls")
+    assert content.strip() == BROKEN["truncated"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_call_to_a_tool_not_offered_is_content(servers: ToolServers, stream: bool) -> None:
+    weather_only = [TOOLS[0]]
+    content, calls, reason = await answer(servers, "hermes two", stream, tools=weather_only)
+    assert (_without_ids(calls), reason) == ([("get_weather", WEATHER_ARGS)], "tool_calls")
+    assert content.strip().startswith('<tool_call>\n{"name": "get_time"')
+    time_only = [TOOLS[1]]
+    content, calls, reason = await answer(servers, "hermes weather", stream, tools=time_only)
+    assert (content, calls, reason) == (f"Let me check.\n{HERMES_CALLS['get_weather']}", [], "stop")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -5,13 +5,18 @@ them back."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from engine_core.sampling_params import StructuredOutputsParams
 from engine_core.server._errors import APIError
-from engine_core.server.tools._calls import Parsed, PartialCall, read_objects, skip_space
+from engine_core.server.tools._calls import (
+    Parsed,
+    is_object,
+    read_objects,
+    skip_space,
+    value_end,
+)
 from engine_core.server.tools._parser import ToolParser
 
 __all__ = ["FunctionTool", "ToolChoice", "read_tool_choice", "read_tools"]
@@ -153,31 +158,40 @@ def read_tool_choice(
 
 
 class NamedCallParser(ToolParser):
-    """The output of a named ``tool_choice``: the whole text is the arguments of one call."""
+    """The output of a named ``tool_choice``: the whole text is the arguments of one call,
+    complete once its object closes."""
 
     def __init__(self, name: str) -> None:
         self.function = name
 
     def parse(self, text: str, final: bool) -> Parsed:
-        if final and not _is_object(text):
-            return Parsed(text, malformed=True)
-        return Parsed(calls=[PartialCall(self.function, text.strip(), final)])
+        pos = skip_space(text, 0)
+        if pos == len(text):
+            return Parsed().rest_is_content(text, 0) if final else Parsed()
+        end = value_end(text, pos) if text[pos] == "{" else None
+        if end is None:
+            if final or text[pos] != "{":
+                return Parsed().rest_is_content(text, 0)
+            return Parsed()
+        if not is_object(text[pos:end]):
+            return Parsed().rest_is_content(text, 0)
+        parsed = Parsed()
+        parsed.add(self.function, text[pos:end], start=0)
+        if skip_space(text, end) < len(text):
+            parsed.rest_is_content(text, end)
+        return parsed
 
 
 class CallListParser(ToolParser):
-    """The output of ``"required"``: ``[{"name": ..., "parameters": {...}}, ...]``."""
+    """The output of ``"required"``: ``[{"name": ..., "parameters": {...}}, ...]``; the calls
+    before a cut or a break stand."""
 
     def parse(self, text: str, final: bool) -> Parsed:
         pos = skip_space(text, 0)
         if pos == len(text):
-            return Parsed(text, malformed=True) if final else Parsed()
+            return Parsed().rest_is_content(text, 0) if final else Parsed()
         if text[pos] != "[":
-            return Parsed(text, malformed=True)
-        return read_objects(text, pos + 1, final, Parsed(), separator=",", closing="]")
-
-
-def _is_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False
+            return Parsed().rest_is_content(text, 0)
+        return read_objects(
+            text, pos + 1, final, Parsed(), separator=",", closing="]", markup_start=0
+        )
