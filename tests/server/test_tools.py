@@ -148,6 +148,42 @@ async def test_required_gives_parallel_calls(servers: ToolServers) -> None:
     assert _without_ids(streamed) == expected
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_cut_required_answer_returns_the_calls_that_parsed(
+    servers: ToolServers, stream: bool
+) -> None:
+    # The scripted two calls, cut by max_tokens inside the second: the first stands.
+    first = json.dumps({"name": "get_weather", "parameters": WEATHER_ARGS})
+    kwargs = {"tools": TOOLS, "tool_choice": "required", "max_tokens": len(f"[{first}, ") + 12}
+    if stream:
+        content, calls, reason = assembled(
+            await chat_stream(servers, "plain", "required two", **kwargs)
+        )
+    else:
+        result = await chat(servers, "plain", "required two", **kwargs)
+        content = result.choices[0].message.content or ""
+        calls, reason = whole_calls(result), result.choices[0].finish_reason
+    assert (_without_ids(calls), reason) == ([("get_weather", WEATHER_ARGS)], "length")
+    assert content.strip() == '{"name": "ge'
+
+
+@pytest.mark.parametrize("temperature", [0, None], ids=["greedy", "default"])
+async def test_required_on_the_mock_gives_one_call(
+    servers: ToolServers, temperature: float | None
+) -> None:
+    # No scripted reply: the mock closes what the grammar lets it close, so the output is one
+    # call at temperature 0 and at the default temperature alike.
+    kwargs: dict[str, Any] = {"tools": TOOLS, "tool_choice": "required", "max_tokens": 150}
+    if temperature is not None:
+        kwargs["temperature"] = temperature
+    for seed in range(5):
+        result = await chat(servers, "plain", "anything", seed=seed, **kwargs)
+        assert result.choices[0].finish_reason == "tool_calls"
+        calls = whole_calls(result)
+        assert len(calls) == 1
+        check_valid(calls)
+
+
 # -- "auto": each parser ----------------------------------------------------------------------
 
 
