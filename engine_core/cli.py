@@ -218,6 +218,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
+        **(
+            {"max_forced_reasoning_chars": args.max_forced_reasoning_chars}
+            if args.max_forced_reasoning_chars is not None
+            else {}
+        ),
     )
     config = engine_config_from_args(args)
 
@@ -361,6 +366,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["qwen3", "deepseek_r1"],
         default=None,
         help="put the model's <think>...</think> text in reasoning_content",
+    )
+    p.add_argument(
+        "--max-forced-reasoning-chars",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --reasoning-parser, the most characters a forced tool call (tool_choice "
+        "'required' or a named function) thinks before the grammar closes the thinking and "
+        "the call follows; 0: no thinking first (default 1000, about 250 tokens; at most 2000)",
     )
     p.add_argument(
         "--log-level",

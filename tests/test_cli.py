@@ -234,3 +234,14 @@ def test_backend_hints_take_the_command_lines_form(
     assert error.startswith("engine-core: error: backend 'cuda' is not usable here")
     assert """--backend-options '{"device": "cpu"}'""" in error
     assert COMMAND_LINE_ENV not in os.environ  # main() leaves the environment as it found it
+
+
+def test_the_forced_reasoning_bound_is_a_serve_flag() -> None:
+    from engine_core.server import ServerSettings
+
+    serve = dict(_commands(build_parser()))[("serve",)]
+    (action,) = [a for a in serve._actions if a.dest == "max_forced_reasoning_chars"]
+    assert action.help is not None
+    assert f"default {ServerSettings().max_forced_reasoning_chars}," in action.help
+    args = build_parser().parse_args(["serve", "--max-forced-reasoning-chars", "0"])
+    assert args.max_forced_reasoning_chars == 0

@@ -292,7 +292,11 @@ def _constraint(
         constraint = tools
     constraint = constraint or body.structured_outputs
     if constraint is not None and state.reasoning is not None:
-        constraint = state.reasoning.constrain(constraint, compact=state.disable_any_whitespace)
+        # A forced call's thinking is bounded, so that the call always comes.
+        bound = state.max_forced_reasoning_chars if tools is not None else None
+        constraint = state.reasoning.constrain(
+            constraint, compact=state.disable_any_whitespace, max_thought_chars=bound
+        )
     return constraint
 
 

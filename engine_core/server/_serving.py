@@ -75,6 +75,8 @@ class ServerState:
     """Whether ``tool_choice: "auto"`` is served (``--enable-auto-tool-choice``)."""
     reasoning: ReasoningParser | None = None
     """``--reasoning-parser``: the thinking goes to ``reasoning_content``."""
+    max_forced_reasoning_chars: int = 0
+    """The thinking a forced tool call may do first (``--max-forced-reasoning-chars``)."""
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
 

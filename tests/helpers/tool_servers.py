@@ -114,15 +114,22 @@ TEMPLATE = (
 )
 """The plain template, with the tools and the assistants' calls written out."""
 
+FORCED_REASONING_CHARS = 64
+"""The thinking a forced tool call may do on the servers that read reasoning."""
+
 SERVERS: dict[str, dict[str, Any]] = {
     "hermes": {
         "tool_call_parser": "hermes",
         "enable_auto_tool_choice": True,
         "reasoning_parser": "qwen3",
+        "max_forced_reasoning_chars": FORCED_REASONING_CHARS,
     },
     "llama3_json": {"tool_call_parser": "llama3_json", "enable_auto_tool_choice": True},
     "mistral": {"tool_call_parser": "mistral", "enable_auto_tool_choice": True},
-    "deepseek_r1": {"reasoning_parser": "deepseek_r1"},
+    "deepseek_r1": {
+        "reasoning_parser": "deepseek_r1",
+        "max_forced_reasoning_chars": FORCED_REASONING_CHARS,
+    },
     "plain": {},
 }
 """The settings of each server, by name."""
