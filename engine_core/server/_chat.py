@@ -258,7 +258,16 @@ def _response_format(body: ChatCompletionRequest) -> StructuredOutputsParams | N
             raise APIError(
                 400, "response_format.json_schema.schema is required", param="response_format"
             )
-        return StructuredOutputsParams(json=spec.schema)
+        try:
+            return StructuredOutputsParams(json=spec.schema)
+        except (ValueError, TypeError) as exc:
+            reason = str(exc).removeprefix("structured_outputs.json")
+            raise APIError(
+                400,
+                f"response_format.json_schema.schema{reason}",
+                param="response_format",
+                code="invalid_value",
+            ) from None
     raise APIError(
         400,
         f"response_format.type must be 'text', 'json_object' or 'json_schema', "

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from engine_core._core.checks import MAX_JSON_DEPTH, check_json_value
 from engine_core.server._errors import APIError
 from engine_core.server._protocol import ChatCompletionRequest
 
@@ -125,6 +126,10 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if not isinstance(fmt, dict):
         raise APIError(400, "text.format must be an object", param="text")
     if fmt.get("type") == "json_schema":
+        try:  # here, to name the Responses API's field
+            check_json_value("text.format.schema", fmt.get("schema"), MAX_JSON_DEPTH)
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc), param="text", code="invalid_value") from None
         return {
             "type": "json_schema",
             "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")},

@@ -27,6 +27,8 @@ from helpers.tool_servers import (
 )
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from engine_core.server.tools._choice import MAX_REQUIRED_TOOLS, read_tool_choice, read_tools
+
 pytestmark = pytest.mark.anyio
 
 MARKUP = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", '"name"')
@@ -314,6 +316,37 @@ async def test_invalid_tool_requests_are_400(
     with pytest.raises(openai.BadRequestError) as caught:
         await chat(servers, server, "hi", **kwargs)
     assert caught.value.body["param"] == param  # type: ignore[index]
+
+
+async def test_too_many_tools_for_required_are_refused_up_front(servers: ToolServers) -> None:
+    # Past llguidance's row limit the grammar would fail at the first token.
+    many = [
+        {"type": "function", "function": {"name": f"t{i}", "parameters": {"type": "object"}}}
+        for i in range(2000)
+    ]
+    with pytest.raises(openai.BadRequestError) as caught:
+        await chat(servers, "plain", "hi", tools=many, tool_choice="required", max_tokens=2)
+    error: Any = caught.value.body
+    assert error["param"] == "tools"
+    assert f"at most {MAX_REQUIRED_TOOLS} tools, got 2000" in error["message"]
+    assert "llguidance" in error["message"]
+
+
+def test_the_most_tools_required_takes_still_parse() -> None:
+    pytest.importorskip("llguidance")
+    from engine_core._structured.grammar import GrammarSpec, build_tokenizer, compile_grammar
+
+    tools = [
+        {"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object"}}}
+        for i in range(MAX_REQUIRED_TOOLS)
+    ]
+    for parallel in (True, False):
+        constraint = read_tool_choice("required", read_tools(tools), parallel, auto_enabled=False)
+        params = constraint.constraint()
+        assert params is not None
+        matcher = compile_grammar(build_tokenizer("byte", 258), GrammarSpec.from_params(params))
+        assert all(matcher.consume_token(b) for b in b'[{"name": "tool_1899", "parameters": {}}]')
+        assert not matcher.is_error()
 
 
 # -- the SDK's helpers and an agent loop ------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine_core._core.checks import MAX_JSON_DEPTH, check_json_value
 from engine_core.sampling_params import StructuredOutputsParams
 from engine_core.server._errors import APIError
 from engine_core.server.tools._calls import (
@@ -19,7 +20,7 @@ from engine_core.server.tools._calls import (
 )
 from engine_core.server.tools._parser import ToolParser
 
-__all__ = ["FunctionTool", "ToolChoice", "read_tool_choice", "read_tools"]
+__all__ = ["MAX_REQUIRED_TOOLS", "FunctionTool", "ToolChoice", "read_tool_choice", "read_tools"]
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -79,12 +80,23 @@ class ToolChoice:
     parallel: bool = True
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The grammar of ``"required"`` and ``"named"`` (None for the others)."""
+        """The grammar of ``"required"`` and ``"named"`` (None for the others); 400 naming
+        ``tools`` for tools whose schemas no grammar can be built from."""
         if self.mode == "named":
-            tool = next(t for t in self.tools if t.name == self.name)
-            return StructuredOutputsParams(json=tool.parameters)
+            index, tool = next((i, t) for i, t in enumerate(self.tools) if t.name == self.name)
+            return _schema_params(tool.parameters, index, 0)
         if self.mode != "required":
             return None
+        if len(self.tools) > MAX_REQUIRED_TOOLS:
+            raise APIError(
+                400,
+                f'tool_choice "required" chooses among at most {MAX_REQUIRED_TOOLS} tools, got '
+                f"{len(self.tools)}: the grammar's parser (llguidance) keeps at most 2000 items "
+                "per row, one per tool; offer fewer tools, or name the function",
+                param="tools",
+            )
+        for index, tool in enumerate(self.tools):  # the call list nests each schema deeper
+            _schema_params(tool.parameters, index, _CALL_LIST_DEPTH)
         calls = [
             {
                 "type": "object",
@@ -155,6 +167,28 @@ def read_tool_choice(
             param=param,
         )
     return ToolChoice(mode, tools, name, parallel is not False)
+
+
+MAX_REQUIRED_TOOLS = 1900
+"""The most tools ``"required"`` chooses among: llguidance's Earley parser refuses a row of
+more than 2000 items, and the call list's first row holds one per tool (and a few more)."""
+_CALL_LIST_DEPTH = 5
+"""How deep the call list of ``"required"`` puts each tool's parameters: the array, its
+``items``, ``anyOf``, a call object, its ``properties``."""
+
+
+def _schema_params(schema: dict[str, Any], index: int, depth: int) -> StructuredOutputsParams:
+    """``schema`` (tool ``index``'s parameters) as a JSON constraint, checked as if nested
+    ``depth`` levels deeper; 400 naming ``tools`` when it is too deep (or otherwise invalid)."""
+    try:
+        check_json_value("schema", schema, MAX_JSON_DEPTH - depth)
+        return StructuredOutputsParams(json=schema)
+    except (ValueError, TypeError) as exc:
+        reason = str(exc).removeprefix("structured_outputs.json").removeprefix("schema")
+        where = f"tools[{index}]: its parameters schema"
+        if depth:
+            reason += f' (tool_choice "required" nests them {depth} levels deeper in its call list)'
+        raise APIError(400, f"{where}{reason}", param="tools", code="invalid_value") from None
 
 
 class NamedCallParser(ToolParser):
