@@ -23,7 +23,7 @@ from engine_core.server._chat import (
 )
 from engine_core.server._chat_output import ChatReader
 from engine_core.server._errors import APIError
-from engine_core.server._respond import Fields, RequestContext, run_prompts
+from engine_core.server._respond import Fields, RequestContext, pinned_rank, run_prompts
 from engine_core.server._responses_input import ResponsesRequest, to_chat_request
 from engine_core.server._responses_items import OutputItems, item_id
 from engine_core.server._serving import ServerState, check_lengths, read_body
@@ -59,6 +59,7 @@ async def create_response(state: ServerState, request: Request) -> Response | Ev
         model,
         item_id("resp"),
         fields=Fields(prompt="input", grammar="text"),
+        data_parallel_rank=pinned_rank(request, state),
     )
     answer = _Answer(ctx, body, chat_reader(state, choice))
     if body.stream:
