@@ -222,3 +222,48 @@ async def test_unsupported_fields_are_400_naming_them(
     assert caught.value.body["param"] == param  # type: ignore[index]
     if param in ("previous_response_id", "store"):
         assert "not supported" in caught.value.body["message"]  # type: ignore[index]
+
+
+_CALL: Any = {
+    "type": "function_call",
+    "call_id": "call_1",
+    "name": "get_weather",
+    "arguments": "{}",
+}
+
+
+@pytest.mark.parametrize(
+    ("items", "message"),
+    [
+        ([{k: v for k, v in _CALL.items() if k != "call_id"}], "needs call_id"),
+        ([{k: v for k, v in _CALL.items() if k != "name"}], "needs name"),
+        ([_CALL | {"arguments": {"city": "Paris"}}], "needs arguments as a string"),
+        ([_CALL, {"type": "function_call_output", "call_id": "call_1"}], "needs an output"),
+        (
+            [_CALL, {"type": "function_call_output", "call_id": "call_1", "output": 22}],
+            "output must be a string or a list of text parts",
+        ),
+        (
+            [{"type": "function_call_output", "call_id": "call_9", "output": "22"}],
+            "no function_call item before it has call_id 'call_9'",
+        ),
+    ],
+)
+async def test_function_call_items_are_checked(
+    servers: ToolServers, items: list[Any], message: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await create(servers, "hermes", input=items, tools=[WEATHER_TOOL])
+    assert caught.value.body["param"] == "input"  # type: ignore[index]
+    assert message in caught.value.body["message"]  # type: ignore[index]
+
+
+async def test_a_function_call_output_may_be_text_parts(servers: ToolServers) -> None:
+    output = [{"type": "input_text", "text": '{"temperature": 22, "unit": "celsius"}'}]
+    items = [
+        {"role": "user", "content": "agent: the weather in Paris?"},
+        _CALL,
+        {"type": "function_call_output", "call_id": "call_1", "output": output},
+    ]
+    response = await create(servers, "hermes", input=items, tools=[WEATHER_TOOL])
+    assert response.output_text == "It is 22 degrees in Paris."
