@@ -244,6 +244,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 _RUNTIME_HELP = "event loop of this process: asyncio or trio (default asyncio)"
+_SERVE_EPILOG = """\
+stopping and failing:
+  SIGTERM or Ctrl+C  the listening socket closes at once: a new connection (a health probe's
+                     too) is refused while the responses in flight finish for up to
+                     --shutdown-timeout, then end with a 503 error; the process exits 0.
+                     Take the server out of a load balancer on the signal, not on /health.
+                     A second signal ends the responses at once.
+  a hung step        a step whose model call never returns (the process still alive and
+                     answering) is cut after --step-timeout-s, 300 s by default: the engine
+                     is dead, responses end with 503 engine_dead and the process exits 3
+                     for a supervisor to restart it. Lower it where steps are short
+                     (--step-timeout-s 30); a frozen process (stopped, deadlocked) is
+                     declared dead sooner, after --engine-heartbeat-timeout-s (10 s).
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -272,7 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_config_flags(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    p = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Run the OpenAI-compatible HTTP server over an engine.",
+        epilog=_SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
     p.add_argument("--runtime", choices=["asyncio", "trio"], default="asyncio", help=_RUNTIME_HELP)
@@ -330,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         metavar="S",
-        help="on SIGTERM/Ctrl+C, how long responses in flight may take to finish (default 30)",
+        help="on SIGTERM/Ctrl+C the listener closes at once (new connections are refused); "
+        "how long responses in flight may then take to finish (default 30)",
     )
     p.add_argument(
         "--disable-any-whitespace",
