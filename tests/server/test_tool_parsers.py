@@ -210,3 +210,26 @@ def test_reasoning_tokens_stop_at_the_marker_in_a_merged_piece() -> None:
     text = "<think>ab</think>\n\ncd"
     assert feeder.feed(text, list(text.encode()), final=True) == ("ab", "cd")
     assert feeder.reasoning_tokens == len("<think>ab</think>")
+
+
+@pytest.mark.parametrize(
+    ("text", "end"),
+    [
+        ("{}", 2),
+        ('{"a": "}"}', 10),
+        ('{"a": "\\"}"}', 12),
+        ('{"a": "\\\\"}', 11),
+        ('{"a": "\\\\\\"}"}', 14),
+        ('[1, [2], {"b": "]"}]', 20),
+        ('{"a":1}} tail', 7),
+        ('{"a": "x', None),
+        ('{"a": "x\\', None),
+        ('{"a": [}', None),
+    ],
+)
+def test_value_end_follows_brackets_and_strings(text: str, end: int | None) -> None:
+    from engine_core.server.tools._calls import value_end
+
+    assert value_end(text, 0) == end
+    if end is not None:
+        assert value_end("xy" + text, 2) == end + 2

@@ -84,28 +84,29 @@ def skip_space(text: str, pos: int) -> int:
     return match.end()
 
 
+_JSON_PIECE = re.compile(r'[^"\[\]{}]+|"[^"\\]*(?:\\.[^"\\]*)*"?|.', re.DOTALL)
+"""What :func:`value_end` steps over at once: a run without quotes or brackets, a string
+(closed, or open to the end of the text), or one character."""
+
+
 def value_end(text: str, start: int) -> int | None:
     """The end of the JSON object or array starting at ``start`` (None: not closed yet). Only
-    brackets and strings are followed; :func:`read_call` checks the JSON itself."""
+    brackets and strings are followed; :func:`read_call` checks the JSON itself. Strings and
+    runs between brackets are skipped by a regex, so a long value costs little to rescan."""
     depth = 0
-    in_string = escaped = False
-    for pos in range(start, len(text)):
-        char = text[pos]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
+    pos = start
+    length = len(text)
+    while pos < length:
+        match = _JSON_PIECE.match(text, pos)
+        assert match is not None  # "." matches any character
+        piece = match.group()
+        pos = match.end()
+        if piece in ("{", "["):
             depth += 1
-        elif char in "}]":
+        elif piece in ("}", "]"):
             depth -= 1
             if depth == 0:
-                return pos + 1
+                return pos
     return None
 
 
