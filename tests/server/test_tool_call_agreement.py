@@ -6,6 +6,7 @@ arguments that parse as a JSON object, and ``"tool_calls"`` only ends a choice t
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -103,7 +104,7 @@ def outputs(draw: st.DrawFn, fmt: str) -> str:
 
 
 def whole(reader: ChatReader, text: str, reason: str) -> dict[str, Any]:
-    completion = CompletionOutput(0, text, list(text.encode()), finish_reason=reason)  # type: ignore[arg-type]
+    (completion,) = pieces(text, reason, [])
     message, finish_reason = reader.message(completion)
     calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
     return {
@@ -114,22 +115,22 @@ def whole(reader: ChatReader, text: str, reason: str) -> dict[str, Any]:
     }
 
 
-def streamed(reader: ChatReader, text: str, reason: str, cuts: list[int]) -> dict[str, Any]:
+def pieces(text: str, reason: str, cuts: list[int]) -> Iterator[CompletionOutput]:
+    """The outputs of ``text`` streamed in the pieces that ``cuts`` make (the byte
+    tokenizer's token ids), the last one finished with ``reason``."""
     bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
-    pairs = list(zip(bounds, bounds[1:], strict=False)) or [(0, 0)]
+    for start, end in list(zip(bounds, bounds[1:], strict=False)) or [(0, 0)]:
+        piece = text[start:end]
+        finish_reason: Any = reason if end == len(text) else None
+        yield CompletionOutput(0, piece, list(piece.encode()), finish_reason=finish_reason)
+
+
+def streamed(reader: ChatReader, text: str, reason: str, cuts: list[int]) -> dict[str, Any]:
     stream = reader.stream(0)
     content = reasoning = ""
     calls: dict[int, list[str]] = {}
     finish_reason = None
-    for start, end in pairs:
-        piece = text[start:end]
-        last = end == len(text)
-        completion = CompletionOutput(
-            0,
-            piece,
-            list(piece.encode()),
-            finish_reason=reason if last else None,  # type: ignore[arg-type]
-        )
+    for completion in pieces(text, reason, cuts):
         delta, finish_reason = stream.delta(completion)
         if delta is None:
             continue
@@ -224,19 +225,10 @@ def test_a_duplicated_name_reads_the_same_streamed_and_whole(fmt: str) -> None:
 def response_items(reader: ChatReader, text: str, reason: str, cuts: list[int]) -> list[Any]:
     """The ``/v1/responses`` output items of ``text`` streamed in the pieces ``cuts`` make:
     (type, text) or (type, name, arguments), and the events' item types."""
-    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
     stream = reader.stream(0)
     items = OutputItems()
     added: list[str] = []
-    for start, end in list(zip(bounds, bounds[1:], strict=False)) or [(0, 0)]:
-        piece = text[start:end]
-        last = end == len(text)
-        completion = CompletionOutput(
-            0,
-            piece,
-            list(piece.encode()),
-            finish_reason=reason if last else None,  # type: ignore[arg-type]
-        )
+    for completion in pieces(text, reason, cuts):
         parts, _ = stream.parts(completion)
         for event in items.add(parts):
             added += [e["item"]["type"] for e in _events(event, "response.output_item.added")]
