@@ -47,8 +47,8 @@ class ToolCallDelta:
     arguments (a call goes out once its markup is complete, so its arguments always parse)."""
 
     index: int
-    id: str | None
-    name: str | None
+    id: str
+    name: str
     arguments: str
 
 
