@@ -140,7 +140,9 @@ def decode_body(body: bytes, struct: type[S]) -> S:
         raise _too_deep(body, struct.__struct_fields__) from None
 
 
-_SURROGATE_ESCAPE = re.compile(rb"(\\+)u([dD][0-9a-fA-F]{3})")
+_SURROGATE_ESCAPE = re.compile(rb"(?<!\\)(\\++)u([dD][0-9a-fA-F]{3})")
+"""A run of backslashes (matched from its start, without backtracking: linear in a body of
+backslashes) and the ``u`` of an escape in the surrogates' range."""
 
 
 def _lone_surrogate(body: bytes) -> tuple[int, int] | None:

@@ -5,6 +5,7 @@ JSON schema; the engine holds no request afterwards."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import anyio
@@ -116,3 +117,7 @@ def test_lone_surrogates_are_found_and_pairs_and_escaped_backslashes_are_not() -
     assert _lone_surrogate(rb'"\ud800\ud800\udc00"') == (1, 7)
     assert _lone_surrogate(rb'"\ud800 \udc00"') == (1, 7)
     assert _lone_surrogate(rb'"\udc00\ud800"') == (1, 7)
+    # Linear in a run of backslashes (a backtracking scan would take minutes here).
+    started = time.perf_counter()
+    assert _lone_surrogate(b'{"stop": ["' + b"\\" * 300_001 + b'u"]}') is None
+    assert time.perf_counter() - started < 2.0
