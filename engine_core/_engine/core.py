@@ -40,7 +40,7 @@ from engine_core._core.protocol import (
 from engine_core._core.request import Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core._core.spec_decode import SpecDecoder
-from engine_core._plugins import load_backend, resolve_backend
+from engine_core._plugins import load_backend, resolve_config
 from engine_core._structured.manager import StructuredOutputManager
 from engine_core.abc import (
     AsyncModelRunnerOutput,
@@ -193,9 +193,9 @@ class EngineCore:
     ) -> None:
         self.clock = clock
         if backend_cls is None:
-            # "auto" becomes the backend it picks, which the engine then reports by name.
-            name = resolve_backend(config.backend, config).name
-            config = msgspec.structs.replace(config, backend=name)
+            # "auto" becomes the backend it picks (with the options it needs here), which the
+            # engine then reports by name.
+            _, config = resolve_config(config)
         cls = backend_cls if backend_cls is not None else load_backend(config.backend, config)
         backend = cls(config)
         try:

@@ -47,7 +47,10 @@ class GrammarSpec:
 
     ``kind`` is the field of :class:`~engine_core.StructuredOutputsParams` that is set;
     ``text`` is its value as text (a JSON schema given as a dict or as valid JSON text is
-    re-serialized with sorted keys, so equal schemas share one entry).
+    re-serialized without whitespace, so schemas written differently share one entry). The keys
+    keep their order: the grammar writes an object's properties in the order the schema lists
+    them (as OpenAI's strict mode and vLLM do), so ``{name, age}`` and ``{age, name}`` are two
+    grammars.
     """
 
     kind: str
@@ -71,11 +74,14 @@ class GrammarSpec:
 
 
 def _canonical_json(schema: str | dict[str, Any]) -> str:
-    """``schema`` re-serialized with sorted keys. Text that does not parse is kept as it is (its
-    compilation reports it); a dict that does not serialize raises :class:`GrammarError`."""
+    """``schema`` re-serialized compactly, its keys in their order. Text that does not parse is
+    kept as it is (its compilation reports it); a dict that does not serialize raises
+    :class:`GrammarError`."""
     try:
         value = json.loads(schema) if isinstance(schema, str) else schema
-        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        # NOTE: never sort_keys: the grammar is compiled from this text, and a model steered
+        # into another key order than the one its prompt and schema show writes worse JSON.
+        return json.dumps(value, separators=(",", ":"))
     except (ValueError, TypeError, RecursionError) as exc:
         if isinstance(schema, str):
             return schema
