@@ -163,6 +163,7 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     renames: dict[str, str],
+    prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
     compact_json: bool = False,
 ) -> SamplingParams:
@@ -194,6 +195,7 @@ def sampling_params(
         "skip_special_tokens": body.skip_special_tokens,
         "spaces_between_special_tokens": body.spaces_between_special_tokens,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "output_kind": RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         "structured_outputs": structured_outputs,
         "logit_bias": _logit_bias(body.logit_bias),
