@@ -219,6 +219,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
+        strict_request_fields=args.strict_request_fields,
     )
     config = engine_config_from_args(args)
     started = False
@@ -391,6 +392,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["qwen3", "deepseek_r1"],
         default=None,
         help="put the model's <think>...</think> text in reasoning_content",
+    )
+    p.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="answer 400 to a request body with a field the server does not know (default: "
+        "ignore it, with one warning per request naming it)",
     )
     p.add_argument(
         "--log-level",

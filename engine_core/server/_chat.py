@@ -302,6 +302,7 @@ def chat_params(
         renames=renames,
         structured_outputs=_constraint(state, body, choice),
         compact_json=state.disable_any_whitespace,
+        tokenizer=state.tokenizer,
     )
     parser = state.tool_parser
     if choice.mode == "auto" and parser is not None and parser.keeps_special_tokens:
@@ -317,7 +318,7 @@ def _fields(body: ChatCompletionRequest) -> Fields:
 async def create_chat_completion(
     state: ServerState, request: Request
 ) -> Response | EventStreamResponse:
-    body = await read_body(request, ChatCompletionRequest, state.max_body_bytes)
+    body = await read_body(request, ChatCompletionRequest, state)
     model = state.model_name(body.model)
     choice = tool_choice_of(state, body)
     params = chat_params(state, body, choice)

@@ -130,7 +130,7 @@ class _Columns:
 
 
 async def create_completion(state: ServerState, request: Request) -> Response | EventStreamResponse:
-    body = await read_body(request, CompletionRequest, state.max_body_bytes)
+    body = await read_body(request, CompletionRequest, state)
     model = state.model_name(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
@@ -154,6 +154,7 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
         prompt_logprobs=num_prompt_logprobs,
         renames={},
         compact_json=state.disable_any_whitespace,
+        tokenizer=state.tokenizer,
     )
     prompts = _prepare_prompts(state, body.prompt, params.n)
     check_lengths(state, prompts, params, given)

@@ -74,6 +74,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = 0
+    allowed_token_ids: list[int] | None = None
+    """vLLM's: only these tokens may be sampled (a +100 logit bias on each)."""
+    bad_words: list[str] | None = None
+    """vLLM's: words never to generate; each must be one token, as written or after a space (a
+    -100 logit bias on those tokens)."""
     prompt_logprobs: int | None = None
     """vLLM's: the logprobs of the prompt's tokens (and of this many most likely candidates at
     each position), answered as ``prompt_logprobs`` (the first position ``null``)."""
