@@ -144,6 +144,15 @@ def test_serve_and_bench_serve(
     assert main([*argv, "--endpoint", "completions", "--api-key", "secret"]) == 0
     assert json.loads(out.read_text())["output_tokens"] == 40
 
+    # vllm bench serve's random dataset: prompts of exactly N random tokens, EOS ignored.
+    random_prompts = ["--random-input-len", "20", "--tokenizer", "byte", "--ignore-eos"]
+    assert main([*argv, "--endpoint", "completions", *random_prompts, "--api-key", "secret"]) == 0
+    summary = json.loads(out.read_text())
+    assert (summary["prompt_tokens"], summary["output_tokens"]) == (8 * 20, 40)
+    assert "input=20 random tokens ignore_eos=True" in capsys.readouterr().out
+    assert main([*argv, *random_prompts, "--api-key", "secret"]) == 0  # chat: their text
+    assert json.loads(out.read_text())["failed"] == 0
+
     assert main([*argv, "--api-key", "wrong"]) == 1
     assert json.loads(out.read_text())["failed"] == 8
     assert "HTTP 401" in capsys.readouterr().err

@@ -177,6 +177,12 @@ def size_kv_cache(config: EngineConfig, backend: Backend) -> tuple[int, EngineCo
     return num_blocks, resolved
 
 
+def _shown_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The backend options worth a startup log: scalars (a mock's scripted replies or a fault
+    plan are left out)."""
+    return {k: v for k, v in options.items() if isinstance(v, str | int | float | bool)}
+
+
 class EngineCore:
     """The engine: owns the backend and the scheduler and steps them.
 
@@ -593,6 +599,15 @@ class EngineCore:
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
             backend=self.config.backend,
+            backend_options=_shown_options(self.config.backend_options),
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens or 0,
+            async_scheduling=self.async_scheduling,
+            speculative_method=(
+                self.config.speculative_config.method
+                if self.config.speculative_config is not None and self.spec_support is not None
+                else None
+            ),
         )
 
     def get_stats(self) -> EngineStats:
