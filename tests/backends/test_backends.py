@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 
 from engine_core import _plugins as _backends
-from engine_core._plugins import list_backends, load_backend, resolve_backend
-from engine_core._plugins import resolve_config
+from engine_core._plugins import list_backends, load_backend, resolve_backend, resolve_config
 from engine_core.abc import Backend
 from engine_core.config import EngineConfig
 from engine_core.errors import BackendError
@@ -100,8 +99,7 @@ def test_unknown_backend_names_the_installed_ones_and_what_to_install(
         resolve_backend("cpu")
     # No made-up package names ("engine-core-cpu" does not exist).
     assert str(caught.value) == (
-        "unknown backend 'cpu': installed: cuda (unusable: no fake device here), mock "
-        "(usable)"
+        "unknown backend 'cpu': installed: cuda (unusable: no fake device here), mock (usable)"
     )
 
 

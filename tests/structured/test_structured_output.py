@@ -222,9 +222,7 @@ def test_hf_tokenizer(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     regex = r"hello [a-z]{1,5}!"
     # The mock's vocabulary (32000) is larger than the tokenizer's: the extra ids stay masked.
-    with LLM(
-        backend="mock", tokenizer=str(tmp_path), backend_options={"vocab_size": 32000}
-    ) as llm:
+    with LLM(backend="mock", tokenizer=str(tmp_path), backend_options={"vocab_size": 32000}) as llm:
         outs = llm.generate(
             ["hello"] * 2,
             [_params(max_tokens=60, regex=regex), _params(choice=["hello world", "there"])],
