@@ -27,7 +27,13 @@ from helpers.tool_servers import (
 )
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from engine_core.server.tools._choice import MAX_REQUIRED_TOOLS, read_tool_choice, read_tools
+from engine_core.sampling_params import StructuredOutputsParams
+from engine_core.server.tools._choice import (
+    MAX_REQUIRED_TOOLS,
+    call_list_schema,
+    read_tool_choice,
+    read_tools,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -336,17 +342,28 @@ def test_the_most_tools_required_takes_still_parse() -> None:
     pytest.importorskip("llguidance")
     from engine_core._structured.grammar import GrammarSpec, build_tokenizer, compile_grammar
 
-    tools = [
-        {"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object"}}}
-        for i in range(MAX_REQUIRED_TOOLS)
-    ]
+    def tools(count: int) -> list[Any]:
+        return [
+            {"type": "function", "function": {"name": f"t_{i}", "parameters": {"type": "object"}}}
+            for i in range(count)
+        ]
+
+    tokenizer = build_tokenizer("byte", 258)
     for parallel in (True, False):
-        constraint = read_tool_choice("required", read_tools(tools), parallel, auto_enabled=False)
-        params = constraint.constraint()
+        choice = read_tool_choice(
+            "required", read_tools(tools(MAX_REQUIRED_TOOLS)), parallel, auto_enabled=False
+        )
+        params = choice.constraint()
         assert params is not None
-        matcher = compile_grammar(build_tokenizer("byte", 258), GrammarSpec.from_params(params))
-        assert all(matcher.consume_token(b) for b in b'[{"name": "tool_1899", "parameters": {}}]')
+        matcher = compile_grammar(tokenizer, GrammarSpec.from_params(params))
+        assert all(matcher.consume_token(b) for b in b'[{"name": "t_1899", "parameters": {}}]')
         assert not matcher.is_error()
+    # Why the bound: with 2,000 tools llguidance refuses the call list's first row (were its
+    # limit to grow, so could MAX_REQUIRED_TOOLS).
+    params = StructuredOutputsParams(json=call_list_schema(read_tools(tools(2000)), True))
+    matcher = compile_grammar(tokenizer, GrammarSpec.from_params(params))
+    assert not all(matcher.consume_token(b) for b in b'[{"name": "t_')
+    assert "max is 2000" in matcher.get_error()
 
 
 # -- the SDK's helpers and an agent loop ------------------------------------------------------

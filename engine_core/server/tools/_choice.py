@@ -20,7 +20,14 @@ from engine_core.server.tools._calls import (
 )
 from engine_core.server.tools._parser import ToolParser
 
-__all__ = ["MAX_REQUIRED_TOOLS", "FunctionTool", "ToolChoice", "read_tool_choice", "read_tools"]
+__all__ = [
+    "MAX_REQUIRED_TOOLS",
+    "FunctionTool",
+    "ToolChoice",
+    "call_list_schema",
+    "read_tool_choice",
+    "read_tools",
+]
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -97,19 +104,7 @@ class ToolChoice:
             )
         for index, tool in enumerate(self.tools):  # the call list nests each schema deeper
             _schema_params(tool.parameters, index, _CALL_LIST_DEPTH)
-        calls = [
-            {
-                "type": "object",
-                "properties": {"name": {"const": tool.name}, "parameters": tool.parameters},
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for tool in self.tools
-        ]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        if not self.parallel:
-            schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=call_list_schema(self.tools, self.parallel))
 
     def parser(self, auto: ToolParser | None) -> ToolParser | None:
         """The parser that reads this choice's calls back (``auto``: the server's)."""
@@ -175,6 +170,24 @@ more than 2000 items, and the call list's first row holds one per tool (and a fe
 _CALL_LIST_DEPTH = 5
 """How deep the call list of ``"required"`` puts each tool's parameters: the array, its
 ``items``, ``anyOf``, a call object, its ``properties``."""
+
+
+def call_list_schema(tools: list[FunctionTool], parallel: bool) -> dict[str, Any]:
+    """The JSON schema of ``"required"``'s output: a list of calls to ``tools`` (at most one
+    unless ``parallel``)."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": tool.name}, "parameters": tool.parameters},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 def _schema_params(schema: dict[str, Any], index: int, depth: int) -> StructuredOutputsParams:
