@@ -2,7 +2,7 @@
 arrive per group (no torch).
 
 The engine core may split the layers into **KV-cache groups** (full attention, sliding window,
-chunked local; see ``docs/kv_cache_groups.md``): each group has a block table of its own per
+chunked local; see ``docs/cuda_kv_groups.md``): each group has a block table of its own per
 request, and all groups share one pool of pages of the same byte size. A page of group ``g``
 holds one block of ``block_size`` tokens for every layer of ``g``; groups are padded to the
 size of the largest, so the cache is one tensor ``[slots, 2, num_blocks, block_size,
