@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -14,23 +13,13 @@ import torch
 from engine_core_cuda import CudaBackend
 from engine_core_cuda._hf_config import RopeConfig, load_model_config
 from engine_core_cuda._rope import inverse_frequencies
-from tiny_models import WINDOW, TinyModel
+from tiny_models import WINDOW, TinyModel, edited_copy
 
 from engine_core.config import EngineConfig
 
 
 def _copy(model: TinyModel, tmp_path: Path, **changes: object) -> Path:
-    """A copy of the model directory with ``config.json`` fields replaced (None: removed)."""
-    target = tmp_path / model.kind
-    shutil.copytree(model.path, target)
-    path = target / "config.json"
-    config = json.loads(path.read_text())
-    for key, value in changes.items():
-        config.pop(key, None)
-        if value is not None:
-            config[key] = value
-    path.write_text(json.dumps(config))
-    return target
+    return edited_copy(model.path, tmp_path / model.kind, changes)
 
 
 def _backend(directory: Path) -> CudaBackend:

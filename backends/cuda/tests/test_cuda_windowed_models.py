@@ -8,14 +8,12 @@ transformers'."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from hf_reference import PROMPTS, greedy, log_softmax
-from tiny_models import WINDOW, TinyModel
+from tiny_models import WINDOW, TinyModel, edited_copy
 
 from engine_core import SamplingParams
 from engine_core.outputs import RequestOutput
@@ -124,16 +122,9 @@ def test_mistral_serves_past_its_window(tiny: dict[str, TinyModel]) -> None:
 
 
 def _edited(model: TinyModel, tmp_path: Path, changes: dict[str, object]) -> TinyModel:
-    """The same checkpoint with ``config.json`` fields replaced (None removes one)."""
-    target = tmp_path / model.kind
-    shutil.copytree(model.path, target)
-    path = target / "config.json"
-    config = json.loads(path.read_text())
-    for key, value in changes.items():
-        config.pop(key, None)
-        if value is not None:
-            config[key] = value
-    path.write_text(json.dumps(config))
+    """The same checkpoint (and transformers model) with ``config.json`` fields replaced (None
+    removes one)."""
+    target = edited_copy(model.path, tmp_path / model.kind, changes)
     edited = TinyModel.__new__(TinyModel)
     edited.kind, edited.path, edited.hf = model.kind, target, model.hf
     return edited

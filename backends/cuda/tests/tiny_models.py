@@ -4,6 +4,7 @@ tokenizer, written as HF directories at test time (no download)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +226,20 @@ def build(kind: str, directory: Path) -> torch.nn.Module:
         _to_published_gemma3_config(directory / "config.json")
     write_tokenizer(directory)
     return model
+
+
+def edited_copy(source: Path, target: Path, changes: dict[str, Any]) -> Path:
+    """A copy of the model directory ``source`` at ``target`` whose ``config.json`` has the
+    fields of ``changes`` replaced (a value of None removes the field)."""
+    shutil.copytree(source, target)
+    path = target / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        config.pop(key, None)
+        if value is not None:
+            config[key] = value
+    path.write_text(json.dumps(config))
+    return target
 
 
 class TinyModel:
