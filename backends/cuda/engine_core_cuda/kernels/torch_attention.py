@@ -9,10 +9,12 @@ Sequences with several queries (prefill chunks) run together too, padded to the 
 padding would more than double the work (then one at a time). It reads the lengths back to the
 host, so it is not capturable in a CUDA graph.
 
-Each sequence's keys are gathered from the block holding the first key its queries see (a
-sliding window or a chunk narrows that), and only from its own blocks: the gather never reads a
-block-table entry behind the window nor past the sequence's last block. Soft-capped scores and
-sinks have no ``scaled_dot_product_attention``: those layers compute the softmax explicitly.
+In a window (or chunked) layer each sequence's keys are gathered from the block holding the first
+key its queries see, and only from its own blocks: the gather never reads a block-table entry
+behind the window nor past the sequence's last block (a table there may hold null ids). A full
+layer's table holds real blocks only, so its gather takes the table's first columns for every
+sequence (a plain slice) and masks what lies past each sequence. Soft-capped scores and sinks
+have no ``scaled_dot_product_attention``: those layers compute the softmax explicitly.
 """
 
 from __future__ import annotations
@@ -49,9 +51,13 @@ def _gather(
     q_lens: list[int],
     block_size: int,
     layer: _Layer,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(blocks [S, n], first_key [S])``: each sequence's blocks from the one holding the first
-    key its queries see, padded with that block (masked out) to the longest."""
+    key its queries see, padded with that block (masked out) to the longest; for a full layer
+    the first ``n`` blocks of each row and ``first_key`` None (0)."""
+    if layer.window is None and layer.chunk is None:
+        count = -(-max(lengths) // block_size)
+        return block_table[rows.long(), :count].long(), None
     first = [
         first_visible_int(n - q, layer.window, layer.chunk) // block_size
         for n, q in zip(lengths, q_lens, strict=True)
@@ -94,18 +100,20 @@ def _attend(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     blocks: torch.Tensor,
-    first_key: torch.Tensor,
+    first_key: torch.Tensor | None,
     seq_lens: torch.Tensor,
     layer: _Layer,
 ) -> torch.Tensor:
     """``q``: ``[S, Q, heads, head_size]``, the last ``Q`` positions of ``S`` sequences of
-    ``seq_lens`` tokens whose keys from ``first_key`` on are in the cache blocks ``blocks``
-    (``[S, blocks]``). Returns float32 ``[S, Q, heads, head_size]``."""
+    ``seq_lens`` tokens whose keys from ``first_key`` (None: 0) on are in the cache blocks
+    ``blocks`` (``[S, blocks]``). Returns float32 ``[S, Q, heads, head_size]``."""
     num_queries = q.shape[1]
     k = key_cache[blocks].flatten(1, 2).float()  # [S, L, kv_heads, D]
     v = value_cache[blocks].flatten(1, 2).float()
     # Query i of a sequence of n tokens sits at position n - Q + i and sees keys up to that.
-    key_pos = first_key[:, None] + torch.arange(k.shape[1], device=q.device)  # [S, L]
+    key_pos = torch.arange(k.shape[1], device=q.device)[None, :]  # [1 or S, L]
+    if first_key is not None:
+        key_pos = key_pos + first_key[:, None]
     query_pos = (seq_lens[:, None] - num_queries) + torch.arange(num_queries, device=q.device)
     visible = key_pos[:, None, :] <= query_pos[:, :, None]  # [S, Q, L]
     if layer.window is not None or layer.chunk is not None:
