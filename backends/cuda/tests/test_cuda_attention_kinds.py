@@ -82,7 +82,8 @@ def make_case(q_lens: list[int], context: list[int], kind: Kind, *, num_heads: i
               seed: int = 0) -> Case:  # fmt: skip
     """Dense keys and values paged into shuffled blocks; the blocks wholly before the first key
     a sequence's first query sees are released: their table entries alternate between -1 and
-    the id of a block of NaNs."""
+    the id of a block of NaNs. A windowed layer's entries past a sequence's blocks are the NaN
+    block too (it reads only its own); a full layer's are other requests' (finite) blocks."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(context, q_lens, strict=True)]
     per_seq = [-(-n // block_size) for n in seq_lens]
@@ -95,7 +96,9 @@ def make_case(q_lens: list[int], context: list[int], kind: Kind, *, num_heads: i
     key_cache[poison] = float("nan")
     value_cache[poison] = float("nan")
     width = max(per_seq) + 1
-    table = torch.full((len(q_lens) + 2, width), poison, dtype=torch.int32)
+    windowed = kind.window is not None or kind.chunk is not None
+    spare = poison if windowed else int(perm[-1])
+    table = torch.full((len(q_lens) + 2, width), spare, dtype=torch.int32)
     rows = torch.randperm(len(q_lens) + 2, generator=gen)[: len(q_lens)].to(torch.int32)
     options = kind.options(num_heads, gen)
     scale = head_size**-0.5

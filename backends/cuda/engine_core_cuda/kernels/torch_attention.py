@@ -11,10 +11,11 @@ host, so it is not capturable in a CUDA graph.
 
 In a window (or chunked) layer each sequence's keys are gathered from the block holding the first
 key its queries see, and only from its own blocks: the gather never reads a block-table entry
-behind the window nor past the sequence's last block (a table there may hold null ids). A full
-layer's table holds real blocks only, so its gather takes the table's first columns for every
-sequence (a plain slice) and masks what lies past each sequence. Soft-capped scores and sinks
-have no ``scaled_dot_product_attention``: those layers compute the softmax explicitly.
+behind the window (a null id there is fine) nor past the sequence's last block. A full layer's
+table holds real blocks only: its gather is a slice of the rows' first columns, as long as the
+longest sequence, whose keys past a shorter sequence's end are masked (they hold finite KV of
+other requests). Soft-capped scores and sinks have no ``scaled_dot_product_attention``: those
+layers compute the softmax explicitly.
 """
 
 from __future__ import annotations
@@ -22,13 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from engine_core_cuda.kernels.attention_masks import (
-    check_attention_options,
-    first_visible,
-    first_visible_int,
-)
+from engine_core_cuda.kernels.attention_masks import check_attention_options, first_visible
 
 __all__ = ["paged_attention_torch"]
 
@@ -52,23 +50,25 @@ def _gather(
     block_size: int,
     layer: _Layer,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(blocks [S, n], first_key [S])``: each sequence's blocks from the one holding the first
-    key its queries see, padded with that block (masked out) to the longest; for a full layer
-    the first ``n`` blocks of each row and ``first_key`` None (0)."""
+    """``(blocks [S, n], first_key [S] or None for 0)``: a window (chunk) layer's sequences'
+    blocks from the one holding the first key their queries see, padded with that block
+    (masked out) to the longest, the indices computed on the host where the lengths are; a full
+    layer's first ``n`` columns of each row."""
     if layer.window is None and layer.chunk is None:
-        count = -(-max(lengths) // block_size)
-        return block_table[rows.long(), :count].long(), None
-    first = [
-        first_visible_int(n - q, layer.window, layer.chunk) // block_size
-        for n, q in zip(lengths, q_lens, strict=True)
-    ]
-    needed = [-(-n // block_size) - f for n, f in zip(lengths, first, strict=True)]
+        return block_table[rows.long(), : -(-max(lengths) // block_size)].long(), None
     device = block_table.device
-    first_block = torch.tensor(first, device=device)
-    index = first_block[:, None] + torch.arange(max(needed), device=device)
-    own = index < (first_block + torch.tensor(needed, device=device))[:, None]
-    index = torch.where(own, index, first_block[:, None])
-    return block_table[rows.long()[:, None], index].long(), first_block * block_size
+    ends = -(-np.asarray(lengths, dtype=np.int64) // block_size)
+    first_query = np.asarray(lengths, dtype=np.int64) - np.asarray(q_lens, dtype=np.int64)
+    first = np.zeros_like(first_query)
+    if layer.window is not None:
+        first = np.maximum(first, first_query - layer.window + 1)
+    if layer.chunk is not None:
+        first = np.maximum(first, first_query // layer.chunk * layer.chunk)
+    first //= block_size
+    index = first[:, None] + np.arange(int((ends - first).max()))
+    index = np.where(index < ends[:, None], index, first[:, None])
+    blocks = block_table[rows.long()[:, None], torch.from_numpy(index).to(device)].long()
+    return blocks, torch.from_numpy(first * block_size).to(device)
 
 
 def _softmax_attention(
