@@ -125,6 +125,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
+    LOCAL: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
@@ -156,11 +157,15 @@ def _paged_attention_kernel(
         other=0.0,
     )
     q_position = context_len + q_index
-    row_start = _first_visible(q_position, window, chunk)
 
     # Keys [kv_start, kv_end) seen by some query of the block (the first query sees the first
-    # of them, the last query the last), split evenly into segments of whole tiles.
-    kv_start = _first_visible(context_len + q_block * BLOCK_Q, window, chunk)
+    # of them, the last query the last), split evenly into segments of whole tiles. A full
+    # layer (not LOCAL) starts at key 0 and compiles without the window's arithmetic.
+    kv_start = 0
+    row_start = q_position
+    if LOCAL:
+        kv_start = _first_visible(context_len + q_block * BLOCK_Q, window, chunk)
+        row_start = _first_visible(q_position, window, chunk)
     kv_end = context_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len)
     first_tile = kv_start // TILE_N
     num_tiles = tl.cdiv(kv_end, TILE_N) - first_tile
@@ -178,7 +183,9 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     for tile in range(tile_start, tile_end):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)
-        n_valid = (offs_n >= kv_start) & (offs_n < kv_end)
+        n_valid = offs_n < kv_end
+        if LOCAL:
+            n_valid = n_valid & (offs_n >= kv_start)
         block_ids = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         slot_offsets = (
             block_ids * stride_cache_block
@@ -197,12 +204,9 @@ def _paged_attention_kernel(
         s = s * scale
         if HAS_SOFTCAP:
             s = softcap * _tanh(s / softcap)
-        visible = (
-            (offs_n[None, :] <= q_position[:, None])
-            & (offs_n[None, :] >= row_start[:, None])
-            & n_valid[None, :]
-            & row_valid[:, None]
-        )
+        visible = (offs_n[None, :] <= q_position[:, None]) & n_valid[None, :] & row_valid[:, None]
+        if LOCAL:
+            visible = visible & (offs_n[None, :] >= row_start[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no visible key yet keeps m = -inf; subtract 0 instead to avoid inf - inf.
@@ -378,6 +382,7 @@ def paged_attention(
         TILE_N=tile_n,
         BLOCK_SIZE=block_size,
         NUM_SEGMENTS=num_segments,
+        LOCAL=window is not None or chunk is not None,
         HAS_SINKS=sinks is not None,
         HAS_SOFTCAP=softcap is not None,
         IEEE=q.dtype == torch.float32,
