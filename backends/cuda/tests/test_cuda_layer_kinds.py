@@ -47,6 +47,18 @@ def test_gemma3_reads_the_same_from_both_spellings(
     assert published.attn_logit_softcapping is None  # Gemma 3 has none (transformers ignores it)
 
 
+def test_gemma2_reads_the_same_from_both_spellings(
+    tiny: dict[str, TinyModel], tmp_path: Path
+) -> None:
+    model = tiny["gemma2"]  # saved by transformers 5: rope_parameters, dtype
+    config = json.loads((model.path / "config.json").read_text())
+    assert "rope_parameters" in config and "rope_theta" not in config
+    published = _copy(model, tmp_path, rope_parameters=None, dtype=None,
+                      rope_theta=config["rope_parameters"]["rope_theta"],
+                      torch_dtype=config["dtype"])  # fmt: skip
+    assert load_model_config(published) == load_model_config(model.path)
+
+
 def test_gemma3_ropes_per_layer_kind_equal_transformers(tiny: dict[str, TinyModel]) -> None:
     model = tiny["gemma3"]
     config = load_model_config(model.path)
