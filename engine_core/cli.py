@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import errno
 import inspect
 import itertools
 import json
@@ -218,24 +219,54 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
+        strict_request_fields=args.strict_request_fields,
     )
     config = engine_config_from_args(args)
+    started = False
 
     async def run() -> None:
+        nonlocal started
         print(f"engine-core: starting the engine (backend {config.backend})...", file=sys.stderr)
         async with anyio.create_task_group() as task_group:
             url = await task_group.start(functools.partial(run_server, config, settings))
+            started = True
             print(f"engine-core: serving on {url} (Ctrl+C to stop)", file=sys.stderr, flush=True)
 
     died: list[BaseException] = []
+    failed: list[BaseException] = []
     try:
         anyio.run(run, **run_options(args.runtime))
     except* EngineDeadError as group:
         died.extend(group.exceptions)
+    except* _STARTUP_ERRORS as group:
+        if started:
+            raise
+        failed.append(_first(group))
+    if failed:
+        # A configuration that cannot serve (a bad backend or model, a port in use): the
+        # message says it all, as `generate` says it, without the traceback.
+        error = failed[0]
+        hint = ""
+        if isinstance(error, OSError) and error.errno == errno.EADDRINUSE:
+            hint = " (another process listens there: choose another --port, or --port 0)"
+        print(f"engine-core: error: {error}{hint}", file=sys.stderr)
+        return 2
     if died:
         print(f"engine-core: the engine died: {died[0]}", file=sys.stderr)
         return ENGINE_DEAD_EXIT_CODE
     return 0
+
+
+_STARTUP_ERRORS = (ValueError, TypeError, LookupError, OSError)
+"""What a configuration that cannot start raises (BackendError is a LookupError)."""
+
+
+def _first(group: BaseExceptionGroup[Exception]) -> BaseException:
+    """The first exception of ``group``, out of the nested groups task groups make."""
+    first: BaseException = group
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first
 
 
 _RUNTIME_HELP = "event loop of this process: asyncio or trio (default asyncio)"
@@ -361,6 +392,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["qwen3", "deepseek_r1"],
         default=None,
         help="put the model's <think>...</think> text in reasoning_content",
+    )
+    p.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="answer 400 to a request body with a field the server does not know (default: "
+        "ignore it, with one warning per request naming it)",
     )
     p.add_argument(
         "--log-level",

@@ -144,6 +144,15 @@ def test_serve_and_bench_serve(
     assert main([*argv, "--endpoint", "completions", "--api-key", "secret"]) == 0
     assert json.loads(out.read_text())["output_tokens"] == 40
 
+    # vllm bench serve's random dataset: prompts of exactly N random tokens, EOS ignored.
+    random_prompts = ["--random-input-len", "20", "--tokenizer", "byte", "--ignore-eos"]
+    assert main([*argv, "--endpoint", "completions", *random_prompts, "--api-key", "secret"]) == 0
+    summary = json.loads(out.read_text())
+    assert (summary["prompt_tokens"], summary["output_tokens"]) == (8 * 20, 40)
+    assert "input=20 random tokens ignore_eos=True" in capsys.readouterr().out
+    assert main([*argv, *random_prompts, "--api-key", "secret"]) == 0  # chat: their text
+    assert json.loads(out.read_text())["failed"] == 0
+
     assert main([*argv, "--api-key", "wrong"]) == 1
     assert json.loads(out.read_text())["failed"] == 8
     assert "HTTP 401" in capsys.readouterr().err
@@ -234,3 +243,49 @@ def test_backend_hints_take_the_command_lines_form(
     assert error.startswith("engine-core: error: backend 'cuda' is not usable here")
     assert """--backend-options '{"device": "cpu"}'""" in error
     assert COMMAND_LINE_ENV not in os.environ  # main() leaves the environment as it found it
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        (
+            ["--backend", "Mock"],
+            "engine-core: error: the engine core failed to start (its process exited with "
+            "status 1): BackendError: unknown backend 'Mock': did you mean 'mock'? installed: ",
+        ),
+        (
+            ["--model", "/nonexistent/model"],
+            "engine-core: error: model '/nonexistent/model' is not a directory: give the "
+            "directory of an HF model (config.json, safetensors, tokenizer.json)",
+        ),
+        (
+            ["--backend", "mock", "--port", "PORT"],
+            "engine-core: error: [Errno 98] Address already in use (while attempting to bind on "
+            "address ('127.0.0.1', PORT)) (another process listens there: choose another "
+            "--port, or --port 0)",
+        ),
+    ],
+    ids=["misspelt-backend", "missing-model", "port-in-use"],
+)
+def test_serve_startup_errors_are_one_line(flags: list[str], error: str) -> None:
+    """What keeps ``serve`` from starting is said in one line, with no traceback, and the exit
+    status is 2 (as ``generate`` does)."""
+    import socket
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        argv = ["serve", "--port", "0", *[port if f == "PORT" else f for f in flags]]
+        result = subprocess.run(
+            [sys.executable, "-m", "engine_core", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 2, result.stderr
+    assert lines[0].startswith("engine-core: starting the engine")
+    assert lines[1].startswith(error.replace("PORT", port))

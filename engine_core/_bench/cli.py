@@ -207,6 +207,31 @@ def serve_rows(summary: dict[str, float]) -> list[tuple[str, str]]:
     return rows
 
 
+def _input_description(args: argparse.Namespace) -> str:
+    if args.random_input_len is not None:
+        return f"{args.random_input_len} random tokens"
+    return "the given prompt" if args.prompt is not None else f"{args.input_len} characters"
+
+
+def _serve_prompts(args: argparse.Namespace) -> Any:
+    """The prompt, or with ``--random-input-len`` one prompt of random tokens per request (ids
+    for the completions endpoint, their text for chat)."""
+    if args.random_input_len is None:
+        return args.prompt if args.prompt is not None else "x" * args.input_len
+    from engine_core._bench.client import random_token_prompts
+    from engine_core._core.tokenizer import load_tokenizer
+
+    if args.tokenizer is None:
+        raise ValueError("--random-input-len needs --tokenizer (the served model's tokenizer)")
+    tokenizer = load_tokenizer(args.tokenizer)
+    special = tokenizer.all_special_ids
+    vocabulary = [t for t in range(tokenizer.vocab_size) if t not in special]
+    prompts = random_token_prompts(vocabulary, args.num_requests, args.random_input_len, args.seed)
+    if args.endpoint == "chat":
+        return [tokenizer.decode(ids) for ids in prompts]
+    return prompts
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import functools
 
@@ -215,7 +240,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine_core._bench.client import run_load
     from engine_core._bench.machine import machine_line
 
-    prompt = args.prompt if args.prompt is not None else "x" * args.input_len
+    prompt = _serve_prompts(args)
     progress = Progress(args.num_requests, "requests", not args.no_progress)
     run = functools.partial(
         run_load,
@@ -228,6 +253,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model,
         api_key=args.api_key,
         on_done=lambda _: progress.update(),
+        ignore_eos=args.ignore_eos,
     )
     from engine_core._frontend.runtime import run_options
 
@@ -237,7 +263,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(machine_line())
     print_table(
         f"{args.url} endpoint={args.endpoint} requests={args.num_requests} "
-        f"concurrency={args.concurrency} max_tokens={args.max_tokens}",
+        f"concurrency={args.concurrency} max_tokens={args.max_tokens} "
+        f"input={_input_description(args)} ignore_eos={args.ignore_eos}",
         serve_rows(summary),
     )
     errors = [r.error for r in result.results if r.error]
@@ -312,6 +339,26 @@ def add_bench_parsers(
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--input-len", type=int, default=32, help="prompt length in characters")
     p.add_argument("--prompt", default=None, help="the prompt text (overrides --input-len)")
+    p.add_argument(
+        "--random-input-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompts of N random tokens, one per request, as vllm bench serve's random "
+        "dataset (needs --tokenizer; the completions endpoint gets them as token ids, exactly "
+        "N; chat as their text)",
+    )
+    p.add_argument(
+        "--tokenizer", default=None, help="the served model's tokenizer directory (or 'byte')"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask for exactly --max-tokens output tokens, past the end-of-sequence token "
+        "(default on; vllm bench serve's --ignore-eos)",
+    )
     p.add_argument("--model", default=None, help="model name to ask for")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -16,17 +16,18 @@ come from the usage the server reports (``stream_options.include_usage``).
 from __future__ import annotations
 
 import asyncio
+import random
 import statistics
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
 import msgspec
 
-__all__ = ["LoadResult", "RequestResult", "percentile", "run_load"]
+__all__ = ["LoadResult", "RequestResult", "percentile", "random_token_prompts", "run_load"]
 
 Endpoint = Literal["chat", "completions"]
 
@@ -104,6 +105,7 @@ class LoadResult:
             "requests": len(self.results),
             "failed": self.num_failed,
             "elapsed_s": self.elapsed,
+            "prompt_tokens": sum(r.prompt_tokens for r in ok),
             "output_tokens": self.output_tokens,
             "request_per_s": len(ok) / self.elapsed if self.elapsed else 0.0,
             "output_tok_per_s": self.output_tokens / self.elapsed if self.elapsed else 0.0,
@@ -312,20 +314,31 @@ class _EventParser:
             self.last = now
 
 
+Prompt = str | list[int]
+"""A prompt as text, or as token ids (``/v1/completions`` only)."""
+
+
 def _request_body(
-    endpoint: Endpoint, model: str | None, prompt: str, max_tokens: int, extra: dict[str, Any]
+    endpoint: Endpoint,
+    model: str | None,
+    prompt: Prompt,
+    max_tokens: int,
+    extra: dict[str, Any],
+    ignore_eos: bool = True,
 ) -> bytes:
     body: dict[str, Any] = {
         "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
         "temperature": 0.0,
-        "ignore_eos": True,
+        "ignore_eos": ignore_eos,
         **extra,
     }
     if model is not None:
         body["model"] = model
     if endpoint == "chat":
+        if not isinstance(prompt, str):
+            raise ValueError("the chat endpoint takes text prompts, not token ids")
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
@@ -338,16 +351,19 @@ async def run_load(
     endpoint: Endpoint = "chat",
     num_requests: int,
     concurrency: int,
-    prompt: str,
+    prompt: Prompt | Sequence[Prompt],
     max_tokens: int,
     model: str | None = None,
     api_key: str | None = None,
     extra_body: dict[str, Any] | None = None,
     on_done: Callable[[RequestResult], None] | None = None,
     timeout_s: float = 600.0,
+    ignore_eos: bool = True,
 ) -> LoadResult:
     """Send ``num_requests`` streaming requests, ``concurrency`` at a time, to the server at
-    ``url`` (``http://host:port``, optionally with a path prefix such as ``/v1``'s parent)."""
+    ``url`` (``http://host:port``, optionally with a path prefix such as ``/v1``'s parent).
+    ``prompt``: one prompt for every request, or a list of them, request ``i`` taking
+    prompt ``i`` modulo their number."""
     if num_requests < 1 or concurrency < 1:
         raise ValueError("num_requests and concurrency must be >= 1")
     parsed = urllib.parse.urlsplit(url)
@@ -359,14 +375,21 @@ async def run_load(
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    body = _request_body(endpoint, model, prompt, max_tokens, extra_body or {})
+    prompts = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else list(prompt)
+    if not prompts:
+        raise ValueError("prompt must not be an empty list")
+    bodies = [
+        _request_body(endpoint, model, p, max_tokens, extra_body or {}, ignore_eos)  # type: ignore[arg-type]
+        for p in prompts
+    ]
     results: list[RequestResult] = []
     remaining = iter(range(num_requests))
 
     async def worker() -> None:
         connection = _Connection(parsed.hostname or "127.0.0.1", parsed.port or 80)
         try:
-            for _ in remaining:
+            for index in remaining:
+                body = bodies[index % len(bodies)]
                 results.append(await _one(connection, path, body, headers))
                 if on_done is not None:
                     on_done(results[-1])
@@ -379,6 +402,22 @@ async def run_load(
             for _ in range(min(concurrency, num_requests)):
                 task_group.start_soon(worker)
     return LoadResult(results, time.perf_counter() - start)
+
+
+def _is_ids(prompt: object) -> bool:
+    return isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and bool(prompt)
+
+
+def random_token_prompts(
+    vocabulary: Sequence[int], num_prompts: int, length: int, seed: int = 0
+) -> list[list[int]]:
+    """``num_prompts`` prompts of ``length`` token ids drawn (seeded) from ``vocabulary``, as
+    ``vllm bench serve``'s random dataset makes them (each prompt its own, so no prefix is
+    shared)."""
+    if length < 1 or not vocabulary:
+        raise ValueError("random prompts need a length >= 1 and a vocabulary")
+    rng = random.Random(seed)
+    return [rng.choices(vocabulary, k=length) for _ in range(num_prompts)]
 
 
 async def _one(

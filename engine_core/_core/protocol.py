@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from engine_core.abc import TokenLogprobs
@@ -174,3 +176,22 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int
     vocab_size: int
     backend: str
+    backend_options: dict[str, Any] = {}
+    """The options the backend runs with (those ``backend="auto"`` added included)."""
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    """The token budget of a step."""
+    async_scheduling: bool = False
+    speculative_method: str | None = None
+    """The draft method, when speculative decoding is on."""
+
+    def describe(self) -> str:
+        """The resolved configuration in one line, for a startup log."""
+        options = f" {self.backend_options}" if self.backend_options else ""
+        return (
+            f"backend {self.backend}{options}; KV cache {self.num_kv_blocks} blocks of "
+            f"{self.block_size} tokens; max_model_len {self.max_model_len}; "
+            f"max_num_seqs {self.max_num_seqs}; token budget {self.max_num_batched_tokens} per "
+            f"step; async scheduling {'on' if self.async_scheduling else 'off'}; speculative "
+            f"decoding {self.speculative_method or 'off'}"
+        )

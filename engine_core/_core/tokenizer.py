@@ -21,6 +21,7 @@ __all__ = [
     "IncrementalDecoder",
     "PromptInput",
     "Tokenizer",
+    "load_served_tokenizer",
     "load_tokenizer",
     "output_decoder",
     "parse_prompt",
@@ -249,6 +250,25 @@ def load_tokenizer(name: str) -> Tokenizer:
     from engine_core._core.hf_tokenizer import HFTokenizer
 
     return HFTokenizer(name)
+
+
+def load_served_tokenizer(model: str | None, tokenizer: str | None) -> Tokenizer:
+    """The tokenizer an engine serves: ``tokenizer`` when given, else the model directory's.
+
+    A ``model`` that is not a directory is reported as the model (``FileNotFoundError``), not
+    as a tokenizer nobody named.
+    """
+    if model is not None and not Path(model).is_dir():
+        raise FileNotFoundError(
+            f"model {model!r} is not a directory: give the directory of an HF model "
+            "(config.json, safetensors, tokenizer.json)"
+        )
+    if tokenizer is None and model is not None and not (Path(model) / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"the model directory {model!r} holds no tokenizer.json: name a tokenizer directory "
+            "(or 'byte') as tokenizer"
+        )
+    return load_tokenizer(tokenizer or model or "byte")
 
 
 def parse_prompt(prompt: PromptInput, tokenizer: Tokenizer | None) -> tuple[str | None, list[int]]:

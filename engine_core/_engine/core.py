@@ -40,7 +40,7 @@ from engine_core._core.protocol import (
 from engine_core._core.request import Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core._core.spec_decode import SpecDecoder
-from engine_core._plugins import load_backend, resolve_backend
+from engine_core._plugins import load_backend, resolve_config
 from engine_core._structured.manager import StructuredOutputManager
 from engine_core.abc import (
     AsyncModelRunnerOutput,
@@ -177,6 +177,12 @@ def size_kv_cache(config: EngineConfig, backend: Backend) -> tuple[int, EngineCo
     return num_blocks, resolved
 
 
+def _shown_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The backend options worth a startup log: scalars (a mock's scripted replies or a fault
+    plan are left out)."""
+    return {k: v for k, v in options.items() if isinstance(v, str | int | float | bool)}
+
+
 class EngineCore:
     """The engine: owns the backend and the scheduler and steps them.
 
@@ -193,9 +199,9 @@ class EngineCore:
     ) -> None:
         self.clock = clock
         if backend_cls is None:
-            # "auto" becomes the backend it picks, which the engine then reports by name.
-            name = resolve_backend(config.backend, config).name
-            config = msgspec.structs.replace(config, backend=name)
+            # "auto" becomes the backend it picks (with the options it needs here), which the
+            # engine then reports by name.
+            _, config = resolve_config(config)
         cls = backend_cls if backend_cls is not None else load_backend(config.backend, config)
         backend = cls(config)
         try:
@@ -593,6 +599,15 @@ class EngineCore:
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
             backend=self.config.backend,
+            backend_options=_shown_options(self.config.backend_options),
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens or 0,
+            async_scheduling=self.async_scheduling,
+            speculative_method=(
+                self.config.speculative_config.method
+                if self.config.speculative_config is not None and self.spec_support is not None
+                else None
+            ),
         )
 
     def get_stats(self) -> EngineStats:

@@ -54,6 +54,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+_CONFIGURATION_ERRORS = (ValueError, TypeError, LookupError, FileNotFoundError, NotADirectoryError)
+"""What a backend raises at startup for a configuration it cannot run (an unknown backend, a
+bad option, a missing file): the client's error says it, no traceback needed."""
+
 _OUTPUT_LINGER_MS = 2000
 """How long exiting waits for the last messages (the death notice) to leave."""
 _LOCAL_SCHEMES = ("ipc://", "unix://")
@@ -183,7 +187,7 @@ class _Server:
                     EngineCore, self.config, abandon_on_cancel=True
                 )
             except Exception as exc:
-                return self._die(output, exc)
+                return self._die(output, exc, startup=True)
         self.startup_scope = None
         if core is None or self.stop_reason is not None:
             self._send(output, EngineDead(reason=f"stopped during startup by {self.stop_reason}"))
@@ -221,9 +225,13 @@ class _Server:
         # reading holds it up for the linger time at most.
         output.send_blocking(self.encoder.encode(message), _OUTPUT_LINGER_MS / 1000)
 
-    def _die(self, output: Sender, exc: BaseException) -> int:
+    def _die(self, output: Sender, exc: BaseException, *, startup: bool = False) -> int:
         root = _root_cause(exc)
-        logger.error("fatal error", exc_info=root)
+        if startup and isinstance(root, _CONFIGURATION_ERRORS):
+            # The client reports it in one line (the traceback travels in the notice).
+            logger.debug("the engine cannot start", exc_info=root)
+        else:
+            logger.error("fatal error", exc_info=root)
         self._send(
             output,
             EngineDead(

@@ -22,7 +22,12 @@ import anyio
 import anyio.lowlevel
 
 from engine_core._core.protocol import EngineCoreOutputs, EngineStats, FinishedRequest
-from engine_core._core.tokenizer import PromptInput, Tokenizer, load_tokenizer, parse_prompt
+from engine_core._core.tokenizer import (
+    PromptInput,
+    Tokenizer,
+    load_served_tokenizer,
+    parse_prompt,
+)
 from engine_core._engine.client import EngineCoreClient
 from engine_core._frontend.collector import RequestOutputCollector
 from engine_core._frontend.output_processor import OutputProcessor
@@ -138,7 +143,9 @@ class AsyncLLM:
     @contextlib.asynccontextmanager
     async def _run(self) -> AsyncIterator[AsyncLLM]:
         config = self.config
-        self.tokenizer = await anyio.to_thread.run_sync(load_tokenizer, config.tokenizer_name)
+        self.tokenizer = await anyio.to_thread.run_sync(
+            load_served_tokenizer, config.model, config.tokenizer
+        )
         client: EngineCoreClient
         if config.multiprocess is False:
             from engine_core._engine.inproc_client import InprocClient

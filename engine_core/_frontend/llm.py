@@ -11,7 +11,12 @@ from typing import Any
 import msgspec
 
 from engine_core._core.protocol import EngineInfo, EngineStats
-from engine_core._core.tokenizer import PromptInput, Tokenizer, load_tokenizer, parse_prompt
+from engine_core._core.tokenizer import (
+    PromptInput,
+    Tokenizer,
+    load_served_tokenizer,
+    parse_prompt,
+)
 from engine_core._engine.client import EngineCoreClient
 from engine_core._engine.inproc_client import InprocClient
 from engine_core._frontend.output_processor import OutputProcessor
@@ -43,7 +48,7 @@ class LLM:
         return llm
 
     def _start(self, config: EngineConfig) -> None:
-        self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer_name)
+        self.tokenizer: Tokenizer = load_served_tokenizer(config.model, config.tokenizer)
         self._client: EngineCoreClient
         if config.multiprocess:
             if config.data_parallel_size > 1 or config.data_parallel_backend == "ray":

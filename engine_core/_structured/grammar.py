@@ -24,6 +24,7 @@ __all__ = [
     "GrammarError",
     "GrammarSpec",
     "build_tokenizer",
+    "canonical_schema",
     "close_objects",
     "compile_grammar",
     "import_structured",
@@ -47,7 +48,10 @@ class GrammarSpec:
 
     ``kind`` is the field of :class:`~engine_core.StructuredOutputsParams` that is set;
     ``text`` is its value as text (a JSON schema given as a dict or as valid JSON text is
-    re-serialized with sorted keys, so equal schemas share one entry).
+    re-serialized without whitespace and with its keywords sorted, so schemas written
+    differently share one entry). Properties keep their order: the grammar writes an object's
+    properties in the order the schema lists them, so ``{name, age}`` and ``{age, name}`` are
+    two grammars.
     """
 
     kind: str
@@ -71,15 +75,37 @@ class GrammarSpec:
 
 
 def _canonical_json(schema: str | dict[str, Any]) -> str:
-    """``schema`` re-serialized with sorted keys. Text that does not parse is kept as it is (its
+    """``schema`` re-serialized compactly with its keywords sorted and its properties in their
+    order (:func:`canonical_schema`). Text that does not parse is kept as it is (its
     compilation reports it); a dict that does not serialize raises :class:`GrammarError`."""
     try:
         value = json.loads(schema) if isinstance(schema, str) else schema
-        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return json.dumps(canonical_schema(value), separators=(",", ":"))
     except (ValueError, TypeError, RecursionError) as exc:
         if isinstance(schema, str):
             return schema
         raise GrammarError(f"invalid structured_outputs.json: {type(exc).__name__}: {exc}") from exc
+
+
+def canonical_schema(schema: Any) -> Any:
+    """``schema`` with the keys of its objects sorted, except the names in each
+    ``properties``, which keep their order: the grammar writes an object's properties in the
+    order its schema lists them (as OpenAI's strict mode and vLLM do), so that order is part of
+    what the schema asks for, and the order of keywords is not."""
+    if isinstance(schema, list):
+        return [canonical_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    canonical = {}
+    for key in sorted(schema):
+        value = schema[key]
+        if key == "properties" and isinstance(value, dict):
+            # NOTE: never sorted: a model steered into another key order than the one its
+            # prompt and schema show writes worse JSON, or is forced off its own reply.
+            canonical[key] = {name: canonical_schema(sub) for name, sub in value.items()}
+        else:
+            canonical[key] = canonical_schema(value)
+    return canonical
 
 
 class Grammar:

@@ -92,6 +92,9 @@ class ServerSettings:
     """Serve ``tool_choice: "auto"`` (needs ``tool_call_parser``)."""
     reasoning_parser: str | None = None
     """``qwen3`` or ``deepseek_r1``: the thinking goes to ``reasoning_content``."""
+    strict_request_fields: bool = False
+    """Answer 400 to a request body with a field the server does not know (by default such a
+    field is ignored, with one warning per request naming it)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -280,6 +283,7 @@ def _server_state(engine: AsyncLLM, settings: ServerSettings) -> ServerState:
         max_body_bytes=settings.max_request_body_bytes,
         health_timeout_s=settings.health_timeout_s,
         disable_any_whitespace=settings.disable_any_whitespace,
+        strict_request_fields=settings.strict_request_fields,
         tool_parser=(
             get_tool_parser(settings.tool_call_parser) if settings.tool_call_parser else None
         ),

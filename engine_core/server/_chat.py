@@ -12,23 +12,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine_core._core.checks import show
-from engine_core._core.tokenizer import Tokenizer
-from engine_core.outputs import PositionLogprobs, RequestOutput
+from engine_core.outputs import RequestOutput
 from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 from engine_core.server._chat_output import ChatReader
 from engine_core.server._chat_template import ChatTemplateError
 from engine_core.server._errors import APIError
+from engine_core.server._logprobs import chat_logprobs
 from engine_core.server._protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatLogprobs,
     CompletionTokensDetails,
     Delta,
-    TokenLogprob,
-    TopLogprob,
 )
 from engine_core.server._respond import (
     Fields,
@@ -209,36 +206,6 @@ def chat_prompt(
     return text, token_ids
 
 
-def _chat_logprobs(
-    positions: list[PositionLogprobs], top: int, tokenizer: Tokenizer
-) -> ChatLogprobs:
-    """Each token's text and its own bytes (a token holding part of a character has those
-    bytes, where its text shows U+FFFD)."""
-    content = []
-    for position in positions:
-        sampled_id, sampled = next(iter(position.items()))
-        ranked = sorted(
-            (item for item in position.items() if item[1].rank is not None and item[1].rank <= top),
-            key=lambda item: item[1].rank or 0,
-        )
-        content.append(
-            TokenLogprob(
-                token=sampled.decoded_token or "",
-                logprob=sampled.logprob,
-                bytes=list(tokenizer.token_bytes(sampled_id)),
-                top_logprobs=[
-                    TopLogprob(
-                        token=lp.decoded_token or "",
-                        logprob=lp.logprob,
-                        bytes=list(tokenizer.token_bytes(token_id)),
-                    )
-                    for token_id, lp in ranked
-                ],
-            )
-        )
-    return ChatLogprobs(content=content)
-
-
 def _response_format(body: ChatCompletionRequest) -> StructuredOutputsParams | None:
     """The constraint ``response_format`` asks for (None for plain text)."""
     response_format = body.response_format
@@ -323,13 +290,19 @@ def chat_params(
         max_tokens = body.max_tokens
         renames = {}
     renames["logprobs"] = "top_logprobs"
+    if body.prompt_logprobs is not None and body.stream:
+        raise APIError(
+            400, "prompt_logprobs is only given in whole chat answers", param="prompt_logprobs"
+        )
     params = sampling_params(
         body,
         max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        prompt_logprobs=body.prompt_logprobs,
         renames=renames,
         structured_outputs=_constraint(state, body, choice),
         compact_json=state.disable_any_whitespace,
+        tokenizer=state.tokenizer,
     )
     parser = state.tool_parser
     if choice.mode == "auto" and parser is not None and parser.keeps_special_tokens:
@@ -345,7 +318,7 @@ def _fields(body: ChatCompletionRequest) -> Fields:
 async def create_chat_completion(
     state: ServerState, request: Request
 ) -> Response | EventStreamResponse:
-    body = await read_body(request, ChatCompletionRequest, state.max_body_bytes)
+    body = await read_body(request, ChatCompletionRequest, state)
     model = state.model_name(body.model)
     choice = tool_choice_of(state, body)
     params = chat_params(state, body, choice)
@@ -377,7 +350,7 @@ def _choices(
     for completion in sorted(output.outputs, key=lambda c: c.index):
         logprobs = None
         if body.logprobs and completion.logprobs is not None:
-            logprobs = _chat_logprobs(
+            logprobs = chat_logprobs(
                 completion.logprobs, body.top_logprobs or 0, ctx.state.tokenizer
             )
         message, finish_reason = reader.message(completion)
@@ -419,7 +392,7 @@ class _ChatStream(ResponseStream[ChatCompletionRequest, ChatChunkChoice]):
             self.completion_tokens += len(completion.token_ids)
             logprobs = None
             if completion.logprobs:
-                logprobs = _chat_logprobs(completion.logprobs, top, self.ctx.state.tokenizer)
+                logprobs = chat_logprobs(completion.logprobs, top, self.ctx.state.tokenizer)
             delta, finish_reason = self.reader.stream(completion.index).delta(completion)
             if delta is None and logprobs is None and finish_reason is None:
                 continue

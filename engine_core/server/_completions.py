@@ -6,15 +6,15 @@ Choices are numbered prompt by prompt: choice ``i * n + j`` is completion ``j`` 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine_core._core.tokenizer import Tokenizer, output_decoder
-from engine_core.outputs import PositionLogprobs, RequestOutput
-from engine_core.sampling_params import SamplingParams
+from engine_core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine_core.server._errors import APIError
+from engine_core.server._logprobs import TextOffsets, completion_logprobs, prompt_logprobs
 from engine_core.server._protocol import (
     Completion,
     CompletionChoice,
@@ -71,82 +71,90 @@ def _prepare_prompts(
     return prepared
 
 
-class _TextOffsets:
-    """Where the text of each token of one choice begins in the choice's text (``text_offset``).
-
-    Only text that appears counts: a skipped special token moves nothing, and the tokens of a
-    character split over several begin where the character does. The tokens are decoded again
-    in the choice's context, as the engine decoded them for its text.
-    """
-
-    __slots__ = ("_decoder", "offset")
-
-    def __init__(
-        self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams
-    ) -> None:
-        self._decoder = output_decoder(
-            tokenizer,
-            prompt_token_ids,
-            params.skip_special_tokens,
-            params.spaces_between_special_tokens,
-        )
-        self.offset = 0
-
-    def of(self, token_ids: list[int]) -> list[int]:
-        """The offsets of the next ``token_ids``."""
-        offsets = []
-        step = self._decoder.step
-        for token_id in token_ids:
-            offsets.append(self.offset)
-            self.offset += len(step(token_id))
-        return offsets
-
-
-def _logprobs(
-    positions: list[PositionLogprobs], token_ids: list[int], offsets: _TextOffsets
-) -> CompletionLogprobs:
-    """The legacy logprobs columns of ``positions`` (those of ``token_ids``)."""
-    tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
-    for position in positions:
-        sampled = next(iter(position.values()))
-        tokens.append(sampled.decoded_token or "")
-        token_logprobs.append(sampled.logprob)
-        top_logprobs.append({(lp.decoded_token or ""): lp.logprob for lp in position.values()})
-    return CompletionLogprobs(
-        tokens=tokens,
-        token_logprobs=token_logprobs,
-        top_logprobs=top_logprobs,
-        text_offset=offsets.of(token_ids[: len(positions)]),
-    )
-
-
 def _echo_text(state: ServerState, output: RequestOutput) -> str:
     if output.prompt is not None:
         return output.prompt
     return state.tokenizer.decode(output.prompt_token_ids)
 
 
+def _generates(body: CompletionRequest) -> bool:
+    """Whether the response carries generated tokens: not with ``echo`` and ``max_tokens`` 0,
+    which asks for the prompt (and its logprobs) alone."""
+    return not (body.echo and body.max_tokens == 0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    """A prompt's token ids and their logprobs (when asked for)."""
+
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None] | None
+
+
+class _Columns:
+    """The logprobs columns of one choice, made output by output: with ``echo`` the prompt's
+    tokens first (their logprobs the request's prompt logprobs, the first ``null``)."""
+
+    __slots__ = ("ctx", "offsets", "echoed")
+
+    def __init__(self, ctx: RequestContext[CompletionRequest], output: RequestOutput) -> None:
+        self.ctx = ctx
+        state, params = ctx.state, ctx.params
+        self.echoed = not ctx.body.echo
+        """Whether the prompt's columns are made (or not asked for)."""
+        start = len(_echo_text(state, output)) if ctx.body.echo else 0
+        self.offsets = TextOffsets(state.tokenizer, output.prompt_token_ids, params, start)
+
+    def of(self, prompt: _Prompt, completion: CompletionOutput) -> CompletionLogprobs | None:
+        """The columns of the tokens ``completion`` adds (None when it adds none)."""
+        tokenizer = self.ctx.state.tokenizer
+        parts = []
+        if not self.echoed and prompt.logprobs is not None:
+            self.echoed = True
+            offsets = TextOffsets(tokenizer, [], self.ctx.params)
+            parts.append(completion_logprobs(tokenizer, prompt.logprobs, prompt.token_ids, offsets))
+        if completion.logprobs and _generates(self.ctx.body):
+            parts.append(
+                completion_logprobs(
+                    tokenizer, completion.logprobs, completion.token_ids, self.offsets
+                )
+            )
+        if not parts:
+            return None
+        return CompletionLogprobs(
+            tokens=[t for part in parts for t in part.tokens],
+            token_logprobs=[t for part in parts for t in part.token_logprobs],
+            top_logprobs=[t for part in parts for t in part.top_logprobs],
+            text_offset=[t for part in parts for t in part.text_offset],
+        )
+
+
 async def create_completion(state: ServerState, request: Request) -> Response | EventStreamResponse:
-    body = await read_body(request, CompletionRequest, state.max_body_bytes)
+    body = await read_body(request, CompletionRequest, state)
     model = state.model_name(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of must equal n when given", param="best_of")
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo together with logprobs is not supported", param="echo")
     max_tokens = body.max_tokens
     given: str | None = "max_tokens"
     if isinstance(max_tokens, msgspec.UnsetType):
         max_tokens, given = DEFAULT_MAX_TOKENS, None  # the engine stops sooner if it must
+    elif max_tokens == 0:
+        if not body.echo:
+            raise APIError(400, "max_tokens must be at least 1 without echo", param="max_tokens")
+        max_tokens = 1  # the prompt's logprobs need one step; its token is not sent
+    num_prompt_logprobs = body.prompt_logprobs
+    if body.echo and body.logprobs is not None and num_prompt_logprobs is None:
+        num_prompt_logprobs = body.logprobs  # the echoed prompt's logprobs, as vLLM gives them
     params = sampling_params(
         body,
         max_tokens=max_tokens,
         logprobs=body.logprobs,
+        prompt_logprobs=num_prompt_logprobs,
         renames={},
         compact_json=state.disable_any_whitespace,
+        tokenizer=state.tokenizer,
     )
     prompts = _prepare_prompts(state, body.prompt, params.n)
     check_lengths(state, prompts, params, given)
@@ -157,23 +165,41 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
 def _choices(
     ctx: RequestContext[CompletionRequest], prompt_index: int, output: RequestOutput
 ) -> list[CompletionChoice]:
-    body = ctx.body
-    echo = _echo_text(ctx.state, output) if body.echo else ""
     choices = []
+    prompt = _Prompt(output.prompt_token_ids, output.prompt_logprobs)
     for completion in sorted(output.outputs, key=lambda c: c.index):
-        logprobs = None
-        if body.logprobs is not None and completion.logprobs is not None:
-            offsets = _TextOffsets(ctx.state.tokenizer, output.prompt_token_ids, ctx.params)
-            logprobs = _logprobs(completion.logprobs, completion.token_ids, offsets)
-        choices.append(
-            CompletionChoice(
-                index=prompt_index * body.n + completion.index,
-                text=echo + completion.text,
-                logprobs=logprobs,
-                finish_reason=completion.finish_reason,
-            )
-        )
+        columns = _Columns(ctx, output)
+        choices.append(_choice(ctx, prompt_index, output, prompt, completion, columns, first=True))
     return choices
+
+
+def _choice(
+    ctx: RequestContext[CompletionRequest],
+    prompt_index: int,
+    output: RequestOutput,
+    prompt: _Prompt,
+    completion: CompletionOutput,
+    columns: _Columns,
+    *,
+    first: bool,
+) -> CompletionChoice:
+    """The choice (or, streamed, the chunk) of what ``completion`` adds; ``first``: the
+    choice's first output, which leads with the echoed prompt and its logprobs."""
+    body = ctx.body
+    text = completion.text if _generates(body) else ""
+    if first and body.echo:
+        text = _echo_text(ctx.state, output) + text
+    logprobs = columns.of(prompt, completion) if body.logprobs is not None else None
+    entries = None
+    if first and body.prompt_logprobs is not None and prompt.logprobs is not None:
+        entries = prompt_logprobs(prompt.logprobs)
+    return CompletionChoice(
+        index=prompt_index * body.n + completion.index,
+        text=text,
+        logprobs=logprobs,
+        finish_reason=completion.finish_reason,
+        prompt_logprobs=entries,
+    )
 
 
 class _CompletionStream(ResponseStream[CompletionRequest, CompletionChoice]):
@@ -184,36 +210,27 @@ class _CompletionStream(ResponseStream[CompletionRequest, CompletionChoice]):
 
     def __init__(self, ctx: RequestContext[CompletionRequest]) -> None:
         super().__init__(ctx)
-        self.begun: set[int] = set()
-        """The choices that have had an output."""
-        self.text_offsets: dict[int, _TextOffsets] = {}
-        """Per choice with logprobs: the offsets of its tokens' text."""
+        self.columns: dict[int, _Columns] = {}
+        """Per choice that has had an output: its logprobs columns."""
+        self.prompts: dict[int, _Prompt] = {}
+        """Per prompt: its ids and logprobs (which come once, with its first output)."""
 
     def events(self, prompt_index: int, output: RequestOutput) -> list[bytes]:
-        body = self.ctx.body
         events = []
+        prompt = self.prompts.get(prompt_index)
+        if prompt is None or output.prompt_logprobs is not None:
+            prompt = _Prompt(output.prompt_token_ids, output.prompt_logprobs)
+            self.prompts[prompt_index] = prompt
         for completion in output.outputs:
-            index = prompt_index * body.n + completion.index
+            index = prompt_index * self.ctx.body.n + completion.index
             self.completion_tokens += len(completion.token_ids)
-            text = completion.text
-            if index not in self.begun:  # the choice's first output
-                self.begun.add(index)
-                if body.echo:
-                    text = _echo_text(self.ctx.state, output) + text
-            logprobs = None
-            if body.logprobs is not None and completion.logprobs:
-                offsets = self.text_offsets.get(index)
-                if offsets is None:
-                    offsets = self.text_offsets[index] = _TextOffsets(
-                        self.ctx.state.tokenizer, output.prompt_token_ids, self.ctx.params
-                    )
-                logprobs = _logprobs(completion.logprobs, completion.token_ids, offsets)
-            if text or logprobs is not None or completion.finish_reason is not None:
-                choice = CompletionChoice(
-                    index=index,
-                    text=text,
-                    logprobs=logprobs,
-                    finish_reason=completion.finish_reason,
-                )
+            columns = self.columns.get(index)
+            first = columns is None
+            if columns is None:
+                columns = self.columns[index] = _Columns(self.ctx, output)
+            choice = _choice(
+                self.ctx, prompt_index, output, prompt, completion, columns, first=first
+            )
+            if choice.text or choice.logprobs is not None or choice.finish_reason is not None:
                 events.append(self.event([choice]))
         return events

@@ -74,6 +74,14 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = 0
+    allowed_token_ids: list[int] | None = None
+    """vLLM's: only these tokens may be sampled (a +100 logit bias on each)."""
+    bad_words: list[str] | None = None
+    """vLLM's: words never to generate; each must be one token, as written or after a space (a
+    -100 logit bias on those tokens)."""
+    prompt_logprobs: int | None = None
+    """vLLM's: the logprobs of the prompt's tokens (and of this many most likely candidates at
+    each position), answered as ``prompt_logprobs`` (the first position ``null``)."""
     structured_outputs: StructuredOutputsParams | None = None
     """vLLM's constraint: exactly one of ``json``, ``json_object``, ``regex``, ``choice``,
     ``grammar``."""
@@ -170,12 +178,26 @@ class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
-    """The legacy completions logprobs: columns over the generated tokens."""
+    """The legacy completions logprobs: columns over the generated tokens (with ``echo``, over
+    the prompt's tokens first, whose first token has no logprob: ``null``)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    """vLLM's ``prompt_logprobs`` entry of one candidate token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""vLLM's ``prompt_logprobs``: per prompt position (the first ``null``), the candidates by token
+id (the prompt's own token and the most likely ones)."""
 
 
 class ResponseBody(msgspec.Struct, Generic[C], kw_only=True):
@@ -194,6 +216,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Completion(ResponseBody[CompletionChoice], kw_only=True):
@@ -245,6 +268,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
 class ChatCompletion(ResponseBody[ChatChoice], kw_only=True):
     usage: Usage  # a whole response always has it
     object: Literal["chat.completion"] = "chat.completion"
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class FunctionDelta(msgspec.Struct, kw_only=True, omit_defaults=True):

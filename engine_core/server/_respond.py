@@ -28,6 +28,7 @@ from starlette.responses import Response
 from engine_core.outputs import RequestOutput
 from engine_core.sampling_params import RequestOutputKind, SamplingParams
 from engine_core.server._errors import APIError, api_error_from
+from engine_core.server._logprobs import prompt_logprobs
 from engine_core.server._protocol import (
     CompletionTokensDetails,
     ResponseBody,
@@ -268,6 +269,10 @@ async def _whole(
         choices=choices,
         usage=_usage(prompt_tokens, completion_tokens, details() if details else None),
     )
+    positions = finals[0].prompt_logprobs if finals[0] is not None else None
+    if positions is not None and "prompt_logprobs" in response.__struct_fields__:
+        # vLLM's chat answer carries the prompt's logprobs beside the choices.
+        result = msgspec.structs.replace(result, prompt_logprobs=prompt_logprobs(positions))
     return Response(_ENCODER.encode(result), media_type="application/json")
 
 

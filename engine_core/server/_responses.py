@@ -45,7 +45,7 @@ def _item_id(prefix: str) -> str:
 
 
 async def create_response(state: ServerState, request: Request) -> Response | EventStreamResponse:
-    body = await read_body(request, ResponsesRequest, state.max_body_bytes)
+    body = await read_body(request, ResponsesRequest, state)
     model = state.model_name(body.model)
     try:
         chat = to_chat_request(body)

@@ -38,6 +38,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     user: str | None = None
     seed: int | None = None
+    include: list[str] | None = None
+    """Extra output OpenAI can add (encrypted reasoning, logprobs); accepted, and nothing is
+    added (the Agents SDK sends an empty list)."""
 
 
 def _refuse_storage(body: ResponsesRequest) -> None:

@@ -205,6 +205,8 @@ async def _serve_until_stopped(
 
     async with anyio.create_task_group() as task_group:
         task_group.start_soon(run)
+        # Once, at startup: what the engine resolved its configuration to.
+        logger.info("engine: %s", engine.info.describe())
         task_status.started(url)
         # The caller says where it serves (engine-core serve prints it once).
         logger.debug("serving on %s (max %d connections)", url, limits.max_connections)

@@ -9,6 +9,7 @@ sequences than the engine's running batch and queue hold together.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from engine_core._core.checks import json_nests_within, show
 from engine_core._core.tokenizer import PromptInput, Tokenizer
 from engine_core._frontend.async_llm import AsyncLLM
 from engine_core.sampling_params import (
+    MAX_LOGIT_BIAS,
     RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
@@ -42,9 +44,11 @@ __all__ = [
     "prepare_prompt",
     "read_body",
     "sampling_params",
+    "unknown_fields",
 ]
 
 S = TypeVar("S", bound=msgspec.Struct)
+logger = logging.getLogger("engine_core.server")
 
 MAX_BODY_DEPTH = 128
 """Deepest nesting of arrays and objects accepted in a request body: room for a JSON schema at
@@ -69,6 +73,8 @@ class ServerState:
     """Log one line per request (see ``_respond``)."""
     disable_any_whitespace: bool = False
     """Compact JSON for every JSON-constrained request (each may also ask for it)."""
+    strict_request_fields: bool = False
+    """A body field the server does not know is a 400 (else a warning)."""
     tool_parser: ToolParser | None = None
     """The parser of ``tool_choice: "auto"`` (``--tool-call-parser``)."""
     auto_tool_choice: bool = False
@@ -99,9 +105,43 @@ class PreparedPrompt:
     num_tokens: int
 
 
-async def read_body(request: Request, struct: type[S], limit: int) -> S:
-    """The JSON body decoded into ``struct``: 413 past ``limit`` bytes, 400 when invalid (the
-    message names the offending field)."""
+async def read_body(request: Request, struct: type[S], state: ServerState) -> S:
+    """The JSON body decoded into ``struct``: 413 past the server's body limit, 400 when invalid
+    (the message names the offending field). Fields ``struct`` does not know are ignored with
+    one warning naming them, or a 400 under ``strict_request_fields``."""
+    body = await _read_bytes(request, state.max_body_bytes)
+    decoded = decode_body(body, struct)
+    unknown = unknown_fields(body, struct)
+    if unknown:
+        _refuse_or_warn(request.url.path, unknown, state.strict_request_fields)
+    return decoded
+
+
+def unknown_fields(body: bytes, struct: type[msgspec.Struct]) -> list[str]:
+    """The top-level fields of the JSON object ``body`` that ``struct`` does not have (the
+    body decoded into ``struct`` already)."""
+    known = struct.__struct_fields__
+    try:
+        keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return []
+    return [key for key in keys if key not in known]
+
+
+def _refuse_or_warn(path: str, unknown: list[str], strict: bool) -> None:
+    names = ", ".join(show(name) for name in unknown)
+    if strict:
+        raise APIError(
+            400,
+            f"unknown field{'s' if len(unknown) > 1 else ''} {names} (the server refuses fields "
+            "it does not know: --strict-request-fields)",
+            param=unknown[0],
+            code="unknown_field",
+        )
+    logger.warning("%s: ignored the request fields this server does not know: %s", path, names)
+
+
+async def _read_bytes(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -115,7 +155,7 @@ async def read_body(request: Request, struct: type[S], limit: int) -> S:
             chunks.append(chunk)
     except ClientDisconnect:
         raise APIError(499, "the client closed the connection") from None
-    return decode_body(b"".join(chunks), struct)
+    return b"".join(chunks)
 
 
 def decode_body(body: bytes, struct: type[S]) -> S:
@@ -163,8 +203,10 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     renames: dict[str, str],
+    prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
     compact_json: bool = False,
+    tokenizer: Tokenizer | None = None,
 ) -> SamplingParams:
     """The engine's parameters for ``body``; 400 naming the field when one is invalid.
     ``structured_outputs`` (from the endpoint's own field) replaces ``body.structured_outputs``;
@@ -194,9 +236,10 @@ def sampling_params(
         "skip_special_tokens": body.skip_special_tokens,
         "spaces_between_special_tokens": body.spaces_between_special_tokens,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "output_kind": RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         "structured_outputs": structured_outputs,
-        "logit_bias": _logit_bias(body.logit_bias),
+        "logit_bias": _token_bias(body, tokenizer),
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(body, name)
@@ -206,6 +249,36 @@ def sampling_params(
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
         raise invalid_parameter(exc, fields, renames) from None
+
+
+def _token_bias(body: SamplingFields, tokenizer: Tokenizer | None) -> dict[int, float] | None:
+    """The logit bias of ``logit_bias``, ``allowed_token_ids`` (+100 on each: nothing else is
+    sampled, as OpenAI's bounds of the bias mean) and ``bad_words`` (-100 on the token of each
+    word, as written and after a space, as vLLM tokenizes them); 400 naming the field for a
+    bad word that is more than one token either way."""
+    bias = _logit_bias(body.logit_bias) or {}
+    if body.allowed_token_ids:
+        if not all(isinstance(t, int) and t >= 0 for t in body.allowed_token_ids):
+            raise APIError(400, "allowed_token_ids must be token ids", param="allowed_token_ids")
+        bias.update(dict.fromkeys(body.allowed_token_ids, MAX_LOGIT_BIAS))
+    for word in body.bad_words or ():
+        if tokenizer is None:
+            raise APIError(400, "bad_words needs a tokenizer", param="bad_words")
+        banned = [ids[0] for ids in _word_tokens(tokenizer, word) if len(ids) == 1]
+        if not banned:
+            raise APIError(
+                400,
+                f"bad_words: {show(word)} is more than one token; only words of one token can "
+                "be banned",
+                param="bad_words",
+            )
+        bias.update(dict.fromkeys(banned, -MAX_LOGIT_BIAS))
+    return bias or None
+
+
+def _word_tokens(tokenizer: Tokenizer, word: str) -> list[list[int]]:
+    """The ids of ``word`` as written and after a space (no special tokens added)."""
+    return [tokenizer.encode(text, add_special_tokens=False) for text in (word, " " + word)]
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -37,8 +37,26 @@ Emit = Callable[[bytes], Awaitable[None]]
 """Sends encoded events (one or more) to the client in one write."""
 
 
+_LINE_BREAKS = (
+    ("\u2028".encode(), b"\\u2028"),
+    ("\u2029".encode(), b"\\u2029"),
+    ("\x85".encode(), b"\\u0085"),
+)
+"""Characters that JSON leaves as they are but that line readers split lines on (Python's
+``str.splitlines``, so httpx's ``aiter_lines``, and JavaScript's line terminators), in UTF-8,
+with their JSON escapes."""
+
+
 def sse_event(data: bytes) -> bytes:
-    """One ``data:`` event (``data`` must hold no newline; JSON from msgspec never does)."""
+    """One ``data:`` event of the JSON text ``data`` (which must hold no newline; JSON from
+    msgspec never does), with U+2028, U+2029 and U+0085 escaped so that no line reader splits
+    the event."""
+    # In UTF-8 these byte sequences are those characters and nothing else (their lead bytes
+    # never continue another character), and in JSON they can only be inside strings, where
+    # the escape means the same character.
+    for raw, escaped in _LINE_BREAKS:
+        if raw in data:
+            data = data.replace(raw, escaped)
     return b"data: " + data + b"\n\n"
 
 

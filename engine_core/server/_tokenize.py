@@ -45,7 +45,7 @@ def _token_ids(state: ServerState, body: TokenizeRequest) -> list[int]:
 
 
 async def tokenize(state: ServerState, request: Request) -> Response:
-    body = await read_body(request, TokenizeRequest, state.max_body_bytes)
+    body = await read_body(request, TokenizeRequest, state)
     state.model_name(body.model)
     token_ids = _token_ids(state, body)
     result = TokenizeResponse(
@@ -55,7 +55,7 @@ async def tokenize(state: ServerState, request: Request) -> Response:
 
 
 async def detokenize(state: ServerState, request: Request) -> Response:
-    body = await read_body(request, DetokenizeRequest, state.max_body_bytes)
+    body = await read_body(request, DetokenizeRequest, state)
     state.model_name(body.model)
     vocab_size = state.engine.info.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab_size]

@@ -9,19 +9,25 @@ from typing import Any
 import pytest
 
 from engine_core import _plugins as _backends
-from engine_core._plugins import list_backends, load_backend, resolve_backend
+from engine_core._plugins import list_backends, load_backend, resolve_backend, resolve_config
 from engine_core.abc import Backend
+from engine_core.config import EngineConfig
 from engine_core.errors import BackendError
 
 
 class FakeProvider:
-    def __init__(self, name: str, usable: bool) -> None:
+    def __init__(self, name: str, usable: bool, fallback: dict[str, Any] | None = None) -> None:
         self.name = name
         self.install_hint = f"pip install engine-core-{name}"
         self.usable = usable
+        if fallback is not None:
+            self.fallback_options = fallback
 
-    def is_available(self) -> tuple[bool, str]:
-        return (True, "fake device") if self.usable else (False, "no fake device here")
+    def is_available(self, config: EngineConfig | None = None) -> tuple[bool, str]:
+        asked = config is not None and config.backend_options.get("device") == "cpu"
+        if self.usable or (asked and hasattr(self, "fallback_options")):
+            return True, "fake device"
+        return False, "no fake device here"
 
     def load(self) -> type[Backend]:
         raise AssertionError("discovery must not load a backend")
@@ -78,15 +84,68 @@ def test_load_backend_returns_the_mock_class() -> None:
     assert load_backend("mock") is MockBackend
 
 
-def test_unknown_backend_names_the_installed_ones_and_pip(installed: list[FakeEntryPoint]) -> None:
-    installed.append(FakeEntryPoint("cuda", FakeProvider("cuda", usable=False)))
+def test_unknown_backend_names_the_installed_ones_and_what_to_install(
+    installed: list[FakeEntryPoint],
+) -> None:
     with pytest.raises(BackendError) as caught:
         resolve_backend("tpu")
     assert isinstance(caught.value, LookupError)
     assert str(caught.value) == (
-        "unknown backend 'tpu'; installed: cuda (unusable: no fake device here), mock (usable). "
-        "A backend named 'tpu' would be installed with: pip install engine-core-tpu"
+        "unknown backend 'tpu': installed: mock (usable); also available: cuda "
+        "(pip install engine-core-cuda)"
     )
+    installed.append(FakeEntryPoint("cuda", FakeProvider("cuda", usable=False)))
+    with pytest.raises(BackendError) as caught:
+        resolve_backend("cpu")
+    # No made-up package names ("engine-core-cpu" does not exist).
+    assert str(caught.value) == (
+        "unknown backend 'cpu': installed: cuda (unusable: no fake device here), mock (usable)"
+    )
+
+
+@pytest.mark.parametrize("name", ["Mock", "MOCK", "mokc", "mock "])
+def test_a_misspelt_backend_gets_a_suggestion(installed: list[FakeEntryPoint], name: str) -> None:
+    with pytest.raises(BackendError, match=r"did you mean 'mock'\?"):
+        resolve_backend(name)
+
+
+# -- auto with a model: never the mock ----------------------------------------------------------
+
+
+def test_auto_with_a_model_never_picks_the_mock(installed: list[FakeEntryPoint]) -> None:
+    installed.append(FakeEntryPoint("cuda", FakeProvider("cuda", usable=False)))
+    with pytest.raises(BackendError) as caught:
+        resolve_config(EngineConfig(model="/models/llama"))
+    message = str(caught.value)
+    assert message.startswith("no backend can run the model /models/llama here (installed:")
+    assert message.endswith(
+        "The mock does not run models: backend='mock' serves counting tokens with the model's "
+        "KV geometry and tokenizer"
+    )
+    installed.pop()
+    with pytest.raises(BackendError, match=r"install one: cuda \(pip install engine-core-cuda\)"):
+        resolve_config(EngineConfig(model="/models/llama"))
+    # Without a model the mock is what "auto" serves.
+    assert resolve_config(EngineConfig())[1].backend == "mock"
+
+
+def test_auto_with_a_model_runs_a_backend_with_the_options_it_needs_and_says_so(
+    installed: list[FakeEntryPoint], caplog: pytest.LogCaptureFixture
+) -> None:
+    installed.append(FakeEntryPoint("cuda", FakeProvider("cuda", False, {"device": "cpu"})))
+    config = EngineConfig(model="/models/llama", backend_options={"kernels": "torch"})
+    with caplog.at_level("WARNING", logger="engine_core._plugins"):
+        info, resolved = resolve_config(config)
+    assert info.name == resolved.backend == "cuda"
+    assert resolved.backend_options == {"kernels": "torch", "device": "cpu"}
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "backend 'auto': cuda runs the model /models/llama with {'device': 'cpu'} (no fake "
+        "device here; backend_options={'device': 'cpu'} says so explicitly)"
+    )
+    # A backend usable as asked is used as asked.
+    installed[-1] = FakeEntryPoint("cuda", FakeProvider("cuda", True, {"device": "cpu"}))
+    assert resolve_config(config)[1].backend_options == {"kernels": "torch"}
 
 
 def test_unusable_backend_says_why_and_what_to_install(installed: list[FakeEntryPoint]) -> None:

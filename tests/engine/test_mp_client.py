@@ -77,7 +77,17 @@ def engine() -> Iterator[MPClient]:
 
 def test_ready_reports_the_engine(engine: MPClient) -> None:
     assert engine.info == EngineInfo(
-        num_kv_blocks=64, block_size=16, max_model_len=1024, vocab_size=258, backend="mock"
+        num_kv_blocks=64,
+        block_size=16,
+        max_model_len=1024,
+        vocab_size=258,
+        backend="mock",
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+    )
+    assert engine.info.describe() == (
+        "backend mock; KV cache 64 blocks of 16 tokens; max_model_len 1024; max_num_seqs 256; "
+        "token budget 8192 per step; async scheduling off; speculative decoding off"
     )
 
 

@@ -17,10 +17,10 @@ from engine_core._plugins import BackendInfo
 def scripted_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     """``backend="scripted"`` runs :class:`ScriptedSpecBackend` in process."""
 
-    def resolve(name: str, config: Any = None) -> BackendInfo:
-        return BackendInfo(name, True, "scripted", "", None)
+    def resolve(config: Any) -> tuple[BackendInfo, Any]:
+        return BackendInfo(config.backend, True, "scripted", "", None), config
 
-    monkeypatch.setattr(engine_core_module, "resolve_backend", resolve)
+    monkeypatch.setattr(engine_core_module, "resolve_config", resolve)
     monkeypatch.setattr(engine_core_module, "load_backend", lambda *_: ScriptedSpecBackend)
 
 

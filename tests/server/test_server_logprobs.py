@@ -13,8 +13,7 @@ from engine_core._frontend.output_processor import OutputProcessor
 from engine_core.abc import TokenLogprobs
 from engine_core.outputs import CompletionOutput
 from engine_core.sampling_params import SamplingParams
-from engine_core.server._chat import _chat_logprobs
-from engine_core.server._completions import _logprobs, _TextOffsets
+from engine_core.server._logprobs import TextOffsets, chat_logprobs, completion_logprobs
 
 CORPUS = ["Hello brown fox, the quick brown fox jumps over the lazy dog", "He said hello world"]
 
@@ -45,11 +44,13 @@ def test_sentencepiece_tokens_keep_their_leading_space(sentencepiece: HFTokenize
     completion = generate(tok, tok.encode("Hello"), ids, params)
     assert completion.text == " He said hello"
     assert completion.logprobs is not None
-    logprobs = _logprobs(completion.logprobs, ids, _TextOffsets(tok, tok.encode("Hello"), params))
+    logprobs = completion_logprobs(
+        tok, completion.logprobs, ids, TextOffsets(tok, tok.encode("Hello"), params)
+    )
     assert [tok._tokenizer.id_to_token(t) for t in ids] == ["▁He", "▁said", "▁hello"]
     assert logprobs.tokens == [" He", " said", " hello"]
     assert logprobs.text_offset == [0, 3, 8]
-    chat = _chat_logprobs(completion.logprobs, 1, tok).content
+    chat = chat_logprobs(completion.logprobs, 1, tok).content
     assert [(t.token, bytes(t.bytes or [])) for t in chat] == [
         (" He", b" He"),
         (" said", b" said"),
@@ -67,7 +68,9 @@ def test_text_offset_counts_only_text_that_appears(sentencepiece: HFTokenizer) -
     completion = generate(tok, tok.encode("Hello"), ids, params)
     assert completion.text == " Heア said"
     assert completion.logprobs is not None
-    logprobs = _logprobs(completion.logprobs, ids, _TextOffsets(tok, tok.encode("Hello"), params))
+    logprobs = completion_logprobs(
+        tok, completion.logprobs, ids, TextOffsets(tok, tok.encode("Hello"), params)
+    )
     assert logprobs.tokens == [" He", "\ufffd", "\ufffd", "\ufffd", "</s>", " said"]
     assert logprobs.text_offset == [0, 3, 3, 3, 4, 4]
 
@@ -84,6 +87,38 @@ def test_chat_bytes_are_the_tokens_own(sentencepiece: HFTokenizer) -> None:
         completion = generate(tok, tok.encode("a"), ids, SamplingParams(logprobs=1))
         assert completion.text == "é"
         assert completion.logprobs is not None
-        content = _chat_logprobs(completion.logprobs, 1, tok).content
+        content = chat_logprobs(completion.logprobs, 1, tok).content
         assert [(t.token, t.bytes) for t in content] == [("\ufffd", [0xC3]), ("\ufffd", [0xA9])]
         assert [[x.bytes for x in t.top_logprobs] for t in content] == [[[0xC3]], [[0xA9]]]
+
+
+def test_top_candidates_of_the_same_text_are_entries_of_their_own(
+    sentencepiece: HFTokenizer,
+) -> None:
+    """Distinct candidates that show the same text (the byte pieces of a character, U+FFFD
+    each) never collapse into one key of the completions ``top_logprobs``: a later one is keyed
+    by its bytes, as OpenAI writes them; chat lists each with its own bytes."""
+    tok = sentencepiece
+    pieces = [tok._tokenizer.token_to_id(f"<0x{b:02X}>") for b in (0xE3, 0x82, 0xA2, 0xC3, 0xA9)]
+    proc = OutputProcessor(tok)
+    params = SamplingParams(logprobs=4, max_tokens=1)
+    proc.add_request("r", None, tok.encode("a"), params)
+    entry = TokenLogprobs(pieces, [-0.5, -1.0, -2.0, -3.0, -4.0], [1, 2, 3, 4, 5])
+    step = EngineCoreOutputs(["r"], [[pieces[0]]], [FinishedRequest("r", "length")], {"r": [entry]})
+    (output,) = proc.process_outputs(step).request_outputs
+    completion = output.outputs[0]
+    assert completion.logprobs is not None
+    columns = completion_logprobs(
+        tok, completion.logprobs, completion.token_ids, TextOffsets(tok, tok.encode("a"), params)
+    )
+    assert columns.top_logprobs == [
+        {
+            "\ufffd": -0.5,
+            "bytes:\\x82": -1.0,
+            "bytes:\\xa2": -2.0,
+            "bytes:\\xc3": -3.0,
+            "bytes:\\xa9": -4.0,
+        }
+    ]
+    (content,) = chat_logprobs(completion.logprobs, 4, tok).content
+    assert [t.bytes for t in content.top_logprobs] == [[0xE3], [0x82], [0xA2], [0xC3]]

@@ -222,7 +222,7 @@ def test_hf_tokenizer(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     regex = r"hello [a-z]{1,5}!"
     # The mock's vocabulary (32000) is larger than the tokenizer's: the extra ids stay masked.
-    with LLM(backend="mock", tokenizer=str(tmp_path)) as llm:
+    with LLM(backend="mock", tokenizer=str(tmp_path), backend_options={"vocab_size": 32000}) as llm:
         outs = llm.generate(
             ["hello"] * 2,
             [_params(max_tokens=60, regex=regex), _params(choice=["hello world", "there"])],
@@ -320,8 +320,8 @@ def test_cache_serves_equal_specs_and_remembers_failures() -> None:
     assert core.scheduler.requests["b"].status == RequestStatus.WAITING_FOR_GRAMMAR
     tokens, _ = _run(core)
     assert structured.num_compiles == 1 and tokens["a"] == tokens["b"]
-    # The same schema as JSON text with its keys in another order: compiled already.
-    reordered = json.dumps(dict(reversed(list(PERSON.items()))))
+    # The same schema as JSON text with its keywords in another order: compiled already.
+    reordered = json.dumps(dict(reversed(list(PERSON.items()))), indent=2)
     core.add_request(_request("c", _params(json=reordered)))
     assert core.scheduler.requests["c"].status == RequestStatus.WAITING
     assert structured.num_pending == 0 and structured.num_cache_hits == 1
@@ -333,6 +333,25 @@ def test_cache_serves_equal_specs_and_remembers_failures() -> None:
     _, finished2 = _run(core)
     assert finished2["bad2"].error == finished["bad1"].error
     assert structured.num_compiles == 2 and structured.num_cache_hits == 2
+
+
+def test_properties_keep_their_order() -> None:
+    """The grammar writes properties in the schema's order (``name`` before ``age``, as
+    ``PERSON`` lists them, not sorted): a model that writes them so is never steered off its
+    reply; the same properties in another order are another grammar."""
+    reply = '{"name": "Ada", "age": 36, "ok": true}'
+    options = {"replies": [{"match": "person", "text": reply}]}
+    reordered = {**PERSON, "properties": dict(reversed(list(PERSON["properties"].items())))}
+    with LLM(backend="mock", tokenizer="byte", backend_options=options) as llm:
+        outs = llm.generate(
+            ["a person", "a person", "hello"],
+            [_params(json=PERSON), _params(json=reordered), _params(json=PERSON)],
+            use_tqdm=False,
+        )
+    texts = [out.outputs[0].text for out in outs]
+    assert texts[0] == reply
+    assert list(json.loads(texts[1])) == ["ok", "age", "name"]
+    assert list(json.loads(texts[2])) == ["name", "age", "ok"]  # the mock's own rule too
 
 
 class _Gate:

@@ -15,7 +15,7 @@ from engine_core_cuda._provider import provider
 from hf_reference import PROMPTS, greedy
 from tiny_models import TinyModel
 
-from engine_core import SamplingParams
+from engine_core import LLM, SamplingParams
 from engine_core._plugins import list_backends, resolve_backend
 from engine_core.abc import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.config import EngineConfig
@@ -51,6 +51,30 @@ def test_usable_on_the_cpu_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
         assert not list_backends()["cuda"].usable
     monkeypatch.setenv(DEVICE_ENV, "cpu")
     assert resolve_backend("cuda").name == "cuda"
+
+
+def test_auto_runs_a_model_on_the_cpu_and_says_so(
+    tiny: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``backend="auto"`` with a model and no GPU runs the model (the CUDA backend on the CPU),
+    never the mock's counting tokens, and says so in one warning."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: auto runs the model there")
+    monkeypatch.delenv(DEVICE_ENV, raising=False)
+    model = tiny["llama"]
+    with caplog.at_level("WARNING", logger="engine_core._plugins"):
+        llm = LLM(model=str(model.path), max_model_len=64, num_kv_blocks=16)
+    with llm:
+        assert llm._client.info.backend == "cuda"
+        assert isinstance(llm._client.engine_core.backend, CudaBackend)
+        (out,) = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    expected = greedy(model.hf, out.prompt_token_ids, GREEDY.max_tokens or 0)
+    assert out.outputs[0].token_ids == expected
+    (record,) = [r for r in caplog.records if r.name == "engine_core._plugins"]
+    assert record.getMessage().startswith(
+        f"backend 'auto': cuda runs the model {model.path} with {{'device': 'cpu'}} "
+        "(no CUDA device found;"
+    )
 
 
 def test_the_handshake_sizes_the_kv_cache(tiny: dict[str, TinyModel]) -> None:

@@ -29,7 +29,8 @@ Tokens (``vocab_size`` V):
   ``device_memory_bytes``, ``weight_bytes``, ``max_model_len``: override the geometry, which is
   otherwise read from ``config.json`` of ``EngineConfig.model`` or synthetic (32 layers, 8 KV
   heads of 128, 2-byte dtype, 16 GiB of device memory, no weights). The vocabulary defaults to
-  the model's, else 258 with the byte tokenizer, else 32000;
+  the model's, else the served tokenizer's (its added tokens included; 258 for the byte
+  tokenizer), so every token the mock samples decodes to text;
 - ``latency``: ``{"step_s", "per_token_s", "per_context_token_s"}``, each step then lasts
   ``step_s + per_token_s * scheduled tokens + per_context_token_s * context tokens``;
 - ``load_s``: seconds that constructing the backend takes (a model load);

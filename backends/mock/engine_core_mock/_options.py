@@ -43,7 +43,6 @@ SYNTHETIC_NUM_KV_HEADS = 8
 SYNTHETIC_HEAD_SIZE = 128
 SYNTHETIC_DTYPE_BYTES = 2
 SYNTHETIC_DEVICE_MEMORY_BYTES = 16 << 30
-DEFAULT_VOCAB_SIZE = 32000
 BYTE_VOCAB_SIZE = 258
 """Byte tokenizer: ids 0-255 are bytes, 256 is BOS, 257 is EOS."""
 
@@ -235,6 +234,16 @@ def _hf_geometry(path: Path) -> dict[str, Any]:
     return found
 
 
+def _tokenizer_vocab_size(name: str) -> int:
+    """The vocabulary of the served tokenizer (added tokens included), so that every token the
+    mock samples decodes to text."""
+    if name == "byte":
+        return BYTE_VOCAB_SIZE
+    from engine_core.abc import load_tokenizer
+
+    return load_tokenizer(name).vocab_size
+
+
 def parse_options(config: EngineConfig) -> MockOptions:
     """Validate ``config.backend_options`` and resolve the model geometry: options, else the
     model's ``config.json`` when ``config.model`` is set, else the synthetic model."""
@@ -249,7 +258,7 @@ def parse_options(config: EngineConfig) -> MockOptions:
         "num_kv_heads": SYNTHETIC_NUM_KV_HEADS,
         "head_size": SYNTHETIC_HEAD_SIZE,
         "dtype_bytes": SYNTHETIC_DTYPE_BYTES,
-        "vocab_size": BYTE_VOCAB_SIZE if config.tokenizer_name == "byte" else DEFAULT_VOCAB_SIZE,
+        "vocab_size": None,
         "device_memory_bytes": SYNTHETIC_DEVICE_MEMORY_BYTES,
         "weight_bytes": 0,
         "max_model_len": None,
@@ -265,6 +274,8 @@ def parse_options(config: EngineConfig) -> MockOptions:
             values[name] = _int_option(
                 name, options[name], minimum=0 if name == "weight_bytes" else 1
             )
+    if values["vocab_size"] is None:
+        values["vocab_size"] = _tokenizer_vocab_size(config.tokenizer_name)
     tp = options.get("tensor_parallel_size")
     tp = 1 if tp is None else _int_option("tensor_parallel_size", tp, minimum=1)
     memory = options.get("tensor_parallel_memory_bytes")

@@ -36,7 +36,9 @@ CONSTRAINED = StructuredOutputsParams(regex="[a-z]+")
 CONFIGS = {
     "default": None,
     "block-4": EngineConfig(tokenizer="byte", block_size=4, max_model_len=256),
-    "block-32-vocab-32000": EngineConfig(block_size=32, max_model_len=1024, tokenizer="/none"),
+    "block-32-vocab-32000": EngineConfig(
+        block_size=32, max_model_len=1024, backend_options={"vocab_size": 32000}
+    ),
 }
 
 

@@ -14,6 +14,7 @@ import pytest
 from engine_core_mock import MockBackend
 from engine_core_mock._provider import provider
 
+from engine_core import LLM, SamplingParams
 from engine_core._engine.core import size_kv_cache
 from engine_core.abc import BackendProvider, KVCacheSpec
 from engine_core.config import EngineConfig
@@ -52,8 +53,32 @@ def test_synthetic_geometry() -> None:
     assert (backend.vocab_size(), backend.max_model_len()) == (258, None)
 
 
-def test_vocab_size_is_32000_without_the_byte_tokenizer() -> None:
-    assert MockBackend(EngineConfig(tokenizer="/some/tokenizer")).vocab_size() == 32000
+def test_vocab_is_the_tokenizers_unless_vocab_size_is_given(tmp_path: Path) -> None:
+    """A mock serving an HF tokenizer samples only ids it can decode (it used to keep 32,000
+    ids, most of which decode to nothing)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=280,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(["hello world", "say hello there"], trainer)
+    directory = tmp_path / "tokenizer"
+    directory.mkdir()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    assert 258 < size <= 280
+    assert MockBackend(EngineConfig(tokenizer=str(directory))).vocab_size() == size
+    config = EngineConfig(tokenizer=str(directory), backend_options={"vocab_size": 1000})
+    assert MockBackend(config).vocab_size() == 1000
+    with LLM(backend="mock", tokenizer=str(directory)) as llm:
+        out = llm.generate("hello", SamplingParams(max_tokens=8, seed=1), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) >= 1 and out[0].outputs[0].text
 
 
 def test_options_override_the_geometry() -> None:
