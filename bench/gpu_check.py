@@ -14,7 +14,8 @@ with the reason. Rows already written before a crash are kept.
   one-line Triton kernel compiles and runs; when it fails, the other checks are failed rows;
 - kernels: the Triton kernels against their torch references in bfloat16 (KV write, paged
   attention with and without split-KV, prefill chunks after mid-block hits, random shapes,
-  norms, rotary, SwiGLU) and the fused sampling kernel against the torch sampler;
+  sliding-window, chunked-local, soft-capped and sink attention, norms (Gemma's too), rotary,
+  SwiGLU, GeGLU) and the fused sampling kernel against the torch sampler;
 - startup: a Llama-3-8B-shaped model (random bfloat16 weights) from an empty Triton cache: the
   profiling pass, the graph capture (cold: compiling; warm: recaptured), the compiled kernel
   variants and the memory reserved after capture;
@@ -26,10 +27,15 @@ with the reason. Rows already written before a crash are kept.
   (at most ``--sampling-overhead`` more), and the sampler alone, fused kernel and torch;
 - longctx: batch-1 decode at ``--long-context`` tokens with 1, 4 and 16 KV splits (eager) and the
   automatic count (graphs on, which must reach ``--long-target`` of the memory roofline);
+- window: decode at ``--long-context`` tokens, batch 1 and 8 (graphs on), of the 8B-shaped
+  model with a sliding window of ``--window`` tokens on every layer (Mistral-style) against the
+  same shape with full attention: each step's time against the memory roofline of the keys it
+  reads, and the window's speedup (which must exceed 1);
 - prefill: tokens/s of 2,048-token prompts, four per step;
 - profile: the top 15 kernels by CUDA time of one eager decode step at batch 1 and 256, and a
   graph replay's time against the whole step's (the host's share);
-- parity: greedy tokens of tiny Llama/Qwen2/Qwen3-shaped models (float32, CUDA graphs on) equal
+- parity: greedy tokens of tiny Llama/Qwen2/Qwen3/Mistral (sliding window)/Gemma 2/Gemma
+  3-shaped models (float32, CUDA graphs on, prompts longer than the windows) equal
   transformers' (or the dense reference of ``engine_core_cuda.reference_model``);
 - conformance: ``engine_core.testing.check_backend`` on the GPU;
 - tp: tensor parallelism's sharded path in bfloat16 with two ranks on the same device (gloo,
@@ -77,14 +83,15 @@ from typing import Any
 
 CHECK_SUMMARIES = {
     "preflight": "the GPU, a C compiler, Python.h, Triton's cache and a first kernel",
-    "kernels": "the Triton kernels and the fused sampler against their torch references (bf16)",
+    "kernels": "Triton kernels (window, softcap, sink attention too) and sampler vs torch, bf16",
     "startup": "an 8B-shaped model from a cold Triton cache: profiling, graph capture, memory",
     "throughput": "decode steps per batch size against the compute-and-memory roofline",
     "sampling": "a temperature/top-p decode step at batch 256 against a greedy one",
     "longctx": "batch-1 decode at --long-context tokens over 1, 4, 16 and auto KV splits",
+    "window": "sliding-window decode of the 8B shape at --long-context tokens vs full attention",
     "prefill": "tokens/s of 2,048-token prompts, four per step",
     "profile": "the top kernels of one decode step at batch 1 and 256; graph replay vs step",
-    "parity": "greedy tokens of tiny Llama/Qwen2/Qwen3 models equal transformers'",
+    "parity": "greedy tokens of tiny Llama/Qwen/Mistral/Gemma models equal transformers'",
     "conformance": "engine_core.testing.check_backend on the GPU",
     "tp": "two tensor-parallel ranks on one device against one rank (logprobs, greedy)",
     "overlap": "decode tok/s through the engine with async scheduling off and on (info)",
@@ -93,7 +100,7 @@ CHECK_SUMMARIES = {
 """Each check (``--only``) and what it shows, in one line: listed by ``--help``."""
 CHECKS = tuple(CHECK_SUMMARIES)
 TIMEOUTS_S = {"preflight": 90, "kernels": 120, "startup": 150, "throughput": 180, "sampling": 120,
-              "longctx": 120, "prefill": 100, "profile": 120, "parity": 120,
+              "longctx": 120, "window": 150, "prefill": 100, "profile": 120, "parity": 150,
               "conformance": 150, "tp": 150, "overlap": 150, "spec": 180}  # fmt: skip
 """Each check's time limit (seconds, scaled by ``--timeout-scale``); typical runs take a fraction."""
 MIN_CHECK_S = 15
@@ -121,7 +128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (a toy smoke run)")
     p.add_argument("--batch-sizes", default="1,64,256")
     p.add_argument("--context", type=int, default=512, help="tokens in context per request")
-    p.add_argument("--long-context", type=int, default=32768, help="longctx check's context")
+    p.add_argument("--long-context", type=int, default=32768,
+                   help="context of the longctx and window checks")  # fmt: skip
+    p.add_argument("--window", type=int, default=4096,
+                   help="sliding window (tokens) of the window check's layers")  # fmt: skip
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
     p.add_argument("--layers", type=int, default=32, help="layers of the 8B-shaped model")
     p.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH, help="bytes/s")
@@ -153,6 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--timeout-scale must be > 0")
     if args.budget <= 0:
         p.error("--budget must be > 0")
+    if args.window <= 0:
+        p.error("--window must be > 0")
     if args.out is None:
         args.out = default_out()
     args.gpu = args.device != "cpu"
@@ -389,6 +401,20 @@ TINY = {
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 64,
               "tie_word_embeddings": False,
               "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+    # Windows of 16: the longer prompts run past them.
+    "mistral-window": {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                       "tie_word_embeddings": False, "sliding_window": 16, "rope_theta": 10000.0},
+    "gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "head_dim": 32,
+               "num_hidden_layers": 3, "sliding_window": 16, "query_pre_attn_scalar": 48,
+               "attn_logit_softcapping": 8.0, "final_logit_softcapping": 10.0,
+               "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+               "rope_theta": 10000.0},
+    "gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+               "head_dim": 64, "num_hidden_layers": 4, "sliding_window": 16,
+               "sliding_window_pattern": 3, "query_pre_attn_scalar": 64,
+               "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+               "rope_theta": 100000.0, "rope_local_base_freq": 1000.0,
+               "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
 }  # fmt: skip
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
@@ -589,6 +615,7 @@ def check_kernels(table: Table, args: argparse.Namespace) -> None:
             table.add(f"kernels/attention {name}", f"max|err| {err:.2e}", f"<= {tol:.0e}", ok)
     table.add(f"kernels/attention {len(random_errors)} random shapes",
               f"max|err| {max(random_errors):.2e}", f"<= {tol:.0e}", random_ok)  # fmt: skip
+    check_attention_kinds(table, args.device, dtype, tol, big, ctx)
     gen = torch.Generator().manual_seed(1)
     kv = [
         torch.randn(64, big[1], big[2], generator=gen).to(dtype).to(args.device) for _ in range(2)
@@ -602,6 +629,35 @@ def check_kernels(table: Table, args: argparse.Namespace) -> None:
     table.add("kernels/write_kv 64 tokens", "bit-exact" if exact else "differs", "exact", exact)
     check_elementwise_kernels(table, args.device, dtype, tol, big)
     check_sampling_kernel(table, args.device)
+
+
+def check_attention_kinds(table: Table, device: str, dtype: Any, tol: float,
+                          heads: tuple[int, int, int], ctx: int) -> None:  # fmt: skip
+    """Sliding-window, chunked-local, soft-capped and sink attention against the reference, on
+    decodes (split and not) and prefill chunks whose context runs past the window."""
+    import torch
+    from engine_core_cuda.kernels.paged_attention import paged_attention
+    from engine_core_cuda.kernels.reference import paged_attention_reference
+
+    gpu = device != "cpu"
+    window, chunk = (256, 512) if gpu else (8, 16)
+    sinks = (torch.randn(heads[0], generator=torch.Generator().manual_seed(3)) * 2).to(device)
+    q_lens = [1, 1, 300, 1, 128] if gpu else [1, 6]
+    context = [ctx, 3, 700, 2 * ctx, 0] if gpu else [ctx, 14]
+    for name, options, segments in (
+        (f"window {window}", {"window": window}, 1),
+        (f"window {window} split-KV x4", {"window": window}, 4),
+        (f"chunked local {chunk}", {"chunk": chunk}, 1),
+        ("softcap 50, sinks, split-KV x4", {"softcap": 50.0, "sinks": sinks}, 4),
+    ):
+        batch = _attention_batch(q_lens, context, heads, 16, dtype, device, len(name))
+        scale = heads[2] ** -0.5
+        got = paged_attention(*batch, scale=scale, max_query_len=max(q_lens),
+                              num_segments=segments, **options)  # fmt: skip
+        expected = paged_attention_reference(*batch, scale=scale, **options)
+        err = (got.float() - expected.float()).abs().max().item()
+        ok = torch.allclose(got.float(), expected.float(), atol=tol, rtol=tol)
+        table.add(f"kernels/attention {name}", f"max|err| {err:.2e}", f"<= {tol:.0e}", ok)
 
 
 def check_sampling_kernel(table: Table, device: str) -> None:
@@ -638,13 +694,19 @@ def check_sampling_kernel(table: Table, device: str) -> None:
 
 def check_elementwise_kernels(table: Table, device: str, dtype: Any, tol: float,
                               heads: tuple[int, int, int]) -> None:  # fmt: skip
-    """RMSNorm (with the residual add), rotary embedding and SwiGLU against their references."""
+    """RMSNorm (with the residual add; Llama's and Gemma's), rotary embedding, SwiGLU and GeGLU
+    against their references."""
     import torch
     from engine_core_cuda._hf_config import RopeConfig
     from engine_core_cuda._rope import RotaryTables
     from engine_core_cuda.kernels import reference as ref
-    from engine_core_cuda.kernels.activation import silu_and_mul
-    from engine_core_cuda.kernels.rms_norm import add_rms_norm, rms_norm
+    from engine_core_cuda.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+    from engine_core_cuda.kernels.rms_norm import (
+        add_rms_norm,
+        gemma_add_rms_norm,
+        gemma_rms_norm,
+        rms_norm,
+    )
     from engine_core_cuda.kernels.rotary import rotary_embedding
 
     gen = torch.Generator().manual_seed(2)
@@ -665,6 +727,12 @@ def check_elementwise_kernels(table: Table, device: str, dtype: Any, tol: float,
     got = add_rms_norm(x, r1, weight, 1e-5)
     row("add_rms_norm", got, ref.add_rms_norm_reference(x, r2, weight, 1e-5))
     row("add_rms_norm residual", r1, r2)
+    small = 0.1 * randn(hidden)  # Gemma's weights are near 0: it scales by 1 + w
+    expected = ref.gemma_rms_norm_reference(x, small, 1e-6)
+    row("gemma_rms_norm", gemma_rms_norm(x, small, 1e-6), expected)
+    r1, r2 = residual.clone(), residual.clone()
+    got = gemma_add_rms_norm(x, r1, small, 1e-6)
+    row("gemma_add_rms_norm", got, ref.gemma_add_rms_norm_reference(x, r2, small, 1e-6))
     rope = RopeConfig(500000.0, "llama3", 8.0, 1.0, 4.0, 8192)
     tables = RotaryTables(rope, head_size, 4096, dtype, torch.device(device))
     qkv = randn(37, (num_heads + 2 * num_kv_heads) * head_size)
@@ -679,6 +747,7 @@ def check_elementwise_kernels(table: Table, device: str, dtype: Any, tol: float,
     row("rotary_embedding (in place, strided)", qkv, expected)
     gate_up = randn(37, 2 * 3 * hidden + 32)
     row("silu_and_mul", silu_and_mul(gate_up), ref.silu_and_mul_reference(gate_up))
+    row("gelu_tanh_and_mul", gelu_tanh_and_mul(gate_up), ref.gelu_tanh_and_mul_reference(gate_up))
 
 
 # -- 2. greedy parity -------------------------------------------------------------------------
@@ -897,9 +966,12 @@ def weight_bytes(backend: Any) -> int:
 
 
 def big_backend(args: argparse.Namespace, root: Path, *, max_len: int, max_seqs: int,
-                graphs: bool, num_blocks: int, **fields: Any) -> Any:  # fmt: skip
-    """The 8B-shaped model (toy-sized on the CPU) with a KV cache of ``num_blocks``."""
-    model_dir = write_config(root, "llama3-8b-shaped", big_shape(args))
+                graphs: bool, num_blocks: int, config: dict[str, Any] | None = None,
+                **fields: Any) -> Any:  # fmt: skip
+    """The 8B-shaped model (toy-sized on the CPU; ``config``: fields changed) with a KV cache of
+    ``num_blocks``."""
+    name = "llama3-8b-shaped" + ("-" + "-".join(sorted(config)) if config else "")
+    model_dir = write_config(root, name, {**big_shape(args), **(config or {})})
     backend = make_backend(
         model_dir, args.device, dtype="bfloat16" if args.gpu else "float32",
         max_model_len=max_len, max_num_seqs=max_seqs,
@@ -1134,6 +1206,43 @@ def check_longctx(table: Table, args: argparse.Namespace, root: Path) -> None:
                           (ratio >= args.long_target) if enforce else None)  # fmt: skip
         finally:
             release(backend)
+
+
+# -- sliding window ---------------------------------------------------------------------------
+
+
+def check_window(table: Table, args: argparse.Namespace, root: Path) -> None:
+    """Sliding-window decode at long context against full attention on the same shape: the
+    window layers read ``window`` keys where the full ones read the whole context."""
+    shape = Shape.from_config(big_shape(args), 2 if args.gpu else 4)
+    context, steps = (args.long_context, 16) if args.gpu else (96, 2)
+    window = args.window if args.gpu else 16
+    batch_sizes = (1, 8) if args.gpu else (1, 2)
+    mistral = {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+               "sliding_window": window}  # fmt: skip
+    times: dict[tuple[str, int], float] = {}
+    for label, config in (("full attention", None), (f"window {window}", mistral)):
+        backend = big_backend(args, root, max_len=context + 64, max_seqs=max(batch_sizes),
+                              graphs=args.gpu, num_blocks=_blocks_for(max(batch_sizes), context),
+                              config=config)  # fmt: skip
+        try:
+            weights = weight_bytes(backend)
+            for b in batch_sizes:
+                seconds, _, mean_ctx = _decode_run(backend, b, context, 2, steps, shape.vocab)
+                keys = mean_ctx if config is None else min(mean_ctx, window)
+                roof = decode_roofline(shape, weights, b, keys, args.bandwidth, args.peak_flops)
+                times[label, b] = seconds
+                table.add(f"window: decode b={b} ctx={context} {label}",
+                          f"{seconds * 1e3:.2f} ms {roof.describe(seconds)}",
+                          f"{roof.memory_s / seconds:.2f}",
+                          detail=[f"memory roofline {roof.memory_s * 1e3:.2f} ms ({keys:.0f} "
+                                  "keys per layer)"])  # fmt: skip
+        finally:
+            release(backend)
+    for b in batch_sizes:
+        speedup = times["full attention", b] / times[f"window {window}", b]
+        table.add(f"window: speedup of window {window} b={b} ctx={context}", f"x{speedup:.2f}",
+                  "> 1" if args.gpu else "", (speedup > 1.0) if args.gpu else None)  # fmt: skip
 
 
 # -- prefill ----------------------------------------------------------------------------------
@@ -1469,6 +1578,7 @@ CHECK_FUNCTIONS: dict[str, Callable[[Table, argparse.Namespace, Path], None]] = 
     "throughput": check_throughput,
     "sampling": check_sampling,
     "longctx": check_longctx,
+    "window": check_window,
     "prefill": check_prefill,
     "profile": check_profile,
     "parity": check_parity,

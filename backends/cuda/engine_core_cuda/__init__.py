@@ -1,8 +1,10 @@
 """engine-core-cuda: the production backend of engine-core.
 
-Torch model code for decoder-only HF checkpoints (``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``), one paged KV-cache tensor sized from free device
-memory, Triton kernels for writing K/V and for paged attention over mixed prefill/decode batches,
+Torch model code for decoder-only HF checkpoints (``LlamaForCausalLM``, ``MistralForCausalLM``
+with its sliding window, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``,
+``Gemma3ForCausalLM``), one paged KV-cache tensor sized from free device memory, Triton kernels
+for writing K/V and for paged attention over mixed prefill/decode batches (full, sliding-window
+and chunked-local layers, soft caps, sinks; ``docs/cuda_kv_groups.md``),
 on-device sampling, and CUDA graphs for decode. Use it with ``EngineConfig(backend="cuda",
 model=<HF directory>)``; the entry point ``cuda`` in the group ``engine_core.backends`` names
 :data:`engine_core_cuda._provider.provider`, which imports neither torch nor triton.

@@ -1,13 +1,22 @@
 """What the layers need to know about one step: the batch geometry over the paged KV cache and
-the kernels to run it with."""
+the kernels to run it with.
+
+**KV-cache groups.** The cache's layers are split into groups (:mod:`engine_core_cuda._kv_layout`);
+each group has a block table of its own per request, and so its own cache slot per token: a
+layer writes and reads through its group's ``block_tables[g]`` and ``slot_mappings[g]``. With
+one group (every layer full attention, or every layer reading the one full table while the
+engine core has no groups) ``g`` is 0 throughout. A window layer's table may hold anything
+(a null id) for the blocks wholly behind its window: attention never reads those entries.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine_core_cuda._kernel_ops import KernelOps
+from engine_core_cuda._layer_kinds import LayerAttention
 
 __all__ = [
     "MAX_SEGMENTS",
@@ -54,37 +63,59 @@ def split_kv_segments(
 class AttentionContext:
     """The step's batch geometry, shared by every layer (tensors on the device).
 
-    ``seq_rows`` selects each sequence's row of the persistent ``block_table``; ``slot_mapping``
-    gives each token's cache slot (negative: padding, not written).
+    ``seq_rows`` selects each sequence's row of the persistent block table of each KV-cache
+    group (``block_tables[g]``); ``slot_mappings[g]`` gives each token's cache slot in group
+    ``g`` (negative: padding, not written).
     """
 
     ops: KernelOps
-    slot_mapping: torch.Tensor
-    block_table: torch.Tensor
+    slot_mappings: tuple[torch.Tensor, ...]
+    block_tables: tuple[torch.Tensor, ...]
     seq_rows: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     max_query_len: int
     num_segments: int = 1
+    """Split-KV segments of full-attention layers."""
+    span_segments: dict[int, int] = field(default_factory=dict)
+    """Split-KV segments of the layers whose queries see at most ``span`` keys (a window or a
+    chunk): fewer keys, fewer segments."""
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: KVCache) -> None:
-        """Store this step's keys and values (``[tokens, kv_heads, head_size]``)."""
-        self.ops.write_kv(key, value, cache[0], cache[1], self.slot_mapping)
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, group: int = 0
+    ) -> None:
+        """Store this step's keys and values (``[tokens, kv_heads, head_size]``) in the slots of
+        KV-cache group ``group``."""
+        self.ops.write_kv(key, value, cache[0], cache[1], self.slot_mappings[group])
 
-    def attend(self, q: torch.Tensor, cache: KVCache, scale: float) -> torch.Tensor:
-        """Causal attention of ``q`` (``[tokens, heads, head_size]``) over the cache; returns a
-        new contiguous tensor of ``q``'s shape."""
+    def attend(
+        self,
+        q: torch.Tensor,
+        cache: KVCache,
+        layer: LayerAttention,
+        group: int = 0,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of ``q`` (``[tokens, heads, head_size]``) over the cache, of the
+        kind ``layer`` (its scale, window, chunk, soft cap; ``sinks``: one logit per query
+        head), through the block table of KV-cache group ``group``; returns a new contiguous
+        tensor of ``q``'s shape."""
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        span = layer.span
         return self.ops.paged_attention(
             q,
             cache[0],
             cache[1],
-            self.block_table,
+            self.block_tables[group],
             self.seq_rows,
             self.query_start_loc,
             self.seq_lens,
-            scale=scale,
+            scale=layer.scale,
             max_query_len=self.max_query_len,
-            num_segments=self.num_segments,
+            num_segments=self.num_segments if span is None else self.span_segments.get(span, 1),
             out=out,
+            window=layer.window,
+            chunk=layer.chunk,
+            softcap=layer.softcap,
+            sinks=sinks,
         )

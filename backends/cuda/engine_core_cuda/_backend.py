@@ -13,8 +13,10 @@ sampled ids reach the workers by a device broadcast, so async scheduling works a
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +33,7 @@ from engine_core.abc import (
 from engine_core.config import EngineConfig
 from engine_core_cuda._cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine_core_cuda._hf_config import load_model_config
+from engine_core_cuda._kv_layout import KVLayout
 from engine_core_cuda._memory import available_kv_cache_memory, graph_max_batch_size
 from engine_core_cuda._model_runner import ModelRunner
 from engine_core_cuda._options import parse_options
@@ -62,9 +65,10 @@ def _check_model_dir(config: EngineConfig, load_format: str) -> Path:
 
 
 class CudaBackend(Backend):
-    """Runs an HF Llama/Mistral/Qwen2/Qwen3 checkpoint with torch, Triton paged attention and
-    on-device sampling; see ``engine_core_cuda`` for the ``backend_options``. It supports async
-    scheduling: sampled tokens stay on the device as the next step's input ids."""
+    """Runs an HF Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3 checkpoint with torch, Triton paged
+    attention and on-device sampling; see ``engine_core_cuda`` for the ``backend_options``. It
+    supports async scheduling: sampled tokens stay on the device as the next step's input
+    ids."""
 
     supports_async_scheduling = True
 
@@ -142,18 +146,27 @@ class CudaBackend(Backend):
             own = available_kv_cache_memory(self.runner, self.config.kv_cache_memory_fraction)
         return min(own, *(v for v in others if isinstance(v, int)))
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(
+        self, num_blocks: int, kv_groups: Sequence[Sequence[int]] | None = None
+    ) -> None:
+        """``kv_groups``: the layer indices of each KV-cache group, in the order of the block
+        tables the scheduler sends (default: one group of every layer); see
+        :mod:`engine_core_cuda._kv_layout`."""
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be an int > 0, got {num_blocks!r}")
+        layout = None
+        if kv_groups is not None:
+            layout = KVLayout.of(kv_groups, self.model_config.num_layers)
         if self.tp is not None:
-            with self.tp.on_every_rank("initialize_kv_cache", num_blocks):
-                self._initialize_kv_cache(num_blocks)
+            groups = None if layout is None else json.dumps(layout.groups)
+            with self.tp.on_every_rank("initialize_kv_cache", num_blocks, groups):
+                self._initialize_kv_cache(num_blocks, layout)
         else:
-            self._initialize_kv_cache(num_blocks)
+            self._initialize_kv_cache(num_blocks, layout)
 
-    def _initialize_kv_cache(self, num_blocks: int) -> None:
+    def _initialize_kv_cache(self, num_blocks: int, layout: KVLayout | None) -> None:
         self.runner.drop_graphs()  # they would point at the old cache
-        self.runner.allocate_kv_cache(num_blocks)
+        self.runner.allocate_kv_cache(num_blocks, layout)
         self._capture_graphs()
 
     def _capture_graphs(self) -> None:

@@ -94,7 +94,10 @@ class DecodeGraphs:
         device = runner.device
         self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+        self.slot_mappings = [
+            torch.full((tokens,), -1, dtype=torch.int64, device=device)
+            for _ in range(runner.batch.num_kv_groups)
+        ]
         self.seq_rows = torch.full((n,), runner.batch.padding_row, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self._query_start_locs = {
@@ -120,13 +123,14 @@ class DecodeGraphs:
             t = n * q
             ctx = AttentionContext(
                 ops=runner.ops,
-                slot_mapping=self.slot_mapping[:t],
-                block_table=runner.batch.block_table,
+                slot_mappings=tuple(slots[:t] for slots in self.slot_mappings),
+                block_tables=tuple(runner.batch.block_tables),
                 seq_rows=self.seq_rows[:n],
                 query_start_loc=self._query_start_locs[q][: n + 1],
                 seq_lens=self.seq_lens[:n],
                 max_query_len=q,
                 num_segments=runner.num_segments(n, q, runner.max_model_len),
+                span_segments=runner.span_segments(n, q, runner.max_model_len),
             )
 
             def forward(t: int = t, ctx: AttentionContext = ctx) -> torch.Tensor:
@@ -202,11 +206,13 @@ class DecodeGraphs:
         if q == 1 and step.draft_rows is None:
             self.input_ids[:b].copy_(step.input_ids)
             self.positions[:b].copy_(step.positions)
-            self.slot_mapping[:b].copy_(step.slot_mapping)
+            for slots, step_slots in zip(self.slot_mappings, step.slot_mappings, strict=True):
+                slots[:b].copy_(step_slots)
             self.seq_rows[:b].copy_(step.seq_rows)
             self.seq_lens[:b].copy_(step.seq_lens)
             if n > b:
-                self.slot_mapping[b:n].fill_(-1)
+                for slots in self.slot_mappings:
+                    slots[b:n].fill_(-1)
                 self.seq_rows[b:n].fill_(self.runner.batch.padding_row)
                 self.seq_lens[b:n].fill_(1)
                 self.positions[b:n].zero_()
@@ -235,8 +241,9 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(packed[t : t + n])
         self.input_ids[:t].zero_()
         self.input_ids[index] = step.input_ids
-        self.slot_mapping[:t].fill_(-1)
-        self.slot_mapping[index] = step.slot_mapping
+        for slots, step_slots in zip(self.slot_mappings, step.slot_mappings, strict=True):
+            slots[:t].fill_(-1)
+            slots[index] = step_slots
         self.seq_rows[:b].copy_(step.seq_rows)
         if n > b:
             self.seq_rows[b:n].fill_(self.runner.batch.padding_row)

@@ -33,7 +33,7 @@ from engine_core_cuda._loader import init_random_weights, load_weights
 from engine_core_cuda._model import CausalLM
 from engine_core_cuda._sampler import SamplingBatch, sample
 from engine_core_cuda._sampling_inputs import build_sampling_batch
-from engine_core_cuda._step_inputs import StepInputs
+from engine_core_cuda._step_inputs import StepInputs, slots_of
 
 if TYPE_CHECKING:
     from engine_core_cuda._cuda_graphs import DecodeGraphs
@@ -151,7 +151,6 @@ class DraftModel:
         host = torch.from_numpy(np.concatenate([rows_host, positions_host]))
         packed = host.to(device, non_blocking=True) if device.type == "cuda" else host
         rows, positions = packed[:num], packed[num:]
-        block_ids = batch.block_table[rows, positions // batch.block_size].long()
         step = StepInputs(
             states=states,
             starts=positions_host.tolist(),
@@ -161,7 +160,7 @@ class DraftModel:
             max_query_len=1,
             input_ids=batch.token_ids[rows, positions].long(),
             positions=positions,
-            slot_mapping=block_ids * batch.block_size + positions % batch.block_size,
+            slot_mappings=slots_of(batch, rows, positions),
             seq_rows=rows.to(torch.int32),
             query_start_loc=torch.arange(num + 1, dtype=torch.int32, device=device),
             seq_lens=(positions + 1).to(torch.int32),

@@ -1,8 +1,9 @@
 """The architecture of an HF model directory, read from its ``config.json`` (no torch).
 
 Both spellings of the RoPE settings are accepted: the published one (``rope_theta`` and
-``rope_scaling``, ``torch_dtype``) and the one newer transformers write (``rope_parameters``,
-``dtype``).
+``rope_scaling``, ``torch_dtype``; Gemma 3's ``rope_local_base_freq``) and the one newer
+transformers write (``rope_parameters``, keyed by layer type for Gemma 3, and ``dtype``). Each
+layer's kind of attention is read by :mod:`engine_core_cuda._layer_kinds`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine_core_cuda._layer_kinds import (
+    GEMMA_ARCHITECTURES,
+    LayerAttention,
+    layer_types_of,
+    logit_fields,
+)
+
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig", "load_model_config"]
 
 SUPPORTED_ARCHITECTURES = (
@@ -20,8 +28,10 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *GEMMA_ARCHITECTURES,
 )
 ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,13 +69,50 @@ class ModelConfig:
     rope: RopeConfig
     checkpoint_dtype: str | None
     sliding_window: int | None
+    """The window of the ``"sliding_attention"`` layers (None: no layer slides)."""
+    layer_types: tuple[str, ...] = ()
+    """Each layer's attention kind (Hugging Face's names); empty: every layer full attention."""
+    attention_chunk_size: int | None = None
+    """The chunk of the ``"chunked_attention"`` layers."""
+    hidden_act: str = "silu"
+    """The MLP's gate activation: ``"silu"`` (SwiGLU) or ``"gelu_pytorch_tanh"`` (Gemma)."""
+    local_rope: RopeConfig | None = None
+    """Gemma 3: the RoPE of its sliding-window layers (``rope`` is the full layers')."""
+    query_pre_attn_scalar: float | None = None
+    """Gemma: scores are scaled by ``query_pre_attn_scalar ** -0.5`` instead of the head size's."""
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence served exactly: full attention is exact below a sliding window."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence served: window layers mask what is behind their window exactly."""
         return self.max_position_embeddings
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma's decoder: (1 + w) norms around both blocks, scaled embeddings."""
+        return self.architecture in GEMMA_ARCHITECTURES
+
+    def layer_type(self, index: int) -> str:
+        return self.layer_types[index] if self.layer_types else "full_attention"
+
+    def layer_attention(self, index: int) -> LayerAttention:
+        """The attention parameters of layer ``index``."""
+        kind = self.layer_type(index)
+        scalar = self.query_pre_attn_scalar
+        return LayerAttention(
+            kind=kind,
+            scale=(scalar if scalar is not None else self.head_size) ** -0.5,
+            window=self.sliding_window if kind == "sliding_attention" else None,
+            chunk=self.attention_chunk_size if kind == "chunked_attention" else None,
+            softcap=self.attn_logit_softcapping,
+        )
+
+    def layer_rope(self, index: int) -> RopeConfig:
+        """The RoPE of layer ``index``."""
+        if self.local_rope is not None and self.layer_type(index) == "sliding_attention":
+            return self.local_rope
+        return self.rope
 
     @property
     def q_size(self) -> int:
@@ -95,12 +142,25 @@ def _int(hf: dict[str, Any], key: str, path: Path, default: int | None = None) -
     return value
 
 
-def _rope(hf: dict[str, Any], path: Path) -> RopeConfig:
+def _rope(hf: dict[str, Any], path: Path, layer_type: str | None = None) -> RopeConfig:
+    """The RoPE settings; with ``layer_type`` (Gemma 3) those of that kind of layer:
+    ``rope_parameters[layer_type]``, or the published fields (window layers:
+    ``rope_local_base_freq``, unscaled; full layers: ``rope_theta``, 1e6 when absent, and
+    ``rope_scaling``)."""
     scaling: dict[str, Any] = dict(hf.get("rope_scaling") or {})
     params = hf.get("rope_parameters")
+    default_theta = hf.get("rope_theta", 10000.0)
+    if layer_type is not None:
+        if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+            params = params[layer_type]
+        if layer_type == "sliding_attention":
+            scaling = {}
+            default_theta = hf.get("rope_local_base_freq", 10000.0)
+        else:
+            default_theta = hf.get("rope_theta", 1_000_000.0)
     if isinstance(params, dict):
         scaling.update(params)
-    theta = scaling.get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = scaling.get("rope_theta", default_theta)
     if not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
         raise ValueError(f"model: {path} has an invalid rope_theta {theta!r}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -122,15 +182,16 @@ def _rope(hf: dict[str, Any], path: Path) -> RopeConfig:
     )
 
 
-def _sliding_window(hf: dict[str, Any], architecture: str, path: Path) -> int | None:
-    window = hf.get("sliding_window")
+def _layer_types(
+    hf: dict[str, Any], architecture: str, num_layers: int, path: Path
+) -> tuple[tuple[str, ...], int | None, int | None]:
+    """:func:`~engine_core_cuda._layer_kinds.layer_types_of`; Qwen's ``sliding_window`` means
+    nothing unless ``use_sliding_window`` is set, which is refused."""
     if architecture.startswith("Qwen"):
-        if not hf.get("use_sliding_window", False):
-            return None
-        raise ValueError(f"model: {path} sets use_sliding_window, which is not supported")
-    if isinstance(window, int) and window > 0:
-        return window
-    return None
+        if hf.get("use_sliding_window", False):
+            raise ValueError(f"model: {path} sets use_sliding_window, which is not supported")
+        hf = {**hf, "sliding_window": None, "layer_types": None}
+    return layer_types_of(hf, architecture, num_layers, path)
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -146,9 +207,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     architecture = supported[0]
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"model: {path} uses hidden_act {act!r}; only 'silu' is supported")
+    gemma = architecture in GEMMA_ARCHITECTURES
+    act = hf.get("hidden_activation") if gemma else None
+    act = act or hf.get("hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
+    if act not in ACTIVATIONS:
+        raise ValueError(
+            f"model: {path} uses hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}"
+        )
     num_heads = _int(hf, "num_attention_heads", path)
     hidden_size = _int(hf, "hidden_size", path)
     num_kv_heads = _int(hf, "num_key_value_heads", path, num_heads)
@@ -161,23 +226,31 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     is_qwen2 = architecture == "Qwen2ForCausalLM"
     attention_bias = bool(hf.get("attention_bias", False))
     dtype = hf.get("torch_dtype") or hf.get("dtype")
+    num_layers = _int(hf, "num_hidden_layers", path)
+    gemma3 = architecture == "Gemma3ForCausalLM"
+    layer_types, window, chunk = _layer_types(hf, architecture, num_layers, path)
     return ModelConfig(
         architecture=architecture,
         vocab_size=_int(hf, "vocab_size", path),
         hidden_size=hidden_size,
         intermediate_size=_int(hf, "intermediate_size", path),
-        num_layers=_int(hf, "num_hidden_layers", path),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_size=int(head_size),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=_int(hf, "max_position_embeddings", path, 2048),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
         qkv_bias=is_qwen2 or attention_bias,
         o_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=architecture == "Qwen3ForCausalLM",
-        rope=_rope(hf, path),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        rope=_rope(hf, path, "full_attention" if gemma3 else None),
         checkpoint_dtype=dtype if isinstance(dtype, str) else None,
-        sliding_window=_sliding_window(hf, architecture, path),
+        sliding_window=window,
+        layer_types=layer_types,
+        attention_chunk_size=chunk,
+        hidden_act=act,
+        local_rope=_rope(hf, path, "sliding_attention") if gemma3 else None,
+        **logit_fields(hf, architecture, path),
     )

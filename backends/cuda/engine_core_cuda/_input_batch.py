@@ -1,7 +1,9 @@
 """Per-request state that persists on the device between steps.
 
 Each live request owns a row of the persistent tensors: its tokens (prompt, then every sampled
-token, written on the device by the sampler), its block table, its sampling parameters and, when
+token, written on the device by the sampler), its block table in each KV-cache group
+(:mod:`engine_core_cuda._kv_layout`; one group unless the engine core sends more), its sampling
+parameters and, when
 it uses penalties, its output-token counts and prompt-token mask. A new request is sent to the
 device once; after that a step only transfers what changed (new block ids) plus a few integers
 per scheduled request, however long the requests' contexts are.
@@ -18,6 +20,7 @@ import torch
 
 from engine_core.abc import NewRequestData, TokenLogprobs
 from engine_core.sampling_params import SamplingParams
+from engine_core_cuda._kv_layout import group_block_ids
 from engine_core_cuda._random import request_seed
 
 __all__ = ["InputBatch", "RequestState"]
@@ -39,6 +42,7 @@ class RequestState:
     """Tokens known: the prompt, then the outputs."""
     num_computed_tokens: int
     num_blocks: int
+    """Entries of its block table (the same in every KV-cache group)."""
     params: SamplingParams
     stop_ids: tuple[int, ...]
     """EOS and stop token ids, masked while fewer than ``min_tokens`` outputs exist."""
@@ -113,21 +117,39 @@ class InputBatch:
         self.device = device
         self.max_blocks = -(-max_model_len // block_size)
         self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.int32, device=device)
-        # One extra all-zero row: the table row of padding sequences (CUDA-graph batches).
-        self.block_table = torch.zeros(
-            max_num_reqs + 1, self.max_blocks, dtype=torch.int32, device=device
-        )
+        self.requests: dict[str, RequestState] = {}
+        self.block_tables: list[torch.Tensor] = []
+        self._block_writes: list[_Scatter] = []
+        self.set_kv_groups(1)
         self.float_params = torch.zeros(max_num_reqs, 6, dtype=torch.float32, device=device)
         self.int_params = torch.zeros(max_num_reqs, 2, dtype=torch.int64, device=device)
         self.output_counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
-        self.requests: dict[str, RequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self._token_writes = _Scatter()
-        self._block_writes = _Scatter()
         self._param_rows: list[int] = []
         self._float_values: list[list[float]] = []
         self._int_values: list[list[int]] = []
+
+    def set_kv_groups(self, num_groups: int) -> None:
+        """One block table per KV-cache group (their entries zeroed); no request may be live."""
+        if self.requests:
+            raise RuntimeError("the KV-cache groups changed while requests are live")
+        # One extra all-zero row: the table row of padding sequences (CUDA-graph batches).
+        shape = (self.max_num_reqs + 1, self.max_blocks)
+        self.block_tables = [
+            torch.zeros(shape, dtype=torch.int32, device=self.device) for _ in range(num_groups)
+        ]
+        self._block_writes = [_Scatter() for _ in range(num_groups)]
+
+    @property
+    def num_kv_groups(self) -> int:
+        return len(self.block_tables)
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """The block table of KV-cache group 0 (the only one unless the core sends groups)."""
+        return self.block_tables[0]
 
     @property
     def padding_row(self) -> int:
@@ -146,9 +168,11 @@ class InputBatch:
                 f"request {new.req_id!r} has {len(tokens)} tokens; max_model_len is "
                 f"{self.max_model_len}"
             )
-        if len(new.block_ids) > self.max_blocks:
+        block_ids = group_block_ids(new.block_ids, self.num_kv_groups)
+        num_blocks = len(block_ids[0])
+        if num_blocks > self.max_blocks:
             raise RuntimeError(
-                f"request {new.req_id!r} has {len(new.block_ids)} blocks; at most "
+                f"request {new.req_id!r} has {num_blocks} blocks; at most "
                 f"{self.max_blocks} fit max_model_len"
             )
         params = new.sampling_params
@@ -159,7 +183,7 @@ class InputBatch:
             num_prompt_tokens=len(new.prompt_token_ids),
             num_tokens=len(tokens),
             num_computed_tokens=new.num_computed_tokens,
-            num_blocks=len(new.block_ids),
+            num_blocks=num_blocks,
             params=params,
             stop_ids=tuple(dict.fromkeys([*new.eos_token_ids, *(params.stop_token_ids or ())])),
             greedy=params.is_greedy,
@@ -170,7 +194,8 @@ class InputBatch:
         )
         self.requests[new.req_id] = state
         self._token_writes.add(row, 0, tokens)
-        self._block_writes.add(row, 0, new.block_ids)
+        for writes, ids in zip(self._block_writes, block_ids, strict=True):
+            writes.add(row, 0, ids)
         self._param_rows.append(row)
         self._float_values.append(
             [
@@ -210,15 +235,18 @@ class InputBatch:
         if state is not None:
             self._free_rows.append(state.row)
 
-    def append_blocks(self, state: RequestState, block_ids: list[int]) -> None:
-        """Stage blocks appended to a request's block table."""
-        if state.num_blocks + len(block_ids) > self.max_blocks:
+    def append_blocks(self, state: RequestState, block_ids: list[list[int]]) -> None:
+        """Stage blocks appended to a request's block table in each group (``block_ids[g]``,
+        of one length: :func:`~engine_core_cuda._kv_layout.group_block_ids`)."""
+        added = len(block_ids[0])
+        if state.num_blocks + added > self.max_blocks:
             raise RuntimeError(
-                f"request {state.req_id!r} would have {state.num_blocks + len(block_ids)} "
+                f"request {state.req_id!r} would have {state.num_blocks + added} "
                 f"blocks; at most {self.max_blocks} fit max_model_len"
             )
-        self._block_writes.add(state.row, state.num_blocks, block_ids)
-        state.num_blocks += len(block_ids)
+        for writes, ids in zip(self._block_writes, block_ids, strict=True):
+            writes.add(state.row, state.num_blocks, ids)
+        state.num_blocks += added
 
     def stage_tokens(self, state: RequestState, start: int, token_ids: list[int]) -> None:
         """Stage ``token_ids`` at positions ``start ..`` of a request's row."""
@@ -227,7 +255,8 @@ class InputBatch:
     def flush(self) -> None:
         """Send the staged writes to the device."""
         self._token_writes.flush(self.token_ids)
-        self._block_writes.flush(self.block_table)
+        for writes, table in zip(self._block_writes, self.block_tables, strict=True):
+            writes.flush(table)
         if self._param_rows:
             rows = torch.tensor(self._param_rows, dtype=torch.int64).to(self.device)
             floats = torch.tensor(self._float_values, dtype=torch.float32)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from engine_core_cuda.kernels import reference
 from engine_core_cuda.kernels.torch_attention import paged_attention_torch
 from engine_core_cuda.kernels.torch_ops import (
+    add_gemma_rms_norm_torch,
     add_rms_norm_torch,
     rms_norm_torch,
     rotary_embedding_torch,
@@ -25,19 +26,24 @@ KERNEL_IMPLS = ("triton", "torch")
 
 
 class KernelOps:
-    """``write_kv``, ``paged_attention``, ``rms_norm``, ``add_rms_norm``,
-    ``rotary_embedding`` and ``silu_and_mul`` with the contracts of
-    :mod:`engine_core_cuda.kernels`."""
+    """``write_kv``, ``paged_attention``, ``rms_norm``, ``add_rms_norm`` (and Gemma's
+    ``gemma_rms_norm``, ``gemma_add_rms_norm``), ``rotary_embedding``, ``silu_and_mul`` and
+    ``gelu_tanh_and_mul`` with the contracts of :mod:`engine_core_cuda.kernels`."""
 
     def __init__(self, impl: Literal["triton", "torch"]) -> None:
         if impl not in KERNEL_IMPLS:
             raise ValueError(f"impl must be one of {', '.join(KERNEL_IMPLS)}, got {impl!r}")
         self.impl = impl
         if impl == "triton":
-            from engine_core_cuda.kernels.activation import silu_and_mul
+            from engine_core_cuda.kernels.activation import gelu_tanh_and_mul, silu_and_mul
             from engine_core_cuda.kernels.kv_write import write_kv
             from engine_core_cuda.kernels.paged_attention import paged_attention
-            from engine_core_cuda.kernels.rms_norm import add_rms_norm, rms_norm
+            from engine_core_cuda.kernels.rms_norm import (
+                add_rms_norm,
+                gemma_add_rms_norm,
+                gemma_rms_norm,
+                rms_norm,
+            )
             from engine_core_cuda.kernels.rotary import rotary_embedding
 
             self.write_kv = write_kv
@@ -46,6 +52,9 @@ class KernelOps:
             self.add_rms_norm = add_rms_norm
             self.rotary_embedding = rotary_embedding
             self.silu_and_mul = silu_and_mul
+            self.gelu_tanh_and_mul = gelu_tanh_and_mul
+            self.gemma_rms_norm = gemma_rms_norm
+            self.gemma_add_rms_norm = gemma_add_rms_norm
         else:
             self.write_kv = write_kv_torch
             self.paged_attention = paged_attention_torch
@@ -53,6 +62,9 @@ class KernelOps:
             self.add_rms_norm = add_rms_norm_torch
             self.rotary_embedding = rotary_embedding_torch
             self.silu_and_mul = reference.silu_and_mul_reference
+            self.gelu_tanh_and_mul = reference.gelu_tanh_and_mul_reference
+            self.gemma_rms_norm = reference.gemma_rms_norm_reference
+            self.gemma_add_rms_norm = add_gemma_rms_norm_torch
 
     @property
     def graph_capturable(self) -> bool:

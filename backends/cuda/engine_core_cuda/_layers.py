@@ -1,5 +1,7 @@
 """The building blocks of a Llama-family decoder layer: RMSNorm, attention with fused QKV
-projection (optional bias and per-head q/k norm), and the fused gate/up SwiGLU MLP.
+projection (optional bias and per-head q/k norm) of a layer's kind (full, sliding window,
+chunked local: :class:`~engine_core_cuda._layer_kinds.LayerAttention`), and the fused gate/up
+SwiGLU (or GeGLU) MLP.
 
 Parameters are created empty on the target device; :mod:`engine_core_cuda._loader` fills them.
 Fused weights are loaded shard by shard (``q``, ``k``, ``v`` into ``qkv_proj``; ``gate``, ``up``
@@ -24,6 +26,7 @@ from torch import nn
 from engine_core_cuda._attention import AttentionContext, KVCache
 from engine_core_cuda._hf_config import ModelConfig
 from engine_core_cuda._kernel_ops import KernelOps
+from engine_core_cuda._layer_kinds import LayerAttention
 from engine_core_cuda._rope import RotaryTables
 
 if TYPE_CHECKING:
@@ -92,7 +95,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Self-attention over the paged KV cache."""
+    """Self-attention over the paged KV cache, of the kind ``layer`` (default: full attention
+    scaled by ``head_size ** -0.5``), through the block table of KV-cache group ``kv_group``."""
 
     def __init__(
         self,
@@ -101,6 +105,7 @@ class Attention(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         parallel: TensorParallel | None = None,
+        layer: LayerAttention | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = config.num_heads
@@ -108,7 +113,9 @@ class Attention(nn.Module):
         self.head_size = config.head_size
         self.q_size = config.q_size
         self.kv_size = config.kv_size
-        self.scale = config.head_size**-0.5
+        self.layer = layer if layer is not None else LayerAttention(scale=config.head_size**-0.5)
+        self.kv_group = 0
+        """Set by the model runner from the cache's layout (:mod:`engine_core_cuda._kv_layout`)."""
         self.rotary = rotary
         self.qkv_proj = Linear(
             config.hidden_size,
@@ -144,13 +151,14 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_size), ops)[0].view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_size), ops)[0].view(k.shape)
         ops.rotary_embedding(positions, q, k, self.rotary.cos, self.rotary.sin)
-        ctx.write_kv(k, v, cache)
-        out = ctx.attend(q, cache, self.scale)
+        ctx.write_kv(k, v, cache, self.kv_group)
+        out = ctx.attend(q, cache, self.layer, self.kv_group)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up in one matrix."""
+    """``down(act(gate(x)) * up(x))`` with gate and up in one matrix; ``act`` is silu, or
+    gelu-tanh (``config.hidden_act == "gelu_pytorch_tanh"``)."""
 
     def __init__(
         self,
@@ -160,6 +168,7 @@ class MLP(nn.Module):
         parallel: TensorParallel | None = None,
     ) -> None:
         super().__init__()
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         size = config.intermediate_size
         self.gate_up_proj = Linear(
             config.hidden_size,
@@ -178,7 +187,8 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        act = ops.gelu_tanh_and_mul if self.gelu else ops.silu_and_mul
+        return self.down_proj(act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -191,10 +201,11 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         parallel: TensorParallel | None = None,
+        layer: LayerAttention | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(config, rotary, dtype, device, parallel)
+        self.self_attn = Attention(config, rotary, dtype, device, parallel, layer)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype, device
         )

@@ -137,13 +137,13 @@ def load_weights(model: CausalLM, model_dir: str | Path, slicer: Slicer | None =
 
 
 def init_random_weights(model: CausalLM, seed: int = 0) -> None:
-    """Random weights (normal, std 0.02; norms 1; biases 0) for benchmarks without a
-    checkpoint."""
+    """Random weights (normal, std 0.02; norms 1, Gemma's 0 as they scale by 1 + w; biases 0)
+    for benchmarks without a checkpoint."""
     generator = torch.Generator(device=model.lm_head_weight.device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.fill_(1.0)
+                param.fill_(0.0 if model.config.is_gemma else 1.0)
             elif name.endswith(".bias"):
                 param.zero_()
             else:

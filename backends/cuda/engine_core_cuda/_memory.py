@@ -55,10 +55,11 @@ def profile_run(runner: ModelRunner, num_tokens: int, num_seqs: int) -> None:
         dtype=runner.dtype,
         device=device,
     )
+    no_slots = torch.full((total,), -1, dtype=torch.int64, device=device)
     ctx = AttentionContext(
         ops=runner.ops,
-        slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=device),
-        block_table=runner.batch.block_table,
+        slot_mappings=(no_slots,) * runner.batch.num_kv_groups,
+        block_tables=tuple(runner.batch.block_tables),
         seq_rows=torch.full(
             (len(lengths),), runner.batch.padding_row, dtype=torch.int32, device=device
         ),  # fmt: skip

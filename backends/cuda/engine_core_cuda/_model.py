@@ -1,8 +1,12 @@
-"""The decoder-only causal LM of the Llama family (Llama, Mistral, Qwen2, Qwen3).
+"""The decoder-only causal LM of the Llama family (Llama, Mistral, Qwen2, Qwen3) and of Gemma 2
+and Gemma 3 (text).
 
 The differences between the architectures are flags of :class:`ModelConfig`: QKV bias (Qwen2),
-per-head q/k RMSNorm (Qwen3), tied embeddings, RoPE scaling. Parameter names follow the HF
-checkpoints except for the fused ``qkv_proj`` and ``gate_up_proj``.
+per-head q/k RMSNorm (Qwen3, Gemma 3), tied embeddings, RoPE scaling, each layer's kind of
+attention (sliding window: Mistral, Gemma) and its RoPE (Gemma 3's window layers), Gemma's
+decoder layer (:mod:`engine_core_cuda._gemma`), embedding scale and final logit soft-cap.
+Parameter names follow the HF checkpoints except for the fused ``qkv_proj`` and
+``gate_up_proj``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import torch
 from torch import nn
 
 from engine_core_cuda._attention import AttentionContext, KVCache
-from engine_core_cuda._hf_config import ModelConfig
+from engine_core_cuda._gemma import GemmaDecoderLayer, GemmaRMSNorm
+from engine_core_cuda._hf_config import ModelConfig, RopeConfig
 from engine_core_cuda._layers import DecoderLayer, RMSNorm
 from engine_core_cuda._rope import RotaryTables
 
@@ -45,11 +50,24 @@ class _Decoder(nn.Module):
                 config.vocab_size, config.hidden_size, parallel, dtype, device
             )
         self.embed_tokens.weight.requires_grad_(False)
-        rotary = RotaryTables(config.rope, config.head_size, max_positions, dtype, device)
+        tables: dict[RopeConfig, RotaryTables] = {}
+        for i in range(config.num_layers):
+            rope = config.layer_rope(i)
+            if rope not in tables:  # layers of one RoPE share its tables
+                tables[rope] = RotaryTables(rope, config.head_size, max_positions, dtype, device)
+        layer_cls = GemmaDecoderLayer if config.is_gemma else DecoderLayer
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, dtype, device, parallel) for _ in range(config.num_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+            layer_cls(config, tables[config.layer_rope(i)], dtype, device, parallel,
+                      config.layer_attention(i))
+            for i in range(config.num_layers)
+        )  # fmt: skip
+        norm_cls = GemmaRMSNorm if config.is_gemma else RMSNorm
+        self.norm = norm_cls(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.embed_scale: torch.Tensor | None
+        scale = None
+        if config.is_gemma:  # sqrt(hidden_size) rounded to float32, then to the model dtype, as HF
+            scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(dtype).to(device)
+        self.register_buffer("embed_scale", scale, persistent=False)
 
 
 class CausalLM(nn.Module):
@@ -97,6 +115,8 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[tokens, hidden_size]`` after the final norm."""
         x = self.model.embed_tokens(input_ids)
+        if self.model.embed_scale is not None:
+            x = x * self.model.embed_scale
         residual = None
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, cache, ctx)
@@ -104,8 +124,16 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits ``[rows, vocab_size]`` of hidden states ``[rows, hidden_size]``,
-        written into ``out`` (contiguous float32) when given. Under tensor parallelism each rank
-        holds a slice of the vocabulary; the slices are gathered."""
+        written into ``out`` (contiguous float32) when given, soft-capped when the model says
+        so (``cap * tanh(logits / cap)``, Gemma 2). Under tensor parallelism each rank holds a
+        slice of the vocabulary; the slices are gathered."""
+        logits = self._logits(hidden, out)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # in place: ``out`` holds the result
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits
+
+    def _logits(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         weight = self.lm_head_weight
         if self.parallel is not None:
             logits = torch.nn.functional.linear(hidden, weight).float()

@@ -42,6 +42,8 @@ from engine_core_cuda._draft_model import DraftModel
 from engine_core_cuda._hf_config import ModelConfig
 from engine_core_cuda._input_batch import InputBatch
 from engine_core_cuda._kernel_ops import KernelOps
+from engine_core_cuda._kv_layout import KVLayout
+from engine_core_cuda._layers import Attention
 from engine_core_cuda._loader import init_random_weights, load_weights
 from engine_core_cuda._logprobs import prompt_logprobs, to_token_logprobs
 from engine_core_cuda._model import CausalLM
@@ -167,6 +169,7 @@ class ModelRunner:
             device=self.device,
         )
         self.num_blocks = 0
+        self.kv_layout = KVLayout.one_group(model_config.num_layers)
         self.kv_caches: list[KVCache] = []
         self._kv_tensor: torch.Tensor | None = None
         self._forward: _Forward | None = None
@@ -176,6 +179,10 @@ class ModelRunner:
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model" and spec.model is not None:
             self.drafter = DraftModel(self, spec.model)
+        self._spans = sorted(
+            {span for i in range(model_config.num_layers)
+             if (span := model_config.layer_attention(i).span) is not None}
+        )  # fmt: skip
         self._sm_count = (
             torch.cuda.get_device_properties(self.device).multi_processor_count
             if self.device.type == "cuda"
@@ -214,16 +221,32 @@ class ModelRunner:
 
     @property
     def kv_cache_shape(self) -> tuple[int, ...]:
-        """``[layers, 2, blocks, block_size, kv_heads, head_size]`` of the one KV tensor."""
+        """``[slots, 2, blocks, block_size, kv_heads, head_size]`` of the one KV tensor (slots:
+        layers per page, :class:`~engine_core_cuda._kv_layout.KVLayout`)."""
         c = self.model_config
-        return (c.num_layers, 2, self.num_blocks, self.block_size, c.num_kv_heads, c.head_size)
+        slots = self.kv_layout.num_slots
+        return (slots, 2, self.num_blocks, self.block_size, c.num_kv_heads, c.head_size)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one tensor for every layer's keys and values, and its per-layer views."""
+    def allocate_kv_cache(self, num_blocks: int, layout: KVLayout | None = None) -> None:
+        """Allocate one tensor for every layer's keys and values, and its per-layer views:
+        ``layout`` places the layers in KV-cache groups (default: one group of every layer).
+        Each layer then writes and reads through its group's block table."""
         self.release_kv_cache()
+        num_layers = self.model_config.num_layers
+        if layout is not None and layout != self.kv_layout:
+            self.batch.set_kv_groups(layout.num_groups)
+            self.kv_layout = layout
         self.num_blocks = num_blocks
         self._kv_tensor = torch.zeros(self.kv_cache_shape, dtype=self.dtype, device=self.device)
-        self.kv_caches = [(layer[0], layer[1]) for layer in self._kv_tensor.unbind(0)]
+        slots = self._kv_tensor.unbind(0)
+        self.kv_caches = []
+        for layer, (group, slot) in zip(
+            self.model.model.layers, self.kv_layout.placement(num_layers), strict=True
+        ):
+            attention = layer.self_attn
+            assert isinstance(attention, Attention)
+            attention.kv_group = group
+            self.kv_caches.append((slots[slot][0], slots[slot][1]))
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks, self.block_size)
 
@@ -281,17 +304,17 @@ class ModelRunner:
 
     def context(self, step: StepInputs) -> AttentionContext:
         """The attention context of a step run outside CUDA graphs."""
+        num_seqs, max_len = len(step.states), max(step.starts) + step.max_query_len
         return AttentionContext(
             ops=self.ops,
-            slot_mapping=step.slot_mapping,
-            block_table=self.batch.block_table,
+            slot_mappings=step.slot_mappings,
+            block_tables=tuple(self.batch.block_tables),
             seq_rows=step.seq_rows,
             query_start_loc=step.query_start_loc,
             seq_lens=step.seq_lens,
             max_query_len=step.max_query_len,
-            num_segments=self.num_segments(
-                len(step.states), step.max_query_len, max(step.starts) + step.max_query_len
-            ),
+            num_segments=self.num_segments(num_seqs, step.max_query_len, max_len),
+            span_segments=self.span_segments(num_seqs, step.max_query_len, max_len),
         )
 
     def num_segments(self, num_seqs: int, max_query_len: int, max_seq_len: int) -> int:
@@ -299,6 +322,15 @@ class ModelRunner:
         longer sequences (:func:`~engine_core_cuda._attention.split_kv_segments`)."""
         return split_kv_segments(num_seqs, self.model_config.num_kv_heads, self._sm_count,
                                  max_seq_len, max_query_len)  # fmt: skip
+
+    def span_segments(self, num_seqs: int, max_query_len: int, max_seq_len: int) -> dict[int, int]:
+        """Split-KV segments of the window and chunk layers, by the most keys a query of theirs
+        sees: as :meth:`num_segments` for the keys a query of the longest sequence reads."""
+        return {
+            span: self.num_segments(num_seqs, max_query_len,
+                                    min(max_seq_len, span + max_query_len - 1))
+            for span in self._spans
+        }  # fmt: skip
 
     def sample_tokens(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
         forward = self._forward

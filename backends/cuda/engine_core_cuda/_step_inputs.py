@@ -2,7 +2,12 @@
 
 The host applies the scheduler's diffs to its :class:`RequestState` records (O(requests)), builds
 per-token positions and row indices (O(scheduled tokens)) and sends them in one transfer; input
-ids and cache slots are gathered on the device from the persistent tensors.
+ids and cache slots are gathered on the device from the persistent tensors, the slots once per
+KV-cache group (each group's block table places the token in a block of its own).
+
+The block ids of a request (``NewRequestData.block_ids``, ``CachedRequestData.new_block_ids``)
+come as one list for a one-group layout or as one list per group
+(:func:`~engine_core_cuda._kv_layout.group_block_ids`).
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ import torch
 
 from engine_core.abc import SchedulerOutput
 from engine_core_cuda._input_batch import InputBatch, RequestState
+from engine_core_cuda._kv_layout import group_block_ids
 from engine_core_cuda._spec_verify import DraftRows
 
-__all__ = ["StepInputs", "apply_scheduler_output", "build_step_inputs"]
+__all__ = ["StepInputs", "apply_scheduler_output", "build_step_inputs", "slots_of"]
 
 
 @dataclass(slots=True)
@@ -34,7 +40,8 @@ class StepInputs:
     max_query_len: int
     input_ids: torch.Tensor
     positions: torch.Tensor
-    slot_mapping: torch.Tensor
+    slot_mappings: tuple[torch.Tensor, ...]
+    """Each token's cache slot in each KV-cache group."""
     seq_rows: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
@@ -66,7 +73,7 @@ def apply_scheduler_output(
     counts: list[int] = []
     for index, (state, new_blocks, computed, num) in enumerate(cached.diffs(batch.requests)):
         if new_blocks:
-            batch.append_blocks(state, new_blocks)
+            batch.append_blocks(state, group_block_ids(new_blocks, batch.num_kv_groups))
         state.drafts = cached.drafts_of(index)
         if state.drafts:
             _stage_drafts(batch, state, computed, num)
@@ -148,10 +155,8 @@ def build_step_inputs(
     logits_indices = None
     if draft_rows is not None:
         logits_indices = dev[3 * num_reqs + 1 + 2 * num_tokens :].long()
-    block_size = batch.block_size
     input_ids = batch.token_ids[token_rows, positions_dev].long()
-    block_ids = batch.block_table[token_rows, positions_dev // block_size].long()
-    slot_mapping = block_ids * block_size + positions_dev % block_size
+    slot_mappings = slots_of(batch, token_rows, positions_dev)
     samples = [
         start + num == state.num_tokens + len(state.drafts)
         for state, start, num in zip(states, starts, counts, strict=True)
@@ -165,10 +170,23 @@ def build_step_inputs(
         max_query_len=int(num_scheduled.max()),
         input_ids=input_ids,
         positions=positions_dev,
-        slot_mapping=slot_mapping,
+        slot_mappings=slot_mappings,
         seq_rows=seq_rows,
         query_start_loc=qsl,
         seq_lens=seq_lens,
         draft_rows=draft_rows,
         logits_indices=logits_indices,
+    )
+
+
+def slots_of(
+    batch: InputBatch, rows: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """The cache slot of the token at ``positions`` of the persistent ``rows``, in each KV-cache
+    group (int64 device tensors)."""
+    block_size = batch.block_size
+    offsets = positions % block_size
+    return tuple(
+        table[rows, positions // block_size].long() * block_size + offsets
+        for table in batch.block_tables
     )

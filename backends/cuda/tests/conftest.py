@@ -11,14 +11,28 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import tiny_models  # noqa: E402
 from tiny_models import TinyModel  # noqa: E402
 
 
+class _Models(dict[str, TinyModel]):
+    """Tiny models by kind, each written the first time a test asks for it."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, kind: str) -> TinyModel:
+        if kind not in tiny_models.ALL_KINDS:
+            raise KeyError(kind)
+        model = self[kind] = TinyModel(kind, self.root / kind)
+        return model
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TinyModel]]:
-    """The three tiny models, by kind."""
-    root = tmp_path_factory.mktemp("tiny-models")
-    yield {kind: TinyModel(kind, root / kind) for kind in tiny_models.KINDS}
+    """The tiny models (``tiny_models.ALL_KINDS``), by kind."""
+    yield _Models(tmp_path_factory.mktemp("tiny-models"))

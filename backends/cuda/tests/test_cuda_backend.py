@@ -117,7 +117,7 @@ def test_steps_send_only_diffs(tiny: dict[str, TinyModel]) -> None:
         flush = batch.flush
 
         def recording_flush() -> None:
-            staged.append((len(batch._token_writes.values), list(batch._block_writes.values)))
+            staged.append((len(batch._token_writes.values), list(batch._block_writes[0].values)))
             flush()
 
         batch.flush = recording_flush  # type: ignore[method-assign]

@@ -39,7 +39,8 @@ def test_help_lists_the_options() -> None:
     result = _run("--help")
     assert result.returncode == 0
     for option in ("--only", "--out", "--batch-sizes", "--context", "--bandwidth", "--peak-flops",
-                   "--target", "--device", "--long-context", "--timeout-scale", "--budget"):  # fmt: skip
+                   "--target", "--device", "--long-context", "--window", "--timeout-scale",
+                   "--budget"):  # fmt: skip
         assert option in result.stdout
 
 
@@ -61,6 +62,7 @@ def test_help_names_every_check_with_one_line() -> None:
         (["--device", "tpu"], "--device must be cuda, cuda:N or cpu"),
         (["--timeout-scale", "0"], "--timeout-scale must be > 0"),
         (["--budget", "-1"], "--budget must be > 0"),
+        (["--window", "0"], "--window must be > 0"),
     ],
 )
 def test_bad_arguments_are_rejected(
@@ -201,6 +203,8 @@ def test_cpu_smoke_run(tmp_path: Path) -> None:
                      "startup: profiling pass (compiles prefill)",
                      "sampling b=4: T=1 top_p=0.9 step vs greedy",
                      "decode b=1 ctx=96 16 KV splits graphs off", "prefill 2 x 40 tokens per step",
+                     "kernels/attention window 8 split-KV x4", "kernels/gemma_add_rms_norm",
+                     "kernels/attention softcap 50, sinks, split-KV x4",
                      "profile: eager decode b=4, top 15 kernels",
                      "spec: verify cost b=2 (eager)",
                      "spec: ngram k=4 vs off b=1 (copy prompts)",
@@ -208,3 +212,15 @@ def test_cpu_smoke_run(tmp_path: Path) -> None:
         assert expected in checks
     for name in only.split(","):
         assert (tmp_path / f"{name}.jsonl").is_file() and (tmp_path / f"{name}.log").is_file()
+
+
+def test_cpu_window_row(tmp_path: Path) -> None:
+    """Sliding-window decode against full attention on the same (toy) shape."""
+    result = _run("--device", "cpu", "--out", str(tmp_path), "--only", "window")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {r["check"]: r for r in json.loads((tmp_path / "summary.json").read_text())}
+    for b in (1, 2):
+        for label in ("full attention", "window 16"):
+            assert rows[f"window: decode b={b} ctx=96 {label}"]["value"].endswith("TFLOP/s")
+        assert rows[f"window: speedup of window 16 b={b} ctx=96"]["value"].startswith("x")
+    assert "16 keys per layer" in rows["window: decode b=1 ctx=96 window 16"]["detail"][0]

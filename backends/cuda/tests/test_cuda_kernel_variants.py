@@ -35,7 +35,7 @@ LAUNCHED = [
     (paged_attention, "_merge_segments_kernel"),
     (rms_norm, "_rms_norm_kernel"),
     (rotary, "_rotary_kernel"),
-    (activation, "_silu_and_mul_kernel"),
+    (activation, "_gated_kernel"),
     (sampling, "_sample_kernel"),
 ]
 

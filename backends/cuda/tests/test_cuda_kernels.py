@@ -15,18 +15,26 @@ from engine_core_cuda._device import _triton_interprets, prepare_triton
 from engine_core_cuda._hf_config import RopeConfig
 from engine_core_cuda._rope import RotaryTables
 from engine_core_cuda.kernels import KERNEL_MODULES
-from engine_core_cuda.kernels.activation import silu_and_mul
+from engine_core_cuda.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from engine_core_cuda.kernels.kv_write import write_kv
 from engine_core_cuda.kernels.paged_attention import paged_attention
 from engine_core_cuda.kernels.reference import (
     add_rms_norm_reference,
+    gelu_tanh_and_mul_reference,
+    gemma_add_rms_norm_reference,
+    gemma_rms_norm_reference,
     paged_attention_reference,
     rms_norm_reference,
     rotary_embedding_reference,
     silu_and_mul_reference,
     write_kv_reference,
 )
-from engine_core_cuda.kernels.rms_norm import add_rms_norm, rms_norm
+from engine_core_cuda.kernels.rms_norm import (
+    add_rms_norm,
+    gemma_add_rms_norm,
+    gemma_rms_norm,
+    rms_norm,
+)
 from engine_core_cuda.kernels.rotary import rotary_embedding
 
 
@@ -235,3 +243,28 @@ def test_rotary_embedding_in_place_on_strided_heads() -> None:
 def test_silu_and_mul() -> None:
     x = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_reference(x))
+
+
+def test_gelu_tanh_and_mul() -> None:
+    x = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(6)) * 4
+    torch.testing.assert_close(gelu_tanh_and_mul(x), gelu_tanh_and_mul_reference(x))
+
+
+def test_gemma_rms_norm_scales_by_one_plus_the_weight_in_float32() -> None:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 48, generator=gen)
+    weight = 0.01 * torch.randn(48, generator=gen)  # Gemma's norm weights are near 0
+    residual = torch.randn(5, 48, generator=gen)
+    expected = gemma_rms_norm_reference(x, weight, 1e-6)
+    torch.testing.assert_close(gemma_rms_norm(x, weight, 1e-6), expected)
+    expected_residual = residual.clone()
+    expected = gemma_add_rms_norm_reference(x, expected_residual, weight, 1e-6)
+    torch.testing.assert_close(gemma_add_rms_norm(x, residual, weight, 1e-6), expected)
+    assert torch.equal(residual, expected_residual)
+    # In bfloat16 the weight is widened before 1 is added, and the product rounded once: Llama's
+    # norm with a weight of 1 + w rounded to bfloat16 is not the same.
+    half, small = x.to(torch.bfloat16), weight.to(torch.bfloat16)
+    h = half.float() * torch.rsqrt(half.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    expected = gemma_rms_norm_reference(half, small, 1e-6)
+    assert torch.equal(expected, (h * (1 + small.float())).to(torch.bfloat16))
+    assert not torch.equal(rms_norm_reference(half, 1 + small, 1e-6), expected)

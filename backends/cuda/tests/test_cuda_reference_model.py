@@ -14,14 +14,15 @@ from tiny_models import TinyModel
 from engine_core.config import EngineConfig
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"])
 def test_reference_model_equals_transformers(tiny: dict[str, TinyModel], kind: str) -> None:
     model = tiny[kind]
     config = EngineConfig(model=str(model.path), backend="cuda", backend_options={"device": "cpu"})
     backend = CudaBackend(config)
     try:
         weights = checkpoint_tensors(backend.runner.model)
-        prompt = [5, 99, 17, 250, 3, 3, 42]
+        # Longer than the windowed models' window (8).
+        prompt = [5, 99, 17, 250, 3, 3, 42, 8, 71, 160, 33, 2, 201, 9]
         logits = reference_logits(weights, backend.model_config, prompt)
         with torch.no_grad():
             expected = model.hf(torch.tensor([prompt])).logits[0]

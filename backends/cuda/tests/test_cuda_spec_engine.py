@@ -14,7 +14,7 @@ from tiny_models import TinyModel
 
 from engine_core import SamplingParams, StructuredOutputsParams
 
-KINDS = ["llama", "qwen2", "qwen3"]
+KINDS = ["llama", "qwen2", "qwen3", "gemma2"]  # gemma2: verification across its window
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "dynamic": False}
 # Few blocks (preemption) and a small token budget (chunked prefill).
 SMALL = {

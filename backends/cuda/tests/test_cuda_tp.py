@@ -231,10 +231,14 @@ def _simulate(
     return logits[0]
 
 
-def test_four_simulated_ranks_replicating_kv_heads_match_tp1(tiny: dict[str, TinyModel]) -> None:
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2"])
+def test_four_simulated_ranks_replicating_kv_heads_match_tp1(
+    tiny: dict[str, TinyModel], kind: str
+) -> None:
     """4 ranks over 2 KV heads (each replicated on two ranks), Qwen3's q/k norms and its
-    head_dim != hidden / heads: the shards' logits stay within float32 rounding of TP=1."""
-    model = tiny["qwen3"]
+    head_dim != hidden / heads, Gemma 2's windows, soft caps (the final one after the gather)
+    and norms: the shards' logits stay within float32 rounding of TP=1."""
+    model = tiny[kind]
     config = EngineConfig(
         model=str(model.path), backend="cuda", backend_options=CPU, dtype="float32",
         max_model_len=256,
@@ -273,7 +277,7 @@ def _greedy(model: TinyModel, tp: int) -> list[tuple[list[int], list[float]]]:
     return found
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_tp2_greedy_tokens_equal_tp1(tiny: dict[str, TinyModel], kind: str) -> None:
     one = _greedy(tiny[kind], 1)
     two = _greedy(tiny[kind], 2)

@@ -1,9 +1,10 @@
-"""Tiny random Llama, Qwen2 and Qwen3 checkpoints with a trained BPE tokenizer, written as HF
-directories at test time (no download)."""
+"""Tiny random Llama, Qwen2, Qwen3, Mistral, Gemma 2 and Gemma 3 checkpoints with a trained BPE
+tokenizer, written as HF directories at test time (no download)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,42 @@ KINDS: dict[str, dict[str, Any]] = {
     "qwen3": {"tie_word_embeddings": False, "head_dim": 32, "rope_theta": 1000000.0},
 }
 
+WINDOW = 8
+"""The sliding window of the windowed tiny models: most prompts are longer."""
+
+WINDOWED_KINDS: dict[str, dict[str, Any]] = {
+    # Every layer slides.
+    "mistral": {"tie_word_embeddings": False, "sliding_window": WINDOW, "rope_theta": 10000.0},
+    # Window and full layers alternating (window first), soft caps small enough to matter,
+    # query_pre_attn_scalar != head_dim.
+    "gemma2": {
+        "num_hidden_layers": 3,
+        "head_dim": 16,
+        "sliding_window": WINDOW,
+        "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 4.0,
+        "final_logit_softcapping": 6.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+    },
+    # Two window layers per full one (sliding_window_pattern 3), q/k norms, head_dim (32) !=
+    # hidden_size / heads, a RoPE per layer kind (linear scaling on the full layers); its
+    # config.json is rewritten in the published spelling (rope_theta, rope_local_base_freq,
+    # rope_scaling, sliding_window_pattern, torch_dtype).
+    "gemma3": {
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "sliding_window": WINDOW,
+        "query_pre_attn_scalar": 32,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                        "sliding_attention"],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        },
+    },
+}  # fmt: skip
+ALL_KINDS = {**KINDS, **WINDOWED_KINDS}
+
 
 def _hf_model(kind: str) -> torch.nn.Module:
     import transformers
@@ -129,17 +166,22 @@ def _hf_model(kind: str) -> torch.nn.Module:
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }
     config_cls, model_cls = classes[kind]
-    config = config_cls(**_COMMON, **KINDS[kind])
-    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3}[kind])
+    config = config_cls(**{**_COMMON, **ALL_KINDS[kind]})
+    torch.manual_seed(list(ALL_KINDS).index(kind) + 1)
     model = model_cls(config).eval()
+    # Gemma's norms scale by 1 + weight: its weights are near 0, the others' near 1.
+    norm_base = 0.0 if kind.startswith("gemma") else 1.0
     # Larger than HF's init (std 0.02), so that next-token distributions are far from uniform
     # and greedy choices are not near-ties; norms and biases random too, to test their loading.
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+                param.copy_(norm_base + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.25 if name.endswith("bias") else 0.12)
     return model
@@ -156,6 +198,22 @@ def _to_published_config(path: Path) -> None:
     path.write_text(json.dumps(config, indent=2))
 
 
+def _to_published_gemma3_config(path: Path) -> None:
+    """Rewrite a Gemma 3 config.json as published checkpoints spell it: the full layers' RoPE in
+    rope_theta and rope_scaling, the window layers' base in rope_local_base_freq, the layer kinds
+    as sliding_window_pattern, torch_dtype."""
+    config = json.loads(path.read_text())
+    ropes = config.pop("rope_parameters")
+    full = dict(ropes["full_attention"])
+    config["rope_theta"] = full.pop("rope_theta")
+    config["rope_scaling"] = full
+    config["rope_local_base_freq"] = ropes["sliding_attention"]["rope_theta"]
+    types = config.pop("layer_types")
+    config["sliding_window_pattern"] = types.index("full_attention") + 1
+    config["torch_dtype"] = config.pop("dtype", "float32")
+    path.write_text(json.dumps(config, indent=2))
+
+
 def build(kind: str, directory: Path) -> torch.nn.Module:
     """Write the tiny ``kind`` checkpoint into ``directory``; returns the HF model (float32)."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -164,8 +222,24 @@ def build(kind: str, directory: Path) -> torch.nn.Module:
     model.save_pretrained(directory, max_shard_size="40KB" if kind == "qwen3" else "50GB")
     if kind == "qwen2":
         _to_published_config(directory / "config.json")
+    if kind == "gemma3":
+        _to_published_gemma3_config(directory / "config.json")
     write_tokenizer(directory)
     return model
+
+
+def edited_copy(source: Path, target: Path, changes: dict[str, Any]) -> Path:
+    """A copy of the model directory ``source`` at ``target`` whose ``config.json`` has the
+    fields of ``changes`` replaced (a value of None removes the field)."""
+    shutil.copytree(source, target)
+    path = target / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        config.pop(key, None)
+        if value is not None:
+            config[key] = value
+    path.write_text(json.dumps(config))
+    return target
 
 
 class TinyModel:

@@ -1,4 +1,4 @@
-"""The sharding rules (Megatron style) for Llama, Mistral, Qwen2 and Qwen3.
+"""The sharding rules (Megatron style) for Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3.
 
 | module | split | collective |
 |---|---|---|
@@ -7,7 +7,7 @@
 | ``o_proj`` | input columns by heads; bias added once after the reduce | all-reduce |
 | ``gate/up_proj`` | output rows | — |
 | ``down_proj`` | input columns; bias added once | all-reduce |
-| norms, rotary, Qwen3's q/k norms | replicated | — |
+| norms (Gemma's four per layer too), rotary, Qwen3's and Gemma 3's q/k norms | replicated | — |
 
 Each rank reads only its slices from the checkpoint.
 """

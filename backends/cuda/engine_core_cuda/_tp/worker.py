@@ -9,6 +9,8 @@ rank 0's host, and each rank's stream orders the broadcast before step n+1's inp
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from engine_core._workers import Sampled, Step, serve
@@ -52,7 +54,10 @@ class CudaWorker:
             return backend.available_kv_cache_memory()
         if method == "initialize_kv_cache":
             assert isinstance(args[0], int)
-            backend.initialize_kv_cache(args[0])
+            groups = args[1] if len(args) > 1 else None
+            backend.initialize_kv_cache(
+                args[0], json.loads(groups) if isinstance(groups, str) else None
+            )
         elif method == "profile":
             backend.profile("start" if args[0] == "start" else "stop")
         elif method == "sleep":

@@ -11,6 +11,18 @@ the batch without knowing the sequences' lengths on the host: program ``i`` find
 by binary search, which keeps the launch free of host synchronization (and capturable in a CUDA
 graph). For short batches of long sequences the keys can be split into segments computed by
 separate programs and merged by a second kernel (split-KV decoding).
+
+Per layer, the attention may be narrowed and reshaped (see :func:`paged_attention`):
+
+- a sliding window ``w``: query position ``p`` sees keys ``p - w + 1 .. p``;
+- chunked local attention of ``chunk`` tokens: it sees keys from ``p // chunk * chunk`` on;
+- logit soft-capping: scores become ``softcap * tanh(score / softcap)`` (Gemma 2);
+- attention sinks: a learned logit per query head that joins the softmax's denominator and
+  attends to nothing (gpt-oss).
+
+A program only visits the tiles from the first key its first query sees: the blocks behind a
+window (or before a chunk) are never read, neither their block-table entries nor their keys,
+so the KV-cache manager may release them while the request runs.
 """
 
 # mypy: disable-error-code="no-untyped-def"
@@ -23,6 +35,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from engine_core_cuda.kernels.attention_masks import check_attention_options
 
 __all__ = ["INTERPRETED", "paged_attention"]
 
@@ -46,12 +60,35 @@ def _find_sequence(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q: tl.conste
     return lo - 1
 
 
+@triton.jit
+def _first_visible(position, window, chunk):
+    # The first key position a query at ``position`` sees (0 without a window or chunk).
+    start = tl.where(window > 0, position - window + 1, 0)
+    start = tl.maximum(start, 0)
+    size = tl.maximum(chunk, 1)
+    return tl.maximum(start, tl.where(chunk > 0, (position // size) * size, 0))
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from one exponential of a non-positive argument (no overflow).
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
 # The sequence count changes every step and the per-sequence arrays are slices of the step's
 # packed inputs (read one value at a time): neither is specialized on, so one variant per tile
-# shape serves every batch.
+# shape serves every batch. Nor are the window and chunk sizes (layers of different windows
+# share a variant) or the sinks' address (a placeholder without sinks).
 @triton.jit(
-    do_not_specialize=["num_seqs"],
-    do_not_specialize_on_alignment=["seq_rows_ptr", "query_start_loc_ptr", "seq_lens_ptr"],
+    do_not_specialize=["num_seqs", "window", "chunk"],
+    do_not_specialize_on_alignment=[
+        "seq_rows_ptr",
+        "query_start_loc_ptr",
+        "seq_lens_ptr",
+        "sinks_ptr",
+    ],
 )
 def _paged_attention_kernel(
     out_ptr,
@@ -65,7 +102,11 @@ def _paged_attention_kernel(
     seq_rows_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
+    sinks_ptr,
     scale,
+    softcap,
+    window,
+    chunk,
     num_seqs,
     stride_q_token,
     stride_q_head,
@@ -84,6 +125,9 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
+    LOCAL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
@@ -114,19 +158,34 @@ def _paged_attention_kernel(
     )
     q_position = context_len + q_index
 
-    # Keys visible to the block's last query, split evenly into segments of whole tiles.
+    # Keys [kv_start, kv_end) seen by some query of the block (the first query sees the first
+    # of them, the last query the last), split evenly into segments of whole tiles. A full
+    # layer (not LOCAL) starts at key 0 and compiles without the window's arithmetic.
+    kv_start = 0
+    row_start = q_position
+    if LOCAL:
+        kv_start = _first_visible(context_len + q_block * BLOCK_Q, window, chunk)
+        row_start = _first_visible(q_position, window, chunk)
     kv_end = context_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len)
-    num_tiles = tl.cdiv(kv_end, TILE_N)
+    first_tile = kv_start // TILE_N
+    num_tiles = tl.cdiv(kv_end, TILE_N) - first_tile
     tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
-    tile_start = segment * tiles_per_segment
-    tile_end = tl.minimum(tile_start + tiles_per_segment, num_tiles)
+    tile_start = first_tile + segment * tiles_per_segment
+    tile_end = tl.minimum(tile_start + tiles_per_segment, first_tile + num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        # The sink is a key of logit sink[head] and value 0, counted once (in segment 0).
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m_i = tl.where(segment == 0, sink, m_i)
+        l_i = tl.where(segment == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     for tile in range(tile_start, tile_end):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)
         n_valid = offs_n < kv_end
+        if LOCAL:
+            n_valid = n_valid & (offs_n >= kv_start)
         block_ids = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         slot_offsets = (
             block_ids * stride_cache_block
@@ -143,7 +202,11 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, k)
         s = s * scale
+        if HAS_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
         visible = (offs_n[None, :] <= q_position[:, None]) & n_valid[None, :] & row_valid[:, None]
+        if LOCAL:
+            visible = visible & (offs_n[None, :] >= row_start[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no visible key yet keeps m = -inf; subtract 0 instead to avoid inf - inf.
@@ -203,7 +266,7 @@ def _merge_segments_kernel(
     offs_d = tl.arange(0, HEAD_PAD)
     stat = (token * NUM_HEADS + head) * NUM_SEGMENTS + offs_s
     m = tl.load(segm_max_ptr + stat)
-    total_max = tl.max(m, 0)  # finite: the first segment always sees key 0
+    total_max = tl.max(m, 0)  # finite: a query sees its own key in some segment
     weight = tl.where(m > float("-inf"), tl.exp(m - total_max), 0.0)
     denominator = tl.sum(tl.load(segm_sum_ptr + stat) * weight, 0)
     acc = tl.load(segm_out_ptr + stat[:, None] * HEAD_PAD + offs_d[None, :])
@@ -234,6 +297,10 @@ def paged_attention(
     num_segments: int = 1,
     out: torch.Tensor | None = None,
     tile_size: int = 32,
+    window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` (``[num_tokens, num_heads, head_size]``) over the cache.
 
@@ -244,6 +311,12 @@ def paged_attention(
     this step's included. ``max_query_len`` (a host int, an upper bound) picks the tile shape;
     ``num_segments`` (a power of two) splits each sequence's keys across programs. Returns
     ``out`` (``[num_tokens, num_heads, head_size]``, allocated when not given).
+
+    The layer's kind: ``window`` (a sliding window of that many keys, the query's own
+    included), ``chunk`` (chunked local attention), ``softcap`` (scores soft-capped after
+    ``scale``) and ``sinks`` (``[num_heads]`` float logits added to each head's softmax
+    denominator); see :mod:`engine_core_cuda.kernels.attention_masks`. Block-table entries of
+    blocks wholly before the first key a sequence's queries see are never read.
     """
     num_tokens, num_heads, head_size = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -255,6 +328,7 @@ def paged_attention(
         raise ValueError("key_cache and value_cache must share a layout with contiguous heads")
     if q.stride(-1) != 1:
         raise ValueError("q must be contiguous in its last dimension")
+    check_attention_options(num_heads, window, chunk, softcap, sinks)
     if out is None:
         out = torch.empty_like(q)
     num_seqs = seq_lens.shape[0]
@@ -285,7 +359,11 @@ def paged_attention(
         seq_rows,
         query_start_loc,
         seq_lens,
+        sinks if sinks is not None else seq_lens,  # unused without sinks
         scale,
+        softcap or 0.0,
+        window or 0,
+        chunk or 0,
         num_seqs,
         q.stride(0),
         q.stride(1),
@@ -304,6 +382,9 @@ def paged_attention(
         TILE_N=tile_n,
         BLOCK_SIZE=block_size,
         NUM_SEGMENTS=num_segments,
+        LOCAL=window is not None or chunk is not None,
+        HAS_SINKS=sinks is not None,
+        HAS_SOFTCAP=softcap is not None,
         IEEE=q.dtype == torch.float32,
     )
     if num_segments > 1:

@@ -8,8 +8,17 @@ from __future__ import annotations
 
 import torch
 
+from engine_core_cuda.kernels.attention_masks import (
+    check_attention_options,
+    first_visible,
+    first_visible_int,
+)
+
 __all__ = [
     "add_rms_norm_reference",
+    "gelu_tanh_and_mul_reference",
+    "gemma_add_rms_norm_reference",
+    "gemma_rms_norm_reference",
     "paged_attention_reference",
     "rms_norm_reference",
     "rotary_embedding_reference",
@@ -43,12 +52,18 @@ def paged_attention_reference(
     *,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`engine_core_cuda.kernels.paged_attention.paged_attention`,
-    computed in float32 one sequence at a time."""
+    computed in float32 one sequence at a time (reading only the blocks from the one holding
+    the first key its queries see)."""
     num_heads = q.shape[1]
     _, block_size, num_kv_heads, head_size = key_cache.shape
     group = num_heads // num_kv_heads
+    check_attention_options(num_heads, window, chunk, softcap, sinks)
     if out is None:
         out = torch.empty_like(q)
     starts = query_start_loc.tolist()
@@ -57,19 +72,29 @@ def paged_attention_reference(
         q_len = q_end - q_start
         if q_len == 0:
             continue
+        first_block = first_visible_int(seq_len - q_len, window, chunk) // block_size
         num_blocks = -(-seq_len // block_size)
-        blocks = block_table[row, :num_blocks].long()
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len].float()
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len].float()
+        blocks = block_table[row, first_block:num_blocks].long()
+        first_key = first_block * block_size
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_size)[: seq_len - first_key].float()
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_size)[: seq_len - first_key].float()
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         queries = q[q_start:q_end].float()
         scores = torch.einsum("qhd,khd->hqk", queries, k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         q_positions = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        k_positions = torch.arange(seq_len, device=q.device)
-        visible = k_positions[None, :] <= q_positions[:, None]
+        k_positions = torch.arange(first_key, seq_len, device=q.device)
+        visible = (k_positions[None, :] <= q_positions[:, None]) & (
+            k_positions[None, :] >= first_visible(q_positions, window, chunk)[:, None]
+        )
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # one more logit per head in the denominator, attending to nothing
+            sink = sinks.float()[:, None, None].expand(num_heads, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
 
@@ -80,6 +105,22 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def gemma_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as :func:`engine_core_cuda.kernels.rms_norm.gemma_rms_norm` (HF Gemma's
+    ``GemmaRMSNorm``)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.to(torch.float32))).to(x.dtype)
+
+
+def gemma_add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Same contract as :func:`engine_core_cuda.kernels.rms_norm.gemma_add_rms_norm`."""
+    residual.copy_(x + residual)
+    return gemma_rms_norm_reference(residual, weight, eps)
 
 
 def add_rms_norm_reference(
@@ -114,3 +155,10 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """Same contract as :func:`engine_core_cuda.kernels.activation.silu_and_mul`."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def gelu_tanh_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """Same contract as :func:`engine_core_cuda.kernels.activation.gelu_tanh_and_mul` (HF's
+    ``gelu_pytorch_tanh``)."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up

@@ -1,5 +1,7 @@
 """Triton kernel: RMSNorm of each row, optionally after adding the residual stream (one pass
-instead of the six or seven elementwise kernels of the torch formulation)."""
+instead of the six or seven elementwise kernels of the torch formulation). Llama's norm scales
+the normalized row, rounded to the model dtype, by the weight; Gemma's scales it by
+``1 + weight`` in float32 and rounds once."""
 
 # mypy: disable-error-code="no-untyped-def"
 # (Triton reads the parameters of jit functions: they stay unannotated.)
@@ -12,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRETED", "add_rms_norm", "rms_norm"]
+__all__ = ["INTERPRETED", "add_rms_norm", "gemma_add_rms_norm", "gemma_rms_norm", "rms_norm"]
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 """Whether the kernels of this module run in Triton's interpreter (fixed at import)."""
@@ -30,6 +32,7 @@ def _rms_norm_kernel(
     num_cols,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -42,14 +45,17 @@ def _rms_norm_kernel(
         tl.store(residual_ptr + row * stride_residual + cols, x, mask=mask)
     h = x.to(tl.float32)
     variance = tl.sum(h * h, axis=0) / num_cols
-    h = (h * tl.rsqrt(variance + eps)).to(x.dtype)
+    h = h * tl.rsqrt(variance + eps)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + cols, (weight * h).to(out_ptr.dtype.element_ty),
-             mask=mask)  # fmt: skip
+    if UNIT_OFFSET:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
+        y = h * (1.0 + weight.to(tl.float32))
+    else:
+        y = weight * h.to(x.dtype)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            eps: float) -> torch.Tensor:  # fmt: skip
+            eps: float, unit_offset: bool = False) -> torch.Tensor:  # fmt: skip
     rows, cols = x.shape
     if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("rows must be contiguous")
@@ -68,6 +74,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         cols,
         eps,
         HAS_RESIDUAL=residual is not None,
+        UNIT_OFFSET=unit_offset,
         BLOCK=block,
         num_warps=min(16, max(4, block // 512)),
     )
@@ -85,3 +92,16 @@ def add_rms_norm(
 ) -> torch.Tensor:
     """``residual += x`` (in place), then :func:`rms_norm` of the new residual."""
     return _launch(x, residual, weight, eps)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(1 + weight) * (x / rms(x))`` per row, computed in float32 and rounded once (HF
+    Gemma's ``GemmaRMSNorm``)."""
+    return _launch(x, None, weight, eps, unit_offset=True)
+
+
+def gemma_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``residual += x`` (in place), then :func:`gemma_rms_norm` of the new residual."""
+    return _launch(x, residual, weight, eps, unit_offset=True)

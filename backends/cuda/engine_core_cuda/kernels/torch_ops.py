@@ -8,7 +8,8 @@ operations per layer.
   follow the query heads in memory (the fused QKV projection), with the reference's products and
   roundings;
 - :func:`rms_norm_torch` and :func:`add_rms_norm_torch` use torch's one-call ``rms_norm`` in
-  float32 (the same operations as the reference, bit for bit) and add the residual in place.
+  float32 (the same operations as the reference, bit for bit) and add the residual in place, as
+  :func:`add_gemma_rms_norm_torch` does for Gemma's norm.
 """
 
 from __future__ import annotations
@@ -16,12 +17,19 @@ from __future__ import annotations
 import torch
 
 from engine_core_cuda.kernels.reference import (
+    gemma_rms_norm_reference,
     rms_norm_reference,
     rotary_embedding_reference,
     write_kv_reference,
 )
 
-__all__ = ["add_rms_norm_torch", "rms_norm_torch", "rotary_embedding_torch", "write_kv_torch"]
+__all__ = [
+    "add_gemma_rms_norm_torch",
+    "add_rms_norm_torch",
+    "rms_norm_torch",
+    "rotary_embedding_torch",
+    "write_kv_torch",
+]
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,6 +45,14 @@ def add_rms_norm_torch(
     """Same contract as :func:`engine_core_cuda.kernels.rms_norm.add_rms_norm`."""
     residual.add_(x)
     return rms_norm_torch(residual, weight, eps)
+
+
+def add_gemma_rms_norm_torch(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Same contract as :func:`engine_core_cuda.kernels.rms_norm.gemma_add_rms_norm`."""
+    residual.add_(x)
+    return gemma_rms_norm_reference(residual, weight, eps)
 
 
 def write_kv_torch(
