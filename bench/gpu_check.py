@@ -81,8 +81,24 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-CHECKS = ("preflight", "kernels", "startup", "throughput", "sampling", "longctx", "window",
-          "prefill", "profile", "parity", "conformance", "tp", "overlap", "spec")  # fmt: skip
+CHECK_SUMMARIES = {
+    "preflight": "the GPU, a C compiler, Python.h, Triton's cache and a first kernel",
+    "kernels": "Triton kernels (window, softcap, sink attention too) and sampler vs torch, bf16",
+    "startup": "an 8B-shaped model from a cold Triton cache: profiling, graph capture, memory",
+    "throughput": "decode steps per batch size against the compute-and-memory roofline",
+    "sampling": "a temperature/top-p decode step at batch 256 against a greedy one",
+    "longctx": "batch-1 decode at --long-context tokens over 1, 4, 16 and auto KV splits",
+    "window": "sliding-window decode of the 8B shape at --long-context tokens vs full attention",
+    "prefill": "tokens/s of 2,048-token prompts, four per step",
+    "profile": "the top kernels of one decode step at batch 1 and 256; graph replay vs step",
+    "parity": "greedy tokens of tiny Llama/Qwen/Mistral/Gemma models equal transformers'",
+    "conformance": "engine_core.testing.check_backend on the GPU",
+    "tp": "two tensor-parallel ranks on one device against one rank (logprobs, greedy)",
+    "overlap": "decode tok/s through the engine with async scheduling off and on (info)",
+    "spec": "speculative decoding: verify-cost curve, ngram and draft model vs none (info)",
+}
+"""Each check (``--only``) and what it shows, in one line: listed by ``--help``."""
+CHECKS = tuple(CHECK_SUMMARIES)
 TIMEOUTS_S = {"preflight": 90, "kernels": 120, "startup": 150, "throughput": 180, "sampling": 120,
               "longctx": 120, "window": 150, "prefill": 100, "profile": 120, "parity": 150,
               "conformance": 150, "tp": 150, "overlap": 150, "spec": 180}  # fmt: skip
@@ -99,8 +115,15 @@ def default_out() -> Path:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", default=",".join(CHECKS), help="comma-separated checks to run")
+    width = max(map(len, CHECKS))
+    checks = "\n".join(f"  {name:<{width}}  {line}" for name, line in CHECK_SUMMARIES.items())
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=f"checks (all by default; --only a,b runs those, in that order):\n{checks}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--only", default=",".join(CHECKS),
+                   help="comma-separated checks to run (listed below)")  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="output folder (default $OUT)")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (a toy smoke run)")
     p.add_argument("--batch-sizes", default="1,64,256")

@@ -220,6 +220,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
         strict_request_fields=args.strict_request_fields,
+        **(
+            {"max_forced_reasoning_chars": args.max_forced_reasoning_chars}
+            if args.max_forced_reasoning_chars is not None
+            else {}
+        ),
     )
     config = engine_config_from_args(args)
     started = False
@@ -270,6 +275,20 @@ def _first(group: BaseExceptionGroup[Exception]) -> BaseException:
 
 
 _RUNTIME_HELP = "event loop of this process: asyncio or trio (default asyncio)"
+_SERVE_EPILOG = """\
+stopping and failing:
+  SIGTERM or Ctrl+C  the listening socket closes at once: a new connection (a health probe's
+                     too) is refused while the responses in flight finish for up to
+                     --shutdown-timeout, then end with a 503 error; the process exits 0.
+                     Take the server out of a load balancer on the signal, not on /health.
+                     A second signal ends the responses at once.
+  a hung step        a step whose model call never returns (the process still alive and
+                     answering) is cut after --step-timeout-s, 300 s by default: the engine
+                     is dead, responses end with 503 engine_dead and the process exits 3
+                     for a supervisor to restart it. Lower it where steps are short
+                     (--step-timeout-s 30); a frozen process (stopped, deadlocked) is
+                     declared dead sooner, after --engine-heartbeat-timeout-s (10 s).
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -298,7 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_config_flags(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    p = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Run the OpenAI-compatible HTTP server over an engine.",
+        epilog=_SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
     p.add_argument("--runtime", choices=["asyncio", "trio"], default="asyncio", help=_RUNTIME_HELP)
@@ -356,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         metavar="S",
-        help="on SIGTERM/Ctrl+C, how long responses in flight may take to finish (default 30)",
+        help="on SIGTERM/Ctrl+C the listener closes at once (new connections are refused); "
+        "how long responses in flight may then take to finish (default 30)",
     )
     p.add_argument(
         "--disable-any-whitespace",
@@ -392,6 +418,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["qwen3", "deepseek_r1"],
         default=None,
         help="put the model's <think>...</think> text in reasoning_content",
+    )
+    p.add_argument(
+        "--max-forced-reasoning-chars",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --reasoning-parser, the most characters a forced tool call (tool_choice "
+        "'required' or a named function) thinks before the grammar closes the thinking and "
+        "the call follows; 0: no thinking first (default 1000, about 250 tokens; at most 2000)",
     )
     p.add_argument(
         "--strict-request-fields",

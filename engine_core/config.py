@@ -184,8 +184,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Event loop of the engine-core process (asyncio runs on uvloop where installed, unless
     ``ENGINE_CORE_NO_UVLOOP`` is set)."""
     step_timeout_s: float | None = 300.0
-    """A model call running longer than this is treated as the engine's death (its process
-    reports a ``TimeoutError`` and exits). None: no limit."""
+    """A step whose model call runs longer than this (one that hangs while its process
+    stays alive) is cut: the engine is treated as dead (its process reports a
+    ``TimeoutError`` and exits; ``engine-core serve`` ends its responses with a 503 and
+    exits 3). Lower it where steps are short (``--step-timeout-s 30``) to fail sooner.
+    None: no limit."""
     engine_heartbeat_timeout_s: float | None = 10.0
     """An engine-core process that sends nothing for this long while requests are in flight
     or a control call waits for its reply is declared dead and killed. It sends a heartbeat

@@ -245,6 +245,33 @@ def test_backend_hints_take_the_command_lines_form(
     assert COMMAND_LINE_ENV not in os.environ  # main() leaves the environment as it found it
 
 
+def test_the_forced_reasoning_bound_is_a_serve_flag() -> None:
+    from engine_core.server import ServerSettings
+
+    serve = dict(_commands(build_parser()))[("serve",)]
+    (action,) = [a for a in serve._actions if a.dest == "max_forced_reasoning_chars"]
+    assert action.help is not None
+    assert f"default {ServerSettings().max_forced_reasoning_chars}," in action.help
+    args = build_parser().parse_args(["serve", "--max-forced-reasoning-chars", "0"])
+    assert args.max_forced_reasoning_chars == 0
+
+
+def test_serve_help_says_how_it_stops_and_when_a_step_is_cut(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the listening socket closes at once: a new connection" in text
+    assert "is refused while the responses in flight finish" in text
+    assert "is cut after --step-timeout-s, 300 s by default" in text
+    assert "(--step-timeout-s 30)" in text
+    serve = dict(_commands(build_parser()))[("serve",)]
+    flags = {a.dest: a.help or "" for a in serve._actions}
+    assert "one that hangs while its process stays alive" in flags["cfg_step_timeout_s"]
+    assert "new connections are refused" in flags["shutdown_timeout"]
+
+
 @pytest.mark.parametrize(
     ("flags", "error"),
     [

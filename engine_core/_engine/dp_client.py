@@ -374,7 +374,7 @@ class DPClient(EngineCoreClient):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Route ``request`` to an engine and send it there. A pin to an engine that is not
-        alive ends the request with an error."""
+        alive ends the request with a retryable error."""
         self._check_usable()
         tracked = _Tracked(request, -1)
         self._tracked[request.request_id] = tracked
@@ -382,7 +382,12 @@ class DPClient(EngineCoreClient):
             self._send(tracked, request, None)
         except ValueError as exc:  # a pin to a dead or unknown engine
             del self._tracked[request.request_id]
-            self._ended.append(FinishedRequest(request.request_id, "error", None, str(exc)))
+            # A dead engine may come back (restarts), or the request may go elsewhere.
+            rank = request.data_parallel_rank
+            dead = rank is not None and 0 <= rank < self.num_engines and not self._alive[rank]
+            self._ended.append(
+                FinishedRequest(request.request_id, "error", None, str(exc), retryable=dead)
+            )
             if self._wakeup is not None:
                 self._wakeup.set()
 

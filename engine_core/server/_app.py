@@ -25,7 +25,11 @@ from engine_core.server._chat_template import load_chat_template
 from engine_core.server._completions import create_completion
 from engine_core.server._errors import APIError, error_json
 from engine_core.server._protocol import ModelCard, ModelList
-from engine_core.server._reasoning import get_reasoning_parser
+from engine_core.server._reasoning import (
+    DEFAULT_FORCED_REASONING_CHARS,
+    MAX_FORCED_REASONING_CHARS,
+    get_reasoning_parser,
+)
 from engine_core.server._responses import create_response
 from engine_core.server._serving import ServerState
 from engine_core.server._sse import EventStreamResponse
@@ -92,6 +96,10 @@ class ServerSettings:
     """Serve ``tool_choice: "auto"`` (needs ``tool_call_parser``)."""
     reasoning_parser: str | None = None
     """``qwen3`` or ``deepseek_r1``: the thinking goes to ``reasoning_content``."""
+    max_forced_reasoning_chars: int = DEFAULT_FORCED_REASONING_CHARS
+    """With a reasoning parser, the most characters a forced tool call (``tool_choice``
+    ``"required"`` or a named function) may think before the grammar closes the thinking and
+    the call follows; 0: no thinking before such a call."""
     strict_request_fields: bool = False
     """Answer 400 to a request body with a field the server does not know (by default such a
     field is ignored, with one warning per request naming it)."""
@@ -125,6 +133,12 @@ class ServerSettings:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)
+        forced = self.max_forced_reasoning_chars
+        if not (isinstance(forced, int) and 0 <= forced <= MAX_FORCED_REASONING_CHARS):
+            raise ValueError(
+                f"max_forced_reasoning_chars must be an int in [0, {MAX_FORCED_REASONING_CHARS}]"
+                f" (the grammar that counts them grows with it), got {forced!r}"
+            )
         if self.max_connections is not None and not (
             isinstance(self.max_connections, int) and self.max_connections >= 1
         ):
@@ -291,6 +305,7 @@ def _server_state(engine: AsyncLLM, settings: ServerSettings) -> ServerState:
         reasoning=(
             get_reasoning_parser(settings.reasoning_parser) if settings.reasoning_parser else None
         ),
+        max_forced_reasoning_chars=settings.max_forced_reasoning_chars,
     )
 
 

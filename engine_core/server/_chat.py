@@ -225,7 +225,16 @@ def _response_format(body: ChatCompletionRequest) -> StructuredOutputsParams | N
             raise APIError(
                 400, "response_format.json_schema.schema is required", param="response_format"
             )
-        return StructuredOutputsParams(json=spec.schema)
+        try:
+            return StructuredOutputsParams(json=spec.schema)
+        except (ValueError, TypeError) as exc:
+            reason = str(exc).removeprefix("structured_outputs.json")
+            raise APIError(
+                400,
+                f"response_format.json_schema.schema{reason}",
+                param="response_format",
+                code="invalid_value",
+            ) from None
     raise APIError(
         400,
         f"response_format.type must be 'text', 'json_object' or 'json_schema', "
@@ -259,7 +268,11 @@ def _constraint(
         constraint = tools
     constraint = constraint or body.structured_outputs
     if constraint is not None and state.reasoning is not None:
-        constraint = state.reasoning.constrain(constraint, compact=state.disable_any_whitespace)
+        # A forced call's thinking is bounded, so that the call always comes.
+        bound = state.max_forced_reasoning_chars if tools is not None else None
+        constraint = state.reasoning.constrain(
+            constraint, compact=state.disable_any_whitespace, max_thought_chars=bound
+        )
     return constraint
 
 
@@ -276,7 +289,8 @@ def tool_choice_of(state: ServerState, body: ChatCompletionRequest) -> ToolChoic
 def chat_reader(state: ServerState, choice: ToolChoice) -> ChatReader:
     """How the request's outputs become messages."""
     parser = choice.parser(state.tool_parser)
-    return ChatReader(state.tokenizer, parser, state.reasoning, choice.parallel)
+    names = frozenset(tool.name for tool in choice.tools)
+    return ChatReader(state.tokenizer, parser, state.reasoning, choice.parallel, names)
 
 
 def chat_params(

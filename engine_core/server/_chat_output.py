@@ -3,6 +3,7 @@ and tool calls read out of the rest (the ``tool_choice``'s parser), whole or as 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine_core._core.tokenizer import Tokenizer
@@ -17,6 +18,7 @@ from engine_core.server._protocol import (
     ToolCallDelta,
 )
 from engine_core.server._reasoning import ReasoningParser, ReasoningStream
+from engine_core.server.tools import ToolCallDelta as ToolCallPiece
 from engine_core.server.tools import (
     ToolCallStream,
     ToolParser,
@@ -24,7 +26,7 @@ from engine_core.server.tools import (
     new_call_id,
 )
 
-__all__ = ["ChatReader", "ChoiceStream"]
+__all__ = ["ChatReader", "ChoiceStream", "OutputPart", "Thought"]
 
 
 def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
@@ -40,6 +42,8 @@ class ChatReader:
     reasoning: ReasoningParser | None = None
     parallel: bool = True
     """``parallel_tool_calls``: false keeps the first call of an output only."""
+    tool_names: Collection[str] | None = None
+    """The functions the request offers (None: any): a call to another one is content."""
     reasoning_tokens: int = 0
     _streams: dict[int, ChoiceStream] = field(default_factory=dict)
 
@@ -62,7 +66,7 @@ class ChatReader:
             reasoning = reasoning or None
         calls: list[ToolCall] = []
         if self.tool_parser is not None:
-            text, found = extract_tool_calls(self.tool_parser, text)
+            text, found = extract_tool_calls(self.tool_parser, text, self.tool_names)
             if not self.parallel:
                 found = found[:1]
             calls = [
@@ -89,9 +93,20 @@ class ChatReader:
         return stream
 
 
+@dataclass(frozen=True, slots=True)
+class Thought:
+    """A piece of an output's thinking (the other parts are content, as strings, and calls)."""
+
+    text: str
+
+
+OutputPart = Thought | str | ToolCallPiece
+"""A piece of a streamed choice, in the text's order: thinking, content or a whole call."""
+
+
 class ChoiceStream:
-    """One streamed choice: each output's text becomes a delta of reasoning, content and
-    tool-call pieces."""
+    """One streamed choice: each output's text becomes its parts (thinking, content, calls, in
+    order) or, as a chat stream sends them, a delta."""
 
     def __init__(self, reader: ChatReader) -> None:
         self.reasoning = (
@@ -99,42 +114,55 @@ class ChoiceStream:
             if reader.reasoning is not None
             else None
         )
-        self.tools = ToolCallStream(reader.tool_parser) if reader.tool_parser else None
+        self.tools = (
+            ToolCallStream(reader.tool_parser, reader.tool_names) if reader.tool_parser else None
+        )
         self.parallel = reader.parallel
 
     @property
     def reasoning_tokens(self) -> int:
         return self.reasoning.reasoning_tokens if self.reasoning is not None else 0
 
+    def parts(self, completion: CompletionOutput) -> tuple[list[OutputPart], str | None]:
+        """The parts of one output and the finish reason."""
+        text = completion.text
+        final = completion.finish_reason is not None
+        parts: list[OutputPart] = []
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text, completion.token_ids, final)
+            if thought:
+                parts.append(Thought(thought))
+        if self.tools is None:
+            if text:
+                parts.append(text)
+        else:
+            for part in self.tools.feed(text, final):
+                if isinstance(part, str) or part.index == 0 or self.parallel:
+                    parts.append(part)
+        has_calls = self.tools is not None and self.tools.has_calls
+        return parts, _finish_reason(completion.finish_reason, has_calls)
+
     def delta(self, completion: CompletionOutput) -> tuple[Delta | None, str | None]:
         """The delta of one output (None: nothing new) and the finish reason."""
-        text = completion.text
         if self.reasoning is None and self.tools is None:  # plain text: as it comes
+            text = completion.text
             return (Delta(content=text) if text else None), completion.finish_reason
-        final = completion.finish_reason is not None
-        reasoning = ""
-        if self.reasoning is not None:
-            reasoning, text = self.reasoning.feed(text, completion.token_ids, final)
-        calls: list[ToolCallDelta] = []
-        if self.tools is not None:
-            text, pieces = self.tools.feed(text, final)
-            for piece in pieces:
-                if piece.index > 0 and not self.parallel:
-                    continue
-                function = FunctionDelta(name=piece.name, arguments=piece.arguments)
-                calls.append(
-                    ToolCallDelta(
-                        index=piece.index,
-                        id=piece.id,
-                        type="function" if piece.id is not None else None,
-                        function=function,
-                    )
-                )
-        has_calls = self.tools is not None and self.tools.has_calls
-        reason = _finish_reason(completion.finish_reason, has_calls)
-        if not (reasoning or text or calls):
+        parts, reason = self.parts(completion)
+        if not parts:
             return None, reason
+        reasoning = "".join(p.text for p in parts if isinstance(p, Thought))
+        content = "".join(p for p in parts if isinstance(p, str))
+        calls = [
+            ToolCallDelta(
+                index=p.index,
+                id=p.id,
+                type="function",
+                function=FunctionDelta(name=p.name, arguments=p.arguments),
+            )
+            for p in parts
+            if isinstance(p, ToolCallPiece)
+        ]
         delta = Delta(
-            content=text or None, reasoning_content=reasoning or None, tool_calls=calls or None
+            content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None
         )
         return delta, reason

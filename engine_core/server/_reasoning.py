@@ -20,6 +20,8 @@ from engine_core.sampling_params import StructuredOutputsParams
 from engine_core.server.tools._calls import held_back
 
 __all__ = [
+    "DEFAULT_FORCED_REASONING_CHARS",
+    "MAX_FORCED_REASONING_CHARS",
     "REASONING_PARSERS",
     "ReasoningParser",
     "ReasoningStream",
@@ -28,6 +30,11 @@ __all__ = [
 
 START = "<think>"
 END = "</think>"
+DEFAULT_FORCED_REASONING_CHARS = 1000
+"""The thinking a forced tool call may do by default: about 250 tokens of English."""
+MAX_FORCED_REASONING_CHARS = 2000
+"""The most characters a grammar bounds thinking to (llguidance's lexer limits refuse much
+larger bounds)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,12 +82,17 @@ class ReasoningParser:
         return low
 
     def constrain(
-        self, params: StructuredOutputsParams, *, compact: bool = False
+        self,
+        params: StructuredOutputsParams,
+        *,
+        compact: bool = False,
+        max_thought_chars: int | None = None,
     ) -> StructuredOutputsParams:
         """``params`` applied after the thinking: a Lark grammar that lets the output think
-        first (``compact``: JSON without whitespace, as ``disable_any_whitespace`` asks).
-        Regexes and grammars given as such are kept as they are (they constrain the whole
-        output)."""
+        first (``compact``: JSON without whitespace, as ``disable_any_whitespace`` asks), at
+        most ``max_thought_chars`` characters before the grammar closes the block (None: no
+        limit; 0: no thought at all). Regexes and grammars given as such are kept as they are
+        (they constrain the whole output)."""
         compact = compact or params.disable_any_whitespace
         if params.json is not None or params.json_object:
             schema: Any = {"type": "object"}
@@ -99,12 +111,23 @@ class ReasoningParser:
             body = " | ".join(json.dumps(choice) for choice in params.choice)
         else:
             return params
-        start = '"<think>"?' if self.implicit_start else '"<think>"'
-        grammar = (
-            f"start: ({start} thought /[ \\t\\r\\n]*/)? body\n"
-            f'thought[suffix="{END}"]: /(?s:.*)/\n'
-            f"body: {body}\n"
-        )
+        # An output that thinks from its start must end the thinking (all of it is thinking
+        # until the marker); any other may write its answer at once, or open the block first.
+        start = f"(?:{START})?" if self.implicit_start else START
+        if max_thought_chars is None:  # ends where the model writes the marker
+            thought = f'thought[suffix="{END}"]: /(?s:{start}.*)/'
+        else:
+            # One lexeme: at most that many characters without the marker, then the marker,
+            # which the grammar forces once the characters are spent. (A <think> of its own
+            # that an output thinking from its start writes counts among them: llguidance's
+            # lexer gives up on such a bound after an optional <think>.)
+            start = "" if self.implicit_start else START
+            end = END.replace("/", "\\/")
+            thought = f"thought: THOUGHT\nTHOUGHT: /(?s:{start}.{{0,{max_thought_chars}}}){end}/"
+            thought += f" & ~/(?s:.*{end}.+)/"
+        space = "/[ \\t\\r\\n]*/"
+        block = f"thought {space}" if self.implicit_start else f"(thought {space})?"
+        grammar = f"start: {block} body\n{thought}\nbody: {body}\n"
         return StructuredOutputsParams(grammar=grammar)
 
 

@@ -25,6 +25,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from engine_core._core.checks import show
 from engine_core.outputs import RequestOutput
 from engine_core.sampling_params import RequestOutputKind, SamplingParams
 from engine_core.server._errors import APIError, api_error_from
@@ -38,7 +39,16 @@ from engine_core.server._protocol import (
 from engine_core.server._serving import PreparedPrompt, ServerState
 from engine_core.server._sse import Emit, EventStreamResponse, cancel_on_disconnect, sse_event
 
-__all__ = ["Fields", "RequestContext", "ResponseStream", "new_id", "respond", "run_prompts"]
+__all__ = [
+    "RANK_HEADER",
+    "Fields",
+    "RequestContext",
+    "ResponseStream",
+    "new_id",
+    "pinned_rank",
+    "respond",
+    "run_prompts",
+]
 
 B = TypeVar("B", bound=SamplingFields)
 C = TypeVar("C")
@@ -125,6 +135,9 @@ async def _run_one(
                     )
                     if error is None:
                         raise
+                    rank = ctx.data_parallel_rank
+                    if error.status == 503 and rank is not None and _dead_pin(ctx.state, rank):
+                        error.param = RANK_HEADER  # its engine died: the pin is why
                     raise error from exc
                 admitting = False
                 recorder.observe(output)
@@ -215,7 +228,7 @@ async def respond(
     """The answer to ``request``: streamed by ``stream(ctx)`` when the body asks for a stream,
     else a whole ``response`` with the choices ``choices_of`` makes of each prompt's output
     (and the usage's ``details()``, when given)."""
-    rank = _data_parallel_rank(request, ctx.state.engine.config.data_parallel_size)
+    rank = pinned_rank(request, ctx.state)
     if rank is not None:
         ctx = dataclasses.replace(ctx, data_parallel_rank=rank)
     if ctx.body.stream:
@@ -225,22 +238,52 @@ async def respond(
     )
 
 
-def _data_parallel_rank(request: Request, size: int) -> int | None:
-    """The engine the ``X-Data-Parallel-Rank`` header names (as vLLM reads it), or None."""
-    header = request.headers.get("x-data-parallel-rank")
-    if header is None:
+RANK_HEADER = "X-Data-Parallel-Rank"
+
+
+def pinned_rank(request: Request, state: ServerState) -> int | None:
+    """The engine the ``X-Data-Parallel-Rank`` header pins the request to (as vLLM reads it),
+    or None: 400 for a value that is no engine's rank, a retryable 503 for a dead engine."""
+    raw = request.headers.get(RANK_HEADER.lower())
+    if raw is None:
         return None
+    size = state.engine.config.data_parallel_size
     try:
-        rank = int(header)
+        rank = int(raw)
     except ValueError:
         rank = -1
     if not 0 <= rank < size:
+        # Header values arrive as Latin-1 text of their bytes: shown as the UTF-8 they are.
+        shown = show(raw.encode("latin-1").decode("utf-8", "backslashreplace"))
         raise APIError(
             400,
-            f"X-Data-Parallel-Rank must be an engine rank in [0, {size}), got {header!r}",
-            param="X-Data-Parallel-Rank",
+            f"{RANK_HEADER} must be an engine rank in [0, {size}), got {shown}",
+            param=RANK_HEADER,
         )
+    dead = _dead_pin(state, rank)
+    if dead is not None:
+        raise dead
     return rank
+
+
+def _dead_pin(state: ServerState, rank: int) -> APIError | None:
+    """The 503 for a request pinned to engine ``rank`` when that engine is dead (None: it
+    is alive)."""
+    deployment = state.engine.data_parallel
+    if deployment is None:
+        return None
+    engines = deployment.engine_status()
+    if engines[rank]["alive"]:
+        return None
+    alive = ", ".join(str(e["rank"]) for e in engines if e["alive"]) or "none"
+    return APIError(
+        503,
+        f"{RANK_HEADER} pins engine {rank}, which is not alive (alive: {alive}); retry "
+        "later, or send the request to a live engine or without the header",
+        type="service_unavailable",
+        param=RANK_HEADER,
+        code="retry_later",
+    )
 
 
 async def _whole(

@@ -5,11 +5,11 @@ function tools become chat tools, ``text.format`` becomes ``response_format``.""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import msgspec
 
+from engine_core._core.checks import MAX_JSON_DEPTH, check_json_value, show
 from engine_core.server._errors import APIError
 from engine_core.server._protocol import ChatCompletionRequest
 
@@ -73,6 +73,31 @@ def _text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
+def _required_str(item: dict[str, Any], key: str, where: str, allow_empty: bool = False) -> str:
+    """``item[key]``, a string (not empty unless ``allow_empty``); 400 naming ``input`` else."""
+    value = item.get(key)
+    if not isinstance(value, str) or not (value or allow_empty):
+        kind = item.get("type")
+        got = "nothing" if value is None else show(value)
+        wanted = "a string" if allow_empty else "a non-empty string"
+        raise APIError(400, f"{where}: a {kind} needs {key} as {wanted}, got {got}", param="input")
+    return value
+
+
+def _output(output: Any, where: str) -> str:
+    """A function_call_output's output as the tool message's text: a string, or its text
+    parts joined."""
+    if isinstance(output, str):
+        return output
+    if isinstance(output, list):
+        return _text(output, where)
+    raise APIError(
+        400,
+        f"{where}: output must be a string or a list of text parts, got {show(output)}",
+        param="input",
+    )
+
+
 def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if body.instructions:
@@ -80,6 +105,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     if isinstance(body.input, str):
         messages.append({"role": "user", "content": body.input})
         return messages
+    call_ids: set[str] = set()
     for index, item in enumerate(body.input):
         where = f"input[{index}]"
         kind = item.get("type", "message")
@@ -89,24 +115,36 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 raise APIError(400, f"{where}: unknown role {item.get('role')!r}", param="input")
             messages.append({"role": role, "content": _text(item.get("content", ""), where)})
         elif kind == "function_call":
+            call_id = _required_str(item, "call_id", where)
             call = {
-                "id": item.get("call_id"),
+                "id": call_id,
                 "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
+                "function": {
+                    "name": _required_str(item, "name", where),
+                    "arguments": _required_str(item, "arguments", where, allow_empty=True),
+                },
             }
+            call_ids.add(call_id)
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.get("output", "")
+            call_id = _required_str(item, "call_id", where)
+            if call_id not in call_ids:
+                raise APIError(
+                    400,
+                    f"{where}: no function_call item before it has call_id {show(call_id)} "
+                    "(this server stores no responses: send the calls in input)",
+                    param="input",
+                )
+            if "output" not in item:
+                raise APIError(
+                    400, f"{where}: a function_call_output needs an output", param="input"
+                )
             messages.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": item.get("call_id"),
-                    "content": output if isinstance(output, str) else json.dumps(output),
-                }
+                {"role": "tool", "tool_call_id": call_id, "content": _output(item["output"], where)}
             )
         elif kind != "reasoning":  # earlier thinking is not sent back to the model
             raise APIError(400, f"{where}: items of type {kind!r} are not supported", param="input")
@@ -128,6 +166,10 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if not isinstance(fmt, dict):
         raise APIError(400, "text.format must be an object", param="text")
     if fmt.get("type") == "json_schema":
+        try:  # here, to name the Responses API's field
+            check_json_value("text.format.schema", fmt.get("schema"), MAX_JSON_DEPTH)
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc), param="text", code="invalid_value") from None
         return {
             "type": "json_schema",
             "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")},

@@ -9,7 +9,9 @@ sequences than the engine's running batch and queue hold together.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -81,6 +83,8 @@ class ServerState:
     """Whether ``tool_choice: "auto"`` is served (``--enable-auto-tool-choice``)."""
     reasoning: ReasoningParser | None = None
     """``--reasoning-parser``: the thinking goes to ``reasoning_content``."""
+    max_forced_reasoning_chars: int = 0
+    """The thinking a forced tool call may do first (``--max-forced-reasoning-chars``)."""
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -168,9 +172,57 @@ def decode_body(body: bytes, struct: type[S]) -> S:
     except msgspec.ValidationError as exc:
         raise invalid_parameter(exc, struct.__struct_fields__) from None
     except msgspec.DecodeError as exc:
+        lone = _lone_surrogate(body)
+        if lone is not None:  # msgspec may call it "truncated" or "malformed"
+            raise _lone_surrogate_error(body, lone, struct.__struct_fields__) from None
         raise APIError(400, f"the body is not valid JSON: {exc}") from None
     except RecursionError:  # not expected past the depth check; never a 500
         raise _too_deep(body, struct.__struct_fields__) from None
+
+
+_SURROGATE_ESCAPE = re.compile(rb"(?<!\\)(\\++)u([dD][0-9a-fA-F]{3})")
+"""A run of backslashes (matched from its start, without backtracking: linear in a body of
+backslashes) and the ``u`` of an escape in the surrogates' range."""
+
+
+def _lone_surrogate(body: bytes) -> tuple[int, int] | None:
+    """Where the first ``\\uXXXX`` escape of a UTF-16 surrogate without its partner is in
+    ``body`` (start and end), or None: JSON text escapes a character past U+FFFF as a high
+    surrogate followed by a low one, and either alone is no character."""
+    high: tuple[int, int] | None = None
+    for match in _SURROGATE_ESCAPE.finditer(body):
+        if len(match.group(1)) % 2 == 0:
+            continue  # an escaped backslash followed by "u": no escape
+        start, end = match.end(1) - 1, match.end()
+        if int(match.group(2), 16) < 0xDC00:  # a high surrogate: a low one must follow
+            if high is not None:
+                return high
+            high = (start, end)
+        elif high is not None and high[1] == start:
+            high = None  # a pair
+        else:
+            return high or (start, end)
+    return high
+
+
+def _lone_surrogate_error(body: bytes, at: tuple[int, int], fields: Collection[str]) -> APIError:
+    """The 400 for a body holding a lone surrogate at ``at``, naming its top-level field."""
+    escape = body[at[0] : at[1]].decode("ascii")
+    param = None
+    marked = body[: at[0]] + b"\\u0000lone\\u0000" + body[at[1] :]
+    with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        top = msgspec.json.decode(marked, type=dict[str, msgspec.Raw])
+        param = next((k for k, v in top.items() if b"\\u0000lone" in bytes(v)), None)
+    if param not in fields:
+        param = None
+    where = f"{param} holds" if param else "the body holds"
+    return APIError(
+        400,
+        f"{where} a lone UTF-16 surrogate ({escape} at byte {at[0]}), which is not text: "
+        "a character past U+FFFF is escaped as a pair (\\ud83d\\ude00) or written as itself",
+        param=param,
+        code="invalid_value" if param else None,
+    )
 
 
 def _too_deep(body: bytes, fields: Collection[str]) -> APIError:

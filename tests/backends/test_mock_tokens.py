@@ -1,5 +1,6 @@
-"""The mock backend's token rules that requests steer: ``logit_bias`` and grammars (the first
-allowed token that is not whitespace when greedy, a uniform draw among the allowed ones else)."""
+"""The mock backend's token rules that requests steer: ``logit_bias`` and grammars (what closes
+a structure when the grammar allows it, else the first allowed token that is not whitespace
+when greedy; a draw among the allowed ones else, closing tokens heavy and whitespace light)."""
 
 from __future__ import annotations
 
@@ -114,13 +115,12 @@ def test_a_json_schema_completes_within_100_tokens_at_either_temperature(
         value = json.loads(out.text)
         assert sorted(value) == ["age", "name"] and len(value["name"]) <= 8
         assert isinstance(value["age"], int)
-    # Greedy never takes whitespace where the grammar allows anything else.
-    assert outs[0].text == '{"name":"#$%&\'()*","age":-0}'  # in the schema's order
-    between_strings = [re.sub(r'"(?:[^"\\]|\\.)*"', '""', out.text) for out in outs]
-    if compact:
-        assert not any(re.search(r"\s", text) for text in between_strings)
-    else:
-        assert any(re.search(r"\s", text) for text in between_strings)
+    # Greedy never takes whitespace where the grammar allows anything else, and closes the
+    # string once it has a character.
+    assert outs[0].text == '{"name":"#","age":-0}'  # in the schema's order
+    between_strings = "".join(re.sub(r'"(?:[^"\\]|\\.)*"', '""', out.text) for out in outs)
+    spaces = len(re.findall(r"\s", between_strings))
+    assert spaces == 0 if compact else spaces < len(between_strings) / 20
     assert len({out.text for out in outs[1:]}) == 20  # the seeds draw different outputs
 
 
@@ -161,11 +161,28 @@ def test_nth_allowed_counts_set_bits_past_banned_and_past_the_vocabulary() -> No
     assert nth_allowed(0, 70, {1, 3, 63, 64, 65, 66, 67, 68, 69}, words) is None
 
 
-def test_whitespace_token_ids(tmp_path: Path) -> None:
-    from engine_core_mock._whitespace import whitespace_token_ids
+def test_token_classes(tmp_path: Path) -> None:
+    from engine_core_mock._token_classes import token_classes
 
-    assert whitespace_token_ids("byte") == frozenset(b" \t\n\r\x0b\x0c")
+    byte = token_classes("byte")
+    assert byte.whitespace == frozenset(b" \t\n\r\x0b\x0c")
+    assert byte.closing == (
+        (frozenset(b'"'), frozenset(b'"')),
+        (frozenset(b"]"), frozenset(b"[")),
+        (frozenset(b"}"), frozenset(b"{")),
+    )
+    assert byte.text_only == frozenset(b"#@~")
     vocab = {"a": 0, "\u0120": 1, "\u010a\u010a": 2, "\u0120a": 3, "\u2581": 4, "<0x0A>": 5}
+    vocab |= {
+        '"': 8,
+        '\u0120"': 9,
+        "]": 10,
+        "\u0120[": 11,
+        "}": 12,
+        '{"': 13,
+        "<0x5D>": 14,
+        "#": 15,
+    }
     data = {
         "model": {"type": "BPE", "vocab": vocab},
         "added_tokens": [
@@ -174,8 +191,11 @@ def test_whitespace_token_ids(tmp_path: Path) -> None:
         ],
     }
     (tmp_path / "tokenizer.json").write_text(json.dumps(data))
-    assert whitespace_token_ids(str(tmp_path)) == {1, 2, 4, 5, 6}
-    assert whitespace_token_ids(str(tmp_path / "missing")) == frozenset()
+    classes = token_classes(str(tmp_path))
+    assert classes.whitespace == {1, 2, 4, 5, 6}
+    assert classes.closing == (({8}, {8, 9, 13}), ({10, 14}, {11}), ({12}, frozenset()))
+    assert classes.text_only == {15}
+    assert token_classes(str(tmp_path / "missing")).whitespace == frozenset()
 
 
 def test_a_grammar_left_with_only_a_stop_before_min_tokens_fails_that_request_alone(
@@ -197,3 +217,69 @@ def test_a_grammar_left_with_only_a_stop_before_min_tokens_fails_that_request_al
     banned_all = {t: -100.0 for t in range(258)}
     (out,) = llm.generate("abc", GREEDY.clone(logit_bias=banned_all), use_tqdm=False)
     assert out.outputs[0].text == "defgh"  # bans covering the vocabulary give way
+
+
+TWO_TOOLS_REQUIRED: dict[str, Any] = {
+    "type": "array",
+    "minItems": 1,
+    "items": {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": parameters},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, parameters in [
+                ("get_weather", NAME_AGE | {"properties": {"city": {"type": "string"}}}),
+                ("get_time", {"type": "object", "properties": {"tz": {"type": "string"}}}),
+            ]
+        ]
+    },
+}
+"""What ``tool_choice: "required"`` constrains an output to, for two tools."""
+
+
+@pytest.mark.parametrize(
+    ("schema", "text"),
+    [
+        (TWO_TOOLS_REQUIRED, '[{"name":"get_time","parameters":{"tz":"#"}}]'),
+        ({"type": "object", "properties": {"name": {"type": "string"}}}, '{"name":"#"}'),
+        ({"type": "array", "items": {"type": "string"}}, '["#"]'),
+        ({"type": "array", "items": {"type": "boolean"}, "minItems": 3}, "[false,false,false]"),
+        ({"type": "string", "minLength": 2}, '"#$"'),
+    ],
+)
+def test_greedy_closes_what_the_grammar_lets_it_close(
+    llm: LLM, schema: dict[str, Any], text: str
+) -> None:
+    # One array element unless more are asked for, a string's end once it has a character (or
+    # as many as asked), the end of the output as soon as it is allowed.
+    pytest.importorskip("llguidance")
+    params = SamplingParams(
+        temperature=0, max_tokens=200, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    (out,) = llm.generate("What is the weather in Paris?", params, use_tqdm=False)
+    assert (out.outputs[0].text, out.outputs[0].finish_reason) == (text, "stop")
+    assert (out2 := llm.generate("x", params, use_tqdm=False)[0].outputs[0]).finish_reason == "stop"
+    assert len(out2.token_ids) == len(out.outputs[0].token_ids)
+
+
+def test_sampled_calls_end_soon_with_little_whitespace(llm: LLM) -> None:
+    # At temperature 1, over 200 seeds: every output is a call that ends well within 150
+    # tokens; closing tokens weigh far more than the others, whitespace far less.
+    pytest.importorskip("llguidance")
+    constraint = StructuredOutputsParams(json=TWO_TOOLS_REQUIRED)
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=150, structured_outputs=constraint)
+        for seed in range(200)
+    ]
+    outs = [o.outputs[0] for o in llm.generate(["Paris?"] * 200, params, use_tqdm=False)]
+    assert {out.finish_reason for out in outs} == {"stop"}
+    calls = [json.loads(out.text) for out in outs]
+    assert sum(len(c) == 1 for c in calls) >= 190  # a second call only now and then
+    lengths = sorted(len(out.token_ids) for out in outs)
+    assert lengths[100] <= 80 and lengths[-1] < 150, lengths
+    text = "".join(out.text for out in outs)
+    assert sum(c.isspace() for c in text) < len(text) / 50
+    assert len(set(map(str, calls))) > 150  # the seeds still draw different calls

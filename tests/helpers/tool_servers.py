@@ -56,6 +56,7 @@ def _call(name: str, args: dict[str, Any], key: str = "arguments") -> str:
 
 _HERMES_WEATHER = f"<tool_call>\n{_call('get_weather', WEATHER_ARGS)}\n</tool_call>"
 _HERMES_TIME = f"<tool_call>\n{_call('get_time', TIME_ARGS)}\n</tool_call>"
+HERMES_CALLS = {"get_weather": _HERMES_WEATHER, "get_time": _HERMES_TIME}
 _LLAMA_WEATHER = _call("get_weather", WEATHER_ARGS, "parameters")
 _LLAMA_TIME = _call("get_time", TIME_ARGS, "parameters")
 
@@ -92,6 +93,7 @@ REPLIES = [
     },
     {"match": r"user: broken", "text": BROKEN["broken"]},
     {"match": r"user: truncated", "text": BROKEN["truncated"]},
+    {"match": r"user: call then cut", "text": f"{_HERMES_TIME}\n{BROKEN['truncated']}"},
     {"match": r"user: think", "text": "<think>\nThe user asks 2+2.\n</think>\n\nThe answer is 4."},
     {"match": r"user: r1 think", "text": "The user asks 2+2.\n</think>\n\nThe answer is 4."},
     {
@@ -112,15 +114,22 @@ TEMPLATE = (
 )
 """The plain template, with the tools and the assistants' calls written out."""
 
+FORCED_REASONING_CHARS = 64
+"""The thinking a forced tool call may do on the servers that read reasoning."""
+
 SERVERS: dict[str, dict[str, Any]] = {
     "hermes": {
         "tool_call_parser": "hermes",
         "enable_auto_tool_choice": True,
         "reasoning_parser": "qwen3",
+        "max_forced_reasoning_chars": FORCED_REASONING_CHARS,
     },
     "llama3_json": {"tool_call_parser": "llama3_json", "enable_auto_tool_choice": True},
     "mistral": {"tool_call_parser": "mistral", "enable_auto_tool_choice": True},
-    "deepseek_r1": {"reasoning_parser": "deepseek_r1"},
+    "deepseek_r1": {
+        "reasoning_parser": "deepseek_r1",
+        "max_forced_reasoning_chars": FORCED_REASONING_CHARS,
+    },
     "plain": {},
 }
 """The settings of each server, by name."""

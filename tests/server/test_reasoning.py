@@ -8,9 +8,12 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import jsonschema
 import pytest
 from helpers.tool_servers import (
+    FORCED_REASONING_CHARS,
     MODEL,
+    SCHEMAS,
     TOOLS,
     WEATHER_ARGS,
     ToolServers,
@@ -38,7 +41,7 @@ async def servers(anyio_backend: str) -> AsyncIterator[ToolServers]:
 async def reply(
     servers: ToolServers, server: str, text: str, stream: bool, **kwargs: Any
 ) -> tuple[str | None, str | None, int, Any]:
-    """(reasoning, content, reasoning tokens, the whole message or the streamed chunks)."""
+    """(reasoning, content, reasoning tokens, the whole choice or the streamed chunks)."""
     client = servers.client(server)
     messages: Any = [{"role": "user", "content": text}]
     if not stream:
@@ -53,7 +56,7 @@ async def reply(
             getattr(message, "reasoning_content", None),
             message.content,
             reasoning_tokens,
-            message,
+            result.choices[0],
         )
     chunks = await in_thread(
         lambda: list(
@@ -137,11 +140,63 @@ async def test_a_json_schema_applies_after_the_thinking(servers: ToolServers, st
 
 
 async def test_a_tool_grammar_applies_after_the_thinking(servers: ToolServers) -> None:
-    reasoning, content, _, message = await reply(
+    reasoning, content, _, choice = await reply(
         servers, "hermes", "call after thinking", False, tools=TOOLS, tool_choice="required"
     )
+    message = choice.message
     assert reasoning == "The weather is needed."
     assert content is None
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
         ("get_weather", WEATHER_ARGS)
     ]
+
+
+def _calls(got: Any, stream: bool) -> tuple[list[tuple[str, Any]], str | None]:
+    """(calls as (name, arguments), finish reason) of a message or of streamed chunks."""
+    if not stream:
+        calls = got.message.tool_calls or ()
+        return [
+            (c.function.name, json.loads(c.function.arguments)) for c in calls
+        ], got.finish_reason
+    pieces: dict[int, tuple[str, str]] = {}
+    reason = None
+    for chunk in got:
+        for choice in chunk.choices:
+            reason = choice.finish_reason or reason
+            for piece in choice.delta.tool_calls or ():
+                # A call comes whole: its id, name and arguments in one piece.
+                assert piece.index not in pieces and piece.id and piece.function.name
+                pieces[piece.index] = (piece.function.name, piece.function.arguments)
+    return [(name, json.loads(args)) for name, args in pieces.values()], reason
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("server", ["hermes", "deepseek_r1"])
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "get_time"}}],
+    ids=["required", "named"],
+)
+@pytest.mark.parametrize("temperature", [0, None], ids=["greedy", "default"])
+async def test_a_forced_call_comes_after_bounded_thinking(
+    servers: ToolServers, stream: bool, server: str, tool_choice: Any, temperature: float | None
+) -> None:
+    # No scripted reply: the mock thinks until the grammar closes the block after
+    # FORCED_REASONING_CHARS characters, then writes the call.
+    kwargs: dict[str, Any] = {"tools": TOOLS, "tool_choice": tool_choice, "max_tokens": 400}
+    if temperature is not None:
+        kwargs["temperature"] = temperature
+    for seed in range(3):
+        reasoning, content, tokens, got = await reply(
+            servers, server, "anything", stream, seed=seed, **kwargs
+        )
+        calls, reason = _calls(got, stream)
+        assert reason == "tool_calls" and calls, (reasoning, content)
+        assert len(reasoning or "") <= FORCED_REASONING_CHARS
+        if temperature == 0:  # greedy thinks on until the grammar closes the block
+            assert reasoning is not None and len(reasoning) == FORCED_REASONING_CHARS
+        assert not (content or "").strip()
+        for name, arguments in calls:
+            jsonschema.validate(arguments, SCHEMAS[name])
+        if tool_choice != "required":
+            assert [name for name, _ in calls] == ["get_time"]

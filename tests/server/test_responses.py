@@ -11,7 +11,9 @@ from typing import Any
 import openai
 import pytest
 from helpers.tool_servers import (
+    BROKEN,
     MODEL,
+    TIME_SCHEMA,
     WEATHER_ARGS,
     WEATHER_SCHEMA,
     ToolServers,
@@ -22,6 +24,7 @@ from helpers.tool_servers import (
 pytestmark = pytest.mark.anyio
 
 WEATHER_TOOL: Any = {"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA}
+TIME_TOOL: Any = {"type": "function", "name": "get_time", "parameters": TIME_SCHEMA}
 
 
 @pytest.fixture(scope="module", params=["asyncio", "trio"])
@@ -159,6 +162,46 @@ async def test_agent_loop_over_function_call_output(servers: ToolServers) -> Non
     assert second.status == "completed"
 
 
+def _items(response: Any) -> list[tuple[str, Any]]:
+    """(type, stripped text or (name, arguments text)) of each output item."""
+    found: list[tuple[str, Any]] = []
+    for item in response.output:
+        if item.type == "function_call":
+            found.append((item.type, (item.name, item.arguments)))
+        else:
+            found.append((item.type, "".join(part.text for part in item.content).strip()))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("text", "tools"),
+    [
+        ("truncated", [WEATHER_TOOL]),
+        ("broken", [WEATHER_TOOL]),
+        ("call then cut", [WEATHER_TOOL, TIME_TOOL]),
+        ("hermes two", [WEATHER_TOOL]),  # the second call names a tool not offered
+        ("hermes two", [WEATHER_TOOL, TIME_TOOL]),
+    ],
+)
+async def test_streamed_and_whole_responses_agree(
+    servers: ToolServers, text: str, tools: list[Any]
+) -> None:
+    whole = await create(servers, "hermes", input=text, tools=tools)
+    got = await events(servers, "hermes", input=text, tools=tools)
+    streamed = _final(got)
+    assert _items(streamed) == _items(whole)
+    assert streamed.status == whole.status == "completed"
+    for item in streamed.output:
+        if item.type == "function_call":
+            assert isinstance(json.loads(item.arguments), dict)
+    added = [e.item.type for e in got if e.type == "response.output_item.added"]
+    assert added == [item.type for item in streamed.output]
+    offered = {tool["name"] for tool in tools}
+    assert all(i.name in offered for i in streamed.output if i.type == "function_call")
+    if text in ("truncated", "broken"):
+        assert _items(whole) == [("message", BROKEN[text])]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
@@ -179,3 +222,48 @@ async def test_unsupported_fields_are_400_naming_them(
     assert caught.value.body["param"] == param  # type: ignore[index]
     if param in ("previous_response_id", "store"):
         assert "not supported" in caught.value.body["message"]  # type: ignore[index]
+
+
+_CALL: Any = {
+    "type": "function_call",
+    "call_id": "call_1",
+    "name": "get_weather",
+    "arguments": "{}",
+}
+
+
+@pytest.mark.parametrize(
+    ("items", "message"),
+    [
+        ([{k: v for k, v in _CALL.items() if k != "call_id"}], "needs call_id"),
+        ([{k: v for k, v in _CALL.items() if k != "name"}], "needs name"),
+        ([_CALL | {"arguments": {"city": "Paris"}}], "needs arguments as a string"),
+        ([_CALL, {"type": "function_call_output", "call_id": "call_1"}], "needs an output"),
+        (
+            [_CALL, {"type": "function_call_output", "call_id": "call_1", "output": 22}],
+            "output must be a string or a list of text parts",
+        ),
+        (
+            [{"type": "function_call_output", "call_id": "call_9", "output": "22"}],
+            "no function_call item before it has call_id 'call_9'",
+        ),
+    ],
+)
+async def test_function_call_items_are_checked(
+    servers: ToolServers, items: list[Any], message: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await create(servers, "hermes", input=items, tools=[WEATHER_TOOL])
+    assert caught.value.body["param"] == "input"  # type: ignore[index]
+    assert message in caught.value.body["message"]  # type: ignore[index]
+
+
+async def test_a_function_call_output_may_be_text_parts(servers: ToolServers) -> None:
+    output = [{"type": "input_text", "text": '{"temperature": 22, "unit": "celsius"}'}]
+    items = [
+        {"role": "user", "content": "agent: the weather in Paris?"},
+        _CALL,
+        {"type": "function_call_output", "call_id": "call_1", "output": output},
+    ]
+    response = await create(servers, "hermes", input=items, tools=[WEATHER_TOOL])
+    assert response.output_text == "It is 22 degrees in Paris."

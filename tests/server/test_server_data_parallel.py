@@ -18,8 +18,11 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
+BODY = {"model": "mock", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
+
+
 async def test_health_metrics_and_the_rank_header() -> None:
-    body = {"model": "mock", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
+    body = BODY
     async with serving(data_parallel_size=2) as (client, _engine):
         health = await client.get("/health")
         assert health.status_code == 200
@@ -43,3 +46,49 @@ async def test_health_metrics_and_the_rank_header() -> None:
     assert sum(queries) == 2 * len("hello there")
     assert ("engine_core_num_requests_running", (("engine", "0"),)) in samples
     assert ("engine_core_router_predicted_hit_tokens_total", (("engine", "0"),)) in samples
+
+
+RESPONSES_BODY = {"model": "mock", "input": "hello there", "max_output_tokens": 4}
+CHAT_BODY = {"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+async def test_the_rank_header_pins_responses_and_chat_too() -> None:
+    async with serving(data_parallel_size=2) as (client, _engine):
+        for path, body in [("/v1/responses", RESPONSES_BODY), ("/v1/chat/completions", CHAT_BODY)]:
+            pinned = await client.post(path, json=body, headers={"X-Data-Parallel-Rank": "1"})
+            assert pinned.status_code == 200, pinned.text
+            bad = await client.post(path, json=body, headers={"X-Data-Parallel-Rank": "2"})
+            assert bad.status_code == 400
+            assert bad.json()["error"]["param"] == "X-Data-Parallel-Rank"
+        samples = _samples((await client.get("/metrics")).text)
+    explicit = samples[
+        "engine_core_router_requests_total", (("engine", "1"), ("reason", "explicit"))
+    ]
+    assert explicit == 2
+
+
+async def test_a_header_value_is_shown_as_the_text_it_is() -> None:
+    async with serving(data_parallel_size=2) as (client, _engine):
+        headers = [(b"X-Data-Parallel-Rank", "é1".encode())]
+        bad = await client.post("/v1/completions", json=BODY, headers=headers)
+        assert bad.status_code == 400
+        message = bad.json()["error"]["message"]
+        assert "got 'é1'" in message and "Ã" not in message
+
+
+async def test_a_pin_to_a_dead_engine_is_a_retryable_503_naming_the_header() -> None:
+    fault = {"kind": "exit", "at_step": 1, "rank": 1}
+    async with serving(data_parallel_size=2, backend_options={"fault": fault}) as (client, _):
+        to_one = {"X-Data-Parallel-Rank": "1"}
+        await client.post("/v1/completions", json=BODY, headers=to_one)  # engine 1 dies in it
+        for path, body in [
+            ("/v1/completions", BODY),
+            ("/v1/chat/completions", CHAT_BODY),
+            ("/v1/responses", RESPONSES_BODY),
+        ]:
+            dead = await client.post(path, json=body, headers=to_one)
+            assert dead.status_code == 503, (path, dead.text)
+            error = dead.json()["error"]
+            assert (error["param"], error["code"]) == ("X-Data-Parallel-Rank", "retry_later")
+            assert "pins engine 1, which is not alive (alive: 0)" in error["message"]
+            assert (await client.post(path, json=body)).status_code == 200  # unpinned: fine

@@ -5,6 +5,7 @@ JSON schema; the engine holds no request afterwards."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import anyio
@@ -76,3 +77,47 @@ async def test_hostile_bodies_get_a_400_naming_the_field(multiprocess: bool) -> 
             ok = await client.post("/v1/completions", json=BASE)
             assert ok.status_code == 200
             assert ok.json()["choices"][0]["text"] == "de"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/tokenize", b'{"prompt": "a\\ud800b"}', "prompt"),
+        ("/tokenize", b'{"prompt": "a\\udc00"}', "prompt"),
+        ("/tokenize", b'{"model": "mock", "prompt": "\\ud800"}', "prompt"),
+        ("/v1/completions", b'{"prompt": "x\\ud83d", "max_tokens": 2}', "prompt"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+            "messages",
+        ),
+    ],
+)
+async def test_a_lone_surrogate_is_named_as_such(path: str, body: bytes, param: str) -> None:
+    async with serving(multiprocess=False) as (client, _engine):
+        headers = {"content-type": "application/json"}
+        response = await client.post(path, content=body, headers=headers)
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == param
+        assert "lone UTF-16 surrogate" in error["message"]
+        assert "truncated" not in error["message"]
+        pair = body.replace(b"\\ud800", b"\\ud83d\\ude00").replace(b"\\udc00", b"\\ud83d\\ude00")
+        if path == "/tokenize" and pair != body:
+            assert (await client.post(path, content=pair, headers=headers)).status_code == 200
+
+
+def test_lone_surrogates_are_found_and_pairs_and_escaped_backslashes_are_not() -> None:
+    from engine_core.server._serving import _lone_surrogate
+
+    assert _lone_surrogate(rb'"\ud83d\ude00 \u00e9"') is None
+    assert _lone_surrogate(rb'"\\ud800"') is None  # a backslash, then "ud800"
+    assert _lone_surrogate(rb'"\\\ud800"') == (3, 9)
+    assert _lone_surrogate(rb'"a\ud800"') == (2, 8)
+    assert _lone_surrogate(rb'"\ud800\ud800\udc00"') == (1, 7)
+    assert _lone_surrogate(rb'"\ud800 \udc00"') == (1, 7)
+    assert _lone_surrogate(rb'"\udc00\ud800"') == (1, 7)
+    # Linear in a run of backslashes (a backtracking scan would take minutes here).
+    started = time.perf_counter()
+    assert _lone_surrogate(b'{"stop": ["' + b"\\" * 300_001 + b'u"]}') is None
+    assert time.perf_counter() - started < 2.0

@@ -73,16 +73,15 @@ def stream(parser: ToolParser, text: str, cuts: list[int]) -> tuple[str, list[tu
     content = ""
     calls: dict[int, list[str]] = {}
     for start, end in zip(bounds, bounds[1:] or [0], strict=False):
-        piece_content, deltas = feeder.feed(text[start:end], final=end == len(text))
-        content += piece_content
-        for delta in deltas:
+        parts = feeder.feed(text[start:end], final=end == len(text))
+        content += "".join(p for p in parts if isinstance(p, str))
+        for delta in (p for p in parts if not isinstance(p, str)):
             if delta.index not in calls:
                 assert delta.id is not None and delta.name is not None
                 calls[delta.index] = [delta.name, ""]
             calls[delta.index][1] += delta.arguments
     if len(bounds) == 1:  # the empty text
-        piece_content, _ = feeder.feed("", final=True)
-        content += piece_content
+        content += "".join(p for p in feeder.feed("", final=True) if isinstance(p, str))
     return content, [(name, args) for name, args in (calls[i] for i in sorted(calls))]
 
 
@@ -110,13 +109,10 @@ def test_any_text_reads_without_raising_and_streams_as_it_reads_whole(
 ) -> None:
     content, found = extract_tool_calls(parser, text)
     streamed_content, streamed = stream(parser, text, cuts)
+    assert streamed == [(c.name, c.arguments) for c in found]
+    assert streamed_content == content
     if not found:
-        # No call in the whole text: a stream gives all of it as content, unless it sent a
-        # call whose name it read before the text broke the format.
-        assert streamed_content == text or streamed
-    else:
-        assert streamed == [(c.name, c.arguments) for c in found]
-        assert streamed_content == content
+        assert content == text
     for call in found:
         assert isinstance(json.loads(call.arguments), dict)
 
@@ -174,8 +170,8 @@ def test_plain_content_streams_without_parsing_the_text_again() -> None:
             return super().parse(text, final)
 
     feeder = ToolCallStream(Counting())
-    content = "".join(feeder.feed("word ", final=False)[0] for _ in range(1000))
-    content += feeder.feed("<tool_call>", final=False)[0]
+    content = "".join(p for _ in range(1000) for p in feeder.feed("word ", final=False))
+    assert feeder.feed("<tool_call>", final=False) == []
     assert content == "word " * 1000 and seen == [len("<tool_call>")]
     # Past the markup's start only the markup is parsed.
     feeder.feed('{"name": "f", "arguments": {}}</tool_call>', final=True)
@@ -214,3 +210,26 @@ def test_reasoning_tokens_stop_at_the_marker_in_a_merged_piece() -> None:
     text = "<think>ab</think>\n\ncd"
     assert feeder.feed(text, list(text.encode()), final=True) == ("ab", "cd")
     assert feeder.reasoning_tokens == len("<think>ab</think>")
+
+
+@pytest.mark.parametrize(
+    ("text", "end"),
+    [
+        ("{}", 2),
+        ('{"a": "}"}', 10),
+        ('{"a": "\\"}"}', 12),
+        ('{"a": "\\\\"}', 11),
+        ('{"a": "\\\\\\"}"}', 14),
+        ('[1, [2], {"b": "]"}]', 20),
+        ('{"a":1}} tail', 7),
+        ('{"a": "x', None),
+        ('{"a": "x\\', None),
+        ('{"a": [}', None),
+    ],
+)
+def test_value_end_follows_brackets_and_strings(text: str, end: int | None) -> None:
+    from engine_core.server.tools._calls import value_end
+
+    assert value_end(text, 0) == end
+    if end is not None:
+        assert value_end("xy" + text, 2) == end + 2

@@ -15,6 +15,7 @@ import pydantic
 import pytest
 from helpers.tool_servers import (
     BROKEN,
+    HERMES_CALLS,
     MODEL,
     SCHEMAS,
     TIME_ARGS,
@@ -25,6 +26,14 @@ from helpers.tool_servers import (
     tool_servers,
 )
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from engine_core.sampling_params import StructuredOutputsParams
+from engine_core.server.tools._choice import (
+    MAX_REQUIRED_TOOLS,
+    call_list_schema,
+    read_tool_choice,
+    read_tools,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -147,6 +156,42 @@ async def test_required_gives_parallel_calls(servers: ToolServers) -> None:
     assert _without_ids(streamed) == expected
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_cut_required_answer_returns_the_calls_that_parsed(
+    servers: ToolServers, stream: bool
+) -> None:
+    # The scripted two calls, cut by max_tokens inside the second: the first stands.
+    first = json.dumps({"name": "get_weather", "parameters": WEATHER_ARGS})
+    kwargs = {"tools": TOOLS, "tool_choice": "required", "max_tokens": len(f"[{first}, ") + 12}
+    if stream:
+        content, calls, reason = assembled(
+            await chat_stream(servers, "plain", "required two", **kwargs)
+        )
+    else:
+        result = await chat(servers, "plain", "required two", **kwargs)
+        content = result.choices[0].message.content or ""
+        calls, reason = whole_calls(result), result.choices[0].finish_reason
+    assert (_without_ids(calls), reason) == ([("get_weather", WEATHER_ARGS)], "length")
+    assert content.strip() == '{"name": "ge'
+
+
+@pytest.mark.parametrize("temperature", [0, None], ids=["greedy", "default"])
+async def test_required_on_the_mock_gives_one_call(
+    servers: ToolServers, temperature: float | None
+) -> None:
+    # No scripted reply: the mock closes what the grammar lets it close, so the output is one
+    # call at temperature 0 and at the default temperature alike.
+    kwargs: dict[str, Any] = {"tools": TOOLS, "tool_choice": "required", "max_tokens": 150}
+    if temperature is not None:
+        kwargs["temperature"] = temperature
+    for seed in range(5):
+        result = await chat(servers, "plain", "anything", seed=seed, **kwargs)
+        assert result.choices[0].finish_reason == "tool_calls"
+        calls = whole_calls(result)
+        assert len(calls) == 1
+        check_valid(calls)
+
+
 # -- "auto": each parser ----------------------------------------------------------------------
 
 
@@ -186,25 +231,43 @@ async def test_auto_without_parallel_calls_keeps_the_first(
     assert _without_ids(calls) == [("get_weather", WEATHER_ARGS)]
 
 
-@pytest.mark.parametrize(
-    ("broken", "stream"),
-    [("broken", False), ("broken", True), ("truncated", False)],
-)
+async def answer(
+    servers: ToolServers, text: str, stream: bool, **kwargs: Any
+) -> tuple[str, list[dict[str, str]], str | None]:
+    """(content, calls, finish reason) of the hermes server's answer, streamed or whole."""
+    if stream:
+        return assembled(await chat_stream(servers, "hermes", text, **kwargs))
+    result = await chat(servers, "hermes", text, **kwargs)
+    content, calls = result.choices[0].message.content or "", whole_calls(result)
+    return content, calls, result.choices[0].finish_reason
+
+
+@pytest.mark.parametrize("broken", ["broken", "truncated"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 async def test_malformed_call_text_comes_back_as_content(
     servers: ToolServers, broken: str, stream: bool
 ) -> None:
-    # A stream sends a call once its name is read; the truncated call's name is, so only the
-    # whole response can give it back as content.
-    text = BROKEN[broken]
-    if stream:
-        content, calls, reason = assembled(
-            await chat_stream(servers, "hermes", broken, tools=TOOLS)
-        )
-    else:
-        result = await chat(servers, "hermes", broken, tools=TOOLS)
-        content, calls = result.choices[0].message.content or "", whole_calls(result)
-        reason = result.choices[0].finish_reason
-    assert (content, calls, reason) == (text, [], "stop")
+    # The truncated call's name is readable early: a stream must not send it all the same.
+    got = await answer(servers, broken, stream, tools=TOOLS)
+    assert got == (BROKEN[broken], [], "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_calls_before_a_broken_one_stand(servers: ToolServers, stream: bool) -> None:
+    content, calls, reason = await answer(servers, "call then cut", stream, tools=TOOLS)
+    assert (_without_ids(calls), reason) == ([("get_time", TIME_ARGS)], "tool_calls")
+    assert content.strip() == BROKEN["truncated"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_call_to_a_tool_not_offered_is_content(servers: ToolServers, stream: bool) -> None:
+    weather_only = [TOOLS[0]]
+    content, calls, reason = await answer(servers, "hermes two", stream, tools=weather_only)
+    assert (_without_ids(calls), reason) == ([("get_weather", WEATHER_ARGS)], "tool_calls")
+    assert content.strip().startswith('<tool_call>\n{"name": "get_time"')
+    time_only = [TOOLS[1]]
+    content, calls, reason = await answer(servers, "hermes weather", stream, tools=time_only)
+    assert (content, calls, reason) == (f"Let me check.\n{HERMES_CALLS['get_weather']}", [], "stop")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -259,6 +322,48 @@ async def test_invalid_tool_requests_are_400(
     with pytest.raises(openai.BadRequestError) as caught:
         await chat(servers, server, "hi", **kwargs)
     assert caught.value.body["param"] == param  # type: ignore[index]
+
+
+async def test_too_many_tools_for_required_are_refused_up_front(servers: ToolServers) -> None:
+    # Past llguidance's row limit the grammar would fail at the first token.
+    many = [
+        {"type": "function", "function": {"name": f"t{i}", "parameters": {"type": "object"}}}
+        for i in range(2000)
+    ]
+    with pytest.raises(openai.BadRequestError) as caught:
+        await chat(servers, "plain", "hi", tools=many, tool_choice="required", max_tokens=2)
+    error: Any = caught.value.body
+    assert error["param"] == "tools"
+    assert f"at most {MAX_REQUIRED_TOOLS} tools, got 2000" in error["message"]
+    assert "llguidance" in error["message"]
+
+
+def test_the_most_tools_required_takes_still_parse() -> None:
+    pytest.importorskip("llguidance")
+    from engine_core._structured.grammar import GrammarSpec, build_tokenizer, compile_grammar
+
+    def tools(count: int) -> list[Any]:
+        return [
+            {"type": "function", "function": {"name": f"t_{i}", "parameters": {"type": "object"}}}
+            for i in range(count)
+        ]
+
+    tokenizer = build_tokenizer("byte", 258)
+    for parallel in (True, False):
+        choice = read_tool_choice(
+            "required", read_tools(tools(MAX_REQUIRED_TOOLS)), parallel, auto_enabled=False
+        )
+        params = choice.constraint()
+        assert params is not None
+        matcher = compile_grammar(tokenizer, GrammarSpec.from_params(params))
+        assert all(matcher.consume_token(b) for b in b'[{"name": "t_1899", "parameters": {}}]')
+        assert not matcher.is_error()
+    # Why the bound: with 2,000 tools llguidance refuses the call list's first row (were its
+    # limit to grow, so could MAX_REQUIRED_TOOLS).
+    params = StructuredOutputsParams(json=call_list_schema(read_tools(tools(2000)), True))
+    matcher = compile_grammar(tokenizer, GrammarSpec.from_params(params))
+    assert not all(matcher.consume_token(b) for b in b'[{"name": "t_')
+    assert "max is 2000" in matcher.get_error()
 
 
 # -- the SDK's helpers and an agent loop ------------------------------------------------------

@@ -139,7 +139,7 @@ def test_choice_regex_and_grammars_greedy() -> None:
             use_tqdm=False,
         )
     completions = [o.outputs[0] for o in outs]
-    assert [c.text for c in completions] == ["yes", "pqr-01", "acd", "x0123456789y", "{}"]
+    assert [c.text for c in completions] == ["yes", "pqr-01", "acd", "x0123456789y", '{"#":"#"}']
     assert completions[0].token_ids == [121, 101, 115, EOS]
     assert [(c.finish_reason, c.stop_reason) for c in completions] == [("stop", None)] * 5
 
@@ -157,8 +157,8 @@ def test_json_schema_outputs_parse_and_validate() -> None:
         value = json.loads(out.outputs[0].text)
         jsonschema.validate(value, schema)
         values.append(value)
-    assert values[0] == {"name": "#$%&'(", "age": 0, "ok": False}
-    assert values[4:] == ["abc", True]
+    assert values[0] == {"name": "#", "age": 0, "ok": False}
+    assert values[4:] == ["ab", True]  # a string closes as soon as its pattern allows
 
 
 def test_random_sampling_stays_in_the_grammar() -> None:

@@ -110,7 +110,7 @@ async def test_50_constrained_requests_alongside_50_plain_ones(multiprocess: boo
     for i, text in texts.items():
         _constrained(i)[1](text)
     assert sorted(texts) == list(range(50))
-    assert json.loads(texts[0]) == {"name": "#$%&'(", "age": 0, "ok": False}
+    assert json.loads(texts[0]) == {"name": "#", "age": 0, "ok": False}
     assert len({texts[i] for i in range(2, 50, 4)}) > 1  # the seeds pick different choices
     assert plain == {i: [(ord("o") + 1 + k) % 258 for k in range(1 + i % 17)] for i in range(50)}
     assert errors["schema"] == "invalid structured_outputs.json: Invalid type: nonsense"

@@ -44,6 +44,15 @@ def test_help_lists_the_options() -> None:
         assert option in result.stdout
 
 
+def test_help_names_every_check_with_one_line() -> None:
+    result = _run("--help")
+    assert result.returncode == 0
+    lines = result.stdout.splitlines()
+    for name in _module().CHECKS:
+        described = [line for line in lines if line.split()[:1] == [name] and len(line.split()) > 3]
+        assert len(described) == 1, (name, result.stdout)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -1,12 +1,14 @@
 """``MockBackend``: a deterministic CPU backend that holds real per-request state.
 
 Token rules (see the package docstring): greedy counts up from the last token, random sampling
-hashes (seed, token history), a grammar bitmask leaves the first allowed token that is not
-whitespace (greedy) or one drawn uniformly among the allowed ones, ``logit_bias`` bans, forces
-or (greedy) reweighs tokens, and stop ids are masked below ``min_tokens``. Like a real backend
-it keeps each request's tokens, block table and ``num_computed_tokens`` from the scheduler's
-diffs, and it checks them: a scheduler that breaks the contract gets a ``RuntimeError`` instead
-of silently wrong tokens. After such an error the backend's state is undefined.
+hashes (seed, token history), under a grammar bitmask the mock closes what the grammar lets it
+close (EOS, then ``"``, ``]``, ``}``) and else takes the first allowed token that is not
+whitespace (greedy) or draws one (closing tokens heavy, whitespace light), ``logit_bias``
+bans, forces or (greedy) reweighs tokens, and stop ids are masked below ``min_tokens``. Like a
+real backend it keeps each request's tokens, block table and ``num_computed_tokens`` from the
+scheduler's diffs, and it checks them: a scheduler that breaks the contract gets a
+``RuntimeError`` instead of silently wrong tokens. After such an error the backend's state is
+undefined.
 
 The latency model runs on a device timeline: a step launched by ``execute_model`` starts when
 the previous one ends (or at once when the device is idle) and ends its modelled duration

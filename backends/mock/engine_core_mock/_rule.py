@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from engine_core_mock._sampling import bitmask_rows, next_allowed, nth_allowed
+from engine_core_mock._sampling import bitmask_rows, is_allowed, next_allowed, weighted_allowed
 from engine_core_mock._state import RequestState
-from engine_core_mock._whitespace import whitespace_token_ids
+from engine_core_mock._token_classes import QUOTE, TokenClasses, token_classes
 
 __all__ = ["TokenRule", "grammar_rows"]
 
@@ -48,12 +48,12 @@ def grammar_rows(
 class TokenRule:
     """The mock's sampling rule over a vocabulary of ``vocab_size`` tokens."""
 
-    __slots__ = ("vocab_size", "tokenizer_name", "_whitespace")
+    __slots__ = ("vocab_size", "tokenizer_name", "_classes")
 
     def __init__(self, vocab_size: int, tokenizer_name: str) -> None:
         self.vocab_size = vocab_size
         self.tokenizer_name = tokenizer_name
-        self._whitespace: frozenset[int] | None = None
+        self._classes: TokenClasses | None = None
 
     def next_token(self, state: RequestState, words: list[int] | None) -> tuple[int, int]:
         """The token the mock samples after ``state.tokens`` (``words``: the grammar's bitmask
@@ -80,15 +80,8 @@ class TokenRule:
             token = reply
         elif words is None:
             token = centre if state.greedy else state.random_token(vocab_size)
-        elif state.greedy:
-            # Not whitespace where the grammar allows more: JSON's flexible whitespace would
-            # otherwise take every token up to the length limit.
-            whitespace = self.whitespace_ids()
-            token = next_allowed(
-                centre, vocab_size, masked | whitespace if masked else whitespace, words
-            )
         else:
-            token = nth_allowed(state.random_draw(), vocab_size, masked, words)
+            token = self._grammar_choice(state, centre, words, masked)
         if token is None:
             token = centre
         if state.logit_bias is not None:
@@ -105,11 +98,63 @@ class TokenRule:
             token = allowed
         return token
 
-    def whitespace_ids(self) -> frozenset[int]:
-        """The tokenizer's whitespace-only token ids (read once, at the first need)."""
-        if self._whitespace is None:
-            self._whitespace = whitespace_token_ids(self.tokenizer_name)
-        return self._whitespace
+    def _grammar_choice(
+        self, state: RequestState, centre: int, words: list[int], masked: frozenset[int] | None
+    ) -> int | None:
+        """The token of a request under a grammar (None: none is allowed but masked ones).
+
+        A model ends what it writes; the mock closes a structure as soon as the grammar lets
+        it: EOS when allowed, else a closing ``"``, ``]`` or ``}`` (never right after its
+        opener: a string gets one character, an array one element, an object one member),
+        else the rule's token. Whitespace, which JSON allows between any two tokens, is taken
+        only where nothing else is. Greedy takes the first of these that the grammar allows
+        (the rule's token: the first allowed at or after ``centre``); sampling draws with
+        closing tokens far heavier than the others and whitespace far lighter."""
+        classes = self.token_classes()
+        closing, held = self._closing(state, classes, words, masked)
+        if state.greedy:
+            if closing:
+                return closing[0]
+            excluded = classes.whitespace | held
+            return next_allowed(
+                centre, self.vocab_size, excluded | masked if masked else excluded, words
+            )
+        light = classes.whitespace | held
+        return weighted_allowed(state.random_draw(), self.vocab_size, masked, words, closing, light)
+
+    @staticmethod
+    def _closing(
+        state: RequestState,
+        classes: TokenClasses,
+        words: list[int],
+        masked: frozenset[int] | None,
+    ) -> tuple[list[int], frozenset[int]]:
+        """(the allowed tokens that would close something now, in order of preference: EOS
+        first; the closing tokens that must not, right after their opener)."""
+        tokens = state.tokens
+        last = len(tokens) - 1  # the last token that is not whitespace
+        while last >= state.num_prompt_tokens and tokens[last] in classes.whitespace:
+            last -= 1
+        previous = tokens[last] if last >= state.num_prompt_tokens else None
+        closing = [t for t in state.eos_ids if is_allowed(t, masked, words)]
+        # Where a character no JSON structure has is allowed, the output is inside a string
+        # (or free text): brackets and braces are characters there, only a quote closes.
+        in_text = any(is_allowed(t, masked, words) for t in classes.text_only)
+        held: frozenset[int] = frozenset()
+        for index, (closers, openers) in enumerate(classes.closing):
+            if in_text and index != QUOTE:
+                continue
+            if previous is not None and previous in openers:
+                held |= closers
+            else:
+                closing += [t for t in sorted(closers) if is_allowed(t, masked, words)]
+        return closing, held
+
+    def token_classes(self) -> TokenClasses:
+        """The tokenizer's whitespace and closing tokens (read once, at the first need)."""
+        if self._classes is None:
+            self._classes = token_classes(self.tokenizer_name)
+        return self._classes
 
     def verify(
         self, state: RequestState, drafts: list[int], rows: list[list[int]] | None

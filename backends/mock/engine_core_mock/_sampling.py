@@ -21,6 +21,7 @@ __all__ = [
     "next_allowed",
     "nth_allowed",
     "synthetic_logprobs",
+    "weighted_allowed",
 ]
 
 LN2 = math.log(2.0)
@@ -147,17 +148,26 @@ def next_allowed(
     return None
 
 
-def nth_allowed(
-    draw: int, vocab_size: int, banned: Collection[int] | None, words: Sequence[int]
-) -> int | None:
-    """A token drawn uniformly by ``draw`` (a random integer) among those the bitmask ``words``
-    allows and that are not ``banned``; None when there is none."""
+def _allowed_masks(
+    vocab_size: int, banned: Collection[int] | None, words: Sequence[int]
+) -> list[int]:
+    """The bitmask ``words`` as unsigned 32-bit words, with ``banned`` and the ids past the
+    vocabulary cleared."""
     masks = [w & 0xFFFFFFFF for w in words[: (vocab_size + 31) >> 5]]
     if vocab_size & 31:
         masks[-1] &= (1 << (vocab_size & 31)) - 1
     for token in banned or ():
         if token < vocab_size:
             masks[token >> 5] &= ~(1 << (token & 31))
+    return masks
+
+
+def nth_allowed(
+    draw: int, vocab_size: int, banned: Collection[int] | None, words: Sequence[int]
+) -> int | None:
+    """A token drawn uniformly by ``draw`` (a random integer) among those the bitmask ``words``
+    allows and that are not ``banned``; None when there is none."""
+    masks = _allowed_masks(vocab_size, banned, words)
     counts = [m.bit_count() for m in masks]
     total = sum(counts)
     if total == 0:
@@ -172,3 +182,37 @@ def nth_allowed(
             mask &= mask - 1  # clear the lowest set bit
         return (index << 5) + (mask & -mask).bit_length() - 1
     raise AssertionError("unreachable: rank < total")
+
+
+HEAVY_WEIGHT = 4096
+ORDINARY_WEIGHT = 64
+"""The weights of :func:`weighted_allowed` (a light token weighs 1)."""
+
+
+def weighted_allowed(
+    draw: int,
+    vocab_size: int,
+    banned: Collection[int] | None,
+    words: Sequence[int],
+    heavy: Sequence[int],
+    light: Collection[int],
+) -> int | None:
+    """A token drawn by ``draw`` among those the bitmask ``words`` allows and that are not
+    ``banned``, each of ``heavy`` weighing :data:`HEAVY_WEIGHT`, each of ``light``
+    1 and any other :data:`ORDINARY_WEIGHT`; None when there is none."""
+    excluded = set(banned or ())
+    heavy_ok = [t for t in heavy if t < vocab_size and is_allowed(t, excluded, words)]
+    excluded.update(heavy_ok)
+    light_ok = sorted(t for t in light if t < vocab_size and is_allowed(t, excluded, words))
+    excluded.update(light_ok)
+    num_ordinary = sum(m.bit_count() for m in _allowed_masks(vocab_size, excluded, words))
+    total = HEAVY_WEIGHT * len(heavy_ok) + ORDINARY_WEIGHT * num_ordinary + len(light_ok)
+    if total == 0:
+        return None
+    rank = draw % total
+    if rank < HEAVY_WEIGHT * len(heavy_ok):
+        return heavy_ok[rank // HEAVY_WEIGHT]
+    rank -= HEAVY_WEIGHT * len(heavy_ok)
+    if rank < ORDINARY_WEIGHT * num_ordinary:
+        return nth_allowed(rank // ORDINARY_WEIGHT, vocab_size, excluded, words)
+    return light_ok[rank - ORDINARY_WEIGHT * num_ordinary]

@@ -37,6 +37,7 @@ class RequestState:
         "greedy",
         "min_tokens",
         "masked_ids",
+        "eos_ids",
         "logit_bias",
         "banned_ids",
         "masked_early",
@@ -69,6 +70,7 @@ class RequestState:
         self.block_fingerprints: list[int] = []
         self.greedy = params.is_greedy
         self.min_tokens = params.min_tokens
+        self.eos_ids = tuple(new.eos_token_ids)
         self.masked_ids = frozenset(new.eos_token_ids) | frozenset(params.stop_token_ids or ())
         self.logit_bias = LogitBias(params.logit_bias) if params.logit_bias else None
         self.banned_ids = self.logit_bias.banned if self.logit_bias is not None else frozenset()

@@ -5,16 +5,29 @@ them back."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from engine_core._core.checks import MAX_JSON_DEPTH, check_json_value
 from engine_core.sampling_params import StructuredOutputsParams
 from engine_core.server._errors import APIError
-from engine_core.server.tools._calls import Parsed, PartialCall, read_objects, skip_space
+from engine_core.server.tools._calls import (
+    Parsed,
+    is_object,
+    read_objects,
+    skip_space,
+    value_end,
+)
 from engine_core.server.tools._parser import ToolParser
 
-__all__ = ["FunctionTool", "ToolChoice", "read_tool_choice", "read_tools"]
+__all__ = [
+    "MAX_REQUIRED_TOOLS",
+    "FunctionTool",
+    "ToolChoice",
+    "call_list_schema",
+    "read_tool_choice",
+    "read_tools",
+]
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -74,25 +87,24 @@ class ToolChoice:
     parallel: bool = True
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The grammar of ``"required"`` and ``"named"`` (None for the others)."""
+        """The grammar of ``"required"`` and ``"named"`` (None for the others); 400 naming
+        ``tools`` for tools whose schemas no grammar can be built from."""
         if self.mode == "named":
-            tool = next(t for t in self.tools if t.name == self.name)
-            return StructuredOutputsParams(json=tool.parameters)
+            index, tool = next((i, t) for i, t in enumerate(self.tools) if t.name == self.name)
+            return _schema_params(tool.parameters, index, 0)
         if self.mode != "required":
             return None
-        calls = [
-            {
-                "type": "object",
-                "properties": {"name": {"const": tool.name}, "parameters": tool.parameters},
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for tool in self.tools
-        ]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        if not self.parallel:
-            schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema)
+        if len(self.tools) > MAX_REQUIRED_TOOLS:
+            raise APIError(
+                400,
+                f'tool_choice "required" chooses among at most {MAX_REQUIRED_TOOLS} tools, got '
+                f"{len(self.tools)}: the grammar's parser (llguidance) keeps at most 2000 items "
+                "per row, one per tool; offer fewer tools, or name the function",
+                param="tools",
+            )
+        for index, tool in enumerate(self.tools):  # the call list nests each schema deeper
+            _schema_params(tool.parameters, index, _CALL_LIST_DEPTH)
+        return StructuredOutputsParams(json=call_list_schema(self.tools, self.parallel))
 
     def parser(self, auto: ToolParser | None) -> ToolParser | None:
         """The parser that reads this choice's calls back (``auto``: the server's)."""
@@ -152,32 +164,81 @@ def read_tool_choice(
     return ToolChoice(mode, tools, name, parallel is not False)
 
 
+MAX_REQUIRED_TOOLS = 1900
+"""The most tools ``"required"`` chooses among: llguidance's Earley parser refuses a row of
+more than 2000 items, and the call list's first row holds one per tool (and a few more)."""
+_CALL_LIST_DEPTH = 5
+"""How deep the call list of ``"required"`` puts each tool's parameters: the array, its
+``items``, ``anyOf``, a call object, its ``properties``."""
+
+
+def call_list_schema(tools: list[FunctionTool], parallel: bool) -> dict[str, Any]:
+    """The JSON schema of ``"required"``'s output: a list of calls to ``tools`` (at most one
+    unless ``parallel``)."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": tool.name}, "parameters": tool.parameters},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def _schema_params(schema: dict[str, Any], index: int, depth: int) -> StructuredOutputsParams:
+    """``schema`` (tool ``index``'s parameters) as a JSON constraint, checked as if nested
+    ``depth`` levels deeper; 400 naming ``tools`` when it is too deep (or otherwise invalid)."""
+    try:
+        check_json_value("schema", schema, MAX_JSON_DEPTH - depth)
+        return StructuredOutputsParams(json=schema)
+    except (ValueError, TypeError) as exc:
+        reason = str(exc).removeprefix("structured_outputs.json").removeprefix("schema")
+        where = f"tools[{index}]: its parameters schema"
+        if depth:
+            reason += f' (tool_choice "required" nests them {depth} levels deeper in its call list)'
+        raise APIError(400, f"{where}{reason}", param="tools", code="invalid_value") from None
+
+
 class NamedCallParser(ToolParser):
-    """The output of a named ``tool_choice``: the whole text is the arguments of one call."""
+    """The output of a named ``tool_choice``: the whole text is the arguments of one call,
+    complete once its object closes."""
 
     def __init__(self, name: str) -> None:
         self.function = name
 
     def parse(self, text: str, final: bool) -> Parsed:
-        if final and not _is_object(text):
-            return Parsed(text, malformed=True)
-        return Parsed(calls=[PartialCall(self.function, text.strip(), final)])
+        pos = skip_space(text, 0)
+        if pos == len(text):
+            return Parsed().rest_is_content(text, 0) if final else Parsed()
+        end = value_end(text, pos) if text[pos] == "{" else None
+        if end is None:
+            if final or text[pos] != "{":
+                return Parsed().rest_is_content(text, 0)
+            return Parsed()
+        if not is_object(text[pos:end]):
+            return Parsed().rest_is_content(text, 0)
+        parsed = Parsed()
+        parsed.add(self.function, text[pos:end], start=0)
+        if skip_space(text, end) < len(text):
+            parsed.rest_is_content(text, end)
+        return parsed
 
 
 class CallListParser(ToolParser):
-    """The output of ``"required"``: ``[{"name": ..., "parameters": {...}}, ...]``."""
+    """The output of ``"required"``: ``[{"name": ..., "parameters": {...}}, ...]``; the calls
+    before a cut or a break stand."""
 
     def parse(self, text: str, final: bool) -> Parsed:
         pos = skip_space(text, 0)
         if pos == len(text):
-            return Parsed(text, malformed=True) if final else Parsed()
+            return Parsed().rest_is_content(text, 0) if final else Parsed()
         if text[pos] != "[":
-            return Parsed(text, malformed=True)
-        return read_objects(text, pos + 1, final, Parsed(), separator=",", closing="]")
-
-
-def _is_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False
+            return Parsed().rest_is_content(text, 0)
+        return read_objects(
+            text, pos + 1, final, Parsed(), separator=",", closing="]", markup_start=0
+        )

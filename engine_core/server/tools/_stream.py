@@ -1,11 +1,14 @@
 """Tool calls out of a text, whole (:func:`extract_tool_calls`) or as it streams
-(:class:`ToolCallStream`: content pieces and OpenAI's ``tool_calls`` deltas)."""
+(:class:`ToolCallStream`: content pieces and OpenAI's ``tool_calls`` deltas). Both read the
+text the same way, so a stream's content and calls add up to those of the whole text."""
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Collection
 from dataclasses import dataclass
 
+from engine_core.server.tools._calls import Parsed
 from engine_core.server.tools._parser import ToolParser
 
 __all__ = ["ExtractedCall", "ToolCallDelta", "ToolCallStream", "extract_tool_calls", "new_call_id"]
@@ -24,87 +27,103 @@ class ExtractedCall:
     arguments: str
 
 
-def extract_tool_calls(parser: ToolParser, text: str) -> tuple[str, list[ExtractedCall]]:
-    """(content, calls) of a whole output; malformed call text is all content."""
-    parsed = parser.parse(text, final=True)
-    if parsed.malformed or not parsed.calls:
-        return text, []
-    calls = [ExtractedCall(c.name or "", c.arguments or "{}") for c in parsed.calls]
-    return parsed.content, calls
+def _read(parser: ToolParser, text: str, final: bool, names: Collection[str] | None) -> Parsed:
+    return parser.parse(text, final).declared(text, names)
+
+
+def extract_tool_calls(
+    parser: ToolParser, text: str, names: Collection[str] | None = None
+) -> tuple[str, list[ExtractedCall]]:
+    """(content, calls) of a whole output: the calls whose markup is complete and valid and
+    that name one of ``names`` (None: any function), up to where the text breaks the format;
+    the rest is content."""
+    parsed = _read(parser, text, True, names)
+    return parsed.content, [ExtractedCall(c.name, c.arguments) for c in parsed.calls]
 
 
 @dataclass(frozen=True, slots=True)
 class ToolCallDelta:
-    """One entry of a chunk's ``delta.tool_calls``: the id and name the first time a call
-    shows, then pieces of its arguments."""
+    """One entry of a chunk's ``delta.tool_calls``: a call as a whole, its id, name and
+    arguments (a call goes out once its markup is complete, so its arguments always parse)."""
 
     index: int
-    id: str | None
-    name: str | None
+    id: str
+    name: str
     arguments: str
 
 
 class ToolCallStream:
     """Feeds a parser the text as it streams; each :meth:`feed` says what is new. Content that
-    could begin a call's markup is held back until the text says whether it does; a text that
-    breaks the format before any call went out comes back as content at the end."""
+    could begin a call's markup, and the markup of a call still being written, are held back
+    until the text says what they are: a call sent whole, or content."""
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: ToolParser, names: Collection[str] | None = None) -> None:
         self.parser = parser
+        self.names = names
         self._text = ""
-        """The text from ``_base`` on: what is kept to look for markup and to parse."""
-        self._base = 0
+        """The text kept: where markup could start, or (once it did) from its start on."""
+        self._in_markup = False
+        """The markup started (at the start of ``_text``): the text from there on is parsed."""
         self._content_sent = 0
-        """Content sent so far; while no call went out, a prefix of the text."""
-        self._args_sent: list[int] = []
-        self._lookback = max((len(m) for m in parser.markers), default=1) - 1
+        """The characters of ``_text`` (or of its reading's content, once the markup started)
+        that went out as content."""
+        self._calls_sent = 0
+        self._ended = False
+        """The markup ended, or can no longer start: every later piece is content as it comes."""
 
     @property
     def has_calls(self) -> bool:
         """Whether a call went out."""
-        return bool(self._args_sent)
+        return self._calls_sent > 0
 
-    def feed(self, piece: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
-        """The new content and call deltas once ``piece`` is added (``final``: the last)."""
+    def feed(self, piece: str, final: bool) -> list[str | ToolCallDelta]:
+        """What is new once ``piece`` is added (``final``: the last), in the text's order:
+        content (strings) and calls."""
+        if self._ended:
+            return [piece] if piece else []
         self._text += piece
-        text, base = self._text, self._base
-        if not self._args_sent:
-            found = self.parser.markup_start(text, max(0, self._content_sent - base))
-            if found is None:  # all content so far: keep only what a marker could start in
-                content = text[self._content_sent - base :]
-                self._content_sent = base + len(text)
-                keep = min(self._lookback, len(text))
-                self._text = text[len(text) - keep :]
-                self._base += len(text) - keep
-                return content, []
-            if found > 0:  # what comes before the markup is content, sent now
-                content_before = text[self._content_sent - base : found]
-                self._content_sent = base + found
-                self._text = text = text[found:]
-                self._base = base = base + found
-            else:
-                content_before = ""
-        else:
-            content_before = ""
-        parsed = self.parser.parse(text, final)
-        if parsed.malformed:
-            if final and not self._args_sent:
-                content = content_before + text[self._content_sent - base :]
-                self._content_sent = base + len(text)
-                return content, []
-            return content_before, []
-        content = content_before + parsed.content[max(0, self._content_sent - base) :]
-        self._content_sent = base + len(parsed.content)
-        deltas = []
-        for index, call in enumerate(parsed.calls):
-            if call.name is None:
-                break
-            if index == len(self._args_sent):
-                deltas.append(ToolCallDelta(index, new_call_id(), call.name, call.arguments))
-                self._args_sent.append(len(call.arguments))
-                continue
-            sent = self._args_sent[index]
-            if len(call.arguments) > sent:
-                deltas.append(ToolCallDelta(index, None, None, call.arguments[sent:]))
-                self._args_sent[index] = len(call.arguments)
-        return content, deltas
+        parts: list[str | ToolCallDelta] = []
+        if not self._in_markup:
+            found = self.parser.markup_start(self._text, 0)
+            if found is None:  # all content so far
+                # A format whose markup has no marker can only start the output.
+                self._ended = not self.parser.markers
+                return _content(parts, self._send_content(len(self._text)))
+            _content(parts, self._send_content(found))  # parsing starts at the markup
+            self._in_markup = True
+        text = self._text
+        parsed = _read(self.parser, text, final, self.names)
+        sent = self._content_sent
+        for index, call in enumerate(parsed.calls[self._calls_sent :], self._calls_sent):
+            _content(parts, parsed.content[sent : call.content_before])
+            sent = max(sent, call.content_before)
+            parts.append(ToolCallDelta(index, new_call_id(), call.name, call.arguments))
+        _content(parts, parsed.content[sent:])
+        self._content_sent = len(parsed.content)
+        self._calls_sent = len(parsed.calls)
+        if parsed.ended:
+            self._ended = True
+            self._text = ""
+        elif not parsed.calls and text.startswith(parsed.content) and parsed.content:
+            # No markup after all where it seemed to start (a tail that could have begun a
+            # marker did not): look for it afresh past that content.
+            self._text = text[len(parsed.content) :]
+            self._content_sent = 0
+            self._in_markup = False
+        return parts
+
+    def _send_content(self, end: int) -> str:
+        """The unsent content of the text up to ``end``; the text from there on is kept. (No
+        marker can straddle ``end``: :meth:`ToolParser.markup_start` would have found its
+        first characters at the end of the text.)"""
+        content = self._text[self._content_sent : end]
+        self._text = self._text[end:]
+        self._content_sent = 0
+        return content
+
+
+def _content(parts: list[str | ToolCallDelta], text: str) -> list[str | ToolCallDelta]:
+    """``parts`` with the content ``text`` added (when there is any)."""
+    if text:
+        parts.append(text)
+    return parts

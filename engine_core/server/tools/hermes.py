@@ -1,16 +1,10 @@
 """``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one per call (the
-format of Hermes, Qwen2.5 and Qwen3). Text before and between the calls is content."""
+format of Hermes, Qwen2.5 and Qwen3). Text before and between the calls is content; a call is
+complete at its closing tag (or at the end of the output, right after its object)."""
 
 from __future__ import annotations
 
-from engine_core.server.tools._calls import (
-    Parsed,
-    held_back,
-    malformed,
-    read_call,
-    skip_space,
-    value_end,
-)
+from engine_core.server.tools._calls import Parsed, held_back, read_call, skip_space, value_end
 from engine_core.server.tools._parser import ToolParser, register_tool_parser
 
 __all__ = ["HermesToolParser"]
@@ -34,23 +28,24 @@ class HermesToolParser(ToolParser):
                 parsed.content += rest[: len(rest) - keep]
                 return parsed
             parsed.content += text[pos:start]
-            pos = skip_space(text, start + len(OPEN))
-            if pos == len(text):
-                return malformed(text) if final else parsed
-            if text[pos] != "{":
-                return malformed(text)
-            end = value_end(text, pos)
-            call = read_call(text[pos : end or len(text)], complete=end is not None)
-            if call is None or (end is None and final):
-                return malformed(text)
-            parsed.calls.append(call)
-            if end is None:
-                return parsed
-            pos = skip_space(text, end)
-            if text.startswith(CLOSE, pos):
-                pos += len(CLOSE)
-            elif not final and CLOSE.startswith(text[pos:]):
-                return parsed  # the closing tag is being written
-            elif pos < len(text):
-                return malformed(text)
-            # An output that ends right after the object (at EOS) lacks only the closing tag.
+            body = skip_space(text, start + len(OPEN))
+            if body == len(text):
+                return parsed.rest_is_content(text, start) if final else parsed
+            if text[body] != "{":
+                return parsed.rest_is_content(text, start)
+            end = value_end(text, body)
+            if end is None:  # the object is still being written, or never closes
+                return parsed.rest_is_content(text, start) if final else parsed
+            call = read_call(text[body:end])
+            if call is None:
+                return parsed.rest_is_content(text, start)
+            after = skip_space(text, end)
+            if text.startswith(CLOSE, after):
+                pos = after + len(CLOSE)
+            elif after < len(text) and not (not final and CLOSE.startswith(text[after:])):
+                return parsed.rest_is_content(text, start)  # other text instead of the tag
+            elif not final:
+                return parsed  # the closing tag may be being written
+            else:
+                pos = after  # the output ended right after the object: only the tag is missing
+            parsed.add(*call, start=start)

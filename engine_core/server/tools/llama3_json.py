@@ -23,8 +23,8 @@ class Llama3JsonToolParser(ToolParser):
         elif not final and PYTHON_TAG.startswith(text[pos:]):
             return Parsed()  # nothing yet says whether a call comes
         elif pos == len(text) or text[pos] != "{":
-            return Parsed(text)
-        return read_objects(text, pos, final, Parsed(), separator=";", closing=None)
+            return Parsed().rest_is_content(text, 0)
+        return read_objects(text, pos, final, Parsed(), separator=";", closing=None, markup_start=0)
 
     def markup_start(self, text: str, start: int) -> int | None:
         # Calls are the whole output or nothing: what its first characters say.

@@ -4,14 +4,12 @@ call, each after its own ``[TOOL_CALLS]``. Text before the first marker is conte
 
 from __future__ import annotations
 
-import json
 import re
 
 from engine_core.server.tools._calls import (
     Parsed,
-    PartialCall,
     held_back,
-    malformed,
+    is_object,
     read_objects,
     skip_space,
     value_end,
@@ -38,49 +36,38 @@ class MistralToolParser(ToolParser):
         parsed = Parsed(text[:start])
         pos = skip_space(text, start + len(MARKER))
         if pos == len(text):
-            return malformed(text) if final else parsed
+            return parsed.rest_is_content(text, start) if final else parsed
         if text[pos] == "[":
-            return read_objects(text, pos + 1, final, parsed, separator=",", closing="]")
-        return self._named_calls(text, pos, final, parsed)
-
-    @staticmethod
-    def _named_calls(text: str, pos: int, final: bool, parsed: Parsed) -> Parsed:
-        """``name[ARGS]{...}`` calls, each but the first after its own marker."""
-        while True:
-            name = _NAME.match(text, pos)
-            assert name is not None
-            after = name.end()
-            if not text.startswith(ARGS, after):
-                if final or not ARGS.startswith(text[after:]) or not name.group():
-                    return malformed(text) if final or text[after:] else parsed
-                return parsed
-            if not name.group():
-                return malformed(text)
-            pos = skip_space(text, after + len(ARGS))
-            call = PartialCall(name.group())
-            parsed.calls.append(call)
-            if pos == len(text):
-                return malformed(text) if final else parsed
-            if text[pos] != "{":
-                return malformed(text)
-            end = value_end(text, pos)
-            call.arguments = text[pos : end or len(text)]
-            if end is None:
-                return malformed(text) if final else parsed
-            if not _is_object(call.arguments):
-                return malformed(text)
-            call.complete = True
-            pos = skip_space(text, end)
-            if text.startswith(MARKER, pos):
-                pos = skip_space(text, pos + len(MARKER))
-            elif pos < len(text) and not (not final and MARKER.startswith(text[pos:])):
-                return malformed(text)
-            elif pos == len(text) or not final:
-                return parsed
+            return read_objects(
+                text, pos + 1, final, parsed, separator=",", closing="]", markup_start=start
+            )
+        return _named_calls(text, start, final, parsed)
 
 
-def _is_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False
+def _named_calls(text: str, marker: int, final: bool, parsed: Parsed) -> Parsed:
+    """``name[ARGS]{...}`` calls, each after its own marker (the first at ``marker``)."""
+    while True:
+        pos = skip_space(text, marker + len(MARKER))
+        name = _NAME.match(text, pos)
+        assert name is not None
+        after = name.end()
+        if not text.startswith(ARGS, after):
+            if not final and ARGS.startswith(text[after:]):
+                return parsed  # the name or the [ARGS] marker is being written
+            return parsed.rest_is_content(text, marker)
+        body = skip_space(text, after + len(ARGS))
+        if not name.group() or body < len(text) and text[body] != "{":
+            return parsed.rest_is_content(text, marker)
+        end = value_end(text, body) if body < len(text) else None
+        if end is None:
+            return parsed.rest_is_content(text, marker) if final else parsed
+        if not is_object(text[body:end]):
+            return parsed.rest_is_content(text, marker)
+        parsed.add(name.group(), text[body:end], start=marker)
+        pos = skip_space(text, end)
+        if text.startswith(MARKER, pos):
+            marker = pos
+        elif pos == len(text) or not final and MARKER.startswith(text[pos:]):
+            return parsed  # the end, or the next call's marker being written
+        else:
+            return parsed.rest_is_content(text, end)
