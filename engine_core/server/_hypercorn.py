@@ -105,6 +105,9 @@ class _KeptConnection:
         self.first_byte_pending = False
         self.served = False
         """Whether a request has begun on the connection."""
+        self.stop_waiting: Callable[[], None] | None = None
+        """Ends the wait for a request (or for its headers) under way at once: the connection
+        then closes."""
 
     async def run_kept(self, live: set[Any]) -> None:
         """Run the connection (admitted by the guard), in ``live`` while it runs; the guard
@@ -123,12 +126,20 @@ class _KeptConnection:
         self.deadline = deadline
         self.first_byte_pending = True
         self.guard.waiting(self, expire)
+        self.stop_waiting = expire
         try:
             await self.context.terminated.wait()
         finally:
+            self.stop_waiting = None
             if self.deadline is deadline:  # not yet replaced by the next wait
                 self.deadline = None
                 self.guard.busy(self)
+
+    def _peer_closed(self) -> None:
+        """The client ended the connection: a wait for its request ends now (hypercorn's
+        connection ends only once its idle task has)."""
+        if self.stop_waiting is not None:
+            self.stop_waiting()
 
     def _request_begins(self) -> None:
         deadline = self.deadline
@@ -251,9 +262,14 @@ def _trio_connection_class() -> type[Any]:
                 await self._wait_for_request(scope, expire)
             if not evicted and self._request_arrived():
                 # Came in as the deadline passed: the request's headers have their own.
-                with trio.move_on_after(limits.header_timeout_s):
-                    await self.context.terminated.wait()
-            # In the same step as the look above: the client sees the end before it sends.
+                with trio.move_on_after(limits.header_timeout_s) as headers:
+                    self.stop_waiting = headers.cancel
+                    try:
+                        await self.context.terminated.wait()
+                    finally:
+                        self.stop_waiting = None
+            # When nothing came, in the same step as the look: the client sees the end before
+            # it can send.
             with contextlib.suppress(OSError, AttributeError):
                 self.stream.socket.shutdown(socket.SHUT_WR)
             with trio.CancelScope(shield=True):
@@ -279,6 +295,7 @@ def _trio_connection_class() -> type[Any]:
                 await self.protocol.handle(RawData(bytes(data)))
                 if not data:
                     break
+            self._peer_closed()
             await self.protocol.handle(Closed())
 
     return Connection
@@ -367,7 +384,8 @@ def _asyncio_connection_class() -> type[Any]:
                     def expire() -> None:
                         nonlocal evicted
                         evicted = True
-                        timeout.reschedule(loop.time())
+                        if not timeout.expired():
+                            timeout.reschedule(loop.time())
 
                     await self._wait_for_request(timeout, expire)
             except TimeoutError:
@@ -375,9 +393,16 @@ def _asyncio_connection_class() -> type[Any]:
             if not evicted and self._request_arrived():
                 # Came in as the deadline passed: the request's headers have their own.
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(limits.header_timeout_s):
-                        await self.context.terminated.wait()
-            # In the same step as the look above: the client sees the end before it sends.
+                    async with asyncio.timeout(limits.header_timeout_s) as headers:
+                        self.stop_waiting = lambda: (
+                            None if headers.expired() else headers.reschedule(loop.time())
+                        )
+                        try:
+                            await self.context.terminated.wait()
+                        finally:
+                            self.stop_waiting = None
+            # When nothing came, in the same step as the look: the client sees the end before
+            # it can send.
             if self.writer.can_write_eof() and not self.writer.is_closing():
                 with contextlib.suppress(OSError, RuntimeError):
                     self.writer.write_eof()
@@ -404,6 +429,7 @@ def _asyncio_connection_class() -> type[Any]:
                 if data:
                     self._request_begins()
                 await self.protocol.handle(RawData(data))
+            self._peer_closed()
             await self.protocol.handle(Closed())
 
     return Connection
