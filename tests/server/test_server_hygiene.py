@@ -31,7 +31,7 @@ from engine_core import AsyncLLM
 from engine_core._bench.server_process import server_process
 from engine_core.errors import EngineDeadError
 from engine_core.server import ENGINE_DEAD_EXIT_CODE, ServerSettings, create_app, serve
-from engine_core.server._connections import default_max_connections
+from engine_core.server._connections import ConnectionGuard, default_max_connections
 
 pytestmark = pytest.mark.anyio
 
@@ -177,6 +177,31 @@ async def test_a_connection_waits_for_its_first_request_no_longer_than_the_heade
                 assert not await is_closed(kept_alive, within=0.5)
                 await kept_alive.send(HEALTH)
                 assert status_and_body(await kept_alive.receive())[0] == 200
+
+
+async def test_a_connection_the_client_closed_is_released_at_once(
+    stack: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A kept-alive connection the client ends is let go at once, not at the (long) keep-alive
+    # deadline: it would hold a file descriptor and a place under max_connections meanwhile.
+    released: list[float] = []
+    release = ConnectionGuard.release
+
+    def record(guard: ConnectionGuard, connection: object) -> None:
+        released.append(time.monotonic())
+        release(guard, connection)
+
+    monkeypatch.setattr(ConnectionGuard, "release", record)
+    settings = {"keep_alive_timeout_s": 30.0, "header_timeout_s": 30.0}
+    async with running(stack, settings, multiprocess=False) as (run, _):
+        with anyio.fail_after(10):
+            async with await anyio.connect_tcp(*run.address) as client:
+                await client.send(HEALTH)
+                assert status_and_body(await client.receive())[0] == 200
+            closed = time.monotonic()
+            while not released:
+                await anyio.sleep(0.01)
+            assert released[0] - closed < 1.0
 
 
 def closed_by_peer(stream: anyio.abc.ByteStream) -> bool:
