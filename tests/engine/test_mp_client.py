@@ -315,18 +315,21 @@ def test_sigterm_ends_in_flight_requests_as_aborted(runtime: str) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("end", ["sigterm", "raise"])
+@pytest.mark.parametrize(
+    "end, transport", [("sigterm", "ipc"), ("raise", "ipc"), ("sigterm", "tcp")]
+)
 async def test_the_engines_last_words_are_read_by_a_front_end_behind(
-    end: str, anyio_backend: str
+    end: str, transport: Transport, anyio_backend: str
 ) -> None:
     # The front end's event loop is held while the engine ends, until the process watch has
     # declared the end and well past its grace for the engine's death notice: the frames still
-    # in the pipe (a SIGTERM's "abort" outputs, a failure's notice and its cause) are read.
+    # in the pipe (a SIGTERM's "abort" outputs, a failure's notice and its cause) are read,
+    # from a Unix stream pipe and from a ZMQ one (tcp) alike.
     options: dict[str, object] = dict(SLOW_STEPS)
     if end == "raise":
         options["fault"] = {"kind": "raise", "at_step": 3}
     client = await MPClient.start_async(
-        config(engine_runtime=anyio_backend, backend_options=options)
+        config(engine_runtime=anyio_backend, backend_options=options), transport=transport
     )
     async with client:
         client.add_request(request("w1", [1, 2, 3], max_tokens=1000))
