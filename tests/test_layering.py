@@ -395,22 +395,22 @@ def test_ray_only_in_its_launcher_which_is_imported_only_when_asked_for() -> Non
     # Ray (the optional extra) is imported by ray_launch alone, and ray_launch only lazily
     # (inside the function that runs for data_parallel_backend="ray") or for type checking.
     ray_importers = {module for module, _ in imports_anywhere(frozenset({"ray"}))}
-    assert ray_importers == {"engine_core._engine.ray_launch"}
+    assert ray_importers == {"engine_core._engine.ray.launch"}
     eager = [
         f"{module}:{imp.line}"
         for module in all_package_modules()
         for imp in imports_of(module)
-        if imp.module.startswith("engine_core._engine.ray_launch")
+        if imp.module.startswith("engine_core._engine.ray.launch")
         and not (imp.in_function or imp.type_checking_only)
-        and module != "engine_core._engine.ray_launch"
+        and module != "engine_core._engine.ray.launch"
     ]
     assert eager == []
 
 
 def test_serving_without_the_ray_backend_loads_no_ray() -> None:
     code = (
-        "import sys, engine_core, engine_core.cli, engine_core._engine.dp_client, "
-        "engine_core._engine.ray_placement, engine_core._engine.main; "
+        "import sys, engine_core, engine_core.cli, engine_core._engine.dp.client, "
+        "engine_core._engine.ray.placement, engine_core._engine.main; "
         "from engine_core import LLM; "
         "llm = LLM(backend='mock', tokenizer='byte', multiprocess=True, data_parallel_size=2); "
         "llm.generate('abc', use_tqdm=False); llm.close(); "

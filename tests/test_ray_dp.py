@@ -24,10 +24,10 @@ ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'engin
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from engine_core import LLM, AsyncLLM, RequestOutputKind, SamplingParams  # noqa: E402
-from engine_core._engine import dp_client  # noqa: E402
-from engine_core._engine.dial_sockets import DialSockets  # noqa: E402
-from engine_core._engine.dp_client import DPClient  # noqa: E402
-from engine_core._engine.ray_placement import PlacementError  # noqa: E402
+from engine_core._engine.dp import client as dp_client  # noqa: E402
+from engine_core._engine.dp.client import DPClient  # noqa: E402
+from engine_core._engine.pipes.dial import DialSockets  # noqa: E402
+from engine_core._engine.ray.placement import PlacementError  # noqa: E402
 from engine_core._engine.wire import EngineDead  # noqa: E402
 
 pytestmark = pytest.mark.ray

@@ -30,7 +30,7 @@ import msgspec
 from anyio.lowlevel import RunVar
 
 from engine_core._core.protocol import EngineCoreOutputs
-from engine_core._engine.transport import Receiver
+from engine_core._engine.pipes.pipes import Receiver
 from engine_core._engine.wire import (
     EngineDead,
     Heartbeat,

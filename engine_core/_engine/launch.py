@@ -30,8 +30,8 @@ from collections.abc import Callable, Mapping
 import anyio
 import anyio.to_thread
 
-from engine_core._engine.sockets import OUTPUT_HWM, SocketAddresses, Transport
-from engine_core._engine.transport import Pipes, Sender
+from engine_core._engine.pipes.addresses import OUTPUT_HWM, SocketAddresses, Transport
+from engine_core._engine.pipes.pipes import Pipes, Sender
 
 __all__ = ["ClientSockets", "EngineProcess", "WatchedEngine"]
 

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from engine_core._engine.launch import ClientSockets, EngineProcess
-from engine_core._engine.sockets import Transport
-from engine_core._engine.transport import Receiver, Sender
+from engine_core._engine.pipes.addresses import Transport
+from engine_core._engine.pipes.pipes import Receiver, Sender
 
 __all__ = ["EngineHandle", "EngineLauncher", "EngineSockets", "LocalLauncher"]
 

@@ -37,10 +37,10 @@ import msgspec
 import zmq
 
 from engine_core._engine.core import EngineCore
+from engine_core._engine.pipes.addresses import OUTPUT_HWM, EngineKeys
+from engine_core._engine.pipes.pipes import Pipes, Receiver, Sender
 from engine_core._engine.proc import EngineCoreProc
 from engine_core._engine.runtime import run_options
-from engine_core._engine.sockets import OUTPUT_HWM, EngineKeys
-from engine_core._engine.transport import Pipes, Receiver, Sender
 from engine_core._engine.wire import EngineDead, EngineMessage, Hello, Ready, startup_decoder
 from engine_core.config import EngineConfig
 

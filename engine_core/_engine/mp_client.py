@@ -57,7 +57,7 @@ from engine_core._engine.death import (
 )
 from engine_core._engine.inbox import EngineInbox
 from engine_core._engine.launcher import EngineHandle, EngineLauncher, EngineSockets, LocalLauncher
-from engine_core._engine.sockets import Transport
+from engine_core._engine.pipes.addresses import Transport
 from engine_core._engine.wire import (
     AbortRequests,
     ClientMessage,

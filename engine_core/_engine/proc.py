@@ -41,7 +41,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest
 from engine_core._engine.client import UTILITY_METHODS
 from engine_core._engine.core import EngineCore, PauseMode
-from engine_core._engine.transport import Receiver, Sender
+from engine_core._engine.pipes.pipes import Receiver, Sender
 from engine_core._engine.wire import (
     AbortRequests,
     EngineMessage,

@@ -156,7 +156,7 @@ class AsyncLLM:
             or config.data_parallel_backend == "ray"
             or self._data_parallel_client
         ):
-            from engine_core._engine.dp_client import DPClient
+            from engine_core._engine.dp.client import DPClient
 
             client = await DPClient.start_async(config)
         else:
@@ -191,7 +191,7 @@ class AsyncLLM:
     def data_parallel(self) -> Any:
         """The data-parallel client (its ``metrics``, ``engine_status()``), or None with one
         engine."""
-        from engine_core._engine.dp_client import DPClient
+        from engine_core._engine.dp.client import DPClient
 
         return self._client if isinstance(self._client, DPClient) else None
 

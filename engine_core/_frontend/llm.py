@@ -52,7 +52,7 @@ class LLM:
         self._client: EngineCoreClient
         if config.multiprocess:
             if config.data_parallel_size > 1 or config.data_parallel_backend == "ray":
-                from engine_core._engine.dp_client import DPClient
+                from engine_core._engine.dp.client import DPClient
 
                 self._client = DPClient(config)
             else:

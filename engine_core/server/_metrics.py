@@ -67,7 +67,7 @@ from engine_core._core.protocol import EngineStats
 from engine_core.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from engine_core._engine.dp_client import RouterMetrics
+    from engine_core._engine.dp.client import RouterMetrics
 
 __all__ = ["Histogram", "RequestRecorder", "ServerMetrics"]
 

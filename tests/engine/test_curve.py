@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from engine_core._engine.sockets import (
+from engine_core._engine.pipes.addresses import (
     DeploymentKeys,
     EngineKeys,
     admit_only,

@@ -26,7 +26,7 @@ from engine_core._core.protocol import (
     FinishedRequest,
 )
 from engine_core._engine.mp_client import MPClient, RemoteEngineError
-from engine_core._engine.sockets import Transport
+from engine_core._engine.pipes.addresses import Transport
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineClosedError, EngineDeadError
 from engine_core.sampling_params import SamplingParams

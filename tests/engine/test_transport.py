@@ -18,8 +18,8 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from engine_core._engine.transport import Pipes, Receiver, Sender
-from engine_core._engine.unix_stream import StreamReceiver, StreamSender
+from engine_core._engine.pipes.pipes import Pipes, Receiver, Sender
+from engine_core._engine.pipes.unix import StreamReceiver, StreamSender
 
 _TIMEOUT_S = 5.0
 

@@ -18,7 +18,7 @@ come back as ordinary outputs. :class:`EngineDeadError` is raised only once no e
 With ``dp_restart_engines`` a dead engine is restarted in a thread, with backoff, and rejoins.
 
 Where the engines run is the launchers' business (``launcher``): child processes of this one by
-default; with ``data_parallel_backend="ray"`` a :class:`~engine_core._engine.ray_launch.
+default; with ``data_parallel_backend="ray"`` a :class:`~engine_core._engine.ray.launch.
 RayDeployment` places each engine on a Ray cluster first (a restart gets a new placement group).
 """
 
@@ -46,14 +46,14 @@ from engine_core._core.protocol import (
 from engine_core._core.router import REASONS, Router
 from engine_core._engine.client import UTILITY_METHODS, EngineCoreClient
 from engine_core._engine.core import PauseMode
-from engine_core._engine.dp_stats import aggregate_stats
+from engine_core._engine.dp.stats import aggregate_stats
 from engine_core._engine.mp_client import MPClient
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineClosedError, EngineDeadError, EngineError
 
 if TYPE_CHECKING:
     from engine_core._engine.launcher import EngineLauncher
-    from engine_core._engine.ray_launch import RayDeployment
+    from engine_core._engine.ray.launch import RayDeployment
 
 __all__ = ["DPClient"]
 
@@ -169,7 +169,7 @@ class DPClient(EngineCoreClient):
         if self.config.data_parallel_backend != "ray":
             return
         try:
-            from engine_core._engine.ray_launch import RayDeployment
+            from engine_core._engine.ray.launch import RayDeployment
         except ModuleNotFoundError as exc:
             if exc.name != "ray":
                 raise

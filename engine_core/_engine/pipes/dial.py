@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import zmq
 
-from engine_core._engine.sockets import (
+from engine_core._engine.pipes.addresses import (
     OUTPUT_HWM,
     DeploymentKeys,
     admit_only,
     curve_server,
     make_socket,
 )
-from engine_core._engine.transport import Sender, ZmqReceiver, ZmqSender
+from engine_core._engine.pipes.pipes import Sender, ZmqReceiver, ZmqSender
 
 __all__ = ["DialSockets"]
 

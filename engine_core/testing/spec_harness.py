@@ -8,11 +8,11 @@ from typing import Any
 
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core._core.spec_decode import SpecDecoder, check_verified
-from engine_core._engine.backend_harness import Harness
 from engine_core.abc import Backend, ModelRunnerOutput, SchedulerOutput, SpecSupport
 from engine_core.config import EngineConfig, SpeculativeConfig
 from engine_core.errors import BackendError
 from engine_core.spec import NgramIndex
+from engine_core.testing.harness import Harness
 
 NUM_DRAFTS = 4
 

@@ -21,14 +21,14 @@ from typing import Protocol
 
 import zmq
 
-from engine_core._engine.sockets import (
+from engine_core._engine.pipes.addresses import (
     EngineKeys,
     curve_client,
     make_socket,
     recv_async,
     send_async,
 )
-from engine_core._engine.unix_stream import StreamReceiver, StreamSender
+from engine_core._engine.pipes.unix import StreamReceiver, StreamSender
 
 __all__ = ["Pipes", "Receiver", "Sender", "ZmqReceiver", "ZmqSender"]
 

@@ -46,17 +46,17 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine_core._engine.dial_sockets import DialSockets
 from engine_core._engine.launch import EngineProcess, WatchedEngine
 from engine_core._engine.main import DIAL_KEYS_ENV
-from engine_core._engine.ray_placement import (
+from engine_core._engine.pipes.addresses import deployment_keys
+from engine_core._engine.pipes.dial import DialSockets
+from engine_core._engine.ray.placement import (
     NodeView,
     PlacementError,
     engine_bundle,
     label_selector,
     placement_error_message,
 )
-from engine_core._engine.sockets import deployment_keys
 from engine_core._engine.wire import EngineDead
 from engine_core.config import EngineConfig
 
