@@ -57,9 +57,9 @@ import anyio.to_thread
 import zmq
 
 from engine_core._bench.machine import machine_line
-from engine_core._core.protocol import EngineCoreRequest
-from engine_core._engine.mp_client import MPClient
-from engine_core._engine.pipes.addresses import Transport as PipeTransport
+from engine_core._core.engine_io import EngineCoreRequest
+from engine_core._engine.mp.client import MPClient
+from engine_core._engine.pipes.addresses import TransportKind as PipeTransport
 from engine_core._engine.pipes.addresses import recv_async
 from engine_core._engine.pipes.unix import StreamReceiver, StreamSender
 from engine_core.config import EngineConfig

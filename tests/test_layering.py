@@ -24,7 +24,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "engine_core"
 
-PUBLIC = ("config", "sampling_params", "outputs", "errors", "abc", "spec")
+PUBLIC = ("config", "sampling_params", "outputs", "errors", "abc", "ngram", "spec")
 """The public type modules: one layer, below everything private but ``_core``'s wire types."""
 
 EVENT_LOOPS_SOCKETS_TENSORS = frozenset(
@@ -418,3 +418,59 @@ def test_serving_without_the_ray_backend_loads_no_ray() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# -- the rooms inside _engine ------------------------------------------------------------------
+
+ENGINE_ROOMS: dict[str, frozenset[str]] = {
+    # The engine step and what it settles at startup: no pipes, no clients, no process.
+    "core": frozenset({"startup"}),
+    "startup": frozenset(),
+    # The messages and the pipes: below everything that uses them.
+    "wire": frozenset(),
+    "pipes": frozenset({"pipes"}),
+    "runtime": frozenset(),
+    # The engine-core process: the step served over the pipes.
+    "proc": frozenset({"core", "client", "pipes", "wire"}),
+    "main": frozenset({"core", "proc", "pipes", "runtime", "wire"}),
+    "__main__": frozenset({"main"}),
+    # The clients: the interface, in-process, one process, several, and Ray's launcher.
+    "client": frozenset(),
+    "inproc_client": frozenset({"client", "core"}),
+    "mp": frozenset({"mp", "client", "core", "pipes", "wire"}),
+    "dp": frozenset({"dp", "mp", "client", "core", "ray"}),
+    "ray": frozenset({"ray", "mp", "main", "pipes", "wire"}),
+}
+"""Which rooms of ``engine_core._engine`` (a top-level module or a subpackage) each room may
+import: the pipes and the messages know nothing of the clients, the engine step nothing of
+pipes or processes."""
+
+
+def room_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["engine_core", "_engine"] or len(parts) < 3:
+        return None
+    return parts[2]
+
+
+def test_every_engine_module_is_in_a_room() -> None:
+    rooms = {room_of(m) for m in all_package_modules() if layer_of(m) == "_engine"}
+    assert rooms - {None} == set(ENGINE_ROOMS)
+
+
+def test_engine_rooms_import_only_what_their_rule_allows() -> None:
+    found = []
+    for module in all_package_modules():
+        room = room_of(module)
+        if room is None:
+            continue
+        for imp in imports_of(module):
+            target = room_of(imp.module)
+            if target is not None and target != room and target not in ENGINE_ROOMS[room]:
+                found.append(f"{module}:{imp.line} imports {imp.module}")
+    assert found == []
+
+
+def test_engine_has_at_most_twelve_rooms() -> None:
+    # Its top level stays one screen: modules and subpackages, __init__ and __main__ aside.
+    assert len(set(ENGINE_ROOMS) - {"__main__"}) <= 12

@@ -5,7 +5,7 @@ One idea: each step every request tries to make ``num_computed_tokens`` catch up
 and resumed preemptions are all the same computation. Running requests are served first (in
 admission order), then waiting ones are admitted while the budget, the sequence cap and the free
 blocks allow. With speculative decoding a decoding request may also verify drafts, which count in
-the budget and are rolled back when rejected (``spec_decode``: where they come from and how
+the budget and are rolled back when rejected (``drafts``: where they come from and how
 many).
 
 Pure, synchronous logic: no event loop, sockets or tensors.
@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from engine_core._core.engine_io import EngineCoreOutputs, FinishedRequest
 from engine_core._core.kv_cache_manager import KVCacheManager
-from engine_core._core.protocol import EngineCoreOutputs, FinishedRequest
 from engine_core._core.request import FINISH_REASONS, GrammarMatcher, Request, RequestStatus
 from engine_core._core.request_queue import make_queue
 from engine_core._core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -27,7 +27,7 @@ from engine_core.abc import ModelRunnerOutput, TokenLogprobs
 from engine_core.errors import BackendError
 
 if TYPE_CHECKING:
-    from engine_core._core.spec_decode import SpecDecoder
+    from engine_core._core.drafts import DraftPlanner
     from engine_core.config import EngineConfig
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -86,10 +86,10 @@ class Scheduler:
     """Decides each step which requests compute how many tokens, and applies the results."""
 
     def __init__(
-        self, config: SchedulerConfig, num_blocks: int, spec: SpecDecoder | None = None
+        self, config: SchedulerConfig, num_blocks: int, spec: DraftPlanner | None = None
     ) -> None:
         self.config = config
-        self.spec = spec
+        self.draft_planner = spec
         """Speculative decoding (None: off; nothing of it runs)."""
         self._num_drafted = 0
         """Requests of the step being scheduled that verify drafts."""
@@ -226,7 +226,7 @@ class Scheduler:
         the budget left and whether anything was preempted."""
         threshold = self.config.long_prefill_token_threshold
         allocate_slots = self.kv.allocate_slots
-        spec = self.spec
+        spec = self.draft_planner
         if spec is not None:
             spec.plan(self.running, budget)
             self._num_drafted = 0
@@ -292,7 +292,7 @@ class Scheduler:
                 budget -= num_new
         return budget, any_preempted
 
-    def _add_drafts(self, spec: SpecDecoder, request: Request, budget: int) -> tuple[int, int]:
+    def _add_drafts(self, spec: DraftPlanner, request: Request, budget: int) -> tuple[int, int]:
         """A decoding request's tokens and KV slots this step with the drafts it verifies: at
         most the step's draft count, and never past ``max_tokens``, ``max_model_len``, the
         budget or the long-prefill threshold even if every draft is accepted."""
@@ -350,8 +350,10 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens + num_new
             if self._async and request.num_computed_tokens == len(request.all_token_ids):
                 request.num_output_placeholders = 1
-            if self.spec is not None and request.num_computed_tokens == len(request.all_token_ids):
-                self.spec.sampling(request)
+            if self.draft_planner is not None and request.num_computed_tokens == len(
+                request.all_token_ids
+            ):
+                self.draft_planner.sampling(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             kv.record_admission(request, num_hit_tokens)
@@ -385,7 +387,7 @@ class Scheduler:
             entries[1::_ENTRY], entries[2::_ENTRY], entries[3::_ENTRY], entries[4::_ENTRY]
         )
         self._scheduled = entries[0::_ENTRY] + admitted
-        spec = self.spec
+        spec = self.draft_planner
         if spec is not None:
             spec.finish_plan(self._scheduled)
         if self._async and total:
@@ -399,7 +401,8 @@ class Scheduler:
         if spec is not None:
             if self._num_drafted:
                 cached.spec_token_ids = [
-                    r.spec.scheduled if r.spec is not None else [] for r in entries[0::_ENTRY]
+                    r.drafting.scheduled if r.drafting is not None else []
+                    for r in entries[0::_ENTRY]
                 ]
             if spec.draft_req_ids:
                 return SchedulerOutput(
@@ -446,7 +449,11 @@ class Scheduler:
             return 0  # not scheduled in this step
         computed, num_new = entries[k + 3], entries[k + 4]
         del entries[k : k + _ENTRY]
-        if self.spec is not None and victim.spec is not None and victim.spec.scheduled:
+        if (
+            self.draft_planner is not None
+            and victim.drafting is not None
+            and victim.drafting.scheduled
+        ):
             self._num_drafted -= 1
         if (
             victim.num_output_placeholders
@@ -460,8 +467,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV, go back to the front of the waiting queue."""
         self.kv.free(request)
-        if self.spec is not None:
-            self.spec.unscheduled(request)
+        if self.draft_planner is not None:
+            self.draft_planner.unscheduled(request)
         request.set_status(_PREEMPTED)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -501,7 +508,7 @@ class Scheduler:
         out = EngineCoreOutputs()
         out_ids, out_tokens = out.req_ids, out.new_token_ids
         logprobs = runner_output.logprobs
-        spec = self.spec
+        spec = self.draft_planner
         backend_drafts = runner_output.draft_token_ids
         max_model_len = self.config.max_model_len
         # Mutation testing: starting True (filtering when nothing ended) is equivalent.
@@ -515,7 +522,7 @@ class Scheduler:
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
             if spec is not None:
-                if request.spec is not None and request.spec.scheduled:
+                if request.drafting is not None and request.drafting.scheduled:
                     # The rejected drafts' positions were computed but are not the request's.
                     request.num_computed_tokens -= spec.verified(request, tokens)
                 elif len(tokens) != 1:
@@ -550,9 +557,9 @@ class Scheduler:
                     self.waiting.discard(request)
                 self._finish(request, status, out)
                 any_finished = True
-            elif spec is not None and request.spec is not None:
+            elif spec is not None and request.drafting is not None:
                 drafts = backend_drafts[index] if backend_drafts is not None else None
-                if drafts or request.spec.shadow or request.spec.probing:
+                if drafts or request.drafting.shadow or request.drafting.probing:
                     spec.after_tokens(request, tokens, drafts)
         if runner_output.prompt_logprobs:
             self._add_prompt_logprobs(
@@ -567,7 +574,7 @@ class Scheduler:
         the caller filters it out) and report it."""
         request.set_status(status)
         self._free(request)
-        spec = request.spec
+        spec = request.drafting
         out.finished.append(
             FinishedRequest(
                 request.request_id,

@@ -6,7 +6,7 @@ import abc
 from collections.abc import Iterable
 from typing import Any
 
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, EngineInfo
+from engine_core._core.engine_io import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 
 __all__ = ["EngineCoreClient", "UTILITY_METHODS"]
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import msgspec
 
-from engine_core._core.kv_events import KVEventLog, snapshot
-from engine_core._core.protocol import (
+from engine_core._core.drafts import DraftPlanner
+from engine_core._core.engine_io import (
     DPEngineCoreOutputs,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -37,9 +37,14 @@ from engine_core._core.protocol import (
     EngineStats,
     FinishedRequest,
 )
+from engine_core._core.kv_events import KVEventLog, snapshot
 from engine_core._core.request import Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
-from engine_core._core.spec_decode import SpecDecoder
+from engine_core._engine.startup import (
+    resolve_async_scheduling,
+    resolve_spec_support,
+    size_kv_cache,
+)
 from engine_core._plugins import load_backend, resolve_config
 from engine_core._structured.manager import StructuredOutputManager
 from engine_core.abc import (
@@ -47,12 +52,10 @@ from engine_core.abc import (
     Backend,
     ModelRunnerOutput,
     SchedulerOutput,
-    SpecSupport,
 )
 from engine_core.config import EngineConfig
-from engine_core.errors import BackendError
 
-__all__ = ["EngineCore", "PauseMode", "size_kv_cache"]
+__all__ = ["EngineCore", "PauseMode"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,93 +91,6 @@ class _InFlight:
         self.scheduler_output = scheduler_output
         self.rows = rows
         self.handle: AsyncModelRunnerOutput | None = None
-
-
-def resolve_async_scheduling(config: EngineConfig, backend: Backend) -> bool:
-    """Whether the engine schedules asynchronously: ``config.async_scheduling``, or when None
-    whether the backend supports it and its step waits on a device (``step_in_thread``: a step
-    that holds the GIL throughout leaves nothing to overlap, and a step in flight would only
-    delay its outputs); ``ValueError`` when asked of a backend that does not support it."""
-    if config.speculative_config is not None:
-        return False  # speculative decoding schedules synchronously (True fails in EngineConfig)
-    supported = bool(getattr(backend, "supports_async_scheduling", False))
-    if config.async_scheduling is None:
-        return supported and backend.step_in_thread
-    if config.async_scheduling and not supported:
-        raise ValueError(
-            f"async_scheduling=True but the {type(backend).__name__} backend does not support "
-            "it (leave it None to use it where supported)"
-        )
-    return config.async_scheduling
-
-
-def resolve_spec_support(config: EngineConfig, backend: Backend) -> SpecSupport | None:
-    """The backend's speculative-decoding capability when ``config`` asks for speculation (else
-    None); ``ValueError`` naming the backend when it cannot verify drafts, does not propose
-    drafts of the asked method, or verifies fewer drafts than asked."""
-    spec = config.speculative_config
-    if spec is None:
-        return None
-    name = f"the {config.backend!r} backend ({type(backend).__name__})"
-    support = backend.spec_support()
-    if support is None:
-        raise ValueError(
-            f"speculative_config is set but {name} cannot verify drafts "
-            "(Backend.spec_support() is None); remove speculative_config or use a backend "
-            "that supports speculative decoding"
-        )
-    if not spec.proposed_in_core and spec.method not in support.proposers:
-        offered = ", ".join(["ngram", *support.proposers])
-        raise ValueError(
-            f"speculative method {spec.method!r} is not offered by {name}; it offers: {offered}"
-        )
-    if (
-        support.max_num_draft_tokens is not None
-        and spec.num_speculative_tokens > support.max_num_draft_tokens
-    ):
-        raise ValueError(
-            f"num_speculative_tokens ({spec.num_speculative_tokens}) exceeds what {name} "
-            f"verifies in one step ({support.max_num_draft_tokens})"
-        )
-    return support
-
-
-def _blocks_in_kv_memory(config: EngineConfig, backend: Backend) -> int:
-    """The blocks that fit the KV memory the backend has left after the model."""
-    memory = backend.available_kv_cache_memory()
-    if memory <= 0:
-        raise BackendError(
-            f"no memory is left for the KV cache ({memory} bytes available after the model)"
-        )
-    num_blocks = memory // backend.kv_cache_spec().bytes_per_block(config.block_size)
-    if num_blocks <= 0:
-        raise BackendError(f"the KV cache memory ({memory} bytes) does not hold one block")
-    return num_blocks
-
-
-def size_kv_cache(config: EngineConfig, backend: Backend) -> tuple[int, EngineConfig]:
-    """The number of KV blocks (``num_kv_blocks`` when set, else what fits the backend's KV
-    memory) and the resolved config. A ``max_model_len`` left unset is lowered to what the KV
-    cache holds; one set explicitly must fit (``ValueError`` otherwise)."""
-    resolved = config.resolved(model_max_len=backend.max_model_len())
-    num_blocks = resolved.num_kv_blocks
-    if num_blocks is None:
-        num_blocks = _blocks_in_kv_memory(resolved, backend)
-    capacity = num_blocks * resolved.block_size
-    max_model_len = resolved.max_model_len
-    assert max_model_len is not None
-    if config.max_model_len is None and capacity < max_model_len:
-        logger.info("max_model_len lowered to %d: the KV cache holds no more", capacity)
-        max_model_len = capacity
-        resolved = msgspec.structs.replace(resolved, max_model_len=max_model_len)
-    needed = -(-max_model_len // resolved.block_size)
-    if num_blocks < needed:
-        raise ValueError(
-            f"the KV cache holds {num_blocks} blocks ({capacity} tokens) but one request of "
-            f"max_model_len={max_model_len} needs {needed}; lower max_model_len to "
-            f"{capacity} or below, or give the KV cache more blocks"
-        )
-    return num_blocks, resolved
 
 
 def _shown_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -220,7 +136,7 @@ class EngineCore:
         self.vocab_size = backend.vocab_size()
         spec = None
         if config.speculative_config is not None and self.spec_support is not None:
-            spec = SpecDecoder(config.speculative_config, self.spec_support)
+            spec = DraftPlanner(config.speculative_config, self.spec_support)
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine_config(config), self.num_kv_blocks, spec
         )
@@ -432,7 +348,7 @@ class EngineCore:
         finally:
             elapsed = self.clock() - start
             self._device_busy_s += elapsed
-            spec = self.scheduler.spec
+            spec = self.scheduler.draft_planner
             if spec is not None:
                 spec.observe_step(scheduler_output.total_num_scheduled_tokens, elapsed)
 
@@ -441,7 +357,7 @@ class EngineCore:
         matchers = None
         drafts = None
         if self.scheduler.num_constrained:
-            if self.scheduler.spec is None:
+            if self.scheduler.draft_planner is None:
                 matchers = StructuredOutputManager.bitmask_matchers(self.scheduler.scheduled)
             else:
                 matchers, drafts = StructuredOutputManager.bitmask_matchers_with_drafts(
@@ -630,7 +546,7 @@ class EngineCore:
         )
 
     def _spec_stats(self) -> dict[str, Any]:
-        spec = self.scheduler.spec
+        spec = self.scheduler.draft_planner
         if spec is None:
             return {}
         stats = spec.stats

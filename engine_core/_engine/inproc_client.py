@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest
+from engine_core._core.engine_io import EngineCoreOutputs, EngineCoreRequest
 from engine_core._engine.client import UTILITY_METHODS, EngineCoreClient
 from engine_core._engine.core import EngineCore
 from engine_core.abc import Backend

@@ -1,4 +1,4 @@
-"""The engine-core process: one :class:`EngineCore` served over two pipes (see ``transport``) by
+"""The engine-core process: one :class:`EngineCore` served over two pipes (see ``pipes``) by
 an anyio event loop.
 
 :class:`EngineCoreProc` runs three tasks. The input task decodes what arrives and applies it at
@@ -38,7 +38,7 @@ import anyio.to_thread
 import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest
+from engine_core._core.engine_io import EngineCoreOutputs, EngineCoreRequest
 from engine_core._engine.client import UTILITY_METHODS
 from engine_core._engine.core import EngineCore, PauseMode
 from engine_core._engine.pipes.pipes import Receiver, Sender

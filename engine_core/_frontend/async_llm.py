@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from engine_core._core.protocol import EngineCoreOutputs, EngineStats, FinishedRequest
+from engine_core._core.engine_io import EngineCoreOutputs, EngineStats, FinishedRequest
 from engine_core._core.tokenizer import (
     PromptInput,
     Tokenizer,
@@ -160,7 +160,7 @@ class AsyncLLM:
 
             client = await DPClient.start_async(config)
         else:
-            from engine_core._engine.mp_client import MPClient
+            from engine_core._engine.mp.client import MPClient
 
             client = await MPClient.start_async(config)
         self._client = client

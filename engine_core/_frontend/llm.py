@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from engine_core._core.protocol import EngineInfo, EngineStats
+from engine_core._core.engine_io import EngineInfo, EngineStats
 from engine_core._core.tokenizer import (
     PromptInput,
     Tokenizer,
@@ -56,7 +56,7 @@ class LLM:
 
                 self._client = DPClient(config)
             else:
-                from engine_core._engine.mp_client import MPClient
+                from engine_core._engine.mp.client import MPClient
 
                 self._client = MPClient(config)
             info = self._client.info

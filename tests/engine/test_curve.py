@@ -1,4 +1,4 @@
-"""The CURVE helpers of ``sockets``: a driver's sockets admit the deployment's engines and
+"""The CURVE helpers of ``pipes.addresses``: a driver's sockets admit the deployment's engines and
 refuse every other peer (no keys, another client key, a wrong server key), both ways."""
 
 from __future__ import annotations

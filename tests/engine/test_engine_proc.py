@@ -21,7 +21,7 @@ import msgspec
 import pytest
 from engine_core_mock import MockBackend
 
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
+from engine_core._core.engine_io import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
 from engine_core._engine.core import EngineCore
 from engine_core._engine.pipes.addresses import OUTPUT_HWM
 from engine_core._engine.pipes.pipes import Pipes, Receiver, Sender

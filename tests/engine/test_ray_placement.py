@@ -1,4 +1,4 @@
-"""Where a Ray deployment's engines go (``ray_placement``), decided without Ray: the bundle, the
+"""Where a Ray deployment's engines go (``ray.placement``), decided without Ray: the bundle, the
 node label selector per strategy, the message of a placement that timed out; and what the Ray
 backend says where Ray is not installed."""
 

@@ -22,7 +22,7 @@ from engine_core import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
+from engine_core._core.engine_io import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
 from engine_core._engine.core import EngineCore
 from engine_core._engine.pipes.addresses import OUTPUT_HWM
 from engine_core._engine.pipes.pipes import Pipes

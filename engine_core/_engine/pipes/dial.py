@@ -3,7 +3,7 @@
 Unlike a local engine, whose input socket the client connects to, a remote engine connects both
 sockets to the driver, so that only the driver accepts connections: :class:`DialSockets` binds
 the output socket (PULL) and the input socket (PUSH) on TCP ports of ``host``, both CURVE servers
-in a context that admits only the deployment's client key (see ``sockets``). The engine-core
+in a context that admits only the deployment's client key (see ``pipes.addresses``). The engine-core
 process dials them when it is given the keys (``main``).
 
 A bound PUSH socket queues nothing while no engine is connected: :meth:`DialSockets.connect_input`

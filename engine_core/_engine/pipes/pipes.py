@@ -4,9 +4,9 @@ A pipe carries frames (msgspec messages) one way: a :class:`Receiver` binds an a
 a :class:`Sender` connects to it and writes. :class:`Pipes` opens both kinds, choosing the
 implementation by the address's scheme:
 
-- ``unix://PATH``: length-prefixed frames on a Unix stream socket (``unix_stream``), the default
+- ``unix://PATH``: length-prefixed frames on a Unix stream socket (``pipes.unix``), the default
   on one host (Linux): one ``send`` and one ``recv`` per message, no thread hop;
-- ``tcp://HOST:PORT`` and ``ipc://PATH``: ZMQ PUSH/PULL sockets (``sockets``), for engines on
+- ``tcp://HOST:PORT`` and ``ipc://PATH``: ZMQ PUSH/PULL sockets (``pipes.addresses``), for engines on
   another host, and on one host where there is no epoll (or ``ENGINE_CORE_IPC_TRANSPORT=zmq``).
 
 Either way the client's output pipe takes frames that other threads of its own process

@@ -1,11 +1,11 @@
 """``MPClient``: the engine core in its own process, reached over ZMQ.
 
-Construction launches the engine-core process (see ``launch``), answers its ``Hello`` with the
+Construction launches the engine-core process (see ``mp.launcher``), answers its ``Hello`` with the
 configuration (``Startup``) and waits for its ``Ready``;
 :meth:`MPClient.start_async` does the same without blocking an event loop. Then requests and
 control calls go down the input pipe; per-step outputs, call replies and finally a death notice
 come up the output pipe (see ``wire``; the pipes are Unix stream sockets on one host, ZMQ over
-tcp, see ``transport``). Lifecycle: starting -> ready -> closing -> closed, or
+tcp, see ``pipes``). Lifecycle: starting -> ready -> closing -> closed, or
 dead when the engine ends on its own (a dead client still closes).
 
 Reading. There is no reader task: whoever needs a message reads it (see ``inbox``).
@@ -45,19 +45,29 @@ import anyio.to_thread
 import msgspec
 import zmq
 
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineStats
+from engine_core._core.engine_io import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    EngineStats,
+)
 from engine_core._engine.client import UTILITY_METHODS, EngineCoreClient
 from engine_core._engine.core import PauseMode
-from engine_core._engine.death import (
+from engine_core._engine.mp.death import (
     RemoteEngineError,
     call_error,
     dead_error,
     describe_exit,
     startup_error,
 )
-from engine_core._engine.inbox import EngineInbox
-from engine_core._engine.launcher import EngineHandle, EngineLauncher, EngineSockets, LocalLauncher
-from engine_core._engine.pipes.addresses import Transport
+from engine_core._engine.mp.inbox import EngineInbox
+from engine_core._engine.mp.launcher import (
+    EngineHandle,
+    EngineLauncher,
+    EngineSockets,
+    LocalLauncher,
+)
+from engine_core._engine.pipes.addresses import TransportKind
 from engine_core._engine.wire import (
     AbortRequests,
     ClientMessage,
@@ -120,7 +130,7 @@ class MPClient(EngineCoreClient):
         self,
         config: EngineConfig,
         *,
-        transport: Transport = "ipc",
+        transport: TransportKind = "ipc",
         host: str = "127.0.0.1",
         launcher: EngineLauncher | None = None,
     ) -> None:
@@ -139,7 +149,7 @@ class MPClient(EngineCoreClient):
         cls,
         config: EngineConfig,
         *,
-        transport: Transport = "ipc",
+        transport: TransportKind = "ipc",
         host: str = "127.0.0.1",
         launcher: EngineLauncher | None = None,
     ) -> MPClient:

@@ -1,11 +1,11 @@
 """Speculative decoding on the scheduler's side: where drafts come from, how many each request
 verifies, the check of what a backend returns, and the counters.
 
-The scheduler calls :class:`SpecDecoder` at four points of a step: :meth:`~SpecDecoder.plan`
+The scheduler calls :class:`DraftPlanner` at four points of a step: :meth:`~DraftPlanner.plan`
 before it serves the running requests (the policy's draft count for the step),
-:meth:`~SpecDecoder.drafts_for` for each decoding request (its drafts, within the caps the
-scheduler computes), :meth:`~SpecDecoder.verified` for each request that verified drafts (the
-output check; returns how many to roll back) and :meth:`~SpecDecoder.after_tokens` once a
+:meth:`~DraftPlanner.drafts_for` for each decoding request (its drafts, within the caps the
+scheduler computes), :meth:`~DraftPlanner.verified` for each request that verified drafts (the
+output check; returns how many to roll back) and :meth:`~DraftPlanner.after_tokens` once a
 request's tokens are appended (scoring, and a backend proposer's drafts for the next step).
 
 Drafts never enter ``Request.all_token_ids`` nor its block keys: only verified tokens do, so
@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Protocol
 
 from engine_core._core.spec_policy import Acceptance, CostModel, SpecPolicy
 from engine_core.errors import BackendError
-from engine_core.spec import NgramIndex, NgramProposer
+from engine_core.ngram import NgramIndex, NgramProposer
 
 if TYPE_CHECKING:
     from engine_core._core.request import Request
     from engine_core.abc import SpecSupport
     from engine_core.config import SpeculativeConfig
 
-__all__ = ["Proposer", "SpecDecoder", "SpecState", "SpecStats", "check_verified"]
+__all__ = ["Proposer", "DraftPlanner", "DraftState", "SpecStats", "check_verified"]
 
 PROBE_PERIOD = 32
 """A request left undrafted is probed (its proposal scored against the tokens that follow)
@@ -41,7 +41,7 @@ NGRAM_PROPOSE_S = 5e-6
 
 
 class Proposer(Protocol):
-    """What proposes drafts in the core (:class:`~engine_core.spec.NgramProposer`; the
+    """What proposes drafts in the core (:class:`~engine_core.ngram.NgramProposer`; the
     conformance checks script theirs)."""
 
     def propose(
@@ -49,8 +49,8 @@ class Proposer(Protocol):
     ) -> list[int]: ...
 
 
-class SpecState:
-    """One request's speculative state (``Request.spec``)."""
+class DraftState:
+    """One request's speculative state (``Request.drafting``)."""
 
     __slots__ = (
         "drafts",
@@ -145,7 +145,7 @@ def check_verified(request_id: str, drafts: list[int], tokens: list[int]) -> int
     return num_accepted
 
 
-class SpecDecoder:
+class DraftPlanner:
     """The scheduler's speculative decoding: drafts, the policy and the counters."""
 
     def __init__(self, config: SpeculativeConfig, support: SpecSupport) -> None:
@@ -196,15 +196,15 @@ class SpecDecoder:
         if self.measures_cost and num_tokens > 0 and seconds > 0:
             self.policy.cost.observe(num_tokens, seconds)
 
-    def state(self, request: Request) -> SpecState:
-        spec = request.spec
+    def state(self, request: Request) -> DraftState:
+        spec = request.drafting
         if spec is None:
             self._num_states += 1
             probe_in = 1 + self._num_states % PROBE_PERIOD
-            spec = request.spec = SpecState(self.policy.new_acceptance(), probe_in)
+            spec = request.drafting = DraftState(self.policy.new_acceptance(), probe_in)
         return spec
 
-    def _drafted(self, spec: SpecState) -> bool:
+    def _drafted(self, spec: DraftState) -> bool:
         """Whether a request gets drafts in the step planned."""
         if self.k == 0:
             return False
@@ -290,13 +290,13 @@ class SpecDecoder:
             self.policy.observe(spec.acceptance, 0, True)
         return drafts
 
-    def _propose(self, request: Request, spec: SpecState, k: int) -> list[int]:
+    def _propose(self, request: Request, spec: DraftState, k: int) -> list[int]:
         assert self.proposer is not None
         if spec.index is None:
             spec.index = NgramIndex()
         return self.proposer.propose(request.all_token_ids, k, spec.index)
 
-    def _probe(self, request: Request, spec: SpecState) -> None:
+    def _probe(self, request: Request, spec: DraftState) -> None:
         if self.in_core:
             spec.shadow = self._propose(request, spec, self.k_max)
         else:
@@ -324,7 +324,7 @@ class SpecDecoder:
     def asks_drafts(self, request: Request) -> bool:
         """Whether a backend proposer drafts for ``request`` after this step (drafted or
         probed)."""
-        spec = request.spec
+        spec = request.drafting
         if self.in_core or spec is None:
             return False
         return spec.probing or (self.k > 0 and self._drafted(spec))
@@ -338,7 +338,7 @@ class SpecDecoder:
 
     def unscheduled(self, request: Request) -> None:
         """``request`` left the step or was preempted: its drafts are dropped."""
-        spec = request.spec
+        spec = request.drafting
         if spec is not None:
             ids = self.draft_req_ids
             if ids and request.request_id in ids:
@@ -354,7 +354,7 @@ class SpecDecoder:
     def verified(self, request: Request, tokens: list[int]) -> int:
         """Check ``tokens`` against ``request``'s scheduled drafts and count them; returns the
         drafts rejected (the positions to roll back)."""
-        spec = request.spec
+        spec = request.drafting
         assert spec is not None
         drafts = spec.scheduled
         num_accepted = check_verified(request.request_id, drafts, tokens)
@@ -388,7 +388,7 @@ class SpecDecoder:
     def after_tokens(self, request: Request, tokens: list[int], drafts: list[int] | None) -> None:
         """``request`` appended ``tokens`` (it goes on); ``drafts``: a backend proposer's for its
         next step."""
-        spec = request.spec
+        spec = request.drafting
         if spec is None:
             return
         if spec.shadow:
@@ -400,7 +400,7 @@ class SpecDecoder:
             spec.drafts = list(drafts)
             spec.drafts_at = len(request.all_token_ids)
 
-    def _score_shadow(self, spec: SpecState, tokens: list[int]) -> None:
+    def _score_shadow(self, spec: DraftState, tokens: list[int]) -> None:
         shadow = spec.shadow
         matched = 0
         for token, draft in zip(tokens, shadow, strict=False):
