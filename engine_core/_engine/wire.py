@@ -1,6 +1,7 @@
 """The wire protocol between a client and the engine-core process.
 
-One tagged union of msgspec structs per direction, msgpack-encoded, one message per ZMQ frame:
+One tagged union of msgspec structs per direction, msgpack-encoded, one message per frame (a
+length-prefixed frame on a Unix stream pipe, a ZMQ message over ZMQ; see ``pipes``):
 
 - down (client -> engine, the input socket): :class:`Startup` (the configuration, first and
   once), then :class:`~engine_core._core.engine_io.EngineCoreRequest` (``"add"``),

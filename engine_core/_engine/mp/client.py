@@ -1,12 +1,14 @@
-"""``MPClient``: the engine core in its own process, reached over ZMQ.
+"""``MPClient``: the engine core in its own process, reached over two one-way pipes.
 
-Construction launches the engine-core process (see ``mp.launcher``), answers its ``Hello`` with the
+Construction launches the engine-core process through its launcher (``mp.launcher``: a child
+process by default, a Ray actor with ``ray.launch``), answers its ``Hello`` with the
 configuration (``Startup``) and waits for its ``Ready``;
 :meth:`MPClient.start_async` does the same without blocking an event loop. Then requests and
 control calls go down the input pipe; per-step outputs, call replies and finally a death notice
 come up the output pipe (see ``wire``; the pipes are Unix stream sockets on one host, ZMQ over
-tcp, see ``pipes``). Lifecycle: starting -> ready -> closing -> closed, or
-dead when the engine ends on its own (a dead client still closes).
+tcp, see ``pipes``). Lifecycle, one table of allowed transitions (``_NEXT``): starting ->
+ready -> closing -> closed; dead when the engine ends on its own (a dead client still closes);
+a client that fails to start is closed from starting.
 
 Reading. There is no reader task: whoever needs a message reads it (see ``inbox``).
 ``get_output[_async]`` reads until a step's outputs arrive, ``call_utility[_async]`` until its
