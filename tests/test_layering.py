@@ -431,14 +431,16 @@ ENGINE_ROOMS: dict[str, frozenset[str]] = {
     "pipes": frozenset({"pipes"}),
     "runtime": frozenset(),
     # The engine-core process: the step served over the pipes.
-    "proc": frozenset({"core", "client", "pipes", "wire"}),
+    "proc": frozenset({"core", "pipes", "wire"}),
     "main": frozenset({"core", "proc", "pipes", "runtime", "wire"}),
     "__main__": frozenset({"main"}),
     # The clients: the interface, in-process, one process, several, and Ray's launcher.
-    "client": frozenset(),
+    # (``client`` picks one: it imports them lazily.) What both sides of the pipe read lives
+    # below them all, in ``_core.engine_io``: no client imports the engine step.
+    "client": frozenset({"inproc_client", "mp", "dp"}),
     "inproc_client": frozenset({"client", "core"}),
-    "mp": frozenset({"mp", "client", "core", "pipes", "wire"}),
-    "dp": frozenset({"dp", "mp", "client", "core", "ray"}),
+    "mp": frozenset({"mp", "client", "pipes", "wire"}),
+    "dp": frozenset({"dp", "mp", "client", "ray"}),
     "ray": frozenset({"ray", "mp", "main", "pipes", "wire"}),
 }
 """Which rooms of ``engine_core._engine`` (a top-level module or a subpackage) each room may

@@ -1,29 +1,32 @@
 """``EngineCore``: the scheduler and the backend, stepped together. No event loop, no sockets.
 
 A step is: schedule -> ``execute_model`` -> grammar bitmask -> ``sample_tokens`` -> apply aborts
-that arrived meanwhile -> ``update_from_output``. In-process callers run it whole with
-:meth:`EngineCore.step`; the engine-core process runs it in its three parts, :meth:`schedule`,
-:meth:`execute` (in a worker thread, so requests and aborts keep arriving while the model runs)
-and :meth:`finish_step`. When the batch has constrained requests and the backend's step blocks
-(``step_in_thread``), the grammar bitmask is filled on a helper thread while ``execute_model``
-runs, and handed to ``sample_tokens``.
+that arrived meanwhile -> ``update_from_output``. It has one path, in three parts:
 
-With async scheduling (a backend that supports it, ``EngineConfig.async_scheduling`` not False)
-one step stays in flight while the next is scheduled and launched: :meth:`schedule`, then
-:meth:`execute_async` (launch the new step, wait for the one before it), :meth:`finish_step`
-with that older step's results, then :meth:`sample_pending` (the bitmask of a new step with
-constrained requests, which needs the older step's tokens).
+1. :meth:`EngineCore.schedule` (the event loop's thread);
+2. :meth:`EngineCore.launch_step`, the blocking part (the engine process runs it in a worker
+   thread when the backend's step blocks, so requests and aborts keep arriving while the model
+   runs): with sync scheduling it runs the step and returns it with its results; with async
+   scheduling (a backend that supports it, ``EngineConfig.async_scheduling`` not False) it
+   launches the new step and returns the one before it once its results are there, so one step
+   stays in flight while the next is scheduled;
+3. :meth:`EngineCore.complete_step` applies the aborts that arrived meanwhile, then the returned
+   step's results, and (async) launches the newest step's sampling when its grammar bitmask
+   needed those tokens.
+
+:meth:`EngineCore.step` runs the three in a row (in-process callers). When the batch has
+constrained requests and the backend's step blocks (``step_in_thread``), the grammar bitmask is
+filled on a helper thread while ``execute_model`` runs, and handed to ``sample_tokens``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import enum
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeAlias
 
 import msgspec
 
@@ -36,6 +39,7 @@ from engine_core._core.engine_io import (
     EngineLoad,
     EngineStats,
     FinishedRequest,
+    PauseMode,
 )
 from engine_core._core.kv_events import KVEventLog, snapshot
 from engine_core._core.request import Request, RequestStatus
@@ -55,29 +59,13 @@ from engine_core.abc import (
 )
 from engine_core.config import EngineConfig
 
-__all__ = ["EngineCore", "PauseMode"]
+__all__ = ["EngineCore"]
 
 logger = logging.getLogger(__name__)
 
 
-class PauseMode(enum.StrEnum):
-    """What :meth:`EngineCore.pause_generation` does with in-flight requests. A ``str`` enum:
-    callers pass the plain strings as well, and the wire carries the same values."""
-
-    ABORT = "abort"
-    """They end as aborted; new requests are rejected (retryable) until resumed."""
-    WAIT = "wait"
-    """They run to completion; new requests are rejected (retryable) until resumed."""
-    KEEP = "keep"
-    """They freeze in place; new requests queue."""
-
-    @classmethod
-    def parse(cls, mode: str) -> PauseMode:
-        """``mode`` as a member; ``ValueError`` naming the modes when it is none of them."""
-        try:
-            return cls(mode)
-        except ValueError:
-            raise ValueError(f"mode must be one of {', '.join(cls)}, got {mode!r}") from None
+StepResults: TypeAlias = tuple[SchedulerOutput, ModelRunnerOutput]
+"""A step that ran, with its results: what :meth:`EngineCore.complete_step` applies."""
 
 
 class _InFlight:
@@ -103,7 +91,7 @@ class EngineCore:
     """The engine: owns the backend and the scheduler and steps them.
 
     A step runs whole with :meth:`step`, or in three parts for a caller that runs the blocking
-    middle elsewhere: :meth:`schedule`, :meth:`execute`, :meth:`finish_step`.
+    middle elsewhere: :meth:`schedule`, :meth:`launch_step`, :meth:`complete_step`.
     """
 
     def __init__(
@@ -337,14 +325,25 @@ class EngineCore:
             return None
         return scheduler_output
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """The blocking part of a step: forward pass, grammar bitmask, sampling. The bitmask
+    def launch_step(self, scheduler_output: SchedulerOutput | None) -> StepResults | None:
+        """The blocking part of a step. Sync scheduling: run ``scheduler_output`` and return it
+        with its results (None: no step). Async scheduling: launch ``scheduler_output`` (when
+        given) and return the step launched before it with its results, or None while no older
+        step is in flight; without a new step it waits for the oldest one (draining)."""
+        if self.async_scheduling:
+            return self._execute_async(scheduler_output)
+        if scheduler_output is None:
+            return None
+        return scheduler_output, self._execute(scheduler_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Forward pass, grammar bitmask, sampling (sync scheduling). The bitmask
         is filled on a helper thread while ``execute_model`` runs when the backend's step
         blocks (``step_in_thread``); after it otherwise (a step that holds the GIL throughout
         leaves nothing to overlap)."""
         start = self.clock()
         try:
-            return self._execute(scheduler_output)
+            return self._run_model(scheduler_output)
         finally:
             elapsed = self.clock() - start
             self._device_busy_s += elapsed
@@ -352,7 +351,7 @@ class EngineCore:
             if spec is not None:
                 spec.observe_step(scheduler_output.total_num_scheduled_tokens, elapsed)
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _run_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         backend = self.backend
         matchers = None
         drafts = None
@@ -384,16 +383,10 @@ class EngineCore:
             raise
         return backend.sample_tokens(future.result())
 
-    def execute_async(
-        self, scheduler_output: SchedulerOutput | None
-    ) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
-        """The blocking part of an async step: launch ``scheduler_output`` (when given), then
-        wait for the step launched before it and return that step with its results (None when
-        there was none). Without a new step it waits for the oldest one in flight (draining).
-
-        The new step's sampling is launched with it unless it needs a grammar bitmask and an
-        older step is in flight: the bitmask then waits for the older step's tokens
-        (:meth:`sample_pending`, after :meth:`finish_step`)."""
+    def _execute_async(self, scheduler_output: SchedulerOutput | None) -> StepResults | None:
+        """:meth:`launch_step` with async scheduling. The new step's sampling is launched with
+        it unless it needs a grammar bitmask and an older step is in flight: the bitmask then
+        waits for the older step's tokens (:meth:`complete_step` launches it)."""
         in_flight = self._in_flight
         if scheduler_output is not None:
             scheduler = self.scheduler
@@ -432,32 +425,35 @@ class EngineCore:
                 self._device_busy_s += self.clock() - self._busy_since
         return oldest.scheduler_output, runner_output
 
-    def sample_pending(self) -> None:
-        """Launch the sampling of the newest step if it waited for its grammar bitmask (async
-        scheduling; call after :meth:`finish_step` applied the step before it)."""
-        if self._in_flight and self._in_flight[-1].handle is None:
-            self._launch_sampling(self._in_flight[-1])
-
     def _launch_sampling(self, step: _InFlight) -> None:
         bitmask: Any = None
         if step.rows is not None:
             bitmask = self.structured_output.fill_bitmask_rows(step.rows)
         step.handle = self.backend.sample_tokens_async(bitmask)
 
-    def finish_step(
-        self,
-        scheduler_output: SchedulerOutput | None = None,
-        runner_output: ModelRunnerOutput | None = None,
-    ) -> EngineCoreOutputs:
-        """Last part of a step: deferred aborts, then the step's results. Without a step that
-        ran (no arguments), the outputs only report the requests that ended outside steps."""
+    def complete_step(self, done: StepResults | None) -> EngineCoreOutputs:
+        """Last part of a step: the aborts deferred while it ran, then the results of ``done``
+        (what :meth:`launch_step` returned), then, with async scheduling, the newest step's
+        sampling if it waited for these tokens. With ``done`` None the outputs report only the
+        requests that ended between steps."""
+        outputs = self._apply(done)
+        if self._in_flight and self._in_flight[-1].handle is None:
+            self._launch_sampling(self._in_flight[-1])
+        return outputs
+
+    def outputs_between_steps(self) -> EngineCoreOutputs:
+        """The outputs of what ended while no step ran (deferred aborts, requests rejected at
+        arrival, failed grammars, engine-initiated aborts)."""
+        return self.complete_step(None)
+
+    def _apply(self, done: StepResults | None) -> EngineCoreOutputs:
         if self._pending_aborts:
             aborts, self._pending_aborts = self._pending_aborts, []
             self.abort_requests(aborts)
-        if scheduler_output is None or runner_output is None:
+        if done is None:
             outputs = EngineCoreOutputs()
         else:
-            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            outputs = self.scheduler.update_from_output(*done)
             self.num_steps += 1
         if self._ended_outside_steps:
             outputs.finished.extend(self._ended_outside_steps)
@@ -496,13 +492,7 @@ class EngineCore:
             if wait_s is not None:
                 self.structured_output.wait(wait_s)
                 scheduler_output = self.schedule()
-        if self.async_scheduling:
-            done = self.execute_async(scheduler_output)
-            outputs = self.finish_step(*done) if done is not None else self.finish_step()
-            self.sample_pending()
-            return outputs
-        runner_output = self.execute(scheduler_output) if scheduler_output is not None else None
-        return self.finish_step(scheduler_output, runner_output)
+        return self.complete_step(self.launch_step(scheduler_output))
 
     # -- control --------------------------------------------------------------------------------
 
@@ -616,7 +606,7 @@ class EngineCore:
         # A step launched for requests that ended meanwhile (async scheduling) ends first; its
         # results are all discarded, so nothing is left to report.
         while self._in_flight:
-            done = self.execute_async(None)
+            done = self._execute_async(None)
             if done is not None:
                 self.scheduler.update_from_output(*done)
         self.backend.sleep(level)

@@ -41,10 +41,10 @@ from engine_core._core.engine_io import (
     EngineCoreRequest,
     EngineInfo,
     FinishedRequest,
+    check_utility_call,
 )
 from engine_core._core.router import Router
-from engine_core._engine.client import UTILITY_METHODS, EngineCoreClient
-from engine_core._engine.core import PauseMode
+from engine_core._engine.client import EngineCoreClient
 from engine_core._engine.dp.failover import (
     Tracked,
     lost_request_ending,
@@ -453,10 +453,7 @@ class DPClient(EngineCoreClient):
         return None
 
     def _check_call(self, method: str, args: tuple[Any, ...]) -> None:
-        if method not in UTILITY_METHODS:
-            raise ValueError(f"unknown utility method {method!r}")
-        if method == "pause_generation" and args:
-            PauseMode.parse(args[0])
+        check_utility_call(method, args)
         self._check_usable()
 
     def _gather(self, method: str, outcomes: dict[int, Any]) -> Any:

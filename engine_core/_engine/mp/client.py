@@ -52,9 +52,9 @@ from engine_core._core.engine_io import (
     EngineCoreRequest,
     EngineInfo,
     EngineStats,
+    check_utility_call,
 )
-from engine_core._engine.client import UTILITY_METHODS, EngineCoreClient
-from engine_core._engine.core import PauseMode
+from engine_core._engine.client import EngineCoreClient
 from engine_core._engine.mp.death import (
     RemoteEngineError,
     call_error,
@@ -360,10 +360,7 @@ class MPClient(EngineCoreClient):
 
     def _start_call(self, method: str, args: tuple[Any, ...]) -> int:
         """Check and send a control call; its id, whose reply the inbox keeps."""
-        if method not in UTILITY_METHODS:
-            raise ValueError(f"unknown utility method {method!r}")
-        if method == "pause_generation" and args:
-            PauseMode.parse(args[0])  # refused here, before it reaches the engine
+        check_utility_call(method, args)  # refused here, before it reaches the engine
         self._check_usable()
         call_id = next(self._call_ids)
         self._inbox.expect_reply(call_id)
