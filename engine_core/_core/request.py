@@ -217,6 +217,16 @@ class Request:
         return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
+    def samples_in_flight(self) -> bool:
+        """Async scheduling: whether the step scheduled last samples this request's newest
+        placeholder (it computes up to the position before it), so the step's results bring
+        its next token."""
+        placeholders = self.num_output_placeholders
+        return bool(placeholders) and (
+            self.num_computed_tokens == len(self.all_token_ids) + placeholders - 1
+        )
+
+    @property
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED
 

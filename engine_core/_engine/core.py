@@ -395,10 +395,7 @@ class EngineCore:
                 rows = [
                     r
                     for r in scheduler.scheduled
-                    if r.use_structured_output
-                    and r.num_output_placeholders
-                    and r.num_computed_tokens
-                    == len(r.all_token_ids) + r.num_output_placeholders - 1
+                    if r.use_structured_output and r.samples_in_flight
                 ]
             step = _InFlight(scheduler_output, rows or None)
             if not in_flight:
