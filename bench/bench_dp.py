@@ -37,7 +37,7 @@ import anyio
 from engine_core import AsyncLLM, RequestOutputKind, SamplingParams
 from engine_core._bench.machine import machine_line, write_results
 from engine_core._core.block_hash import block_digests
-from engine_core._core.protocol import KVEvents
+from engine_core._core.engine_io import KVEvents
 from engine_core._core.router import Router
 
 
@@ -138,7 +138,7 @@ def bench_router(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def bench_chaos(args: argparse.Namespace) -> dict[str, Any]:
-    from engine_core._engine.dp_client import DPClient
+    from engine_core._engine.dp.client import DPClient
 
     engine = AsyncLLM(
         backend="mock",

@@ -18,15 +18,15 @@ import anyio
 import msgspec
 import pytest
 
-from engine_core._core.protocol import (
+from engine_core._core.engine_io import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
     EngineStats,
     FinishedRequest,
 )
-from engine_core._engine.mp_client import MPClient, RemoteEngineError
-from engine_core._engine.sockets import Transport
+from engine_core._engine.mp.client import MPClient, RemoteEngineError
+from engine_core._engine.pipes.addresses import TransportKind
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineClosedError, EngineDeadError
 from engine_core.sampling_params import SamplingParams
@@ -319,7 +319,7 @@ def test_sigterm_ends_in_flight_requests_as_aborted(runtime: str) -> None:
     "end, transport", [("sigterm", "ipc"), ("raise", "ipc"), ("sigterm", "tcp")]
 )
 async def test_the_engines_last_words_are_read_by_a_front_end_behind(
-    end: str, transport: Transport, anyio_backend: str
+    end: str, transport: TransportKind, anyio_backend: str
 ) -> None:
     # The front end's event loop is held while the engine ends, until the process watch has
     # declared the end and well past its grace for the engine's death notice: the frames still
@@ -402,7 +402,7 @@ def _gone(pid: int) -> bool:
 
 _PARENT = """
 import sys
-from engine_core._engine.mp_client import MPClient
+from engine_core._engine.mp.client import MPClient
 from engine_core.config import EngineConfig
 
 if __name__ == "__main__":
@@ -440,7 +440,7 @@ def test_engine_exits_when_its_parent_dies(runtime: str) -> None:
     ("transport", "scheme"),
     [("ipc", "unix://"), ("zmq-ipc", "ipc://"), ("tcp", "tcp://127.0.0.1:")],
 )
-def test_each_transport_serves(transport: Transport, scheme: str) -> None:
+def test_each_transport_serves(transport: TransportKind, scheme: str) -> None:
     threads, fds = set(threading.enumerate()), set(os.listdir("/proc/self/fd"))
     with MPClient(config(), transport=transport) as client:
         ready = client._inbox.ready

@@ -37,8 +37,8 @@ import anyio
 import msgspec
 from anyio.lowlevel import RunVar
 
-from engine_core._core.protocol import EngineCoreOutputs
-from engine_core._engine.transport import Receiver
+from engine_core._core.engine_io import EngineCoreOutputs
+from engine_core._engine.pipes.pipes import Receiver
 from engine_core._engine.wire import (
     EngineDead,
     Heartbeat,
@@ -207,7 +207,7 @@ class EngineInbox:
                 assert self._on_silence is not None
                 self._on_silence(quiet_s)
                 return
-            self._sort(frame)
+            self._route(frame)
             if self.gone:
                 return
 
@@ -228,7 +228,7 @@ class EngineInbox:
 
     # -- reading --------------------------------------------------------------------------------
 
-    def _sort(self, frame: bytes) -> None:
+    def _route(self, frame: bytes) -> None:
         message = decode(self._decoder, frame)
         match message:
             case EngineCoreOutputs():
@@ -264,7 +264,7 @@ class EngineInbox:
                 # its end is read first, all of it (the engine's own notice among it).
                 self._ending = True
                 while (pending := self._pipe.recv_nowait()) is not None:
-                    self._sort(pending)
+                    self._route(pending)
                 self.exit_code = exit_code
 
     def read_until_sync(self, done: Callable[[], bool], timeout: float | None = None) -> None:
@@ -279,12 +279,12 @@ class EngineInbox:
                 if timeout <= 0:
                     return
             if self._pipe.poll(timeout) and (frame := self._pipe.recv_nowait()) is not None:
-                self._sort(frame)
+                self._route(frame)
 
     def read_pending_sync(self) -> None:
         """Sort every frame the pipe holds now (without waiting)."""
         while not self.gone and (frame := self._pipe.recv_nowait()) is not None:
-            self._sort(frame)
+            self._route(frame)
 
     async def read_until(self, done: Callable[[], bool]) -> None:
         """Read until ``done()`` or the engine is gone, one task of the event loop at a time."""
@@ -295,7 +295,7 @@ class EngineInbox:
                 continue
             try:
                 async with readers.lock:
-                    self._sort(await self._pipe.recv())
+                    self._route(await self._pipe.recv())
             finally:
                 readers.announce()
 
