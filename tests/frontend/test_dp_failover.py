@@ -213,9 +213,10 @@ async def test_when_every_engine_dies_with_restarts_on_requests_wait_for_one() -
                     tg.start_soon(run, i)
         assert texts == expected
         assert engine.dead_error is None
+        with anyio.fail_after(60):  # the second engine may come back after the work is done
+            while (await engine.get_stats()).num_engines_alive < 2:
+                await anyio.sleep(0.05)
         assert client.metrics.engine_restarts == [1, 1]
-        stats = await engine.get_stats()
-        assert stats.num_engines_alive == 2
         outs = [o async for o in engine.generate("abc", PARAMS)]
         assert "".join(o.outputs[0].text for o in outs) == "defghijklmno"
 
@@ -236,7 +237,7 @@ async def test_a_request_waits_for_a_restart_no_longer_than_dp_restart_wait_s() 
             with pytest.raises(RetryableRequestError, match=r"dp_restart_wait_s \(0.2 s\)"):
                 async for _ in engine.generate("abc", PARAMS):
                     pass
-            assert time.monotonic() - began < 0.9  # restarts begin after 1 s
+            assert time.monotonic() - began < 1.5  # an engine comes back after 2 s or more
             assert engine.dead_error is None
             while (await engine.get_stats()).num_engines_alive < 2:
                 await anyio.sleep(0.05)

@@ -72,6 +72,8 @@ __all__ = ["DPClient"]
 logger = logging.getLogger(__name__)
 
 _RESTART_POLL_S = 0.05
+_RESTART_JOIN_S = 10.0
+"""At shutdown, how long the restart threads have to finish an engine's start."""
 """While an engine restarts, how often a waiting reader looks whether it is back (the restart
 thread cannot wake an event loop)."""
 
@@ -139,6 +141,8 @@ class DPClient(EngineCoreClient):
         self._wakeup: anyio.Event | None = None
         self._rejoined: collections.deque[tuple[int, MPClient]] = collections.deque()
         self._restart_threads: list[threading.Thread] = []
+        self._closed = threading.Event()
+        """Set when the shutdown begins: wakes the restart threads from their backoff."""
         self._restarting: set[int] = set()
         """Engines whose restart thread still tries (it leaves once it rejoined or gave up)."""
         self._waiting: dict[str, Tracked] = {}
@@ -380,7 +384,7 @@ class DPClient(EngineCoreClient):
             launcher = None if deployment is None else deployment.replace(engine)
             return MPClient(self._engine_config(engine), launcher=launcher)
 
-        client = restart_engine(engine, start, lambda: self._closing)
+        client = restart_engine(engine, start, self._closed.is_set, sleep=self._closed.wait)
         if client is not None:
             self._rejoined.append((engine, client))
 
@@ -606,6 +610,7 @@ class DPClient(EngineCoreClient):
         if self._closing:
             return False
         self._closing = True
+        self._closed.set()
         if self._wakeup is not None:
             self._wakeup.set()
         return True
@@ -629,6 +634,11 @@ class DPClient(EngineCoreClient):
             await anyio.to_thread.run_sync(self._close_deployment)
 
     def _take_rejoined_for_shutdown(self) -> None:
+        # A restart under way finishes its start, sees the shutdown and stops its engine (an
+        # engine left starting would find its client gone).
+        deadline = time.monotonic() + _RESTART_JOIN_S
+        for thread in self._restart_threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
         while self._rejoined:
             self._rejoined.popleft()[1].shutdown()
 

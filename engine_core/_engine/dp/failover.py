@@ -110,12 +110,17 @@ def restart_wait_ending(request_id: str, wait_s: float) -> FinishedRequest:
     )
 
 
-def restart_engine(engine: int, start: Callable[[], _C], closing: Callable[[], bool]) -> _C | None:
+def restart_engine(
+    engine: int,
+    start: Callable[[], _C],
+    closing: Callable[[], bool],
+    sleep: Callable[[float], object] = time.sleep,
+) -> _C | None:
     """Start engine ``engine`` again (``start()``, blocking), waiting :data:`RESTART_BACKOFF_S`
-    before each attempt; None when the deployment closes meanwhile or every attempt failed.
-    Runs in a thread of its own."""
+    before each attempt (``sleep``, which a closing deployment may cut short); None when the
+    deployment closes meanwhile or every attempt failed. Runs in a thread of its own."""
     for delay in RESTART_BACKOFF_S:
-        time.sleep(delay)
+        sleep(delay)
         if closing():
             return None
         try:
