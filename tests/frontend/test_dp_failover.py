@@ -19,6 +19,7 @@ from engine_core import (
     RetryableRequestError,
     SamplingParams,
 )
+from engine_core._engine.dp import failover
 from engine_core._engine.dp.client import DPClient
 
 pytestmark = pytest.mark.anyio
@@ -180,9 +181,12 @@ def _restarting_engine(**options: Any) -> AsyncLLM:
     )
 
 
-async def test_when_every_engine_dies_with_restarts_on_requests_wait_for_one() -> None:
+async def test_when_every_engine_dies_with_restarts_on_requests_wait_for_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Both engines are killed while streams run on them: the streams (resumed) and the
     # requests sent while none is alive wait for the restarted engines and complete exactly.
+    monkeypatch.setattr(failover, "RESTART_BACKOFF_S", (0.2, 1.0))
     params = PARAMS.clone(max_tokens=40)
     final = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
     prompts = PROMPTS[:6]
@@ -237,12 +241,8 @@ async def test_a_request_waits_for_a_restart_no_longer_than_dp_restart_wait_s() 
             with pytest.raises(RetryableRequestError, match=r"dp_restart_wait_s \(0.2 s\)"):
                 async for _ in engine.generate("abc", PARAMS):
                     pass
-            assert time.monotonic() - began < 1.5  # an engine comes back after 2 s or more
-            assert engine.dead_error is None
-            while (await engine.get_stats()).num_engines_alive < 2:
-                await anyio.sleep(0.05)
-        outs = [o async for o in engine.generate("abc", PARAMS)]
-        assert "".join(o.outputs[0].text for o in outs) == "defghijklmno"
+            assert time.monotonic() - began < 1.5  # an engine is back after 1 s and its start
+            assert engine.dead_error is None  # the deployment comes back: the test above
 
 
 async def test_resume_continues_seeded_sampling_exactly() -> None:
