@@ -158,7 +158,8 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up in one matrix; ``act`` is silu, or
-    gelu-tanh (``config.hidden_act == "gelu_pytorch_tanh"``)."""
+    gelu-tanh (``config.hidden_act == "gelu_pytorch_tanh"``). ``intermediate_size`` defaults
+    to the config's (a MoE model's shared expert has its own)."""
 
     def __init__(
         self,
@@ -166,10 +167,11 @@ class MLP(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         parallel: TensorParallel | None = None,
+        intermediate_size: int | None = None,
     ) -> None:
         super().__init__()
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = Linear(
             config.hidden_size,
             {"gate": size, "up": size},
@@ -192,7 +194,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks on the residual stream."""
+    """Pre-norm attention and MLP blocks on the residual stream; with ``moe`` the MLP is the
+    sparse mixture-of-experts block (:class:`~engine_core_cuda._moe.SparseMoeBlock`)."""
 
     def __init__(
         self,
@@ -202,6 +205,7 @@ class DecoderLayer(nn.Module):
         device: torch.device,
         parallel: TensorParallel | None = None,
         layer: LayerAttention | None = None,
+        moe: bool = False,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
@@ -209,7 +213,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype, device
         )
-        self.mlp = MLP(config, dtype, device, parallel)
+        self.mlp: nn.Module
+        if moe:
+            from engine_core_cuda._moe import SparseMoeBlock
+
+            self.mlp = SparseMoeBlock(config, dtype, device, parallel)
+        else:
+            self.mlp = MLP(config, dtype, device, parallel)
 
     def forward(
         self,

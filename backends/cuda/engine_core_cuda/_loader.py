@@ -3,7 +3,9 @@ of an HF directory (one file, or shards listed by ``model.safetensors.index.json
 ones for benchmarks.
 
 A fused matrix is loaded shard by shard: the rows of shard ``s`` of ``...qkv_proj`` or
-``...gate_up_proj`` come from the checkpoint's ``...{s}_proj``.
+``...gate_up_proj`` come from the checkpoint's ``...{s}_proj``; a mixture-of-experts block's
+stacked expert weights come from the checkpoint's per-expert matrices
+(:meth:`~engine_core_cuda._moe.SparseMoeBlock.checkpoint_targets`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from engine_core_cuda._layers import Linear
 from engine_core_cuda._model import CausalLM
+from engine_core_cuda._moe import SparseMoeBlock
 
 if TYPE_CHECKING:
     from engine_core_cuda._tp.shard import Slice
@@ -56,13 +59,16 @@ def _targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
     """Checkpoint tensor name -> (parameter, first row, number of rows)."""
     targets: dict[str, tuple[torch.Tensor, int, int]] = {}
     for module_name, module in model.named_modules():
-        if isinstance(module, Linear):
+        if isinstance(module, SparseMoeBlock):
+            targets.update(module.checkpoint_targets(module_name))
+        elif isinstance(module, Linear):
             parent = module_name.rpartition(".")[0]
             for shard, (start, rows) in module.shards.items():
                 targets[f"{parent}.{shard}_proj.weight"] = (module.weight, start, rows)
                 if module.bias is not None:
                     targets[f"{parent}.{shard}_proj.bias"] = (module.bias, start, rows)
-    fused = {id(t[0]) for t in targets.values()}
+    # Targets may be views into a parameter (a stacked expert's rows): it is covered too.
+    fused = {id(t[0] if t[0]._base is None else t[0]._base) for t in targets.values()}
     for name, param in model.named_parameters():
         if id(param) not in fused:
             targets[name] = (param, 0, param.shape[0])
