@@ -79,7 +79,7 @@ class CudaBackend(Backend):
         super().__init__(config)
         self.options = rank_options(parse_options(config), tp_rank)
         model_dir = _check_model_dir(config, self.options.load_format)
-        self.model_config = load_model_config(model_dir)
+        self.model_config = load_model_config(model_dir, config.quantization)
         self.tp_rank = tp_rank
         size = config.tensor_parallel_size
         # A field that does not divide fails here, before any process starts.

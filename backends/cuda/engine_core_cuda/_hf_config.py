@@ -21,6 +21,7 @@ from engine_core_cuda._layer_kinds import (
     logit_fields,
 )
 from engine_core_cuda._moe_config import MOE_ARCHITECTURES, MoeConfig, moe_config_of
+from engine_core_cuda._quant_config import QuantConfig, quant_config_of
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig", "load_model_config"]
 
@@ -86,6 +87,8 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     moe: MoeConfig | None = None
     """Mixture-of-experts models: the experts of the layers ``moe.sparse_layers``."""
+    quantization: QuantConfig | None = None
+    """FP8 weights: an FP8 checkpoint's, or quantised at load (None: as the checkpoint is)."""
 
     def layer_is_moe(self, index: int) -> bool:
         """Whether layer ``index`` routes tokens to experts (else it has the dense MLP)."""
@@ -202,9 +205,10 @@ def _layer_types(
     return layer_types_of(hf, architecture, num_layers, path)
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Read ``config.json`` of ``model_dir``. Raises ``FileNotFoundError`` when it is missing and
-    ``ValueError`` naming the problem for an unsupported architecture or an invalid field."""
+def load_model_config(model_dir: str | Path, quantization: str | None = None) -> ModelConfig:
+    """Read ``config.json`` of ``model_dir``; ``quantization`` is ``EngineConfig.quantization``.
+    Raises ``FileNotFoundError`` when it is missing and ``ValueError`` naming the problem for an
+    unsupported architecture, quantisation or an invalid field."""
     path = Path(model_dir) / "config.json"
     hf = _read(path)
     architectures = hf.get("architectures") or []
@@ -268,4 +272,5 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             if architecture in MOE_ARCHITECTURES
             else None
         ),
+        quantization=quant_config_of(hf, path, quantization),
     )

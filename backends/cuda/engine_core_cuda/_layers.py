@@ -60,6 +60,8 @@ class Linear(nn.Module):
             if bias
             else None
         )
+        self.weight_scale: nn.Parameter | None = None
+        """FP8 weights (:mod:`engine_core_cuda._fp8`): one float32 scale per output row."""
         self.shards: dict[str, tuple[int, int]] = {}
         """Shard name -> (first row, number of rows)."""
         start = 0
@@ -68,6 +70,13 @@ class Linear(nn.Module):
             start += size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None:
+            from engine_core_cuda._fp8 import fp8_linear
+
+            if self.reduce is None:
+                return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+            y = self.reduce(fp8_linear(x, self.weight, self.weight_scale))
+            return y if self.bias is None else y + self.bias
         if self.reduce is None:
             return F.linear(x, self.weight, self.bias)
         y = self.reduce(F.linear(x, self.weight))

@@ -119,6 +119,11 @@ class SparseMoeBlock(nn.Module):
             targets[f"{prefix}.{gate}.weight"] = (w13[e], 0, inter)
             targets[f"{prefix}.{up}.weight"] = (w13[e], inter, inter)
             targets[f"{prefix}.{down}.weight"] = (w2[e], 0, w2.shape[1])
+            s13, s2 = self.experts.w13_scale, self.experts.w2_scale
+            if s13 is not None and s2 is not None:  # FP8 experts: per-row scales
+                targets[f"{prefix}.{gate}.weight_scale"] = (s13[e], 0, inter)
+                targets[f"{prefix}.{up}.weight_scale"] = (s13[e], inter, inter)
+                targets[f"{prefix}.{down}.weight_scale"] = (s2[e], 0, s2.shape[1])
         return targets
 
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:

@@ -269,6 +269,8 @@ def parse_options(config: EngineConfig) -> MockOptions:
         values["weight_bytes"] = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     if config.dtype != "auto":
         values["dtype_bytes"] = dtype_bytes(config.dtype, "dtype")
+    if config.kv_cache_dtype != "auto":  # FP8 KV cache: one byte per element
+        values["dtype_bytes"] = 1
     for name in values:
         if options.get(name) is not None:
             values[name] = _int_option(
