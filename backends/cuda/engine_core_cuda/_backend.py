@@ -128,7 +128,7 @@ class CudaBackend(Backend):
             num_layers=c.num_layers,
             num_kv_heads=c.num_kv_heads,
             head_size=c.head_size,
-            dtype_bytes=self.runner.dtype.itemsize,
+            dtype_bytes=self.runner.kv_dtype.itemsize,
         )
 
     def available_kv_cache_memory(self) -> int:

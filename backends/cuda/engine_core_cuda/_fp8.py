@@ -37,6 +37,7 @@ __all__ = [
     "prepare_fp8_storage",
     "quantize_rows",
     "randomize_fp8",
+    "resolve_kv_cache_dtype",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -52,6 +53,25 @@ def _capability(index: int) -> tuple[int, int]:
 def device_has_fp8(device: torch.device) -> bool:
     """Whether ``device`` multiplies FP8 natively (CUDA compute capability >= 8.9)."""
     return device.type == "cuda" and _capability(device.index or 0) >= (8, 9)
+
+
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype for ``EngineConfig.kv_cache_dtype``: ``"auto"`` is the model's
+    ``dtype``; ``"fp8"``/``"fp8_e4m3"`` is e4m3, on GPUs with FP8 (compute capability >= 8.9)
+    and on the CPU (the test path). Raises ``ValueError`` naming the field, the value and what
+    the device supports otherwise (FP8 would be emulated slowly there)."""
+    if name == "auto":
+        return dtype
+    if name not in ("fp8", "fp8_e4m3"):
+        raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {name!r}")
+    if device.type == "cuda" and not device_has_fp8(device):
+        major, minor = _capability(device.index or 0)
+        raise ValueError(
+            f"kv_cache_dtype={name!r} needs a GPU with FP8 (compute capability 8.9 or later); "
+            f"{device} ({torch.cuda.get_device_name(device)}) has {major}.{minor}: "
+            "supported there: 'auto'"
+        )
+    return FP8_DTYPE
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -125,6 +125,9 @@ class Attention(nn.Module):
         self.layer = layer if layer is not None else LayerAttention(scale=config.head_size**-0.5)
         self.kv_group = 0
         """Set by the model runner from the cache's layout (:mod:`engine_core_cuda._kv_layout`)."""
+        self.kv_scales = (1.0, 1.0)
+        """An FP8 KV cache's per-tensor (key, value) scales: the checkpoint's ``k_scale`` and
+        ``v_scale`` when it has them."""
         self.rotary = rotary
         self.qkv_proj = Linear(
             config.hidden_size,
@@ -160,8 +163,8 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_size), ops)[0].view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_size), ops)[0].view(k.shape)
         ops.rotary_embedding(positions, q, k, self.rotary.cos, self.rotary.sin)
-        ctx.write_kv(k, v, cache, self.kv_group)
-        out = ctx.attend(q, cache, self.layer, self.kv_group)
+        ctx.write_kv(k, v, cache, self.kv_group, self.kv_scales)
+        out = ctx.attend(q, cache, self.layer, self.kv_group, scales=self.kv_scales)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine_core_cuda._fp8 import FP8_DTYPE, dequantize_blocks, quantize_rows, randomize_fp8
-from engine_core_cuda._layers import Linear
+from engine_core_cuda._layers import Attention, Linear
 from engine_core_cuda._model import CausalLM
 from engine_core_cuda._moe import SparseMoeBlock
 
@@ -35,6 +35,7 @@ __all__ = ["checkpoint_files", "checkpoint_tensors", "init_random_weights", "loa
 _INDEX = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _FP8_IGNORED_SUFFIXES = (".input_scale",)
+_KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".k_proj.output_scale", ".v_proj.output_scale")
 """FP8 checkpoints' static activation scales: activations are quantised per token instead."""
 
 
@@ -106,6 +107,21 @@ def _read(f: Any, name: str, slicer: Slicer | None) -> torch.Tensor:
     return tensor
 
 
+def _set_kv_scale(model: CausalLM, name: str, tensor: torch.Tensor) -> None:
+    """An FP8 KV cache's per-tensor scale of one layer (``…self_attn.k_scale``, ``v_scale``, or
+    compressed-tensors' ``…self_attn.k_proj.output_scale``)."""
+    path, _, leaf = name.rpartition(".")
+    if leaf == "output_scale":
+        path, _, proj = path.rpartition(".")
+        leaf = f"{proj[0]}_scale"
+    attention = model.get_submodule(path)
+    if not isinstance(attention, Attention) or tensor.numel() != 1:
+        raise ValueError(f"model: unexpected KV-cache scale {name!r} of shape {tuple(tensor.shape)}")
+    k, v = attention.kv_scales
+    value = float(tensor.float().reshape(()))
+    attention.kv_scales = (value, v) if leaf == "k_scale" else (k, value)
+
+
 def _scale_rows(tensor: torch.Tensor, rows: int, name: str) -> torch.Tensor:
     """A checkpoint's weight scale as one value per row: a per-tensor scale repeated, a
     per-channel one (``[rows]`` or ``[rows, 1]``) flattened."""
@@ -153,6 +169,9 @@ def load_weights(
                 if fp8 and name.endswith(".weight_scale_inv"):  # DeepSeek's name
                     name = name.removesuffix("_inv")
                 if fp8 and name.endswith(_FP8_IGNORED_SUFFIXES):
+                    continue
+                if name.endswith(_KV_SCALE_SUFFIXES):
+                    _set_kv_scale(model, name, f.get_tensor(checkpoint_name))
                     continue
                 target = targets.get(name)
                 if fp8 and quant is not None and quant.strategy == "block" and target is not None:

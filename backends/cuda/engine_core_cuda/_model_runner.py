@@ -39,7 +39,7 @@ from engine_core.config import EngineConfig
 from engine_core_cuda._attention import AttentionContext, KVCache, split_kv_segments
 from engine_core_cuda._device import prepare_triton, resolve_device, resolve_dtype
 from engine_core_cuda._draft_model import DraftModel
-from engine_core_cuda._fp8 import prepare_fp8_storage
+from engine_core_cuda._fp8 import prepare_fp8_storage, resolve_kv_cache_dtype
 from engine_core_cuda._hf_config import ModelConfig
 from engine_core_cuda._input_batch import InputBatch
 from engine_core_cuda._kernel_ops import KernelOps
@@ -153,6 +153,8 @@ class ModelRunner:
         """This rank's geometry (heads, KV heads and intermediate size of its shard)."""
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        """The KV cache's element type: the model's, or FP8 (``kv_cache_dtype="fp8"``)."""
         if options.kernels == "triton":
             prepare_triton(self.device)
         self.ops = KernelOps(options.kernels)
@@ -242,7 +244,7 @@ class ModelRunner:
             self.batch.set_kv_groups(layout.num_groups)
             self.kv_layout = layout
         self.num_blocks = num_blocks
-        self._kv_tensor = torch.zeros(self.kv_cache_shape, dtype=self.dtype, device=self.device)
+        self._kv_tensor = torch.zeros(self.kv_cache_shape, dtype=self.kv_dtype, device=self.device)
         slots = self._kv_tensor.unbind(0)
         self.kv_caches = []
         for layer, (group, slot) in zip(
