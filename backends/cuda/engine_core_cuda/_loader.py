@@ -116,7 +116,9 @@ def _set_kv_scale(model: CausalLM, name: str, tensor: torch.Tensor) -> None:
         leaf = f"{proj[0]}_scale"
     attention = model.get_submodule(path)
     if not isinstance(attention, Attention) or tensor.numel() != 1:
-        raise ValueError(f"model: unexpected KV-cache scale {name!r} of shape {tuple(tensor.shape)}")
+        raise ValueError(
+            f"model: unexpected KV-cache scale {name!r} of shape {tuple(tensor.shape)}"
+        )
     k, v = attention.kv_scales
     value = float(tensor.float().reshape(()))
     attention.kv_scales = (value, v) if leaf == "k_scale" else (k, value)
