@@ -277,3 +277,23 @@ def test_unserved_quantisation_is_refused_by_name(
     with pytest.raises(ValueError, match="quantization_config") as info:
         load_model_config(copy)
     assert field in str(info.value) and "supported" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method='gptq'"),
+     ({"scoring_func": "expert_choice"}, "scoring_func='expert_choice'")],
+)  # fmt: skip
+def test_startup_fails_naming_the_field(
+    tiny: dict[str, TinyModel], tmp_path: Path, changes: dict[str, Any], message: str
+) -> None:
+    """The engine does not start on an unserved quantisation or MoE routing: the error names
+    the field, its value and what is supported."""
+    from tiny_models import edited_copy
+
+    from engine_core import LLM
+
+    copy = edited_copy(tiny["qwen3_moe"].path, tmp_path / "bad", changes)
+    with pytest.raises(ValueError, match="supported") as info:
+        LLM(model=str(copy), backend="cuda", backend_options={"device": "cpu"})
+    assert message in str(info.value)
