@@ -178,7 +178,8 @@ def randomize_fp8(model: nn.Module, generator: torch.Generator, std: float = 0.0
     """Random FP8 weights (normal with ``std``, quantised per row) for the model's FP8 layers
     (benchmarks without a checkpoint)."""
     pairs: list[tuple[nn.Module, str]] = [(m, "weight") for m in _fp8_linears(model)]
-    pairs += [(e, name) for e in _experts(model) for name in ("w13", "w2")]
+    pairs += [(e, name) for e in _experts(model) if e.w13_scale is not None
+              for name in ("w13", "w2")]  # fmt: skip
     with torch.no_grad():
         for module, name in pairs:
             weight = getattr(module, name)
