@@ -1722,6 +1722,14 @@ def check_fp8(table: Table, args: argparse.Namespace, root: Path) -> None:
     path = "scaled_mm" if device_has_fp8(device) and dtype == torch.bfloat16 else "dequantised"
     table.add(f"fp8: linear ({path}) vs dequantised product", f"max rel error {error:.2e}",
               "<= 0.02", error <= 0.02)  # fmt: skip
+    # The per-token activation quantisation kernel against torch (exact on a GPU; Triton's
+    # interpreter mis-rounds FP8 near powers of two, so the CPU row is information).
+    from engine_core_cuda.kernels.fp8_quant import quantize_per_token
+
+    codes, scales = quantize_per_token(x)
+    same = torch.equal(codes.float(), qx.float()) and torch.equal(scales, sx)
+    table.add("fp8: per-token quantisation kernel vs torch", "identical" if same else "different",
+              "identical" if args.gpu else "", same if args.gpu else None)  # fmt: skip
     # The KV write kernel's FP8 conversion against torch's (compiled only: interpreted, torch
     # converts).
     key = 4.0 * torch.randn(64, 8, 128, generator=gen, device=args.device).to(dtype)
