@@ -52,11 +52,16 @@ class Router(nn.Module):
         assert config.moe is not None
         self.moe = config.moe
         self.weight = _param(config.moe.num_experts, config.hidden_size, dtype=dtype, device=device)
+        self.bias = (
+            _param(config.moe.num_experts, dtype=dtype, device=device)
+            if config.moe.router_bias
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [tokens, top_k] in x's dtype, expert ids [tokens, top_k])``."""
         moe = self.moe
-        return route_topk(F.linear(x, self.weight), moe.top_k, scoring=moe.scoring,
+        return route_topk(F.linear(x, self.weight, self.bias), moe.top_k, scoring=moe.scoring,
                           renormalize=moe.renormalize, out_dtype=x.dtype)  # fmt: skip
 
 
@@ -74,6 +79,10 @@ class Experts(nn.Module):
         self.w2 = _param(e, hidden, inter, dtype=dtype, device=device)
         self.w13_scale: nn.Parameter | None = None
         self.w2_scale: nn.Parameter | None = None
+        self.b13: nn.Parameter | None = None
+        """gpt-oss: the gate and up projections' biases ``[experts, 2 * inter]`` (None: none)."""
+        self.b2: nn.Parameter | None = None
+        """gpt-oss: the down projection's bias ``[experts, hidden]``."""
 
 
 class SparseMoeBlock(nn.Module):
@@ -111,6 +120,8 @@ class SparseMoeBlock(nn.Module):
         targets: dict[str, Target] = {
             f"{parent}.gate.weight": (self.gate.weight, 0, self.moe.num_experts)
         }
+        if self.gate.bias is not None:
+            targets[f"{parent}.gate.bias"] = (self.gate.bias, 0, self.moe.num_experts)
         gate, up, down = self.moe.weight_names
         inter = self.experts.intermediate_size
         w13, w2 = self.experts.w13, self.experts.w2
@@ -130,7 +141,7 @@ class SparseMoeBlock(nn.Module):
         weights, ids = self.gate(x)
         ex = self.experts
         out = ops.fused_moe(x, ex.w13, ex.w2, weights, ids, self.activation, ex.w13_scale,
-                            ex.w2_scale)  # fmt: skip
+                            ex.w2_scale, b13=ex.b13, b2=ex.b2)  # fmt: skip
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert(x, ops)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared

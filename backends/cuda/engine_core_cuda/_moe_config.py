@@ -60,6 +60,8 @@ class MoeConfig:
     """The block's name in the checkpoint (``mlp``, Mixtral's ``block_sparse_moe``)."""
     weight_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     """The checkpoint names of each expert's gate, up and down projections."""
+    router_bias: bool = False
+    """Whether the router's logits have a bias (gpt-oss)."""
 
 
 def _positive(hf: dict[str, Any], key: str, path: Path, default: int | None = None) -> int:

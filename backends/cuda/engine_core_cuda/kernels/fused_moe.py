@@ -5,8 +5,9 @@
    synchronization, so a decode step stays capturable in a CUDA graph): every ``BLOCK_M`` rows
    of the sorted list belong to one expert.
 2. One grouped GEMM per row block multiplies the tokens of the block by their expert's gate and
-   up rows at once and applies the activation (``act(gate) * up``, SwiGLU or GeGLU), writing one
-   intermediate row per pair.
+   up rows at once (adding their biases, gpt-oss) and applies the activation (``act(gate) *
+   up``: SwiGLU, GeGLU, or gpt-oss's clamped ``swigluoai``), writing one intermediate row per
+   pair.
 3. A second grouped GEMM multiplies the intermediate rows by the expert's down matrix and by the
    pair's routing weight.
 4. Each token's ``top_k`` rows are summed (a fixed order: deterministic).
@@ -35,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine_core_cuda.kernels.moe_torch import SWIGLU_ALPHA, SWIGLU_LIMIT
+
 __all__ = [
     "CONFIG_DIR",
     "align_by_expert",
@@ -51,10 +54,14 @@ CONFIG_DIR_ENV = "ENGINE_CORE_MOE_CONFIG_DIR"
 """Environment variable naming another folder of tuned configurations (searched first)."""
 
 
+_ACT_CODES = {"silu": 0, "gelu_pytorch_tanh": 1, "swigluoai": 2}
+
+
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, sorted_ptr, expert_ptr, num_pairs, N, K,
-                    stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_om,
-                    TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, GELU_TANH: tl.constexpr,
+def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sorted_ptr, expert_ptr,
+                    num_pairs, N, K, stride_xm, stride_we, stride_wn, stride_wk, stride_se,
+                    stride_be, stride_om, alpha, limit, TOP_K: tl.constexpr,
+                    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -90,26 +97,36 @@ def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, sorted_ptr, expert_ptr, nu
         s_base = scale_ptr + expert * stride_se
         acc_gate *= tl.load(s_base + offs_n, mask=n_valid, other=0.0)[None, :]
         acc_up *= tl.load(s_base + N + offs_n, mask=n_valid, other=0.0)[None, :]
+    if HAS_BIAS:
+        b_base = bias_ptr + expert * stride_be
+        acc_gate += tl.load(b_base + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(b_base + N + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
     # Rounded as the unfused computation rounds: each projection, then the activation.
     g = acc_gate.to(dtype).to(tl.float32)
-    if GELU_TANH:
+    if ACT == 1:  # gelu-tanh
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         t = tl.exp(-2.0 * tl.abs(inner))
         tanh = (1.0 - t) / (1.0 + t)
         activated = 0.5 * g * (1.0 + tl.where(inner < 0, -tanh, tanh))
-    else:
+        h = activated.to(dtype) * acc_up.to(dtype)
+    elif ACT == 2:  # gpt-oss: clamped, (up + 1) * g * sigmoid(alpha * g)
+        g = tl.minimum(g, limit)
+        u = tl.clamp(acc_up.to(dtype).to(tl.float32), -limit, limit)
+        h = ((u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))).to(dtype)
+    else:  # silu
         activated = g / (1.0 + tl.exp(-g))
-    h = activated.to(dtype) * acc_up.to(dtype)
+        h = activated.to(dtype) * acc_up.to(dtype)
     tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :], h.to(dtype),
              mask=valid[:, None] & n_valid[None, :])  # fmt: skip
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, scale_ptr, weight_ptr, out_ptr, sorted_ptr, expert_ptr, num_pairs,
-                 N, K, stride_hm, stride_we, stride_wn, stride_wk, stride_se, stride_om,
-                 HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _down_kernel(h_ptr, w_ptr, scale_ptr, bias_ptr, weight_ptr, out_ptr, sorted_ptr, expert_ptr,
+                 num_pairs, N, K, stride_hm, stride_we, stride_wn, stride_wk, stride_se,
+                 stride_be, stride_om, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_ptr + pid_m).to(tl.int64)
@@ -136,6 +153,9 @@ def _down_kernel(h_ptr, w_ptr, scale_ptr, weight_ptr, out_ptr, sorted_ptr, exper
             acc += tl.dot(a, b)
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_valid, other=0.0)[None, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_valid, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
     routing = tl.load(weight_ptr + row, mask=valid, other=0.0).to(dtype)
     out = acc.to(dtype) * routing[:, None]
@@ -231,11 +251,16 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    swiglu_alpha: float = SWIGLU_ALPHA,
+    swiglu_limit: float = SWIGLU_LIMIT,
 ) -> torch.Tensor:
     """The contract of :func:`~engine_core_cuda.kernels.moe_torch.fused_moe_torch`, in two
     grouped GEMMs; ``config`` overrides the chosen kernel configuration."""
-    if activation not in ("silu", "gelu_pytorch_tanh"):
-        raise ValueError(f"activation must be 'silu' or 'gelu_pytorch_tanh', got {activation!r}")
+    if activation not in _ACT_CODES:
+        raise ValueError(f"activation must be one of {', '.join(_ACT_CODES)}, got {activation!r}")
     tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -256,12 +281,13 @@ def fused_moe(
     h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     grid = (block_experts.numel(), triton.cdiv(inter, bn))
     s13 = w13_scale if w13_scale is not None else w13  # any pointer when unused
+    bias13 = b13 if b13 is not None else w13
     _gate_up_kernel[grid](
-        x, w13, s13, h, sorted_ids, block_experts, pairs, inter, hidden,
+        x, w13, s13, bias13, h, sorted_ids, block_experts, pairs, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2),
-        s13.stride(0), h.stride(0),
-        TOP_K=top_k, HAS_SCALE=w13_scale is not None,
-        GELU_TANH=activation == "gelu_pytorch_tanh", IEEE=ieee,
+        s13.stride(0), bias13.stride(0), h.stride(0), swiglu_alpha, swiglu_limit,
+        TOP_K=top_k, HAS_SCALE=w13_scale is not None, HAS_BIAS=b13 is not None,
+        ACT=_ACT_CODES[activation], IEEE=ieee,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **launch,
     )  # fmt: skip
     y = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
@@ -270,10 +296,11 @@ def fused_moe(
     if not weights.is_contiguous():
         weights = weights.contiguous()
     grid = (block_experts.numel(), triton.cdiv(hidden, bn))
+    bias2 = b2 if b2 is not None else w2
     _down_kernel[grid](
-        h, w2, s2, weights, y, sorted_ids, block_experts, pairs, hidden, inter,
-        h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), s2.stride(0), y.stride(0),
-        HAS_SCALE=w2_scale is not None, IEEE=ieee,
+        h, w2, s2, bias2, weights, y, sorted_ids, block_experts, pairs, hidden, inter,
+        h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), s2.stride(0), bias2.stride(0),
+        y.stride(0), HAS_SCALE=w2_scale is not None, HAS_BIAS=b2 is not None, IEEE=ieee,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **launch,
     )  # fmt: skip
     return torch.sum(y.view(tokens, top_k, hidden), dim=1, out=out)

@@ -5,7 +5,8 @@ ground truth of the fused Triton kernel (:mod:`engine_core_cuda.kernels.fused_mo
 Expert weights are stacked: ``w13`` ``[experts, 2 * inter, hidden]`` (each expert's gate rows,
 then its up rows, as ``nn.Linear`` weights) and ``w2`` ``[experts, hidden, inter]``. Optional
 per-output-channel scales (``w13_scale`` ``[experts, 2 * inter]``, ``w2_scale``
-``[experts, hidden]``) multiply the products of FP8 weights.
+``[experts, hidden]``) multiply the products of FP8 weights; optional biases (gpt-oss) are
+added to the projections.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ACTIVATIONS", "fused_moe_torch", "route_topk"]
+__all__ = ["ACTIVATIONS", "SWIGLU_ALPHA", "SWIGLU_LIMIT", "fused_moe_torch", "route_topk"]
 
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "swigluoai")
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
 
 
 def route_topk(
@@ -42,11 +45,18 @@ def route_topk(
     return weights.to(out_dtype or logits.dtype), ids
 
 
-def _act(gate: torch.Tensor, activation: str) -> torch.Tensor:
+def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: float,
+           limit: float) -> torch.Tensor:  # fmt: skip
+    """``act(gate) * up``; gpt-oss's ``"swigluoai"``: ``(clamp(up, ±limit) + 1) * g *
+    sigmoid(alpha * g)`` with ``g = min(gate, limit)``."""
     if activation == "silu":
-        return F.silu(gate)
+        return F.silu(gate) * up
     if activation == "gelu_pytorch_tanh":
-        return F.gelu(gate, approximate="tanh")
+        return F.gelu(gate, approximate="tanh") * up
+    if activation == "swigluoai":
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
     raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
 
 
@@ -66,10 +76,17 @@ def fused_moe_torch(
     activation: str = "silu",
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    swiglu_alpha: float = SWIGLU_ALPHA,
+    swiglu_limit: float = SWIGLU_LIMIT,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t))`` over each token's
     experts ``e = topk_ids[t, j]``, ``[tokens, hidden]`` in ``x``'s dtype: one loop iteration
-    per expert that some token chose (as transformers computes it)."""
+    per expert that some token chose (as transformers computes it). ``b13`` ``[experts, 2 *
+    inter]`` and ``b2`` ``[experts, hidden]`` are the projections' biases (gpt-oss);
+    ``swiglu_alpha``/``swiglu_limit`` parametrise ``"swigluoai"``."""
     out = torch.zeros_like(x)
     if x.shape[0] == 0:
         return out
@@ -84,9 +101,10 @@ def fused_moe_torch(
         pairs = order[start : start + count]
         start += count
         tokens = pairs // topk_ids.shape[1]
-        h = F.linear(x[tokens], _weight(w13[expert], _row(w13_scale, expert), x.dtype))
-        h = _act(h[:, :inter], activation) * h[:, inter:]
-        h = F.linear(h, _weight(w2[expert], _row(w2_scale, expert), x.dtype))
+        h = F.linear(x[tokens], _weight(w13[expert], _row(w13_scale, expert), x.dtype),
+                     _row(b13, expert))  # fmt: skip
+        h = _gated(h[:, :inter], h[:, inter:], activation, swiglu_alpha, swiglu_limit)
+        h = F.linear(h, _weight(w2[expert], _row(w2_scale, expert), x.dtype), _row(b2, expert))
         h = h * topk_weights.reshape(-1)[pairs, None].to(h.dtype)
         out.index_add_(0, tokens, h)
     return out
