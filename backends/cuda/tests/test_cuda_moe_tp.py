@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
+from engine_core_cuda import CudaBackend
 from engine_core_cuda._hf_config import load_model_config
 from engine_core_cuda._model_runner import ModelRunner
 from engine_core_cuda._options import parse_options
@@ -17,6 +19,7 @@ from test_cuda_tp import CPU, PROMPTS, _simulate, _steps
 from tiny_models import TinyModel, edited_copy
 
 from engine_core import SamplingParams
+from engine_core.abc import SchedulerOutput
 from engine_core.config import EngineConfig
 
 
@@ -70,3 +73,37 @@ def test_tp2_on_gloo_greedy_tokens_equal_tp1(tiny: dict[str, TinyModel]) -> None
             outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
         found.append([list(o.outputs[0].token_ids) for o in outs])
     assert found[0] == found[1]
+
+
+def _logits(config: EngineConfig, outputs: list[SchedulerOutput]) -> list[torch.Tensor]:
+    backend = CudaBackend(config)
+    try:
+        backend.initialize_kv_cache(16)
+        experts = backend.runner.model.model.layers[0].mlp.experts
+        assert experts.w13.dtype == torch.float8_e4m3fn and experts.w13_scale is not None
+        found = []
+        for out in outputs:
+            backend.execute_model(out)
+            forward = backend.runner._forward
+            assert forward is not None and forward.logits is not None
+            found.append(forward.logits.clone())
+            backend.sample_tokens(None)
+        return found
+    finally:
+        backend.close()
+
+
+def test_tp2_fp8_experts_on_gloo_follow_tp1(tiny: dict[str, TinyModel]) -> None:
+    """``quantization="fp8"`` under TP=2 over gloo: each rank quantises its rows of the weights
+    and experts (per-row scales: TP=1's codes) and its slice of the activations (per token and
+    shard, so the row-parallel products round differently from TP=1's): logits within cosine
+    0.99 of TP=1's."""
+    model = tiny["qwen3_moe"]
+    prompts = [[5 + i, 40 + 3 * i, 7, 100 + i, 9][: 2 + i] for i in range(3)]
+    outputs = _steps([[i * 4 + b for b in range(4)] for i in range(3)], prompts, 2)
+    config = EngineConfig(model=str(model.path), backend="cuda", backend_options=CPU,
+                          dtype="float32", max_model_len=256, quantization="fp8")  # fmt: skip
+    one = _logits(config, outputs)
+    two = _logits(msgspec.structs.replace(config, tensor_parallel_size=2), outputs)
+    for a, b in zip(one, two, strict=True):
+        assert min(torch.nn.functional.cosine_similarity(a, b, dim=-1).tolist()) >= 0.99

@@ -201,8 +201,8 @@ def default_config(tokens: int, num_experts: int, top_k: int, n: int, k: int) ->
     if INTERPRETED:  # the interpreter's cost is per program and per element: small tiles
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
     per_expert = tokens * top_k / max(1, num_experts)
-    if per_expert <= 16:
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    if per_expert <= 16:  # decode: weight streaming; narrow column blocks, more programs
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
     if per_expert <= 64:
         return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
