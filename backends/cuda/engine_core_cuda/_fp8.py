@@ -157,10 +157,29 @@ def _linears(model: nn.Module, ignore: tuple[str, ...]) -> list[Linear]:
     return chosen
 
 
-def _experts(model: nn.Module) -> list[Experts]:
-    from engine_core_cuda._moe import Experts
+def _experts(model: nn.Module, ignore: tuple[str, ...] = ()) -> list[Experts]:
+    """The model's routed experts, less those the checkpoint leaves unquantised (every expert
+    of the block ignored; some but not all is refused)."""
+    from engine_core_cuda._moe import SparseMoeBlock
+    from engine_core_cuda._quant_config import is_ignored
 
-    return [m for m in model.modules() if isinstance(m, Experts)]
+    chosen = []
+    for name, block in model.named_modules():
+        if not isinstance(block, SparseMoeBlock):
+            continue
+        parent = f"{name.rpartition('.')[0]}.{block.moe.prefix}.experts"
+        names = [f"{parent}.{e}.{w}" for e in range(block.moe.num_experts)
+                 for w in block.moe.weight_names]  # fmt: skip
+        ignored = [is_ignored(n, ignore) for n in names]
+        if all(ignored):
+            continue
+        if any(ignored):
+            raise ValueError(
+                f"model: the quantization_config ignores only some of the experts of {parent}, "
+                "which the cuda backend stacks in one FP8 tensor"
+            )
+        chosen.append(block.experts)
+    return chosen
 
 
 def prepare_fp8_storage(model: nn.Module, ignore: tuple[str, ...] = ()) -> None:
@@ -171,7 +190,7 @@ def prepare_fp8_storage(model: nn.Module, ignore: tuple[str, ...] = ()) -> None:
         device = module.weight.device
         module.weight = _fp8_param(rows, cols, device=device)
         module.weight_scale = _scale_param(rows, device=device)
-    for experts in _experts(model):
+    for experts in _experts(model, ignore):
         device = experts.w13.device
         experts.w13 = _fp8_param(*experts.w13.shape, device=device)
         experts.w2 = _fp8_param(*experts.w2.shape, device=device)

@@ -135,9 +135,11 @@ def _block_quantise(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
 
 
 def _write_fp8_checkpoint(source: Path, target: Path, strategy: str,
-                          quantization_config: dict[str, Any]) -> dict[str, torch.Tensor]:  # fmt: skip
+                          quantization_config: dict[str, Any],
+                          keep_experts: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
     """A copy of the model directory ``source`` whose quantised matrices are FP8 with their
-    scales; returns each matrix's dequantised value."""
+    scales (``keep_experts``: the routed experts stay as they are); returns each FP8 matrix's
+    dequantised value."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(source, target)
@@ -147,7 +149,7 @@ def _write_fp8_checkpoint(source: Path, target: Path, strategy: str,
         out: dict[str, torch.Tensor] = {}
         for name, tensor in tensors.items():
             module = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
-            if module not in QUANTISED:
+            if module not in QUANTISED or (keep_experts and ".experts." in name):
                 out[name] = tensor
                 continue
             base = name.removesuffix(".weight")
@@ -233,6 +235,33 @@ def test_compressed_tensors_checkpoint_loads_as_published(
     finally:
         backend.close()
     assert min(_cosines(_logits(source, prompts), logits)) >= 0.99
+
+
+def test_experts_the_checkpoint_ignores_stay_unquantised(
+    tiny: dict[str, TinyModel], tmp_path: Path
+) -> None:
+    model = tiny["qwen2_moe"]
+    config = _compressed_tensors_config("channel")
+    config["ignore"] = ["lm_head", "re:.*mlp.gate$", "re:.*mlp[.]experts[.]"]
+    dequantised = _write_fp8_checkpoint(model.path, tmp_path / "ct", "channel", config,
+                                        keep_experts=True)  # fmt: skip
+    backend = _backend(tmp_path / "ct")
+    try:
+        params = dict(backend.runner.model.named_parameters())
+        assert params["model.layers.0.mlp.experts.w13"].dtype == torch.float32
+        assert params["model.layers.0.mlp.shared_expert.gate_up_proj.weight"].dtype == (
+            torch.float8_e4m3fn
+        )
+        engine = _engine_dequantised(backend)
+        assert set(engine) == set(dequantised)
+        assert all(torch.equal(engine[n], v) for n, v in dequantised.items())
+    finally:
+        backend.close()
+    config["ignore"] = ["lm_head", "re:.*experts[.]0[.]"]  # some experts of a block
+    broken = tmp_path / "broken"
+    _write_fp8_checkpoint(model.path, broken, "channel", config, keep_experts=True)
+    with pytest.raises(ValueError, match="ignores only some of the experts"):
+        _backend(broken)
 
 
 def test_block_wise_fp8_checkpoint_loads_within_fp8_error(
