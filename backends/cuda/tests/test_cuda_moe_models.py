@@ -45,7 +45,7 @@ def test_batched_greedy_and_logprobs_equal_transformers(
 ) -> None:
     model = tiny[kind]
     with model.llm() as llm:
-        outputs = llm.generate(PROMPTS[:4], _params(max_tokens=6), use_tqdm=False)
+        outputs = llm.generate(PROMPTS[:3], _params(max_tokens=5), use_tqdm=False)
     _check(model, outputs)
 
 
@@ -56,7 +56,7 @@ def test_fused_triton_kernel_end_to_end(tiny: dict[str, TinyModel]) -> None:
     with model.llm(max_num_batched_tokens=4, max_num_seqs=2,
                    backend_options={"kernels": "triton"}) as llm:  # fmt: skip
         assert llm._client.engine_core.backend.runner.ops.impl == "triton"
-        outputs = llm.generate([PROMPTS[1], PROMPTS[2]], _params(max_tokens=3), use_tqdm=False)
+        outputs = llm.generate([PROMPTS[1], PROMPTS[2]], _params(max_tokens=2), use_tqdm=False)
     _check(model, outputs)
 
 

@@ -66,11 +66,11 @@ def test_two_simulated_ranks_match_tp1(tiny: dict[str, TinyModel], kind: str) ->
 
 def test_tp2_on_gloo_greedy_tokens_equal_tp1(tiny: dict[str, TinyModel]) -> None:
     model = tiny["qwen3_moe"]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     found = []
     for tp in (1, 2):
         with model.llm(tensor_parallel_size=tp, dtype="float32", multiprocess=False) as llm:
-            outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+            outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
         found.append([list(o.outputs[0].token_ids) for o in outs])
     assert found[0] == found[1]
 
