@@ -27,12 +27,14 @@ from contextlib import contextmanager
 from itertools import pairwise
 from typing import Any
 
+from engine_core._core.kv_groups import plan_kv_layout
 from engine_core._engine.backend_harness import (
     MAX_BLOCKS,
     BackendFactory,
     Harness,
     assert_same,
     default_config,
+    initialize_kv,
     make_prompt,
     num_blocks_for,
     opened,
@@ -67,12 +69,15 @@ def check_startup(make_backend: BackendFactory, config: EngineConfig | None = No
     try:
         assert isinstance(backend, Backend), f"{backend!r} is not an engine_core.abc.Backend"
         spec = backend.kv_cache_spec()
-        assert isinstance(spec, KVCacheSpec), f"kv_cache_spec() returned {spec!r}"
-        for field in ("num_layers", "num_kv_heads", "head_size", "dtype_bytes"):
-            value = getattr(spec, field)
-            assert isinstance(value, int) and not isinstance(value, bool) and value > 0, (
-                f"kv_cache_spec().{field} must be a positive int, got {value!r}"
-            )
+        if isinstance(spec, KVCacheSpec):
+            for field in ("num_layers", "num_kv_heads", "head_size", "dtype_bytes"):
+                value = getattr(spec, field)
+                assert isinstance(value, int) and not isinstance(value, bool) and value > 0, (
+                    f"kv_cache_spec().{field} must be a positive int, got {value!r}"
+                )
+        else:
+            assert isinstance(spec, list | tuple), f"kv_cache_spec() returned {spec!r}"
+        layout = plan_kv_layout(spec, config.block_size)  # ValueError names a bad layer
         vocab_size = backend.vocab_size()
         assert isinstance(vocab_size, int) and vocab_size >= 256, (
             f"vocab_size() must be an int >= 256 for these checks, got {vocab_size!r}"
@@ -82,13 +87,13 @@ def check_startup(make_backend: BackendFactory, config: EngineConfig | None = No
             f"max_model_len() must be None or a positive int, got {max_model_len!r}"
         )
         memory = backend.available_kv_cache_memory()
-        bytes_per_block = spec.bytes_per_block(config.block_size)
+        bytes_per_block = layout.page_size_bytes
         assert isinstance(memory, int) and memory >= bytes_per_block, (
             f"available_kv_cache_memory() must be an int of at least one block "
             f"({bytes_per_block} bytes), got {memory!r}"
         )
         num_blocks = min(memory // bytes_per_block, MAX_BLOCKS)
-        backend.initialize_kv_cache(num_blocks)
+        initialize_kv(backend, config, num_blocks)
     finally:
         backend.close()
 
@@ -457,7 +462,7 @@ def _spec_opened(
     backend = make_backend(config)
     try:
         num_blocks = num_blocks_for(backend, config)
-        backend.initialize_kv_cache(num_blocks)
+        initialize_kv(backend, config, num_blocks)
         yield SpecHarness(backend, config, num_blocks, support)
     finally:
         backend.close()
@@ -477,7 +482,7 @@ def check_close(make_backend: BackendFactory, config: EngineConfig | None = None
     backend = make_backend(config)
     try:
         num_blocks = num_blocks_for(backend, config)
-        backend.initialize_kv_cache(num_blocks)
+        initialize_kv(backend, config, num_blocks)
         h = Harness(backend, config, num_blocks)
         h.add("open-1", make_prompt(17, 5), 10)
         h.add("open-2", make_prompt(18, 6), 10)

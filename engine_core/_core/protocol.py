@@ -16,6 +16,7 @@ __all__ = [
     "EngineCoreRequest",
     "EngineInfo",
     "EngineStats",
+    "KVGroupStats",
     "FinishedRequest",
     "KVEvents",
 ]
@@ -115,6 +116,17 @@ class DPEngineCoreOutputs(EngineCoreOutputs, tag="dpout"):
         return not (self.req_ids or self.finished or self.prompt_logprobs or self.kv_events)
 
 
+class KVGroupStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One KV-cache group's blocks (``EngineStats.kv_groups``)."""
+
+    kind: str
+    """``"full_attention"``, ``"sliding_attention"`` or ``"chunked_attention"``."""
+    window: int | None
+    """The sliding window (or the chunk) in tokens; None for full attention."""
+    blocks_in_use: int
+    """Blocks of the pool this group's tables hold now (released ones not counted)."""
+
+
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """A snapshot of the engine's state and counters."""
 
@@ -144,6 +156,9 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Each live engine's own stats, by rank (data parallelism only)."""
     engine_ranks: list[int] = []
     """The rank of each entry of ``engines``."""
+    kv_groups: list[KVGroupStats] = []
+    """Per KV-cache group, in the order of the block tables (one entry for a model whose
+    layers are all full attention)."""
     spec_num_speculative_tokens: int = 0
     """Speculative decoding: the most drafts a request verifies in a step (0: off)."""
     spec_num_drafts: int = 0

@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 
 from engine_core._core.kv_events import KVEventLog, snapshot
+from engine_core._core.kv_groups import KVLayout, plan_kv_layout
 from engine_core._core.protocol import (
     DPEngineCoreOutputs,
     EngineCoreOutputs,
@@ -36,6 +37,7 @@ from engine_core._core.protocol import (
     EngineLoad,
     EngineStats,
     FinishedRequest,
+    KVGroupStats,
 )
 from engine_core._core.request import Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
@@ -139,39 +141,58 @@ def resolve_spec_support(config: EngineConfig, backend: Backend) -> SpecSupport 
     return support
 
 
-def _blocks_in_kv_memory(config: EngineConfig, backend: Backend) -> int:
+def _blocks_in_kv_memory(backend: Backend, page_size_bytes: int) -> int:
     """The blocks that fit the KV memory the backend has left after the model."""
     memory = backend.available_kv_cache_memory()
     if memory <= 0:
         raise BackendError(
             f"no memory is left for the KV cache ({memory} bytes available after the model)"
         )
-    num_blocks = memory // backend.kv_cache_spec().bytes_per_block(config.block_size)
+    num_blocks = memory // page_size_bytes
     if num_blocks <= 0:
         raise BackendError(f"the KV cache memory ({memory} bytes) does not hold one block")
     return num_blocks
 
 
-def size_kv_cache(config: EngineConfig, backend: Backend) -> tuple[int, EngineConfig]:
+def kv_layout_of(config: EngineConfig, backend: Backend) -> KVLayout:
+    """The KV-cache groups of the backend's layers (``ValueError`` naming the layer and the
+    field for inconsistent specs)."""
+    return plan_kv_layout(backend.kv_cache_spec(), config.block_size)
+
+
+def size_kv_cache(
+    config: EngineConfig, backend: Backend, layout: KVLayout | None = None
+) -> tuple[int, EngineConfig]:
     """The number of KV blocks (``num_kv_blocks`` when set, else what fits the backend's KV
     memory) and the resolved config. A ``max_model_len`` left unset is lowered to what the KV
-    cache holds; one set explicitly must fit (``ValueError`` otherwise)."""
+    cache holds; one set explicitly must fit (``ValueError`` otherwise). With KV-cache groups a
+    request needs, per window group, only the blocks its window sees."""
+    if layout is None:
+        layout = kv_layout_of(config, backend)
     resolved = config.resolved(model_max_len=backend.max_model_len())
     num_blocks = resolved.num_kv_blocks
     if num_blocks is None:
-        num_blocks = _blocks_in_kv_memory(resolved, backend)
-    capacity = num_blocks * resolved.block_size
+        num_blocks = _blocks_in_kv_memory(backend, layout.page_size_bytes)
+    block_size = resolved.block_size
     max_model_len = resolved.max_model_len
-    assert max_model_len is not None
-    if config.max_model_len is None and capacity < max_model_len:
+    assert max_model_len is not None and resolved.max_num_batched_tokens is not None
+    step = resolved.max_num_batched_tokens
+    if layout.is_one_full_group:
+        capacity: int | None = num_blocks * block_size
+    else:
+        capacity = layout.max_tokens_in(num_blocks, step, block_size)
+    if config.max_model_len is None and capacity is not None and capacity < max_model_len:
         logger.info("max_model_len lowered to %d: the KV cache holds no more", capacity)
         max_model_len = capacity
         resolved = msgspec.structs.replace(resolved, max_model_len=max_model_len)
-    needed = -(-max_model_len // resolved.block_size)
+    needed = layout.blocks_needed(max_model_len, step, block_size)
     if num_blocks < needed:
+        groups = (
+            "" if layout.is_one_full_group else f" in its KV-cache groups ({layout.describe()})"
+        )
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks ({capacity} tokens) but one request of "
-            f"max_model_len={max_model_len} needs {needed}; lower max_model_len to "
+            f"max_model_len={max_model_len} needs {needed}{groups}; lower max_model_len to "
             f"{capacity} or below, or give the KV cache more blocks"
         )
     return num_blocks, resolved
@@ -208,8 +229,14 @@ class EngineCore:
             self.spec_support = resolve_spec_support(config, backend)
             self.async_scheduling = resolve_async_scheduling(config, backend)
             config = msgspec.structs.replace(config, async_scheduling=self.async_scheduling)
-            self.num_kv_blocks, config = size_kv_cache(config, backend)
-            backend.initialize_kv_cache(self.num_kv_blocks)
+            self.kv_layout = kv_layout_of(config, backend)
+            self.num_kv_blocks, config = size_kv_cache(config, backend, self.kv_layout)
+            if self.kv_layout.per_layer:
+                backend.initialize_kv_cache(  # type: ignore[call-arg]
+                    self.num_kv_blocks, self.kv_layout.kv_groups
+                )
+            else:
+                backend.initialize_kv_cache(self.num_kv_blocks)
         except BaseException:
             backend.close()
             raise
@@ -222,7 +249,7 @@ class EngineCore:
         if config.speculative_config is not None and self.spec_support is not None:
             spec = SpecDecoder(config.speculative_config, self.spec_support)
         self.scheduler = Scheduler(
-            SchedulerConfig.from_engine_config(config), self.num_kv_blocks, spec
+            SchedulerConfig.from_engine_config(config), self.num_kv_blocks, spec, self.kv_layout
         )
         self.num_steps = 0
         self._in_flight: deque[_InFlight] = deque()
@@ -626,6 +653,10 @@ class EngineCore:
             prefix_cache_hits=kv.stats.hits,
             num_malformed_messages=self.num_malformed_messages,
             device_busy_s=self.device_busy_s,
+            kv_groups=[
+                KVGroupStats(kind=kind, window=span, blocks_in_use=used)
+                for kind, span, used in kv.group_usage()
+            ],
             **self._spec_stats(),
         )
 
