@@ -381,7 +381,7 @@ class Scheduler:
                     request.request_id,
                     request.prompt_token_ids,
                     request.sampling_params,
-                    kv.table_ids(request) if self._grouped else request.block_ids,
+                    kv.table_ids(request),
                     num_hit_tokens,
                     num_new,
                     request.output_token_ids,  # after a preemption or a resume elsewhere
