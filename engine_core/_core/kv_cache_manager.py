@@ -262,7 +262,11 @@ class GroupedKVCacheManager(KVCacheManager):
                 suffix = suffixes[g]
                 candidate = length
                 while candidate > 0:
-                    first = group.first_live_block(candidate * block_size, block_size)
+                    # At least the last block: a hit that no block of the group confirms (a
+                    # chunk boundary) is no hit.
+                    first = min(
+                        group.first_live_block(candidate * block_size, block_size), candidate - 1
+                    )
                     j = candidate - 1
                     while j >= first and keys[j] + suffix in cached:
                         j -= 1
@@ -277,7 +281,7 @@ class GroupedKVCacheManager(KVCacheManager):
         hits: list[list[KVCacheBlock]] = []
         for g, group in enumerate(self.groups):
             suffix = suffixes[g]
-            first = group.first_live_block(length * block_size, block_size)
+            first = min(group.first_live_block(length * block_size, block_size), length - 1)
             hits.append(
                 [NULL_BLOCK] * first + [cached[keys[i] + suffix] for i in range(first, length)]
             )

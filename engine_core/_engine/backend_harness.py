@@ -86,6 +86,7 @@ class Harness:
         assert max_model_len >= 8 * self.block_size, (
             f"the checks need max_model_len >= {8 * self.block_size}, got {max_model_len}"
         )
+        self.kv_layout = plan_kv_layout(backend.kv_cache_spec(), self.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=16,
@@ -95,7 +96,7 @@ class Harness:
                 async_scheduling=self.async_scheduling,
             ),
             num_blocks,
-            kv_layout=plan_kv_layout(backend.kv_cache_spec(), self.block_size),
+            kv_layout=self.kv_layout,
         )
         self.outputs: dict[str, list[int]] = {}
         self.logprobs: dict[str, list[TokenLogprobs]] = {}
