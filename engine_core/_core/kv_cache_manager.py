@@ -297,13 +297,28 @@ class GroupedKVCacheManager(KVCacheManager):
             request.released_blocks = [0] * self.num_groups
         return tables
 
+    def _prompt_window(self, request: Request, group: KVGroup) -> tuple[int, int]:
+        """The entries a prefix hit of the request's whole prompt needs in a window group."""
+        block_size = self.block_size
+        end = min((request.num_prompt_tokens - 1) // block_size, len(request.block_keys))
+        if end <= 0:
+            return 0, 0
+        return min(group.first_live_block(end * block_size, block_size), end - 1), end
+
     def _release(self, request: Request, tables: list[list[KVCacheBlock]]) -> None:
-        """Release the window groups' blocks that no query from the computed tokens on sees."""
+        """Release the window groups' blocks that no query from the computed tokens on sees.
+
+        With prefix caching, the blocks a hit of the request's prompt would need (the window
+        before the prompt's end) are kept until the request ends: released while it decodes,
+        they would be evicted before the rest of its blocks, and the prompt would never hit
+        again. That is a few blocks per group while the outputs are shorter than the window,
+        at most the window's."""
         released = request.released_blocks
         assert released is not None
         computed = request.num_computed_tokens
         block_size = self.block_size
         pool = self.pool
+        caching = self.enable_caching
         for g, group in self._windowed:
             first = group.first_live_block(computed, block_size)
             start = released[g]
@@ -312,8 +327,17 @@ class GroupedKVCacheManager(KVCacheManager):
             table = tables[g]
             if first > len(table):
                 first = len(table)
-            gone = [b for b in table[start:first] if b is not NULL_BLOCK]
-            table[start:first] = [NULL_BLOCK] * (first - start)
+            keep_from, keep_to = self._prompt_window(request, group) if caching else (0, 0)
+            if keep_to <= start or first <= keep_from:
+                gone = [b for b in table[start:first] if b is not NULL_BLOCK]
+                table[start:first] = [NULL_BLOCK] * (first - start)
+            else:
+                gone = []
+                for i in range(start, first):
+                    block = table[i]
+                    if block is not NULL_BLOCK and not keep_from <= i < keep_to:
+                        gone.append(block)
+                        table[i] = NULL_BLOCK
             released[g] = first
             if gone:
                 gone.reverse()
@@ -416,3 +440,4 @@ class GroupedKVCacheManager(KVCacheManager):
             request.released_blocks = None
             request.blocks = []
         request.num_cached_blocks = 0
+
