@@ -440,4 +440,3 @@ class GroupedKVCacheManager(KVCacheManager):
             request.released_blocks = None
             request.blocks = []
         request.num_cached_blocks = 0
-
