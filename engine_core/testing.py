@@ -52,6 +52,7 @@ __all__ = [
     "check_close",
     "check_decode",
     "check_greedy_determinism",
+    "check_kv_groups",
     "check_logprobs",
     "check_mixed_batch",
     "check_preemption",
@@ -237,6 +238,39 @@ def check_prefix_caching(make_backend: BackendFactory, config: EngineConfig | No
         assert_same("a warm prefix", outputs["x-warm-1"], expected_x)
         assert_same("a prefix-cache hit", outputs["x-warm-2"], expected_x)
         assert_same("a shared prefix with another suffix", outputs["y-warm"], expected_y)
+
+
+def check_kv_groups(make_backend: BackendFactory, config: EngineConfig | None = None) -> None:
+    """A backend with window or chunked layers (per-layer specs): prompts several windows long,
+    prefilled in chunks across the window's edge while other requests take the blocks the
+    windows release, give the tokens of a run in one chunk, alone; prefix hits (whose window
+    tables start with null ids) give them too. A window layer that read a released block would
+    see another request's KV. Nothing to check for a backend of full-attention layers."""
+    config = config or default_config()
+    with opened(make_backend, config) as h:
+        spans = [g.span for g in h.kv_layout.groups if g.span is not None]
+        if not spans:
+            return
+        bs = h.block_size
+        span = max(spans)
+        length = min(3 * span + bs + 3, h.scheduler.config.max_model_len - 16)
+        prompts = {f"long-{i}": make_prompt(30 + i, length - 5 * i) for i in range(3)}
+        expected = {req_id: h.generate(f"{req_id}-alone", p, 8) for req_id, p in prompts.items()}
+        h.set_token_budget(max(bs, span // 2 + 3))  # chunks that start inside the window
+        for req_id, prompt in prompts.items():
+            h.add(req_id, prompt, 8, cold=False)
+        outputs = h.run()
+        for req_id in prompts:
+            assert_same(f"{req_id} prefilled in chunks", outputs[req_id], expected[req_id])
+        for req_id, prompt in prompts.items():
+            h.add(f"{req_id}-hit", prompt, 8, cold=False)
+        scheduler_output, _ = h.step()
+        hits = [r.num_computed_tokens for r in scheduler_output.new_reqs]
+        assert hits and hits[0] > span, f"expected a prefix hit longer than the window: {hits}"
+        outputs = h.run()
+        for req_id in prompts:
+            assert_same(f"{req_id} from a prefix hit", outputs[f"{req_id}-hit"], expected[req_id])
+        _assert_no_leak(h, "KV-cache groups")
 
 
 def check_greedy_determinism(
@@ -503,6 +537,7 @@ BACKEND_CHECKS: tuple[Callable[[BackendFactory, EngineConfig | None], None], ...
     check_abort,
     check_preemption,
     check_prefix_caching,
+    check_kv_groups,
     check_greedy_determinism,
     check_logprobs,
     check_async_scheduling,
