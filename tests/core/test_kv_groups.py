@@ -3,6 +3,7 @@ release while running, prefix hits as a fixed point over groups, sizing per grou
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from engine_core._core.kv_cache_manager import NULL_BLOCK, GroupedKVCacheManager
@@ -278,3 +279,21 @@ def test_one_window_group_sends_flat_tables_with_null_ids() -> None:
     assert request.group_blocks is not None
     assert request.group_blocks[0][0] is NULL_BLOCK
     assert s.kv.group_usage()[0][:2] == ("sliding_attention", 6)
+
+
+# -- the wire -------------------------------------------------------------------------------------
+
+
+def test_block_tables_cross_the_typed_wire_in_both_forms() -> None:
+    from engine_core._core.scheduler_output import CachedRequestData, NewRequestData
+    from engine_core.abc import SchedulerOutput
+
+    flat = NewRequestData("a", [1, 2, 3], SamplingParams(), [0, 1], 0, 3)
+    nested = NewRequestData("b", [1, 2, 3], SamplingParams(), [[0, 1], [-1, 2]], 0, 3)
+    cached = CachedRequestData(["c", "d"], [[5], [[6], [7]]], [4, 4], [1, 1])
+    out = SchedulerOutput([flat, nested], cached, 8)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=SchedulerOutput)
+    assert decoded == out
+    assert decoded.new_reqs[1].block_ids == [[0, 1], [-1, 2]]
+    # One group: the same bytes as a plain list of ints.
+    assert msgspec.msgpack.encode(flat.block_ids) == msgspec.msgpack.encode([0, 1])

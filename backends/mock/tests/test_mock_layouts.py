@@ -16,6 +16,7 @@ from engine_core._core.protocol import EngineCoreRequest
 from engine_core._engine.core import EngineCore
 from engine_core.abc import (
     CachedRequestData,
+    FullAttentionSpec,
     NewRequestData,
     SchedulerOutput,
     SlidingWindowSpec,
@@ -360,3 +361,35 @@ def test_no_request_makes_a_window_layer_read_a_released_block(
     if preempts:
         assert core.scheduler.num_preemptions > 0 and core.get_stats().prefix_cache_hits > 0
     core.close()
+
+
+class _BadSpecs(MockBackend):
+    specs: list = []
+
+    def kv_cache_spec(self):  # type: ignore[no-untyped-def]
+        return self.specs
+
+
+@pytest.mark.parametrize(
+    ("specs", "match"),
+    [
+        ([], "returned no layers"),
+        (
+            [FullAttentionSpec(num_kv_heads=2, head_size=8, dtype_bytes=2),
+             SlidingWindowSpec(window=0, num_kv_heads=2, head_size=8, dtype_bytes=2)],
+            r"layer 1 \(sliding_attention\) has window=0",
+        ),
+        (
+            [FullAttentionSpec(num_kv_heads=2, head_size=8, dtype_bytes=2),
+             FullAttentionSpec(num_kv_heads=2, head_size=16, dtype_bytes=2)],
+            "layer 1 has num_kv_heads=2, head_size=16.* cannot share one KV-cache pool",
+        ),
+    ],
+)  # fmt: skip
+def test_inconsistent_specs_stop_the_engine_at_startup(specs: list, match: str) -> None:
+    class Bad(_BadSpecs):
+        pass
+
+    Bad.specs = specs
+    with pytest.raises(ValueError, match=match):
+        EngineCore(EngineConfig(backend="mock", tokenizer="byte"), backend_cls=Bad)
