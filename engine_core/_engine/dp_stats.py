@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine_core._core.protocol import EngineStats
+from engine_core._core.protocol import EngineStats, KVGroupStats
 
 __all__ = ["aggregate_stats"]
 
@@ -33,6 +33,19 @@ def _sum_lists(lists: list[list[int]]) -> list[int]:
     return total
 
 
+def _sum_kv_groups(stats: list[EngineStats]) -> list[KVGroupStats]:
+    """Blocks in use per group, summed over engines of one layout (else none)."""
+    layouts = {tuple((g.kind, g.window) for g in s.kv_groups) for s in stats}
+    if len(layouts) != 1:
+        return []
+    return [
+        KVGroupStats(
+            kind=kind, window=window, blocks_in_use=sum(s.kv_groups[i].blocks_in_use for s in stats)
+        )
+        for i, (kind, window) in enumerate(layouts.pop())
+    ]
+
+
 def aggregate_stats(per_engine: dict[int, EngineStats], num_engines: int) -> EngineStats:
     """One snapshot of the live engines (``rank -> stats``): counts summed, the KV usage and the
     hit rate computed from the sums (never an average of rates), each engine's own listed."""
@@ -58,4 +71,5 @@ def aggregate_stats(per_engine: dict[int, EngineStats], num_engines: int) -> Eng
         num_engines_alive=len(stats),
         engines=stats,
         engine_ranks=ranks,
+        kv_groups=_sum_kv_groups(stats),
     )

@@ -297,3 +297,31 @@ def test_block_tables_cross_the_typed_wire_in_both_forms() -> None:
     assert decoded.new_reqs[1].block_ids == [[0, 1], [-1, 2]]
     # One group: the same bytes as a plain list of ints.
     assert msgspec.msgpack.encode(flat.block_ids) == msgspec.msgpack.encode([0, 1])
+
+
+def test_data_parallel_stats_sum_blocks_per_group() -> None:
+    from engine_core._core.protocol import EngineStats, KVGroupStats
+    from engine_core._engine.dp_stats import aggregate_stats
+
+    def engine(full: int, window: int) -> EngineStats:
+        groups = [
+            KVGroupStats(kind="full_attention", window=None, blocks_in_use=full),
+            KVGroupStats(kind="sliding_attention", window=128, blocks_in_use=window),
+        ]
+        return EngineStats(
+            num_running=1,
+            num_waiting=0,
+            kv_cache_usage=0.0,
+            prefix_cache_hit_rate=0.0,
+            num_preemptions=0,
+            num_steps=1,
+            num_kv_blocks=100,
+            num_free_kv_blocks=100 - full - window,
+            kv_groups=groups,
+        )
+
+    total = aggregate_stats({0: engine(10, 2), 1: engine(30, 4)}, 2)
+    assert [(g.kind, g.blocks_in_use) for g in total.kv_groups] == [
+        ("full_attention", 40),
+        ("sliding_attention", 6),
+    ]
