@@ -199,13 +199,18 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     async_scheduling: bool = False
     speculative_method: str | None = None
     """The draft method, when speculative decoding is on."""
+    kv_groups: str = ""
+    """The KV-cache groups, when the layers are not all full attention (e.g.
+    ``full_attention x2, sliding_attention(1024) x2, ...``); empty: one group."""
 
     def describe(self) -> str:
         """The resolved configuration in one line, for a startup log."""
         options = f" {self.backend_options}" if self.backend_options else ""
         return (
             f"backend {self.backend}{options}; KV cache {self.num_kv_blocks} blocks of "
-            f"{self.block_size} tokens; max_model_len {self.max_model_len}; "
+            f"{self.block_size} tokens"
+            + (f" (groups: {self.kv_groups})" if self.kv_groups else "")
+            + f"; max_model_len {self.max_model_len}; "
             f"max_num_seqs {self.max_num_seqs}; token budget {self.max_num_batched_tokens} per "
             f"step; async scheduling {'on' if self.async_scheduling else 'off'}; speculative "
             f"decoding {self.speculative_method or 'off'}"

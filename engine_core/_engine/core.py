@@ -635,6 +635,7 @@ class EngineCore:
                 if self.config.speculative_config is not None and self.spec_support is not None
                 else None
             ),
+            kv_groups="" if self.kv_layout.is_one_full_group else self.kv_layout.describe(),
         )
 
     def get_stats(self) -> EngineStats:

@@ -325,3 +325,24 @@ def test_data_parallel_stats_sum_blocks_per_group() -> None:
         ("full_attention", 40),
         ("sliding_attention", 6),
     ]
+
+
+def test_the_startup_line_names_the_groups() -> None:
+    from engine_core._core.protocol import EngineInfo
+
+    layout = plan_kv_layout([full(), window(6), window(6)], BS)
+    info = EngineInfo(
+        num_kv_blocks=10,
+        block_size=BS,
+        max_model_len=64,
+        vocab_size=256,
+        backend="mock",
+        kv_groups=layout.describe(),
+    )
+    assert "10 blocks of 4 tokens (groups: full_attention x1, sliding_attention(6) x1" in (
+        info.describe()
+    )
+    plain = EngineInfo(
+        num_kv_blocks=10, block_size=BS, max_model_len=64, vocab_size=256, backend="mock"
+    )
+    assert "4 tokens; max_model_len" in plain.describe()
