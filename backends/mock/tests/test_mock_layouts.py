@@ -393,3 +393,44 @@ def test_inconsistent_specs_stop_the_engine_at_startup(specs: list, match: str) 
     Bad.specs = specs
     with pytest.raises(ValueError, match=match):
         EngineCore(EngineConfig(backend="mock", tokenizer="byte"), backend_cls=Bad)
+
+
+def test_max_model_len_follows_what_each_group_needs() -> None:
+    def core_of(types: list[str]) -> EngineCore:
+        options = {**layout_options(types), "device_memory_bytes": 600 * 1024}
+        return EngineCore(
+            EngineConfig(
+                backend="mock",
+                tokenizer="byte",
+                block_size=BS,
+                max_num_batched_tokens=64,
+                max_num_seqs=4,
+                kv_cache_memory_fraction=1.0,
+                backend_options=options,
+            )
+        )
+
+    full = core_of(["full_attention"] * 4)
+    # One group of 4 layers: 1024-byte pages, 600 of them, 2400 tokens for one request.
+    assert full.num_kv_blocks == 600 and full.max_model_len == 600 * BS
+    full.close()
+    hybrid = core_of(["full_attention", "sliding_attention"] * 2)
+    # Two groups of 2 layers: 1200 pages; the window group needs at most
+    # ceil((10 - 1 + 64) / 4) + 1 = 20 of them, whatever the length.
+    assert hybrid.num_kv_blocks == 1200 and hybrid.max_model_len == (1200 - 20) * BS
+    hybrid.close()
+    windows = core_of(["sliding_attention"] * 4)
+    assert windows.max_model_len > 1200 * BS  # not capped by the KV cache at all
+    windows.close()
+    with pytest.raises(ValueError, match=r"needs .* in its KV-cache groups"):
+        EngineCore(
+            EngineConfig(
+                backend="mock",
+                tokenizer="byte",
+                block_size=BS,
+                max_model_len=10000,
+                max_num_batched_tokens=64,
+                max_num_seqs=4,
+                backend_options={**layout_options(HYBRID), "device_memory_bytes": 600 * 1024},
+            )
+        )
