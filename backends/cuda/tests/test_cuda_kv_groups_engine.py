@@ -40,8 +40,9 @@ def test_window_groups_release_blocks_and_tokens_match_transformers(
         assert any(isinstance(s, SlidingWindowSpec) and s.window == WINDOW for s in specs)
         assert any(g.span == WINDOW for g in core.kv_layout.groups)
         tokenizer = load_tokenizer(str(model.path))
-        prompts = {f"r{i}": tokenizer.encode(p) for i, p in enumerate(PROMPTS)}
-        assert sum(len(p) > 3 * WINDOW for p in prompts.values()) >= 2
+        encoded = [tokenizer.encode(p) for p in PROMPTS]
+        prompts = {f"r{i}": p for i, p in enumerate(encoded) if len(p) > 2 * WINDOW}
+        assert len(prompts) >= 2 and any(len(p) > 3 * WINDOW for p in prompts.values())
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         tokens: dict[str, list[int]] = {}
         released = 0
