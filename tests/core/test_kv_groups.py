@@ -300,8 +300,8 @@ def test_block_tables_cross_the_typed_wire_in_both_forms() -> None:
 
 
 def test_data_parallel_stats_sum_blocks_per_group() -> None:
-    from engine_core._core.protocol import EngineStats, KVGroupStats
-    from engine_core._engine.dp_stats import aggregate_stats
+    from engine_core._core.engine_io import EngineStats, KVGroupStats
+    from engine_core._engine.dp.stats import aggregate_stats
 
     def engine(full: int, window: int) -> EngineStats:
         groups = [
@@ -328,7 +328,7 @@ def test_data_parallel_stats_sum_blocks_per_group() -> None:
 
 
 def test_the_startup_line_names_the_groups() -> None:
-    from engine_core._core.protocol import EngineInfo
+    from engine_core._core.engine_io import EngineInfo
 
     layout = plan_kv_layout([full(), window(6), window(6)], BS)
     info = EngineInfo(

@@ -10,8 +10,8 @@ from hf_reference import PROMPTS, greedy
 from tiny_models import WINDOW, TinyModel
 
 from engine_core import SamplingParams
+from engine_core._core.engine_io import EngineCoreRequest
 from engine_core._core.kv_cache_manager import NULL_BLOCK
-from engine_core._core.protocol import EngineCoreRequest
 from engine_core._engine.core import EngineCore
 from engine_core.abc import SlidingWindowSpec, load_tokenizer
 from engine_core.config import EngineConfig

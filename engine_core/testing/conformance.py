@@ -28,7 +28,9 @@ from itertools import pairwise
 from typing import Any
 
 from engine_core._core.kv_groups import plan_kv_layout
-from engine_core._engine.backend_harness import (
+from engine_core.abc import Backend, KVCacheSpec, SpecSupport, TokenLogprobs
+from engine_core.config import EngineConfig
+from engine_core.testing.harness import (
     MAX_BLOCKS,
     BackendFactory,
     Harness,
@@ -39,9 +41,7 @@ from engine_core._engine.backend_harness import (
     num_blocks_for,
     opened,
 )
-from engine_core._engine.spec_harness import SpecHarness
-from engine_core.abc import Backend, KVCacheSpec, SpecSupport, TokenLogprobs
-from engine_core.config import EngineConfig
+from engine_core.testing.spec_harness import SpecHarness
 
 __all__ = [
     "BACKEND_CHECKS",
