@@ -18,7 +18,8 @@ the all-full pool holds less two (latest first), whose prefix hit rate shows the
 prefix cache at work (the full groups' blocks and the windows' last blocks); their outputs
 must equal the first wave's.
 
-Usage: ``python bench/bench_kv_layouts.py [--requests N] [--prompt-tokens N] [--json PATH]``.
+Usage: ``python bench/bench_kv_layouts.py [--requests N] [--prompt-tokens N] [--rounds N]
+[--json PATH]`` (each layout runs ``--rounds`` times, interleaved; the median tok/s is kept).
 """
 
 from __future__ import annotations
@@ -128,11 +129,17 @@ def run(
     return result
 
 
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median output tok/s (the other figures are the same in every run)."""
+    return sorted(runs, key=lambda r: r["first"]["output_tok_per_s"])[len(runs) // 2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=16384)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved runs (median kept)")
     parser.add_argument("--json", default=None, help="write results to this path")
     args = parser.parse_args()
     print(machine_line(), flush=True)
@@ -144,8 +151,11 @@ def main() -> None:
         memory = int(FULL_REQUESTS * blocks_per_request * len(types) * LAYER_PAGE)
         # The second wave: what the all-full pool holds, less two requests of margin.
         wave2 = int(FULL_REQUESTS) - 2
-        full = run(full_types, window, memory, texts, wave2, args.max_tokens)
-        hybrid = run(types, window, memory, texts, wave2, args.max_tokens)
+        fulls, hybrids = [], []
+        for _ in range(args.rounds):  # interleaved: the machine's load drifts
+            fulls.append(run(full_types, window, memory, texts, wave2, args.max_tokens))
+            hybrids.append(run(types, window, memory, texts, wave2, args.max_tokens))
+        full, hybrid = _median(fulls), _median(hybrids)
         same = (
             full["first"]["outputs"] == hybrid["first"]["outputs"]
             and full["second_same"]
