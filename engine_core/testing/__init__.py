@@ -30,6 +30,7 @@ from engine_core.testing.conformance import check_backend as check_backend
 from engine_core.testing.conformance import check_close as check_close
 from engine_core.testing.conformance import check_decode as check_decode
 from engine_core.testing.conformance import check_greedy_determinism as check_greedy_determinism
+from engine_core.testing.conformance import check_kv_groups as check_kv_groups
 from engine_core.testing.conformance import check_logprobs as check_logprobs
 from engine_core.testing.conformance import check_mixed_batch as check_mixed_batch
 from engine_core.testing.conformance import check_preemption as check_preemption
