@@ -139,3 +139,16 @@ def test_gpu_without_fp8_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> 
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, torch.device("cuda:0")) is torch.bfloat16
     monkeypatch.setattr(_fp8, "_capability", lambda index: (9, 0))
     assert resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, torch.device("cuda:0")) is FP8_DTYPE
+
+
+def test_per_layer_specs_of_a_windowed_model_are_one_byte(tiny: dict[str, TinyModel]) -> None:
+    """Gemma 2's window and full layers (KV-cache groups): every layer's spec has FP8's one-byte
+    elements."""
+    backend = _backend(tiny["gemma2"], kv_cache_dtype="fp8")
+    try:
+        specs = backend.kv_cache_spec()
+        assert isinstance(specs, list) and len(specs) == 3
+        assert {type(s).__name__ for s in specs} == {"SlidingWindowSpec", "FullAttentionSpec"}
+        assert all(s.dtype_bytes == 1 for s in specs)
+    finally:
+        backend.close()
