@@ -22,6 +22,8 @@ CASES = [
 ]
 
 
+# The Triton cases run interpreted: a minute each on a loaded two-core machine.
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(("check", "kernels"), CASES)
 def test_conformance(
     tiny: dict[str, TinyModel],
