@@ -39,6 +39,7 @@ from engine_core.config import EngineConfig
 from engine_core_cuda._attention import AttentionContext, KVCache, split_kv_segments
 from engine_core_cuda._device import prepare_triton, resolve_device, resolve_dtype
 from engine_core_cuda._draft_model import DraftModel
+from engine_core_cuda._fp8 import prepare_fp8_storage, resolve_kv_cache_dtype
 from engine_core_cuda._hf_config import ModelConfig
 from engine_core_cuda._input_batch import InputBatch
 from engine_core_cuda._kernel_ops import KernelOps
@@ -152,12 +153,17 @@ class ModelRunner:
         """This rank's geometry (heads, KV heads and intermediate size of its shard)."""
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        """The KV cache's element type: the model's, or FP8 (``kv_cache_dtype="fp8"``)."""
         if options.kernels == "triton":
             prepare_triton(self.device)
         self.ops = KernelOps(options.kernels)
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or model_config.max_model_len
         self.model = CausalLM(model_config, self.max_model_len, self.dtype, self.device, parallel)
+        self.quantization = model_config.quantization
+        if self.quantization is not None:  # FP8 weights, filled by the loader
+            prepare_fp8_storage(self.model, self.quantization.ignore)
         self.drafter: DraftModel | None = None
         self.load_weights()
         self.batch = InputBatch(
@@ -199,7 +205,7 @@ class ModelRunner:
         if self.options.load_format == "dummy":
             init_random_weights(self.model, self.config.seed)
         elif self.parallel is None:
-            load_weights(self.model, Path(model_dir))
+            load_weights(self.model, Path(model_dir), quant=self.quantization)
         else:
             from engine_core_cuda._tp.shard import slice_of
 
@@ -208,6 +214,7 @@ class ModelRunner:
                 self.model,
                 Path(model_dir),
                 lambda name, ndim: slice_of(name, ndim, full, rank, size),
+                self.quantization,
             )
         if self.drafter is not None:
             self.drafter.load_weights()
@@ -237,7 +244,7 @@ class ModelRunner:
             self.batch.set_kv_groups(layout.num_groups)
             self.kv_layout = layout
         self.num_blocks = num_blocks
-        self._kv_tensor = torch.zeros(self.kv_cache_shape, dtype=self.dtype, device=self.device)
+        self._kv_tensor = torch.zeros(self.kv_cache_shape, dtype=self.kv_dtype, device=self.device)
         slots = self._kv_tensor.unbind(0)
         self.kv_caches = []
         for layer, (group, slot) in zip(
