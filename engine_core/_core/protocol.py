@@ -184,10 +184,16 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     async_scheduling: bool = False
     speculative_method: str | None = None
     """The draft method, when speculative decoding is on."""
+    backend_settings: dict[str, str | int | float | bool] = {}
+    """What the backend resolved for itself (``Backend.resolved_settings``: its device,
+    kernels, CPU threads)."""
 
     def describe(self) -> str:
         """The resolved configuration in one line, for a startup log."""
         options = f" {self.backend_options}" if self.backend_options else ""
+        if self.backend_settings:
+            settings = ", ".join(f"{k} {v}" for k, v in self.backend_settings.items())
+            options += f" ({settings})"
         return (
             f"backend {self.backend}{options}; KV cache {self.num_kv_blocks} blocks of "
             f"{self.block_size} tokens; max_model_len {self.max_model_len}; "

@@ -218,6 +218,7 @@ class EngineCore:
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         self.max_model_len: int = config.max_model_len
         self.vocab_size = backend.vocab_size()
+        self._backend_settings = _shown_options(backend.resolved_settings())
         spec = None
         if config.speculative_config is not None and self.spec_support is not None:
             spec = SpecDecoder(config.speculative_config, self.spec_support)
@@ -608,6 +609,7 @@ class EngineCore:
                 if self.config.speculative_config is not None and self.spec_support is not None
                 else None
             ),
+            backend_settings=self._backend_settings,
         )
 
     def get_stats(self) -> EngineStats:

@@ -37,7 +37,14 @@ from engine_core.abc import (
 )
 from engine_core.config import EngineConfig
 from engine_core_cuda._attention import AttentionContext, KVCache, split_kv_segments
-from engine_core_cuda._device import prepare_triton, resolve_device, resolve_dtype
+from engine_core_cuda._device import (
+    CpuThreads,
+    apply_cpu_threads,
+    prepare_triton,
+    resolve_cpu_threads,
+    resolve_device,
+    resolve_dtype,
+)
 from engine_core_cuda._draft_model import DraftModel
 from engine_core_cuda._hf_config import ModelConfig
 from engine_core_cuda._input_batch import InputBatch
@@ -152,6 +159,12 @@ class ModelRunner:
         """This rank's geometry (heads, KV heads and intermediate size of its shard)."""
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.cpu_threads: CpuThreads | None = None
+        """torch's intra-op threads on the CPU (None on a GPU), set again on the thread of each
+        step (the engine may step on another thread than the one that built the runner)."""
+        if self.device.type == "cpu":
+            self.cpu_threads = resolve_cpu_threads(options.cpu_threads, config.tensor_parallel_size)
+            apply_cpu_threads(self.cpu_threads.threads)
         if options.kernels == "triton":
             prepare_triton(self.device)
         self.ops = KernelOps(options.kernels)
@@ -263,6 +276,8 @@ class ModelRunner:
             raise RuntimeError("execute_model called twice without sample_tokens in between")
         if self._kv_tensor is None:
             raise RuntimeError("execute_model called without a KV cache (initialize_kv_cache)")
+        if self.cpu_threads is not None:
+            apply_cpu_threads(self.cpu_threads.threads)
         if self.device.type == "cuda":
             self._step_start = torch.cuda.Event(enable_timing=True)
             self._step_start.record()
@@ -424,6 +439,8 @@ class ModelRunner:
     def _sample(
         self, step: StepInputs, logits: torch.Tensor, picks: list[int], bitmask: Any | None
     ) -> torch.Tensor:
+        if self.cpu_threads is not None:
+            apply_cpu_threads(self.cpu_threads.threads)
         all_pick = len(picks) == len(step.states)
         index = None if all_pick else torch.tensor(picks, dtype=torch.int64).to(self.device)
         rows = step.seq_rows.long() if index is None else step.seq_rows[index].long()
