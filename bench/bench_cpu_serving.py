@@ -18,8 +18,9 @@ default: the cores less one). vLLM
 round runs every scenario, every concurrency, every system, the systems' order rotated from
 round to round; the table has the median output tok/s over the rounds and each system's ratio to
 the reference system (vLLM when it runs, else transformers). ``--base-tree DIR`` adds
-``base``: the default server run from another checkout (its ``engine_core`` and backends), for a
-before/after of the backend's kernels. The sampling micro-benchmark (``--no-sampling`` to skip)
+``base1``: the server run from another checkout (its ``engine_core`` and backends) with
+``OMP_NUM_THREADS=1``, for a before/after of the backend's kernels at the same threads (``base``:
+that checkout's default threads). The sampling micro-benchmark (``--no-sampling`` to skip)
 times the seeded noise of 64 rows × a 128k vocabulary: the reference int64 tensors, the
 chunked race the CPU samples with, and ``torch.exponential_``.
 
@@ -79,7 +80,13 @@ def build_model(name: str, directory: Path) -> Path:
         bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, **MODELS[name],
     )  # fmt: skip
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(directory)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        # Random weights' greedy output can settle on a special token, which decodes to no
+        # text (and the client counts a request that streams no text as failed): their output
+        # rows are zero, a logit of 0 that the largest of the others exceeds.
+        model.lm_head.weight[[config.bos_token_id, config.eos_token_id]] = 0.0
+    model.save_pretrained(directory)
     write_tokenizer(directory)
     return directory
 
@@ -233,8 +240,10 @@ def sampling_rows(rows: int = 64, vocab: int = 128_256, repeats: int = 3) -> dic
     """Milliseconds (best of ``repeats``) to draw one token per row with seeded noise."""
     sys.path.insert(0, str(ROOT / "backends" / "cuda"))
     import torch
+    from engine_core_cuda._device import resolve_cpu_threads
     from engine_core_cuda._random import exponential_noise, exponential_race
 
+    torch.set_num_threads(resolve_cpu_threads(None).threads)  # the engine's threads
     generator = torch.Generator().manual_seed(0)
     probs = torch.randn(rows, vocab, generator=generator).softmax(dim=-1)
     seeds = torch.randint(-(2**62), 2**62, (rows,), generator=generator)
@@ -276,8 +285,8 @@ def main() -> None:
     p.add_argument("--models", default="h512", help="comma-separated: h512, h64")
     p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--systems", default="default,omp1,hf",
-                   help="comma-separated: default, omp1, hf, base (needs --base-tree), "
-                        "vllm (needs --vllm-python)")  # fmt: skip
+                   help="comma-separated: default, omp1, hf, base and base1 (the --base-tree "
+                        "checkout's default and OMP_NUM_THREADS=1), vllm (needs --vllm-python)")  # fmt: skip
     p.add_argument("--scenarios", default="quiet,load", help="comma-separated: quiet, load")
     p.add_argument("--load", type=int, default=3, help="busy-loop processes of the load scenario")
     p.add_argument("--rounds", type=int, default=1)
@@ -297,8 +306,8 @@ def main() -> None:
     systems = args.systems.split(",")
     if args.vllm_python and "vllm" not in systems:
         systems.append("vllm")
-    if args.base_tree is not None and "base" not in systems:
-        systems.append("base")
+    if args.base_tree is not None and not any(s.startswith("base") for s in systems):
+        systems.append("base1")
     concurrencies = _ints(args.concurrency)
     scenarios = args.scenarios.split(",")
     print(machine_line())
@@ -339,9 +348,9 @@ def run_model(
         started = time.perf_counter()
         for system in systems:
             t0 = time.perf_counter()
-            if system in ("default", "omp1", "base"):
-                env = _env("1" if system == "omp1" else None,
-                           args.base_tree if system == "base" else None)  # fmt: skip
+            if system in ("default", "omp1", "base", "base1"):
+                env = _env("1" if system in ("omp1", "base1") else None,
+                           args.base_tree if system.startswith("base") else None)  # fmt: skip
                 url, _ = stack.enter_context(
                     server_process(_engine_flags(model), start_timeout_s=600, env=env)
                 )

@@ -82,7 +82,8 @@ def exponential_noise(
 
 
 _CHUNK_ELEMENTS = 1 << 16
-"""Elements of a column chunk of :func:`exponential_race` (256 KiB per int32 buffer)."""
+"""Elements of a column chunk of :func:`exponential_race` per torch thread (256 KiB per int32
+buffer)."""
 _token_hashes: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
@@ -131,7 +132,10 @@ def exponential_race(
         return torch.empty(0, dtype=torch.int64, device=device)
     keys = _as_int32(_row_keys(seeds, positions))[:, None]
     token_hash = _token_hash(vocab_size, device)
-    width = max(16, min(vocab_size, _CHUNK_ELEMENTS // rows // 16 * 16))
+    # A chunk per thread fits its cache: with more threads, fewer and wider operations (each
+    # one waits for every thread).
+    chunk = _CHUNK_ELEMENTS * max(1, torch.get_num_threads())
+    width = max(16, min(vocab_size, chunk // rows // 16 * 16))
     bits = torch.empty(rows, width, dtype=torch.int32, device=device)
     tmp = torch.empty_like(bits)
     score = torch.empty(rows, width, dtype=torch.float32, device=device)
