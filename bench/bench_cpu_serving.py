@@ -81,13 +81,20 @@ def build_model(name: str, directory: Path) -> Path:
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        # Random weights' greedy output can settle on a special token, which decodes to no
-        # text (and the client counts a request that streams no text as failed): their output
-        # rows are zero, a logit of 0 that the largest of the others exceeds.
-        model.lm_head.weight[[config.bos_token_id, config.eos_token_id]] = 0.0
-    model.save_pretrained(directory)
     write_tokenizer(directory)
+    # Random weights' greedy output tends to repeat one token; when that token is special or a
+    # piece of a UTF-8 character it decodes to no text, and the client counts a request that
+    # streams no text as failed. Those tokens' output rows are zero: a logit of 0, which the
+    # largest of the other (random) logits exceeds.
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    silent = [i for i in range(VOCAB_SIZE)
+              if i in (config.bos_token_id, config.eos_token_id)
+              or not tokenizer.decode([i]).strip("\ufffd")]  # fmt: skip
+    with torch.no_grad():
+        model.lm_head.weight[silent] = 0.0
+    model.save_pretrained(directory)
     return directory
 
 
