@@ -27,7 +27,7 @@ import anyio
 from engine_core import AsyncLLM, RequestOutputKind, SamplingParams
 from engine_core._bench.machine import machine_line, write_results
 from engine_core._core.block_hash import block_digests
-from engine_core._core.protocol import KVEvents
+from engine_core._core.engine_io import KVEvents
 from engine_core._core.router import Router
 
 

@@ -33,7 +33,7 @@ import anyio
 
 from engine_core import AsyncLLM, RequestOutputKind, SamplingParams
 from engine_core._bench.machine import machine_line, write_results
-from engine_core._engine.dp_client import DPClient
+from engine_core._engine.dp.client import DPClient
 
 BLOCK = 16
 

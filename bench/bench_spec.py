@@ -39,7 +39,7 @@ from typing import Any
 from engine_core_mock import MockBackend
 
 from engine_core._bench.machine import machine_line, write_results
-from engine_core._core.protocol import EngineCoreRequest
+from engine_core._core.engine_io import EngineCoreRequest
 from engine_core._engine.core import EngineCore
 from engine_core.abc import Backend
 from engine_core.config import EngineConfig, SpeculativeConfig
@@ -224,7 +224,7 @@ def time_modes(
 def ngram_proposer_us(context: int = 2048, k: int = 4, num: int = 2000) -> dict[str, float]:
     """Microseconds per proposal of the core's n-gram proposer at ``context`` tokens, as in
     decoding (one token appended per call), on copy-workload text: a hit and a miss each."""
-    from engine_core.spec import NgramIndex, NgramProposer
+    from engine_core.ngram import NgramIndex, NgramProposer
 
     proposer = NgramProposer()
     rng = random.Random(5)

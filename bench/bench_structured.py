@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from engine_core._bench.machine import machine_line, write_results
-from engine_core._core.protocol import EngineCoreRequest
+from engine_core._core.engine_io import EngineCoreRequest
 from engine_core._engine.core import EngineCore
 from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams, StructuredOutputsParams

@@ -1352,7 +1352,7 @@ def _engine_decode(model_dir: Path, args: argparse.Namespace, batch_size: int, c
     from engine_core_cuda import CudaBackend
 
     from engine_core import SamplingParams
-    from engine_core._core.protocol import EngineCoreRequest
+    from engine_core._core.engine_io import EngineCoreRequest
     from engine_core._engine.core import EngineCore
     from engine_core.config import EngineConfig
 
@@ -1460,7 +1460,7 @@ def _engine_generate(model_dir: Path, args: argparse.Namespace, batches: list[li
     from engine_core_cuda import CudaBackend
 
     from engine_core import SamplingParams
-    from engine_core._core.protocol import EngineCoreRequest
+    from engine_core._core.engine_io import EngineCoreRequest
     from engine_core._engine.core import EngineCore
     from engine_core.config import EngineConfig
 

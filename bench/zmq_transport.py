@@ -8,7 +8,7 @@ message; the client sends a small message and waits for the echo, one at a time.
 - ``sync``: blocking ``send``/``recv`` in plain Python: the floor;
 - ``fd-wait``: non-blocking ``recv`` and ``anyio.wait_readable`` on the socket's ``zmq.FD``
   (edge-triggered: try ``recv`` first, wait only on ``EAGAIN``), under asyncio and trio: what
-  ``engine_core._engine.sockets`` does;
+  ``engine_core._engine.pipes.addresses`` does;
 - ``to-thread``: a blocking ``recv`` in ``anyio.to_thread.run_sync`` per message;
 - ``reader-thread``: one thread blocks in ``recv`` and hands each message to the event loop with
   ``anyio.from_thread.run_sync`` into a memory stream;
@@ -19,7 +19,7 @@ message; the client sends a small message and waits for the echo, one at a time.
 - ``unix socket``: the same echo over a plain Unix stream socket (no ZMQ I/O threads), blocking
   and with ``anyio.wait_readable``: what the round trip costs without ZMQ's thread hops (a ZMQ
   message crosses two I/O threads each way, a socket message none);
-- ``pipes``: the engine's own Unix stream pipes (``engine_core._engine.unix_stream``: framed
+- ``pipes``: the engine's own Unix stream pipes (``engine_core._engine.pipes.unix``: framed
   messages, the reader waiting on its epoll descriptor) with both ends in event loops, the echo
   under asyncio, uvloop and trio;
 - ``anyio streams``: the same echo with anyio's own Unix socket streams (``connect_unix``,
@@ -57,11 +57,11 @@ import anyio.to_thread
 import zmq
 
 from engine_core._bench.machine import machine_line
-from engine_core._core.protocol import EngineCoreRequest
-from engine_core._engine.mp_client import MPClient
-from engine_core._engine.sockets import Transport as PipeTransport
-from engine_core._engine.sockets import recv_async
-from engine_core._engine.unix_stream import StreamReceiver, StreamSender
+from engine_core._core.engine_io import EngineCoreRequest
+from engine_core._engine.mp.client import MPClient
+from engine_core._engine.pipes.addresses import TransportKind as PipeTransport
+from engine_core._engine.pipes.addresses import recv_async
+from engine_core._engine.pipes.unix import StreamReceiver, StreamSender
 from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams
 

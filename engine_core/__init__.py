@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine_core._core.protocol import EngineStats
+from engine_core._core.engine_io import EngineStats
 from engine_core._plugins import list_backends
 from engine_core.config import EngineConfig, SpeculativeConfig
 from engine_core.errors import (

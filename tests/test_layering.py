@@ -24,7 +24,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "engine_core"
 
-PUBLIC = ("config", "sampling_params", "outputs", "errors", "abc", "spec")
+PUBLIC = ("config", "sampling_params", "outputs", "errors", "abc", "ngram", "spec")
 """The public type modules: one layer, below everything private but ``_core``'s wire types."""
 
 EVENT_LOOPS_SOCKETS_TENSORS = frozenset(
@@ -395,22 +395,22 @@ def test_ray_only_in_its_launcher_which_is_imported_only_when_asked_for() -> Non
     # Ray (the optional extra) is imported by ray_launch alone, and ray_launch only lazily
     # (inside the function that runs for data_parallel_backend="ray") or for type checking.
     ray_importers = {module for module, _ in imports_anywhere(frozenset({"ray"}))}
-    assert ray_importers == {"engine_core._engine.ray_launch"}
+    assert ray_importers == {"engine_core._engine.ray.launch"}
     eager = [
         f"{module}:{imp.line}"
         for module in all_package_modules()
         for imp in imports_of(module)
-        if imp.module.startswith("engine_core._engine.ray_launch")
+        if imp.module.startswith("engine_core._engine.ray.launch")
         and not (imp.in_function or imp.type_checking_only)
-        and module != "engine_core._engine.ray_launch"
+        and module != "engine_core._engine.ray.launch"
     ]
     assert eager == []
 
 
 def test_serving_without_the_ray_backend_loads_no_ray() -> None:
     code = (
-        "import sys, engine_core, engine_core.cli, engine_core._engine.dp_client, "
-        "engine_core._engine.ray_placement, engine_core._engine.main; "
+        "import sys, engine_core, engine_core.cli, engine_core._engine.dp.client, "
+        "engine_core._engine.ray.placement, engine_core._engine.main; "
         "from engine_core import LLM; "
         "llm = LLM(backend='mock', tokenizer='byte', multiprocess=True, data_parallel_size=2); "
         "llm.generate('abc', use_tqdm=False); llm.close(); "
@@ -418,3 +418,61 @@ def test_serving_without_the_ray_backend_loads_no_ray() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# -- the rooms inside _engine ------------------------------------------------------------------
+
+ENGINE_ROOMS: dict[str, frozenset[str]] = {
+    # The engine step and what it settles at startup: no pipes, no clients, no process.
+    "core": frozenset({"startup"}),
+    "startup": frozenset(),
+    # The messages and the pipes: below everything that uses them.
+    "wire": frozenset(),
+    "pipes": frozenset({"pipes"}),
+    "runtime": frozenset(),
+    # The engine-core process: the step served over the pipes.
+    "proc": frozenset({"core", "pipes", "wire"}),
+    "main": frozenset({"core", "proc", "pipes", "runtime", "wire"}),
+    "__main__": frozenset({"main"}),
+    # The clients: the interface, in-process, one process, several, and Ray's launcher.
+    # (``client`` picks one: it imports them lazily.) What both sides of the pipe read lives
+    # below them all, in ``_core.engine_io``: no client imports the engine step.
+    "client": frozenset({"inproc_client", "mp", "dp"}),
+    "inproc_client": frozenset({"client", "core"}),
+    "mp": frozenset({"mp", "client", "pipes", "wire"}),
+    "dp": frozenset({"dp", "mp", "client", "ray"}),
+    "ray": frozenset({"ray", "mp", "main", "pipes", "wire"}),
+}
+"""Which rooms of ``engine_core._engine`` (a top-level module or a subpackage) each room may
+import: the pipes and the messages know nothing of the clients, the engine step nothing of
+pipes or processes."""
+
+
+def room_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["engine_core", "_engine"] or len(parts) < 3:
+        return None
+    return parts[2]
+
+
+def test_every_engine_module_is_in_a_room() -> None:
+    rooms = {room_of(m) for m in all_package_modules() if layer_of(m) == "_engine"}
+    assert rooms - {None} == set(ENGINE_ROOMS)
+
+
+def test_engine_rooms_import_only_what_their_rule_allows() -> None:
+    found = []
+    for module in all_package_modules():
+        room = room_of(module)
+        if room is None:
+            continue
+        for imp in imports_of(module):
+            target = room_of(imp.module)
+            if target is not None and target != room and target not in ENGINE_ROOMS[room]:
+                found.append(f"{module}:{imp.line} imports {imp.module}")
+    assert found == []
+
+
+def test_engine_has_at_most_twelve_rooms() -> None:
+    # Its top level stays one screen: modules and subpackages, __init__ and __main__ aside.
+    assert len(set(ENGINE_ROOMS) - {"__main__"}) <= 12

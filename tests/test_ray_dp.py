@@ -24,10 +24,10 @@ ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'engin
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from engine_core import LLM, AsyncLLM, RequestOutputKind, SamplingParams  # noqa: E402
-from engine_core._engine import dp_client  # noqa: E402
-from engine_core._engine.dial_sockets import DialSockets  # noqa: E402
-from engine_core._engine.dp_client import DPClient  # noqa: E402
-from engine_core._engine.ray_placement import PlacementError  # noqa: E402
+from engine_core._engine.dp import failover  # noqa: E402
+from engine_core._engine.dp.client import DPClient  # noqa: E402
+from engine_core._engine.pipes.dial import DialSockets  # noqa: E402
+from engine_core._engine.ray.placement import PlacementError  # noqa: E402
 from engine_core._engine.wire import EngineDead  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -144,7 +144,7 @@ async def test_losing_a_node_is_its_engines_death_and_a_restart_places_it_anew(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The restart's first try comes at once (1 s later by default): it waits for a node anyway.
-    monkeypatch.setattr(dp_client, "_RESTART_BACKOFF_S", (0.0, 1.0))
+    monkeypatch.setattr(failover, "RESTART_BACKOFF_S", (0.0, 1.0))
     params = GREEDY.clone(max_tokens=24, output_kind=RequestOutputKind.DELTA)
     expected = _expected(PROMPTS, params.clone(output_kind=RequestOutputKind.FINAL_ONLY))
     head = cluster.head_node.node_id

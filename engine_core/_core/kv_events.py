@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from xxhash import xxh3_128_digest
 
-from engine_core._core.protocol import KVEvents
+from engine_core._core.engine_io import KVEvents
 
 __all__ = ["KVEventLog", "block_digest", "snapshot"]
 

@@ -23,7 +23,7 @@ from engine_core._core.block_hash import block_keys, extra_key_bytes
 
 if TYPE_CHECKING:
     from engine_core._core.block_pool import KVCacheBlock
-    from engine_core._core.spec_decode import SpecState
+    from engine_core._core.drafts import DraftState
     from engine_core.sampling_params import SamplingParams
 
 __all__ = ["GrammarMatcher", "InvalidTransition", "Request", "RequestStatus"]
@@ -133,7 +133,7 @@ class Request:
         "num_prompt_logprobs_sent",
         "use_structured_output",
         "grammar",
-        "spec",
+        "drafting",
         "_first_block_extra",
         "_block_size",
         "_hash_blocks",
@@ -174,7 +174,7 @@ class Request:
         )
         self.grammar: GrammarMatcher | None = None
         """The matcher of a constrained request, once its grammar is compiled."""
-        self.spec: SpecState | None = None
+        self.drafting: DraftState | None = None
         """Speculative decoding: its drafts and acceptance (None: never considered)."""
         limit = sampling_params.max_tokens if max_tokens is None else max_tokens
         self.max_tokens = limit if limit is not None else 1 << 62
@@ -215,6 +215,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def samples_in_flight(self) -> bool:
+        """Async scheduling: whether the step scheduled last samples this request's newest
+        placeholder (it computes up to the position before it), so the step's results bring
+        its next token."""
+        placeholders = self.num_output_placeholders
+        return bool(placeholders) and (
+            self.num_computed_tokens == len(self.all_token_ids) + placeholders - 1
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 from xxhash import xxh3_64_intdigest
 
 from engine_core._core.block_hash import iter_block_digests
-from engine_core._core.protocol import EngineLoad, KVEvents
+from engine_core._core.engine_io import EngineLoad, KVEvents
 
 __all__ = ["POLICIES", "REASONS", "RouteDecision", "Router"]
 

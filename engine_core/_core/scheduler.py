@@ -5,7 +5,7 @@ One idea: each step every request tries to make ``num_computed_tokens`` catch up
 and resumed preemptions are all the same computation. Running requests are served first (in
 admission order), then waiting ones are admitted while the budget, the sequence cap and the free
 blocks allow. With speculative decoding a decoding request may also verify drafts, which count in
-the budget and are rolled back when rejected (``spec_decode``: where they come from and how
+the budget and are rolled back when rejected (``drafts``: where they come from and how
 many).
 
 Pure, synchronous logic: no event loop, sockets or tensors.
@@ -18,16 +18,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from engine_core._core.engine_io import EngineCoreOutputs, FinishedRequest
 from engine_core._core.kv_cache_manager import KVCacheManager
-from engine_core._core.protocol import EngineCoreOutputs, FinishedRequest
 from engine_core._core.request import FINISH_REASONS, GrammarMatcher, Request, RequestStatus
 from engine_core._core.request_queue import make_queue
 from engine_core._core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.abc import ModelRunnerOutput, TokenLogprobs
-from engine_core.errors import BackendError
 
 if TYPE_CHECKING:
-    from engine_core._core.spec_decode import SpecDecoder
+    from engine_core._core.drafts import DraftPlanner
     from engine_core.config import EngineConfig
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -86,12 +85,11 @@ class Scheduler:
     """Decides each step which requests compute how many tokens, and applies the results."""
 
     def __init__(
-        self, config: SchedulerConfig, num_blocks: int, spec: SpecDecoder | None = None
+        self, config: SchedulerConfig, num_blocks: int, spec: DraftPlanner | None = None
     ) -> None:
         self.config = config
-        self.spec = spec
+        self.draft_planner = spec
         """Speculative decoding (None: off; nothing of it runs)."""
-        self._num_drafted = 0
         """Requests of the step being scheduled that verify drafts."""
         self.kv = KVCacheManager(
             num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
@@ -226,10 +224,9 @@ class Scheduler:
         the budget left and whether anything was preempted."""
         threshold = self.config.long_prefill_token_threshold
         allocate_slots = self.kv.allocate_slots
-        spec = self.spec
+        spec = self.draft_planner
         if spec is not None:
             spec.plan(self.running, budget)
-            self._num_drafted = 0
         # Mutation testing: None is an equivalent start (only its truth is read).
         any_preempted = False  # pragma: no mutate
         # NOTE: preemption rebinds self.running to a new list instead of editing it, so this
@@ -261,10 +258,8 @@ class Scheduler:
                 continue
             num_slots = num_new
             if spec is not None and num_new == num_tokens - computed == 1:
-                if spec.k:
-                    num_new, num_slots = self._add_drafts(spec, request, budget)
-                elif spec.asks_drafts(request):
-                    num_slots = 1 + spec.lookahead()  # a probe: its drafter writes KV ahead
+                # Decoding: it verifies drafts, or its drafter writes KV ahead.
+                num_new, num_slots = spec.tokens_for(request, self._draft_cap(request, budget))
             num_blocks_before = len(request.blocks)
             # NOTE: while/else: the else runs once the blocks fit, not after the break (the
             # request preempted itself: nothing fits; with priority, a later request may).
@@ -286,16 +281,14 @@ class Scheduler:
                 if self._async and computed + num_new == num_tokens:
                     request.num_output_placeholders = placeholders + 1
                 if spec is not None and computed + num_new >= num_tokens:
-                    if num_new > num_tokens - computed:
-                        self._num_drafted += 1
                     spec.sampling(request)
                 budget -= num_new
         return budget, any_preempted
 
-    def _add_drafts(self, spec: SpecDecoder, request: Request, budget: int) -> tuple[int, int]:
-        """A decoding request's tokens and KV slots this step with the drafts it verifies: at
-        most the step's draft count, and never past ``max_tokens``, ``max_model_len``, the
-        budget or the long-prefill threshold even if every draft is accepted."""
+    def _draft_cap(self, request: Request, budget: int) -> int:
+        """The most tokens a decoding request may compute this step with its drafts: never past
+        ``max_tokens``, ``max_model_len``, the budget or the long-prefill threshold, even if
+        every draft is accepted."""
         num_tokens = len(request.all_token_ids)
         config = self.config
         cap = min(
@@ -305,10 +298,7 @@ class Scheduler:
         )
         if config.long_prefill_token_threshold:
             cap = min(cap, config.long_prefill_token_threshold)
-        drafts = spec.drafts_for(request, cap - 1)
-        if not drafts:
-            return 1, 1 + spec.lookahead() if spec.asks_drafts(request) else 1
-        return 1 + len(drafts), 1 + len(drafts) + spec.lookahead()
+        return cap
 
     def _schedule_waiting(
         self, budget: int, new_reqs: list[NewRequestData], admitted: list[Request]
@@ -350,8 +340,10 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens + num_new
             if self._async and request.num_computed_tokens == len(request.all_token_ids):
                 request.num_output_placeholders = 1
-            if self.spec is not None and request.num_computed_tokens == len(request.all_token_ids):
-                self.spec.sampling(request)
+            if self.draft_planner is not None and request.num_computed_tokens == len(
+                request.all_token_ids
+            ):
+                self.draft_planner.sampling(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             kv.record_admission(request, num_hit_tokens)
@@ -384,10 +376,10 @@ class Scheduler:
         cached = CachedRequestData(
             entries[1::_ENTRY], entries[2::_ENTRY], entries[3::_ENTRY], entries[4::_ENTRY]
         )
-        self._scheduled = entries[0::_ENTRY] + admitted
-        spec = self.spec
-        if spec is not None:
-            spec.finish_plan(self._scheduled)
+        running = entries[0::_ENTRY]
+        self._scheduled = running + admitted
+        spec = self.draft_planner
+        drafts = spec.finish_plan(self._scheduled, running) if spec is not None else None
         if self._async and total:
             self._unapplied.append(self._scheduled)
         if total == 0:
@@ -396,20 +388,18 @@ class Scheduler:
             return SchedulerOutput(new_reqs, cached, 0)
         finished_ids, self._finished_req_ids = self._finished_req_ids, []
         preempted_ids, self._preempted_req_ids = self._preempted_req_ids, []
-        if spec is not None:
-            if self._num_drafted:
-                cached.spec_token_ids = [
-                    r.spec.scheduled if r.spec is not None else [] for r in entries[0::_ENTRY]
-                ]
-            if spec.draft_req_ids:
+        if drafts is not None:
+            if drafts.spec_token_ids:
+                cached.spec_token_ids = drafts.spec_token_ids
+            if drafts.draft_req_ids:
                 return SchedulerOutput(
                     new_reqs,
                     cached,
                     total,
                     finished_ids,
                     preempted_ids,
-                    spec.num_draft_tokens,
-                    spec.draft_req_ids,
+                    drafts.num_draft_tokens,
+                    drafts.draft_req_ids,
                 )
         return SchedulerOutput(new_reqs, cached, total, finished_ids, preempted_ids)
 
@@ -446,12 +436,7 @@ class Scheduler:
             return 0  # not scheduled in this step
         computed, num_new = entries[k + 3], entries[k + 4]
         del entries[k : k + _ENTRY]
-        if self.spec is not None and victim.spec is not None and victim.spec.scheduled:
-            self._num_drafted -= 1
-        if (
-            victim.num_output_placeholders
-            and computed + num_new == len(victim.all_token_ids) + victim.num_output_placeholders - 1
-        ):
+        if victim.samples_in_flight:
             victim.num_output_placeholders -= 1  # the token it was to sample in this step
         # The blocks it registered for this step's tokens will not be computed.
         self.kv.uncache_uncomputed(victim, computed)
@@ -460,8 +445,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV, go back to the front of the waiting queue."""
         self.kv.free(request)
-        if self.spec is not None:
-            self.spec.unscheduled(request)
+        if self.draft_planner is not None:
+            self.draft_planner.unscheduled(request)
         request.set_status(_PREEMPTED)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -478,35 +463,29 @@ class Scheduler:
         For each request of the batch, in batch order:
 
         1. skip it if it was aborted while the step ran, or got no token (a prefill chunk);
+           roll back the positions of its rejected drafts (``DraftPlanner.verify_step``);
         2. append its tokens up to the first that ends it (stop rules: those of
            :meth:`Request.append_output_token`, and the grammar's: :meth:`_append_constrained`);
         3. report the tokens kept (with their logprobs, and the prefix-cache hits on its first);
-        4. free it if it ended.
+        4. free it if it ended (:meth:`_finish`); else hand its tokens and a backend proposer's
+           drafts to the draft planner.
 
         With async scheduling the step is the oldest one not yet applied; its tokens replace
         placeholders, and a request preempted since it was scheduled still gets its token.
         """
-        if self._async:
-            if not self._unapplied:
-                raise RuntimeError("update_from_output without a step in flight")
-            scheduled = self._unapplied.popleft()
-        else:
-            scheduled = self._scheduled
-            self._scheduled = []
         sampled = runner_output.sampled_token_ids
-        if len(sampled) != len(scheduled):
-            raise RuntimeError(
-                f"backend returned {len(sampled)} results for a batch of {len(scheduled)}"
-            )
+        scheduled = self._batch_to_apply(len(sampled))
         out = EngineCoreOutputs()
         out_ids, out_tokens = out.req_ids, out.new_token_ids
         logprobs = runner_output.logprobs
-        spec = self.spec
+        spec = self.draft_planner
         backend_drafts = runner_output.draft_token_ids
         max_model_len = self.config.max_model_len
         # Mutation testing: starting True (filtering when nothing ended) is equivalent.
         any_finished = False  # pragma: no mutate
         for index, request in enumerate(scheduled):
+            # 1. Skip what has nothing to apply; roll back the rejected drafts' positions
+            #    (computed, but not the request's).
             if request.status is not _RUNNING and request.status is not _PREEMPTED:
                 continue  # aborted while the step ran
             tokens = sampled[index]
@@ -515,14 +494,8 @@ class Scheduler:
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
             if spec is not None:
-                if request.spec is not None and request.spec.scheduled:
-                    # The rejected drafts' positions were computed but are not the request's.
-                    request.num_computed_tokens -= spec.verified(request, tokens)
-                elif len(tokens) != 1:
-                    raise BackendError(
-                        f"request {request.request_id!r}: the backend returned {len(tokens)} "
-                        "tokens for a step without drafts"
-                    )
+                request.num_computed_tokens -= spec.verify_step(request, tokens)
+            # 2. Append up to the first token that ends it.
             num_before = len(request.all_token_ids)
             grammar = request.grammar
             if grammar is None:
@@ -537,6 +510,7 @@ class Scheduler:
             kept = len(request.all_token_ids) - num_before
             if kept != len(tokens):
                 tokens = tokens[:kept]
+            # 3. Report what was kept.
             request_id = request.request_id
             if kept:
                 out_ids.append(request_id)
@@ -545,15 +519,14 @@ class Scheduler:
                     out.num_cached_tokens[request_id] = request.num_cached_tokens
                 if logprobs is not None and logprobs[index]:
                     out.logprobs[request_id] = logprobs[index][:kept]  # type: ignore[index]
+            # 4. Free it if it ended; else its drafts for the next step.
             if status is not None:
-                if request.status is _PREEMPTED:
-                    self.waiting.discard(request)
                 self._finish(request, status, out)
                 any_finished = True
-            elif spec is not None and request.spec is not None:
-                drafts = backend_drafts[index] if backend_drafts is not None else None
-                if drafts or request.spec.shadow or request.spec.probing:
-                    spec.after_tokens(request, tokens, drafts)
+            elif spec is not None:
+                spec.after_tokens(
+                    request, tokens, backend_drafts[index] if backend_drafts is not None else None
+                )
         if runner_output.prompt_logprobs:
             self._add_prompt_logprobs(
                 scheduled, scheduler_output, runner_output.prompt_logprobs, out
@@ -562,12 +535,30 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return out
 
+    def _batch_to_apply(self, num_results: int) -> list[Request]:
+        """The batch whose results arrived (``num_results`` of them): the step scheduled last,
+        or with async scheduling the oldest one not yet applied."""
+        if self._async:
+            if not self._unapplied:
+                raise RuntimeError("update_from_output without a step in flight")
+            scheduled = self._unapplied.popleft()
+        else:
+            scheduled = self._scheduled
+            self._scheduled = []
+        if num_results != len(scheduled):
+            raise RuntimeError(
+                f"backend returned {num_results} results for a batch of {len(scheduled)}"
+            )
+        return scheduled
+
     def _finish(self, request: Request, status: RequestStatus, out: EngineCoreOutputs) -> None:
-        """End a running request that stopped in this step (it stays in ``self.running`` until
-        the caller filters it out) and report it."""
+        """End a request that stopped in this step (a running one stays in ``self.running``
+        until the caller filters it out; one preempted since leaves the queue) and report it."""
+        if request.status is _PREEMPTED:
+            self.waiting.discard(request)
         request.set_status(status)
         self._free(request)
-        spec = request.spec
+        spec = request.drafting
         out.finished.append(
             FinishedRequest(
                 request.request_id,

@@ -1,34 +1,37 @@
 """``EngineCore``: the scheduler and the backend, stepped together. No event loop, no sockets.
 
 A step is: schedule -> ``execute_model`` -> grammar bitmask -> ``sample_tokens`` -> apply aborts
-that arrived meanwhile -> ``update_from_output``. In-process callers run it whole with
-:meth:`EngineCore.step`; the engine-core process runs it in its three parts, :meth:`schedule`,
-:meth:`execute` (in a worker thread, so requests and aborts keep arriving while the model runs)
-and :meth:`finish_step`. When the batch has constrained requests and the backend's step blocks
-(``step_in_thread``), the grammar bitmask is filled on a helper thread while ``execute_model``
-runs, and handed to ``sample_tokens``.
+that arrived meanwhile -> ``update_from_output``. It has one path, in three parts:
 
-With async scheduling (a backend that supports it, ``EngineConfig.async_scheduling`` not False)
-one step stays in flight while the next is scheduled and launched: :meth:`schedule`, then
-:meth:`execute_async` (launch the new step, wait for the one before it), :meth:`finish_step`
-with that older step's results, then :meth:`sample_pending` (the bitmask of a new step with
-constrained requests, which needs the older step's tokens).
+1. :meth:`EngineCore.schedule` (the event loop's thread);
+2. :meth:`EngineCore.launch_step`, the blocking part (the engine process runs it in a worker
+   thread when the backend's step blocks, so requests and aborts keep arriving while the model
+   runs): with sync scheduling it runs the step and returns it with its results; with async
+   scheduling (a backend that supports it, ``EngineConfig.async_scheduling`` not False) it
+   launches the new step and returns the one before it once its results are there, so one step
+   stays in flight while the next is scheduled;
+3. :meth:`EngineCore.complete_step` applies the aborts that arrived meanwhile, then the returned
+   step's results, and (async) launches the newest step's sampling when its grammar bitmask
+   needed those tokens.
+
+:meth:`EngineCore.step` runs the three in a row (in-process callers). When the batch has
+constrained requests and the backend's step blocks (``step_in_thread``), the grammar bitmask is
+filled on a helper thread while ``execute_model`` runs, and handed to ``sample_tokens``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import enum
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeAlias
 
 import msgspec
 
-from engine_core._core.kv_events import KVEventLog, snapshot
-from engine_core._core.protocol import (
+from engine_core._core.drafts import DraftPlanner
+from engine_core._core.engine_io import (
     DPEngineCoreOutputs,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -36,10 +39,16 @@ from engine_core._core.protocol import (
     EngineLoad,
     EngineStats,
     FinishedRequest,
+    PauseMode,
 )
+from engine_core._core.kv_events import KVEventLog, snapshot
 from engine_core._core.request import Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
-from engine_core._core.spec_decode import SpecDecoder
+from engine_core._engine.startup import (
+    resolve_async_scheduling,
+    resolve_spec_support,
+    size_kv_cache,
+)
 from engine_core._plugins import load_backend, resolve_config
 from engine_core._structured.manager import StructuredOutputManager
 from engine_core.abc import (
@@ -47,34 +56,16 @@ from engine_core.abc import (
     Backend,
     ModelRunnerOutput,
     SchedulerOutput,
-    SpecSupport,
 )
 from engine_core.config import EngineConfig
-from engine_core.errors import BackendError
 
-__all__ = ["EngineCore", "PauseMode", "size_kv_cache"]
+__all__ = ["EngineCore"]
 
 logger = logging.getLogger(__name__)
 
 
-class PauseMode(enum.StrEnum):
-    """What :meth:`EngineCore.pause_generation` does with in-flight requests. A ``str`` enum:
-    callers pass the plain strings as well, and the wire carries the same values."""
-
-    ABORT = "abort"
-    """They end as aborted; new requests are rejected (retryable) until resumed."""
-    WAIT = "wait"
-    """They run to completion; new requests are rejected (retryable) until resumed."""
-    KEEP = "keep"
-    """They freeze in place; new requests queue."""
-
-    @classmethod
-    def parse(cls, mode: str) -> PauseMode:
-        """``mode`` as a member; ``ValueError`` naming the modes when it is none of them."""
-        try:
-            return cls(mode)
-        except ValueError:
-            raise ValueError(f"mode must be one of {', '.join(cls)}, got {mode!r}") from None
+StepResults: TypeAlias = tuple[SchedulerOutput, ModelRunnerOutput]
+"""A step that ran, with its results: what :meth:`EngineCore.complete_step` applies."""
 
 
 class _InFlight:
@@ -90,93 +81,6 @@ class _InFlight:
         self.handle: AsyncModelRunnerOutput | None = None
 
 
-def resolve_async_scheduling(config: EngineConfig, backend: Backend) -> bool:
-    """Whether the engine schedules asynchronously: ``config.async_scheduling``, or when None
-    whether the backend supports it and its step waits on a device (``step_in_thread``: a step
-    that holds the GIL throughout leaves nothing to overlap, and a step in flight would only
-    delay its outputs); ``ValueError`` when asked of a backend that does not support it."""
-    if config.speculative_config is not None:
-        return False  # speculative decoding schedules synchronously (True fails in EngineConfig)
-    supported = bool(getattr(backend, "supports_async_scheduling", False))
-    if config.async_scheduling is None:
-        return supported and backend.step_in_thread
-    if config.async_scheduling and not supported:
-        raise ValueError(
-            f"async_scheduling=True but the {type(backend).__name__} backend does not support "
-            "it (leave it None to use it where supported)"
-        )
-    return config.async_scheduling
-
-
-def resolve_spec_support(config: EngineConfig, backend: Backend) -> SpecSupport | None:
-    """The backend's speculative-decoding capability when ``config`` asks for speculation (else
-    None); ``ValueError`` naming the backend when it cannot verify drafts, does not propose
-    drafts of the asked method, or verifies fewer drafts than asked."""
-    spec = config.speculative_config
-    if spec is None:
-        return None
-    name = f"the {config.backend!r} backend ({type(backend).__name__})"
-    support = backend.spec_support()
-    if support is None:
-        raise ValueError(
-            f"speculative_config is set but {name} cannot verify drafts "
-            "(Backend.spec_support() is None); remove speculative_config or use a backend "
-            "that supports speculative decoding"
-        )
-    if not spec.proposed_in_core and spec.method not in support.proposers:
-        offered = ", ".join(["ngram", *support.proposers])
-        raise ValueError(
-            f"speculative method {spec.method!r} is not offered by {name}; it offers: {offered}"
-        )
-    if (
-        support.max_num_draft_tokens is not None
-        and spec.num_speculative_tokens > support.max_num_draft_tokens
-    ):
-        raise ValueError(
-            f"num_speculative_tokens ({spec.num_speculative_tokens}) exceeds what {name} "
-            f"verifies in one step ({support.max_num_draft_tokens})"
-        )
-    return support
-
-
-def _blocks_in_kv_memory(config: EngineConfig, backend: Backend) -> int:
-    """The blocks that fit the KV memory the backend has left after the model."""
-    memory = backend.available_kv_cache_memory()
-    if memory <= 0:
-        raise BackendError(
-            f"no memory is left for the KV cache ({memory} bytes available after the model)"
-        )
-    num_blocks = memory // backend.kv_cache_spec().bytes_per_block(config.block_size)
-    if num_blocks <= 0:
-        raise BackendError(f"the KV cache memory ({memory} bytes) does not hold one block")
-    return num_blocks
-
-
-def size_kv_cache(config: EngineConfig, backend: Backend) -> tuple[int, EngineConfig]:
-    """The number of KV blocks (``num_kv_blocks`` when set, else what fits the backend's KV
-    memory) and the resolved config. A ``max_model_len`` left unset is lowered to what the KV
-    cache holds; one set explicitly must fit (``ValueError`` otherwise)."""
-    resolved = config.resolved(model_max_len=backend.max_model_len())
-    num_blocks = resolved.num_kv_blocks
-    if num_blocks is None:
-        num_blocks = _blocks_in_kv_memory(resolved, backend)
-    capacity = num_blocks * resolved.block_size
-    max_model_len = resolved.max_model_len
-    assert max_model_len is not None
-    if config.max_model_len is None and capacity < max_model_len:
-        logger.info("max_model_len lowered to %d: the KV cache holds no more", capacity)
-        max_model_len = capacity
-        resolved = msgspec.structs.replace(resolved, max_model_len=max_model_len)
-    needed = -(-max_model_len // resolved.block_size)
-    if num_blocks < needed:
-        raise ValueError(
-            f"the KV cache holds {num_blocks} blocks ({capacity} tokens) but one request of "
-            f"max_model_len={max_model_len} needs {needed}; lower max_model_len to "
-            f"{capacity} or below, or give the KV cache more blocks"
-        )
-    return num_blocks, resolved
-
-
 def _shown_options(options: dict[str, Any]) -> dict[str, Any]:
     """The backend options worth a startup log: scalars (a mock's scripted replies or a fault
     plan are left out)."""
@@ -187,7 +91,7 @@ class EngineCore:
     """The engine: owns the backend and the scheduler and steps them.
 
     A step runs whole with :meth:`step`, or in three parts for a caller that runs the blocking
-    middle elsewhere: :meth:`schedule`, :meth:`execute`, :meth:`finish_step`.
+    middle elsewhere: :meth:`schedule`, :meth:`launch_step`, :meth:`complete_step`.
     """
 
     def __init__(
@@ -221,7 +125,7 @@ class EngineCore:
         self._backend_settings = _shown_options(backend.resolved_settings())
         spec = None
         if config.speculative_config is not None and self.spec_support is not None:
-            spec = SpecDecoder(config.speculative_config, self.spec_support)
+            spec = DraftPlanner(config.speculative_config, self.spec_support)
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine_config(config), self.num_kv_blocks, spec
         )
@@ -422,27 +326,38 @@ class EngineCore:
             return None
         return scheduler_output
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """The blocking part of a step: forward pass, grammar bitmask, sampling. The bitmask
+    def launch_step(self, scheduler_output: SchedulerOutput | None) -> StepResults | None:
+        """The blocking part of a step. Sync scheduling: run ``scheduler_output`` and return it
+        with its results (None: no step). Async scheduling: launch ``scheduler_output`` (when
+        given) and return the step launched before it with its results, or None while no older
+        step is in flight; without a new step it waits for the oldest one (draining)."""
+        if self.async_scheduling:
+            return self._execute_async(scheduler_output)
+        if scheduler_output is None:
+            return None
+        return scheduler_output, self._execute(scheduler_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Forward pass, grammar bitmask, sampling (sync scheduling). The bitmask
         is filled on a helper thread while ``execute_model`` runs when the backend's step
         blocks (``step_in_thread``); after it otherwise (a step that holds the GIL throughout
         leaves nothing to overlap)."""
         start = self.clock()
         try:
-            return self._execute(scheduler_output)
+            return self._run_model(scheduler_output)
         finally:
             elapsed = self.clock() - start
             self._device_busy_s += elapsed
-            spec = self.scheduler.spec
+            spec = self.scheduler.draft_planner
             if spec is not None:
                 spec.observe_step(scheduler_output.total_num_scheduled_tokens, elapsed)
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _run_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         backend = self.backend
         matchers = None
         drafts = None
         if self.scheduler.num_constrained:
-            if self.scheduler.spec is None:
+            if self.scheduler.draft_planner is None:
                 matchers = StructuredOutputManager.bitmask_matchers(self.scheduler.scheduled)
             else:
                 matchers, drafts = StructuredOutputManager.bitmask_matchers_with_drafts(
@@ -469,16 +384,10 @@ class EngineCore:
             raise
         return backend.sample_tokens(future.result())
 
-    def execute_async(
-        self, scheduler_output: SchedulerOutput | None
-    ) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
-        """The blocking part of an async step: launch ``scheduler_output`` (when given), then
-        wait for the step launched before it and return that step with its results (None when
-        there was none). Without a new step it waits for the oldest one in flight (draining).
-
-        The new step's sampling is launched with it unless it needs a grammar bitmask and an
-        older step is in flight: the bitmask then waits for the older step's tokens
-        (:meth:`sample_pending`, after :meth:`finish_step`)."""
+    def _execute_async(self, scheduler_output: SchedulerOutput | None) -> StepResults | None:
+        """:meth:`launch_step` with async scheduling. The new step's sampling is launched with
+        it unless it needs a grammar bitmask and an older step is in flight: the bitmask then
+        waits for the older step's tokens (:meth:`complete_step` launches it)."""
         in_flight = self._in_flight
         if scheduler_output is not None:
             scheduler = self.scheduler
@@ -487,10 +396,7 @@ class EngineCore:
                 rows = [
                     r
                     for r in scheduler.scheduled
-                    if r.use_structured_output
-                    and r.num_output_placeholders
-                    and r.num_computed_tokens
-                    == len(r.all_token_ids) + r.num_output_placeholders - 1
+                    if r.use_structured_output and r.samples_in_flight
                 ]
             step = _InFlight(scheduler_output, rows or None)
             if not in_flight:
@@ -517,32 +423,35 @@ class EngineCore:
                 self._device_busy_s += self.clock() - self._busy_since
         return oldest.scheduler_output, runner_output
 
-    def sample_pending(self) -> None:
-        """Launch the sampling of the newest step if it waited for its grammar bitmask (async
-        scheduling; call after :meth:`finish_step` applied the step before it)."""
-        if self._in_flight and self._in_flight[-1].handle is None:
-            self._launch_sampling(self._in_flight[-1])
-
     def _launch_sampling(self, step: _InFlight) -> None:
         bitmask: Any = None
         if step.rows is not None:
             bitmask = self.structured_output.fill_bitmask_rows(step.rows)
         step.handle = self.backend.sample_tokens_async(bitmask)
 
-    def finish_step(
-        self,
-        scheduler_output: SchedulerOutput | None = None,
-        runner_output: ModelRunnerOutput | None = None,
-    ) -> EngineCoreOutputs:
-        """Last part of a step: deferred aborts, then the step's results. Without a step that
-        ran (no arguments), the outputs only report the requests that ended outside steps."""
+    def complete_step(self, done: StepResults | None) -> EngineCoreOutputs:
+        """Last part of a step: the aborts deferred while it ran, then the results of ``done``
+        (what :meth:`launch_step` returned), then, with async scheduling, the newest step's
+        sampling if it waited for these tokens. With ``done`` None the outputs report only the
+        requests that ended between steps."""
+        outputs = self._apply(done)
+        if self._in_flight and self._in_flight[-1].handle is None:
+            self._launch_sampling(self._in_flight[-1])
+        return outputs
+
+    def outputs_between_steps(self) -> EngineCoreOutputs:
+        """The outputs of what ended while no step ran (deferred aborts, requests rejected at
+        arrival, failed grammars, engine-initiated aborts)."""
+        return self.complete_step(None)
+
+    def _apply(self, done: StepResults | None) -> EngineCoreOutputs:
         if self._pending_aborts:
             aborts, self._pending_aborts = self._pending_aborts, []
             self.abort_requests(aborts)
-        if scheduler_output is None or runner_output is None:
+        if done is None:
             outputs = EngineCoreOutputs()
         else:
-            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            outputs = self.scheduler.update_from_output(*done)
             self.num_steps += 1
         if self._ended_outside_steps:
             outputs.finished.extend(self._ended_outside_steps)
@@ -581,13 +490,7 @@ class EngineCore:
             if wait_s is not None:
                 self.structured_output.wait(wait_s)
                 scheduler_output = self.schedule()
-        if self.async_scheduling:
-            done = self.execute_async(scheduler_output)
-            outputs = self.finish_step(*done) if done is not None else self.finish_step()
-            self.sample_pending()
-            return outputs
-        runner_output = self.execute(scheduler_output) if scheduler_output is not None else None
-        return self.finish_step(scheduler_output, runner_output)
+        return self.complete_step(self.launch_step(scheduler_output))
 
     # -- control --------------------------------------------------------------------------------
 
@@ -632,7 +535,7 @@ class EngineCore:
         )
 
     def _spec_stats(self) -> dict[str, Any]:
-        spec = self.scheduler.spec
+        spec = self.scheduler.draft_planner
         if spec is None:
             return {}
         stats = spec.stats
@@ -702,7 +605,7 @@ class EngineCore:
         # A step launched for requests that ended meanwhile (async scheduling) ends first; its
         # results are all discarded, so nothing is left to report.
         while self._in_flight:
-            done = self.execute_async(None)
+            done = self._execute_async(None)
             if done is not None:
                 self.scheduler.update_from_output(*done)
         self.backend.sleep(level)

@@ -8,8 +8,8 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest
-from engine_core._engine.client import UTILITY_METHODS, EngineCoreClient
+from engine_core._core.engine_io import EngineCoreOutputs, EngineCoreRequest, check_utility_call
+from engine_core._engine.client import EngineCoreClient
 from engine_core._engine.core import EngineCore
 from engine_core.abc import Backend
 from engine_core.config import EngineConfig
@@ -74,8 +74,7 @@ class InprocClient(EngineCoreClient):
 
     def call_utility(self, method: str, *args: Any) -> Any:
         self._check_open()
-        if method not in UTILITY_METHODS:
-            raise ValueError(f"unknown utility method {method!r}")
+        check_utility_call(method, args)
         result = getattr(self.engine_core, method)(*args)
         self._wake()
         return result

@@ -1,10 +1,10 @@
 """The engine-core process around one :class:`EngineCoreProc`.
 
-The process is a fresh interpreter running ``python -m engine_core._engine`` (see ``launch``), so
+The process is a fresh interpreter running ``python -m engine_core._engine`` (see ``mp.launcher``), so
 it never imports its parent's ``__main__``. :func:`main` reads its command line: the client's
 output address, the input address to bind, and the descriptor of its end of a socket pair whose
 other end the parent holds. :func:`run_engine_core` connects the output pipe, binds the input
-pipe (see ``transport``) and says :class:`~engine_core._engine.wire.Hello`; the client answers with the
+pipe (see ``pipes``) and says :class:`~engine_core._engine.wire.Hello`; the client answers with the
 configuration (:class:`~engine_core._engine.wire.Startup`, msgspec, nothing pickled). It then
 builds the engine core (backend, KV spec, block count, allocation) in a worker thread, sends
 ``Ready`` and serves, with a heartbeat while it has work (``engine_heartbeat_timeout_s``).
@@ -14,7 +14,7 @@ by itself when its parent dies (its end of the pair reads end-of-file), shuts do
 SIGTERM or a ``Shutdown`` message, and reports a fatal error as an ``EngineDead`` message before
 exiting with status 1.
 
-An engine placed on another machine (by Ray, see ``ray_launch``) gets the deployment's CURVE
+An engine placed on another machine (by Ray, see ``ray.launch``) gets the deployment's CURVE
 keys in its environment (``ENGINE_CORE_DIAL_KEYS``, removed at once, never on the command line):
 it then dials the driver's two TCP sockets, its input socket included, as an authenticated CURVE
 client.
@@ -37,10 +37,10 @@ import msgspec
 import zmq
 
 from engine_core._engine.core import EngineCore
+from engine_core._engine.pipes.addresses import OUTPUT_HWM, EngineKeys
+from engine_core._engine.pipes.pipes import Pipes, Receiver, Sender
 from engine_core._engine.proc import EngineCoreProc
 from engine_core._engine.runtime import run_options
-from engine_core._engine.sockets import OUTPUT_HWM, EngineKeys
-from engine_core._engine.transport import Pipes, Receiver, Sender
 from engine_core._engine.wire import EngineDead, EngineMessage, Hello, Ready, startup_decoder
 from engine_core.config import EngineConfig
 
@@ -75,7 +75,7 @@ _USAGE = "usage: python -m engine_core._engine OUTPUT_ADDRESS INPUT_ADDRESS PARE
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m engine_core._engine OUTPUT_ADDRESS INPUT_ADDRESS PARENT_FD``: what
-    ``launch`` runs. Never returns."""
+    ``mp.launcher`` runs. Never returns."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3 or not args[2].isdigit():
         print(_USAGE, file=sys.stderr)

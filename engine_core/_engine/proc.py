@@ -1,4 +1,4 @@
-"""The engine-core process: one :class:`EngineCore` served over two pipes (see ``transport``) by
+"""The engine-core process: one :class:`EngineCore` served over two pipes (see ``pipes``) by
 an anyio event loop.
 
 :class:`EngineCoreProc` runs three tasks. The input task decodes what arrives and applies it at
@@ -38,10 +38,14 @@ import anyio.to_thread
 import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest
-from engine_core._engine.client import UTILITY_METHODS
-from engine_core._engine.core import EngineCore, PauseMode
-from engine_core._engine.transport import Receiver, Sender
+from engine_core._core.engine_io import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    PauseMode,
+    check_utility_call,
+)
+from engine_core._engine.core import EngineCore, StepResults
+from engine_core._engine.pipes.pipes import Receiver, Sender
 from engine_core._engine.wire import (
     AbortRequests,
     EngineMessage,
@@ -53,7 +57,7 @@ from engine_core._engine.wire import (
     client_message_decoder,
     decode_client_message,
 )
-from engine_core.abc import ModelRunnerOutput, SchedulerOutput
+from engine_core.abc import SchedulerOutput
 
 __all__ = ["EngineCoreProc"]
 
@@ -195,7 +199,7 @@ class EngineCoreProc:
         if self.stop_reason is not None:
             await self._drain(out)
             core.abort_all()
-            self._emit(out, core.finish_step())
+            self._emit(out, core.outputs_between_steps())
             self._answer_pauses(out, drained=True)
             return False
         # 3. Nothing to run or report: a pause("wait") may be answerable; sleep until input.
@@ -208,38 +212,18 @@ class EngineCoreProc:
         if self._num_queued >= _MAX_QUEUED_OUTPUTS:
             await self._wait_for_output_room()
             return True
-        if core.async_scheduling:
-            return await self._step_async(out)
-        # 5. The step. Only the model call leaves the event loop's thread; aborts arriving
-        #    meanwhile are applied by finish_step before the step's outputs.
+        # 5. The step: schedule here, launch it in the worker thread (only the model call
+        #    leaves the event loop's thread), complete it here. With async scheduling the step
+        #    completed is the one launched before (it ran while this one was scheduled).
+        #    Aborts that arrived meanwhile are applied by complete_step before its outputs.
         scheduler_output = core.schedule()
-        runner_output = None
-        if scheduler_output is not None:
-            runner_output = await self._execute(scheduler_output)
-        outputs = core.finish_step(scheduler_output, runner_output)
+        done = await self._launch(scheduler_output)
+        outputs = core.complete_step(done)
         # 6. The outputs go out before the pause("wait") replies that their requests' ends allow.
         self._emit(out, outputs)
         self._answer_pauses(out)
         # 7. A step that neither ran nor reported anything waits for input (requests waiting
         #    for their grammar, say); else the input and output tasks get a turn.
-        if scheduler_output is None and outputs.is_empty:
-            await self._wait_for_input()
-        else:
-            await anyio.lowlevel.checkpoint()
-        return True
-
-    async def _step_async(self, out: MemoryObjectSendStream[EngineMessage | None]) -> bool:
-        """Steps 5-7 with async scheduling: schedule step n+1, then (in the worker thread)
-        launch it and wait for step n, apply step n's results and send them while n+1 runs."""
-        core = self.core
-        scheduler_output = core.schedule()
-        done = None
-        if scheduler_output is not None or core.num_in_flight:
-            done = await self._execute_async(scheduler_output)
-        outputs = core.finish_step(*done) if done is not None else core.finish_step()
-        core.sample_pending()
-        self._emit(out, outputs)
-        self._answer_pauses(out)
         if scheduler_output is None and done is None and outputs.is_empty:
             await self._wait_for_input()
         else:
@@ -250,22 +234,22 @@ class EngineCoreProc:
         """Let the steps in flight end and send their outputs (async scheduling)."""
         core = self.core
         while core.num_in_flight:
-            done = await self._execute_async(None)
-            outputs = core.finish_step(*done) if done is not None else core.finish_step()
-            core.sample_pending()
-            self._emit(out, outputs)
+            self._emit(out, core.complete_step(await self._launch(None)))
 
-    async def _execute_async(
-        self, scheduler_output: SchedulerOutput | None
-    ) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
+    async def _launch(self, scheduler_output: SchedulerOutput | None) -> StepResults | None:
+        """``EngineCore.launch_step`` in the worker thread when the backend's step blocks (the
+        one thread hop of a step), else here; none at all when there is nothing to launch or
+        wait for. A step longer than ``step_timeout_s`` raises ``TimeoutError``."""
         core = self.core
+        if scheduler_output is None and not core.num_in_flight:
+            return None
         if not core.backend.step_in_thread:
-            return core.execute_async(scheduler_output)
+            return core.launch_step(scheduler_output)
         self._executing = True
         try:
             with anyio.move_on_after(self._step_timeout_s) as scope:
                 return await anyio.to_thread.run_sync(
-                    core.execute_async, scheduler_output, abandon_on_cancel=True
+                    core.launch_step, scheduler_output, abandon_on_cancel=True
                 )
         finally:
             self._executing = False
@@ -297,20 +281,6 @@ class EngineCoreProc:
         while True:
             await doorbell.wait()
             self._wake.set()
-
-    async def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if not self.core.backend.step_in_thread:
-            return self.core.execute(scheduler_output)
-        self._executing = True
-        try:
-            with anyio.move_on_after(self._step_timeout_s) as scope:
-                return await anyio.to_thread.run_sync(
-                    self.core.execute, scheduler_output, abandon_on_cancel=True
-                )
-        finally:
-            self._executing = False
-        assert scope.cancelled_caught
-        raise TimeoutError(f"a step ran longer than step_timeout_s ({self._step_timeout_s} s)")
 
     def _send(
         self, out: MemoryObjectSendStream[EngineMessage | None], message: EngineMessage
@@ -347,15 +317,14 @@ class EngineCoreProc:
             finally:
                 self._in_call = False
             # Requests a call ended (pause "abort") are reported before its reply.
-            self._emit(out, self.core.finish_step())
+            self._emit(out, self.core.outputs_between_steps())
             if reply is not None:
                 self._send(out, reply)
 
     async def _call(self, call: UtilityCall) -> UtilityReply | None:
         method, args = call.method, call.args
         try:
-            if method not in UTILITY_METHODS:
-                raise ValueError(f"unknown utility method {method!r}")
+            check_utility_call(method, args)
             if method in _BACKEND_CALLS:
                 result = await anyio.to_thread.run_sync(lambda: getattr(self.core, method)(*args))
             else:

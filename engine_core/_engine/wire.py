@@ -1,13 +1,14 @@
 """The wire protocol between a client and the engine-core process.
 
-One tagged union of msgspec structs per direction, msgpack-encoded, one message per ZMQ frame:
+One tagged union of msgspec structs per direction, msgpack-encoded, one message per frame (a
+length-prefixed frame on a Unix stream pipe, a ZMQ message over ZMQ; see ``pipes``):
 
 - down (client -> engine, the input socket): :class:`Startup` (the configuration, first and
-  once), then :class:`~engine_core._core.protocol.EngineCoreRequest` (``"add"``),
+  once), then :class:`~engine_core._core.engine_io.EngineCoreRequest` (``"add"``),
   :class:`AbortRequests`, :class:`UtilityCall`, :class:`Shutdown`;
 - up (engine -> client, the output socket): :class:`Hello` (the process runs and listens, first),
   :class:`Ready` (the engine core is built),
-  :class:`~engine_core._core.protocol.EngineCoreOutputs` (``"out"``, one per step, in columns),
+  :class:`~engine_core._core.engine_io.EngineCoreOutputs` (``"out"``, one per step, in columns),
   :class:`UtilityReply`, :class:`Heartbeat` (a sign of life while nothing else goes up) and
   :class:`EngineDead` (last); the client's own process watch posts :class:`EngineDead` and
   :class:`Silence` into the same socket.
@@ -30,7 +31,7 @@ from typing import Any, NamedTuple, TypeAlias, TypeVar
 import msgspec
 
 from engine_core._core.checks import show
-from engine_core._core.protocol import (
+from engine_core._core.engine_io import (
     DPEngineCoreOutputs,
     EngineCoreOutputs,
     EngineCoreRequest,

@@ -16,19 +16,19 @@ import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
 
-from engine_core._core.protocol import EngineCoreOutputs, EngineStats, FinishedRequest
+from engine_core._core.engine_io import EngineCoreOutputs, EngineInfo, EngineStats, FinishedRequest
 from engine_core._core.tokenizer import (
     PromptInput,
     Tokenizer,
     load_served_tokenizer,
     parse_prompt,
 )
-from engine_core._engine.client import EngineCoreClient
+from engine_core._engine.client import EngineCoreClient, make_client_async
 from engine_core._frontend.collector import RequestOutputCollector
 from engine_core._frontend.output_processor import OutputProcessor
 from engine_core._frontend.request_checks import check_request
@@ -41,6 +41,9 @@ from engine_core.errors import (
 )
 from engine_core.outputs import RequestOutput
 from engine_core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_core._engine.dp.client import DPClient
 
 __all__ = ["AsyncLLM"]
 
@@ -146,23 +149,9 @@ class AsyncLLM:
         self.tokenizer = await anyio.to_thread.run_sync(
             load_served_tokenizer, config.model, config.tokenizer
         )
-        client: EngineCoreClient
-        if config.multiprocess is False:
-            from engine_core._engine.inproc_client import InprocClient
-
-            client = await anyio.to_thread.run_sync(InprocClient, config)
-        elif (
-            config.data_parallel_size > 1
-            or config.data_parallel_backend == "ray"
-            or self._data_parallel_client
-        ):
-            from engine_core._engine.dp_client import DPClient
-
-            client = await DPClient.start_async(config)
-        else:
-            from engine_core._engine.mp_client import MPClient
-
-            client = await MPClient.start_async(config)
+        client = await make_client_async(
+            config, multiprocess=True, data_parallel=self._data_parallel_client
+        )
         self._client = client
         processor = self._processor = OutputProcessor(
             self.tokenizer, max_model_len=client.info.max_model_len
@@ -183,15 +172,15 @@ class AsyncLLM:
                 await client.shutdown_async()
 
     @property
-    def info(self) -> Any:
+    def info(self) -> EngineInfo:
         """What the engine core reported at startup (blocks, block size, max_model_len...)."""
         return self._started()[0].info
 
     @property
-    def data_parallel(self) -> Any:
+    def data_parallel(self) -> DPClient | None:
         """The data-parallel client (its ``metrics``, ``engine_status()``), or None with one
         engine."""
-        from engine_core._engine.dp_client import DPClient
+        from engine_core._engine.dp.client import DPClient
 
         return self._client if isinstance(self._client, DPClient) else None
 

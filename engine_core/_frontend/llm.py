@@ -10,14 +10,14 @@ from typing import Any
 
 import msgspec
 
-from engine_core._core.protocol import EngineInfo, EngineStats
+from engine_core._core.engine_io import EngineInfo, EngineStats
 from engine_core._core.tokenizer import (
     PromptInput,
     Tokenizer,
     load_served_tokenizer,
     parse_prompt,
 )
-from engine_core._engine.client import EngineCoreClient
+from engine_core._engine.client import EngineCoreClient, make_client
 from engine_core._engine.inproc_client import InprocClient
 from engine_core._frontend.output_processor import OutputProcessor
 from engine_core._frontend.request_checks import check_params_list
@@ -49,22 +49,12 @@ class LLM:
 
     def _start(self, config: EngineConfig) -> None:
         self.tokenizer: Tokenizer = load_served_tokenizer(config.model, config.tokenizer)
-        self._client: EngineCoreClient
-        if config.multiprocess:
-            if config.data_parallel_size > 1 or config.data_parallel_backend == "ray":
-                from engine_core._engine.dp_client import DPClient
-
-                self._client = DPClient(config)
-            else:
-                from engine_core._engine.mp_client import MPClient
-
-                self._client = MPClient(config)
+        self._client: EngineCoreClient = make_client(config, multiprocess=False)
+        if isinstance(self._client, InprocClient):
+            self.config = self._client.engine_core.config
+        else:
             info = self._client.info
             self.config = msgspec.structs.replace(config, max_model_len=info.max_model_len)
-        else:
-            inproc = InprocClient(config)
-            self._client = inproc
-            self.config = inproc.engine_core.config
         """The config with ``max_model_len`` (and, in process, ``max_num_batched_tokens``)
         resolved."""
         self._processor = OutputProcessor(

@@ -5,7 +5,7 @@ logprobs, metrics and parallel sampling (``n > 1`` fans out into ``n`` engine re
 gathers their completions back into one output). It is the only per-request Python loop of the
 front end, so per-token work is kept to a decoder step and a few appends, and no step costs more
 for a request because it already produced much: the outputs it emits are deltas, made
-cumulative by their reader (:mod:`engine_core._frontend.output_kinds`).
+cumulative by their reader (:mod:`engine_core._frontend.request_outputs`).
 
 Requests with a :class:`~engine_core._frontend.collector.RequestOutputCollector` get their
 outputs pushed into it (``AsyncLLM``); the outputs of the others are returned (``LLM``). A
@@ -20,11 +20,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
+from engine_core._core.engine_io import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
 from engine_core._core.tokenizer import Tokenizer
 from engine_core._frontend.collector import RequestOutputCollector
 from engine_core._frontend.detokenizer import Detokenizer, LogprobsDecoder
-from engine_core._frontend.output_kinds import (
+from engine_core._frontend.request_outputs import (
     ProcessedOutputs,
     StepOutputs,
     abort_output,

@@ -107,7 +107,7 @@ class CompletionState:
         self.index = index
         self.request = request
         self.detokenizer = detokenizer
-        # Streamed kinds keep no output here: their outputs are deltas (see output_kinds).
+        # Streamed kinds keep no output here: their outputs are deltas (see request_outputs).
         self.token_ids: list[int] = []
         """All output tokens (FINAL_ONLY)."""
         self.text_parts: list[str] = []

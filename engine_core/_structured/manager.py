@@ -287,7 +287,7 @@ class StructuredOutputManager:
         for r in scheduled:
             if r.grammar is None:
                 continue
-            scheduled_drafts = r.spec.scheduled if r.spec is not None else []
+            scheduled_drafts = r.drafting.scheduled if r.drafting is not None else []
             if r.num_computed_tokens - len(scheduled_drafts) == len(r.all_token_ids):
                 matchers.append(r.grammar.matcher)  # type: ignore[attr-defined]
                 drafts.append(scheduled_drafts)

@@ -63,11 +63,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from engine_core._core.protocol import EngineStats
+from engine_core._core.engine_io import EngineStats
 from engine_core.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from engine_core._engine.dp_client import RouterMetrics
+    from engine_core._engine.dp.stats import RouterMetrics
 
 __all__ = ["Histogram", "RequestRecorder", "ServerMetrics"]
 

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_core._core.block_pool import BlockPool, KVCacheBlock
+from engine_core._core.engine_io import KVEvents
 from engine_core._core.kv_events import KVEventLog, block_digest
-from engine_core._core.protocol import KVEvents
 from engine_core._core.router import Router
 
 KEYS = [bytes([i]) * 20 for i in range(12)]

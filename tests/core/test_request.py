@@ -300,3 +300,18 @@ def test_no_keys_without_hashing() -> None:
     for token in range(30):
         request.append_output_token(token, MAX_MODEL_LEN)
     assert request.block_keys == []
+
+
+def test_samples_in_flight_is_computing_up_to_the_newest_placeholder() -> None:
+    request = make_request(list(range(5)))
+    assert not request.samples_in_flight  # no placeholder: nothing in flight
+    request.num_output_placeholders = 1
+    request.num_computed_tokens = 5  # its last prompt token computed: it samples token 6
+    assert request.samples_in_flight
+    request.num_computed_tokens = 4  # a chunk short of the end samples nothing
+    assert not request.samples_in_flight
+    request.num_output_placeholders = 2
+    request.num_computed_tokens = 6  # the first placeholder computed: it samples the second
+    assert request.samples_in_flight
+    request.num_computed_tokens = 5
+    assert not request.samples_in_flight

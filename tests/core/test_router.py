@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine_core._core.block_hash import block_digests
-from engine_core._core.protocol import EngineLoad, KVEvents
+from engine_core._core.engine_io import EngineLoad, KVEvents
 from engine_core._core.router import Router
 
 BS = 4

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 from helpers import every_field
 
-from engine_core._core.protocol import EngineCoreOutputs, FinishedRequest
+from engine_core._core.engine_io import EngineCoreOutputs, FinishedRequest
 from engine_core._core.request import InvalidTransition, Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core._core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput

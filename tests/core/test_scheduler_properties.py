@@ -23,10 +23,10 @@ from typing import Literal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine_core._core.drafts import DraftPlanner, SpecStats
 from engine_core._core.request import Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core._core.scheduler_output import SchedulerOutput
-from engine_core._core.spec_decode import SpecDecoder, SpecStats
 from engine_core.abc import ModelRunnerOutput, SpecSupport, StepCostModel
 from engine_core.config import EngineConfig, SpeculativeConfig
 from engine_core.sampling_params import SamplingParams
@@ -269,7 +269,7 @@ def make_scheduler(config: Config, spec: str | None = None) -> Scheduler:
         speculative = SpeculativeConfig(
             num_speculative_tokens=3, prompt_lookup_min=1, dynamic=spec == "dynamic"
         )
-        decoder = SpecDecoder(speculative, support)
+        decoder = DraftPlanner(speculative, support)
     return Scheduler(SchedulerConfig.from_engine_config(engine_config), config.num_blocks, decoder)
 
 
@@ -439,7 +439,7 @@ def run_operations(
     pool = scheduler.kv.pool
     assert scheduler.kv.num_free_blocks == pool.num_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks)
-    return scheduler.spec.stats if scheduler.spec is not None else None
+    return scheduler.draft_planner.stats if scheduler.draft_planner is not None else None
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest
+from engine_core._core.engine_io import EngineCoreOutputs, EngineCoreRequest
 from engine_core._engine.core import EngineCore
 from engine_core.abc import AsyncModelRunnerOutput, ModelRunnerOutput
 from engine_core.config import EngineConfig

@@ -1,4 +1,4 @@
-"""The CURVE helpers of ``sockets``: a driver's sockets admit the deployment's engines and
+"""The CURVE helpers of ``pipes.addresses``: a driver's sockets admit the deployment's engines and
 refuse every other peer (no keys, another client key, a wrong server key), both ways."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from engine_core._engine.sockets import (
+from engine_core._engine.pipes.addresses import (
     DeploymentKeys,
     EngineKeys,
     admit_only,

@@ -10,12 +10,12 @@ import msgspec
 import pytest
 import zmq
 
-from engine_core._core.protocol import EngineCoreRequest
-from engine_core._engine.dial_sockets import DialSockets
-from engine_core._engine.launch import EngineProcess
+from engine_core._core.engine_io import EngineCoreRequest
 from engine_core._engine.main import DIAL_KEYS_ENV
-from engine_core._engine.mp_client import MPClient
-from engine_core._engine.sockets import DeploymentKeys, EngineKeys, deployment_keys
+from engine_core._engine.mp.client import MPClient
+from engine_core._engine.mp.launcher import EngineProcess
+from engine_core._engine.pipes.addresses import DeploymentKeys, EngineKeys, deployment_keys
+from engine_core._engine.pipes.dial import DialSockets
 from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core._core.protocol import EngineCoreRequest
-from engine_core._engine.core import EngineCore, PauseMode
+from engine_core._core.engine_io import EngineCoreRequest, PauseMode
+from engine_core._engine.core import EngineCore
 from engine_core._engine.inproc_client import InprocClient
 from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams

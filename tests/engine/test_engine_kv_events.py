@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgspec
 
 from engine_core._core.block_hash import block_digests
+from engine_core._core.engine_io import DPEngineCoreOutputs, EngineCoreOutputs, EngineCoreRequest
 from engine_core._core.kv_events import block_digest
-from engine_core._core.protocol import DPEngineCoreOutputs, EngineCoreOutputs, EngineCoreRequest
 from engine_core._core.router import Router
 from engine_core._engine.core import EngineCore
 from engine_core.config import EngineConfig

@@ -21,12 +21,12 @@ import msgspec
 import pytest
 from engine_core_mock import MockBackend
 
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
+from engine_core._core.engine_io import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
 from engine_core._engine.core import EngineCore
+from engine_core._engine.pipes.addresses import OUTPUT_HWM
+from engine_core._engine.pipes.pipes import Pipes, Receiver, Sender
+from engine_core._engine.pipes.unix import StreamSender
 from engine_core._engine.proc import EngineCoreProc
-from engine_core._engine.sockets import OUTPUT_HWM
-from engine_core._engine.transport import Pipes, Receiver, Sender
-from engine_core._engine.unix_stream import StreamSender
 from engine_core._engine.wire import (
     AbortRequests,
     ClientMessage,

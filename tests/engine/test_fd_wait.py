@@ -11,7 +11,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from engine_core._engine.fd_wait import ReadableWaiter
+from engine_core._engine.pipes.fd_wait import ReadableWaiter
 
 _TIMEOUT_S = 5.0
 

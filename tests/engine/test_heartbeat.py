@@ -23,10 +23,10 @@ import msgspec
 import pytest
 
 from engine_core import LLM, AsyncLLM, SamplingParams
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
-from engine_core._engine.inbox import EngineInbox
-from engine_core._engine.mp_client import MPClient
-from engine_core._engine.transport import Pipes
+from engine_core._core.engine_io import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
+from engine_core._engine.mp.client import MPClient
+from engine_core._engine.mp.inbox import EngineInbox
+from engine_core._engine.pipes.pipes import Pipes
 from engine_core._engine.wire import Heartbeat, Silence, UtilityReply
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineDeadError

@@ -11,8 +11,8 @@ import anyio
 import msgspec
 import pytest
 
-from engine_core._core.protocol import EngineCoreRequest, FinishedRequest
-from engine_core._engine.mp_client import MPClient
+from engine_core._core.engine_io import EngineCoreRequest, FinishedRequest
+from engine_core._engine.mp.client import MPClient
 from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams
 

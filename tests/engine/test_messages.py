@@ -11,7 +11,7 @@ from helpers.strategies import HOSTILE, SAMPLING_FIELDS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_core._core.protocol import (
+from engine_core._core.engine_io import (
     DPEngineCoreOutputs,
     EngineCoreOutputs,
     EngineCoreRequest,

@@ -18,15 +18,15 @@ import anyio
 import msgspec
 import pytest
 
-from engine_core._core.protocol import (
+from engine_core._core.engine_io import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
     EngineStats,
     FinishedRequest,
 )
-from engine_core._engine.mp_client import MPClient, RemoteEngineError
-from engine_core._engine.sockets import Transport
+from engine_core._engine.mp.client import MPClient, RemoteEngineError
+from engine_core._engine.pipes.addresses import TransportKind
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineClosedError, EngineDeadError
 from engine_core.sampling_params import SamplingParams
@@ -356,7 +356,7 @@ def _gone(pid: int) -> bool:
 
 _PARENT = """
 import sys
-from engine_core._engine.mp_client import MPClient
+from engine_core._engine.mp.client import MPClient
 from engine_core.config import EngineConfig
 
 if __name__ == "__main__":
@@ -394,7 +394,7 @@ def test_engine_exits_when_its_parent_dies(runtime: str) -> None:
     ("transport", "scheme"),
     [("ipc", "unix://"), ("zmq-ipc", "ipc://"), ("tcp", "tcp://127.0.0.1:")],
 )
-def test_each_transport_serves(transport: Transport, scheme: str) -> None:
+def test_each_transport_serves(transport: TransportKind, scheme: str) -> None:
     threads, fds = set(threading.enumerate()), set(os.listdir("/proc/self/fd"))
     with MPClient(config(), transport=transport) as client:
         ready = client._inbox.ready

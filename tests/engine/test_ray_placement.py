@@ -1,4 +1,4 @@
-"""Where a Ray deployment's engines go (``ray_placement``), decided without Ray: the bundle, the
+"""Where a Ray deployment's engines go (``ray.placement``), decided without Ray: the bundle, the
 node label selector per strategy, the message of a placement that timed out; and what the Ray
 backend says where Ray is not installed."""
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine_core._engine.ray_placement import (
+from engine_core._engine.ray.placement import (
     NODE_ID_LABEL,
     NodeView,
     engine_bundle,
@@ -110,6 +110,6 @@ def test_the_ray_backend_without_ray_says_how_to_install_it(
     from engine_core import LLM
 
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as if not installed
-    monkeypatch.delitem(sys.modules, "engine_core._engine.ray_launch", raising=False)
+    monkeypatch.delitem(sys.modules, "engine_core._engine.ray.launch", raising=False)
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'engine-core\[ray\]'"):
         LLM(backend="mock", multiprocess=True, data_parallel_size=2, data_parallel_backend="ray")

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_core import LLM, SamplingParams
-from engine_core._core.protocol import EngineCoreRequest
+from engine_core._core.engine_io import EngineCoreRequest
 from engine_core._engine.core import EngineCore
 from engine_core.config import EngineConfig, SpeculativeConfig
 
@@ -119,15 +119,12 @@ def drive(config: EngineConfig) -> Result:
                 core.add_request(arrivals.pop(0)[1])
             step += 1
             assert step < 2000, "runaway"
-            scheduler_output = core.schedule()
-            if scheduler_output is None:
-                outputs = core.finish_step()
-            else:
-                runner_output = core.execute(scheduler_output)
+            done = core.launch_step(core.schedule())
+            if done is not None:
                 for rid, after in ABORT_AFTER.items():
                     if len(result.tokens.get(rid, ())) >= after and rid not in result.finished:
                         core.defer_abort(rid)  # lands before the step's outputs are applied
-                outputs = core.finish_step(scheduler_output, runner_output)
+            outputs = core.complete_step(done)
             for rid, new in zip(outputs.req_ids, outputs.new_token_ids, strict=True):
                 result.tokens.setdefault(rid, []).extend(new)
                 result.multi_token_steps += len(new) > 1

@@ -10,7 +10,7 @@ import pytest
 from engine_core_mock import MockBackend
 from helpers.spec_backend import ScriptedSpecBackend
 
-from engine_core._core.protocol import EngineCoreRequest
+from engine_core._core.engine_io import EngineCoreRequest
 from engine_core._engine.core import EngineCore
 from engine_core.abc import CachedRequestData, SpecSupport, StepCostModel
 from engine_core.config import EngineConfig, SpeculativeConfig
@@ -85,7 +85,7 @@ def test_a_backend_without_a_step_cost_gets_one_measured() -> None:
     # Each clock reading moves 1 ms: every step measures the same few ms.
     core = EngineCore(_config(), backend_cls=Unpriced, clock=lambda: next(ticks) * 1e-3)
     try:
-        spec = core.scheduler.spec
+        spec = core.scheduler.draft_planner
         assert spec is not None and spec.measures_cost
         before = (spec.policy.cost.step_s, spec.policy.cost.per_token_s)
         core.add_request(EngineCoreRequest("r", [1, 2, 3], SamplingParams(max_tokens=20)))
@@ -96,7 +96,10 @@ def test_a_backend_without_a_step_cost_gets_one_measured() -> None:
         core.close()
     priced = EngineCore(_config(), backend_cls=_verifier(SpecSupport(cost_model=COST)))
     try:
-        assert priced.scheduler.spec is not None and not priced.scheduler.spec.measures_cost
+        assert (
+            priced.scheduler.draft_planner is not None
+            and not priced.scheduler.draft_planner.measures_cost
+        )
     finally:
         priced.close()
 
@@ -229,7 +232,7 @@ def test_speculation_gives_the_tokens_of_decoding_without_it(
     off, _ = run_workload(None, requests, abort_after=aborts, options=options, **setup)
     on, core = run_workload(spec, requests, abort_after=aborts, options=options, **setup)
     assert on == off
-    stats = core.scheduler.spec.stats  # type: ignore[union-attr]
+    stats = core.scheduler.draft_planner.stats  # type: ignore[union-attr]
     assert stats.num_accepted_tokens > 0
     if "num_kv_blocks" in setup:
         assert core.scheduler.num_preemptions > 0
@@ -287,8 +290,8 @@ def test_structured_outputs_with_speculation_are_those_without(
     assert all(off[f"g{i}"].finish is not None for i in range(3))
     backend = core.backend
     assert isinstance(backend, ScriptedSpecBackend)
-    assert core.scheduler.spec is not None
-    assert core.scheduler.spec.stats.num_accepted_tokens > 0
+    assert core.scheduler.draft_planner is not None
+    assert core.scheduler.draft_planner.stats.num_accepted_tokens > 0
     if spec["method"] == "ngram":
         # Some step had more grammar rows than constrained requests: the prompt's n-grams
         # fit the grammars, so constrained requests verified drafts. (The scripted drafter's

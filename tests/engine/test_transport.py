@@ -1,5 +1,5 @@
-"""The Unix stream pipes (``unix_stream``) and the interface they share with ZMQ's
-(``transport``): frames whole and in order however the kernel splits them, a peer that dies
+"""The Unix stream pipes (``pipes.unix``) and the interface they share with ZMQ's
+(``pipes``): frames whole and in order however the kernel splits them, a peer that dies
 mid-frame, the bound on a bounded pipe, posts from other threads, nothing left open."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from engine_core._engine.transport import Pipes, Receiver, Sender
-from engine_core._engine.unix_stream import StreamReceiver, StreamSender
+from engine_core._engine.pipes.pipes import Pipes, Receiver, Sender
+from engine_core._engine.pipes.unix import StreamReceiver, StreamSender
 
 _TIMEOUT_S = 5.0
 

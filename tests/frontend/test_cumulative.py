@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_core import AsyncLLM
-from engine_core._core.protocol import EngineCoreOutputs, FinishedRequest
+from engine_core._core.engine_io import EngineCoreOutputs, FinishedRequest
 from engine_core._core.tokenizer import ByteTokenizer
 from engine_core._frontend.collector import RequestOutputCollector
 from engine_core._frontend.output_processor import OutputProcessor

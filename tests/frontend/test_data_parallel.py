@@ -14,7 +14,7 @@ from engine_core import (
     RetryableRequestError,
     SamplingParams,
 )
-from engine_core._engine.dp_client import DPClient
+from engine_core._engine.dp.client import DPClient
 
 pytestmark = pytest.mark.anyio
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from helpers.clock import Clock
 
-from engine_core._core.protocol import EngineCoreOutputs, FinishedRequest
+from engine_core._core.engine_io import EngineCoreOutputs, FinishedRequest
 from engine_core._core.tokenizer import ByteTokenizer
 from engine_core._frontend.collector import RequestOutputCollector
 from engine_core._frontend.output_processor import OutputProcessor

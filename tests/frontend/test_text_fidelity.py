@@ -11,8 +11,8 @@ from helpers.tiny_tokenizer import save_tiny_bpe, save_tiny_byte_fallback
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine_core._core.engine_io import EngineCoreOutputs, FinishedRequest
 from engine_core._core.hf_tokenizer import HFTokenizer
-from engine_core._core.protocol import EngineCoreOutputs, FinishedRequest
 from engine_core._frontend.output_processor import OutputProcessor
 from engine_core.sampling_params import RequestOutputKind, SamplingParams
 

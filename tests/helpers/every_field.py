@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from engine_core._core.protocol import EngineStats
+from engine_core._core.engine_io import EngineStats
 from engine_core.config import EngineConfig, SpeculativeConfig
 from engine_core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 

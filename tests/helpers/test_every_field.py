@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine_core._core.protocol import EngineStats
+from engine_core._core.engine_io import EngineStats
 from helpers.every_field import AT_DEFAULT, KWARGS, instance
 
 

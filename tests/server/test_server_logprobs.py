@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from helpers.tiny_tokenizer import save_tiny_byte_fallback
 
+from engine_core._core.engine_io import EngineCoreOutputs, FinishedRequest
 from engine_core._core.hf_tokenizer import HFTokenizer
-from engine_core._core.protocol import EngineCoreOutputs, FinishedRequest
 from engine_core._core.tokenizer import ByteTokenizer, Tokenizer
 from engine_core._frontend.output_processor import OutputProcessor
 from engine_core.abc import TokenLogprobs

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_core._core.protocol import EngineStats
+from engine_core._core.engine_io import EngineStats
 from engine_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine_core.server import DEFAULT_CHAT_TEMPLATE, ServerSettings, load_chat_template
 from engine_core.server._chat_template import ChatTemplateError

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from engine_core import SamplingParams, StructuredOutputsParams
-from engine_core._core.protocol import EngineCoreRequest, FinishedRequest
+from engine_core._core.engine_io import EngineCoreRequest, FinishedRequest
 from engine_core._engine.core import EngineCore
 from engine_core._structured import manager
 from engine_core._structured.grammar import GrammarError, GrammarSpec, compile_grammar

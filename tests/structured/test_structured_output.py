@@ -19,7 +19,7 @@ from engine_core_mock import MockBackend
 from helpers.schemas import PERSON
 
 from engine_core import LLM, SamplingParams, StructuredOutputsParams
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
+from engine_core._core.engine_io import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
 from engine_core._core.request import RequestStatus
 from engine_core._engine.core import EngineCore
 from engine_core.abc import ModelRunnerOutput, SchedulerOutput

@@ -22,11 +22,11 @@ from engine_core import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
+from engine_core._core.engine_io import EngineCoreOutputs, EngineCoreRequest, FinishedRequest
 from engine_core._engine.core import EngineCore
+from engine_core._engine.pipes.addresses import OUTPUT_HWM
+from engine_core._engine.pipes.pipes import Pipes
 from engine_core._engine.proc import EngineCoreProc
-from engine_core._engine.sockets import OUTPUT_HWM
-from engine_core._engine.transport import Pipes
 from engine_core._engine.wire import Shutdown, engine_message_decoder
 from engine_core.config import EngineConfig
 

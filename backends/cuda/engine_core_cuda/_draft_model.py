@@ -28,7 +28,7 @@ import torch
 
 from engine_core_cuda._attention import AttentionContext, KVCache
 from engine_core_cuda._hf_config import ModelConfig, load_model_config
-from engine_core_cuda._input_batch import RequestState
+from engine_core_cuda._input_batch import CachedRequestState
 from engine_core_cuda._loader import init_random_weights, load_weights
 from engine_core_cuda._model import CausalLM
 from engine_core_cuda._sampler import SamplingBatch, sample
@@ -102,7 +102,7 @@ class DraftModel:
         else:
             self.model(step.input_ids, step.positions, self.kv_caches, ctx)
 
-    def propose(self, states: list[RequestState], num_drafts: int) -> list[list[int]]:
+    def propose(self, states: list[CachedRequestState], num_drafts: int) -> list[list[int]]:
         """Up to ``num_drafts`` drafts continuing each of ``states`` (whose tokens are
         known up to ``num_tokens``), fewer where its blocks or ``max_model_len`` end first."""
         runner = self.runner
@@ -131,7 +131,7 @@ class DraftModel:
 
     def _draft_pass(
         self,
-        states: list[RequestState],
+        states: list[CachedRequestState],
         index: int,
         active: list[int],
         earlier: list[tuple[list[int], torch.Tensor]],
@@ -181,7 +181,7 @@ class DraftModel:
 
 def _count_earlier_drafts(
     sampling: SamplingBatch,
-    states: list[RequestState],
+    states: list[CachedRequestState],
     index: int,
     active: list[int],
     earlier: list[tuple[list[int], torch.Tensor]],

@@ -9,7 +9,7 @@ device once; after that a step only transfers what changed (new block ids) plus 
 per scheduled request, however long the requests' contexts are.
 
 Writes are staged on the host and flushed as one scatter per tensor at the start of a step.
-The host keeps a small :class:`RequestState` per request (counters, no token lists).
+The host keeps a small :class:`CachedRequestState` per request (counters, no token lists).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from engine_core.sampling_params import SamplingParams
 from engine_core_cuda._kv_layout import group_block_ids
 from engine_core_cuda._random import request_seed
 
-__all__ = ["InputBatch", "RequestState"]
+__all__ = ["InputBatch", "CachedRequestState"]
 
 # Columns of InputBatch.float_params.
 TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(6)
@@ -32,7 +32,7 @@ TOP_K, SEED = range(2)
 
 
 @dataclass(slots=True, eq=False)
-class RequestState:
+class CachedRequestState:
     """What the host tracks of a live request."""
 
     req_id: str
@@ -117,7 +117,7 @@ class InputBatch:
         self.device = device
         self.max_blocks = -(-max_model_len // block_size)
         self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.int32, device=device)
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, CachedRequestState] = {}
         self.block_tables: list[torch.Tensor] = []
         self._block_writes: list[_Scatter] = []
         self.set_kv_groups(1)
@@ -156,7 +156,7 @@ class InputBatch:
         """The block-table row of padding sequences (all zeros)."""
         return self.max_num_reqs
 
-    def add(self, new: NewRequestData) -> RequestState:
+    def add(self, new: NewRequestData) -> CachedRequestState:
         """Give ``new`` a row and stage its tokens, block table and parameters."""
         if not self._free_rows:
             raise RuntimeError(
@@ -177,7 +177,7 @@ class InputBatch:
             )
         params = new.sampling_params
         row = self._free_rows.pop()
-        state = RequestState(
+        state = CachedRequestState(
             req_id=new.req_id,
             row=row,
             num_prompt_tokens=len(new.prompt_token_ids),
@@ -235,7 +235,7 @@ class InputBatch:
         if state is not None:
             self._free_rows.append(state.row)
 
-    def append_blocks(self, state: RequestState, block_ids: list[list[int]]) -> None:
+    def append_blocks(self, state: CachedRequestState, block_ids: list[list[int]]) -> None:
         """Stage blocks appended to a request's block table in each group (``block_ids[g]``,
         of one length: :func:`~engine_core_cuda._kv_layout.group_block_ids`)."""
         added = len(block_ids[0])
@@ -248,7 +248,7 @@ class InputBatch:
             writes.add(state.row, state.num_blocks, ids)
         state.num_blocks += added
 
-    def stage_tokens(self, state: RequestState, start: int, token_ids: list[int]) -> None:
+    def stage_tokens(self, state: CachedRequestState, start: int, token_ids: list[int]) -> None:
         """Stage ``token_ids`` at positions ``start ..`` of a request's row."""
         self._token_writes.add(state.row, start, token_ids)
 

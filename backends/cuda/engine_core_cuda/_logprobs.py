@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from engine_core.abc import TokenLogprobs
-from engine_core_cuda._input_batch import InputBatch, RequestState
+from engine_core_cuda._input_batch import CachedRequestState, InputBatch
 from engine_core_cuda._sampler import LogprobsTensors, compute_logprobs
 
 __all__ = ["PROMPT_LOGPROBS_CHUNK", "prompt_logprobs", "to_token_logprobs"]
@@ -45,7 +45,7 @@ def prompt_logprobs(
     batch: InputBatch,
     hidden: torch.Tensor,
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
-    entries: list[tuple[RequestState, int, int, int]],
+    entries: list[tuple[CachedRequestState, int, int, int]],
 ) -> dict[str, list[TokenLogprobs | None]]:
     """Prompt logprobs of this step. ``entries``: (request, ``num_computed_tokens`` before the
     step, tokens scheduled, offset of its first token in ``hidden``) for each request that asked
@@ -54,7 +54,7 @@ def prompt_logprobs(
     rows: list[int] = []
     targets: list[int] = []
     num_tops: list[int] = []
-    spans: list[tuple[RequestState, int, int, int, int]] = []
+    spans: list[tuple[CachedRequestState, int, int, int, int]] = []
     for state, start, num, offset in entries:
         num_prompt = state.num_prompt_tokens
         end = min(start + num, num_prompt)

@@ -18,8 +18,8 @@ from engine_core_cuda._input_batch import (
     TEMPERATURE,
     TOP_K,
     TOP_P,
+    CachedRequestState,
     InputBatch,
-    RequestState,
 )
 from engine_core_cuda._sampler import SamplingBatch, unpack_bitmask
 
@@ -27,7 +27,7 @@ __all__ = ["build_sampling_batch"]
 
 
 def _banned(
-    states: list[RequestState], device: torch.device
+    states: list[CachedRequestState], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(row index, token id) pairs of stop tokens masked below ``min_tokens``."""
     index: list[int] = []
@@ -43,7 +43,7 @@ def _banned(
 
 
 def _logit_bias(
-    states: list[RequestState], device: torch.device
+    states: list[CachedRequestState], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(row index, token id, bias) of every ``logit_bias`` entry of ``states``."""
     index: list[int] = []
@@ -63,7 +63,7 @@ def _logit_bias(
 
 def build_sampling_batch(
     batch: InputBatch,
-    states: list[RequestState],
+    states: list[CachedRequestState],
     rows: torch.Tensor,
     positions: torch.Tensor,
     bitmask_rows: tuple[list[int], torch.Tensor] | None,

@@ -31,7 +31,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from engine_core_cuda._input_batch import InputBatch, RequestState
+from engine_core_cuda._input_batch import CachedRequestState, InputBatch
 from engine_core_cuda._sampler import SamplingBatch, sample, unpack_bitmask
 from engine_core_cuda._sampling_inputs import build_sampling_batch
 
@@ -83,7 +83,7 @@ def _draft_counts(rows: DraftRows) -> tuple[list[int], list[int]]:
 
 
 def _row_banned(
-    states: list[RequestState], rows: DraftRows, device: torch.device
+    states: list[CachedRequestState], rows: DraftRows, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Stop tokens masked on each row whose output count at its position is below
     ``min_tokens``."""
@@ -105,7 +105,7 @@ def _row_banned(
 
 def build_verify_batch(
     batch: InputBatch,
-    states: list[RequestState],
+    states: list[CachedRequestState],
     rows: torch.Tensor,
     positions: torch.Tensor,
     draft_rows: DraftRows,
@@ -137,7 +137,7 @@ def build_verify_batch(
 
 
 def _allowed_rows(
-    states: list[RequestState],
+    states: list[CachedRequestState],
     draft_rows: DraftRows,
     bitmask: np.ndarray,
     vocab_size: int,

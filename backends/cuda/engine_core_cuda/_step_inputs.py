@@ -1,6 +1,6 @@
 """Turning a :class:`SchedulerOutput` into the device inputs of one forward pass.
 
-The host applies the scheduler's diffs to its :class:`RequestState` records (O(requests)), builds
+The host applies the scheduler's diffs to its :class:`CachedRequestState` records (O(requests)), builds
 per-token positions and row indices (O(scheduled tokens)) and sends them in one transfer; input
 ids and cache slots are gathered on the device from the persistent tensors, the slots once per
 KV-cache group (each group's block table places the token in a block of its own).
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from engine_core.abc import SchedulerOutput
-from engine_core_cuda._input_batch import InputBatch, RequestState
+from engine_core_cuda._input_batch import CachedRequestState, InputBatch
 from engine_core_cuda._kv_layout import group_block_ids
 from engine_core_cuda._spec_verify import DraftRows
 
@@ -29,7 +29,7 @@ __all__ = ["StepInputs", "apply_scheduler_output", "build_step_inputs", "slots_o
 class StepInputs:
     """One step's batch: host bookkeeping and device tensors."""
 
-    states: list[RequestState]
+    states: list[CachedRequestState]
     """Batch order: cached requests, then new ones."""
     starts: list[int]
     """Per request, ``num_computed_tokens`` before this step."""
@@ -59,7 +59,7 @@ class StepInputs:
 
 def apply_scheduler_output(
     batch: InputBatch, scheduler_output: SchedulerOutput
-) -> tuple[list[RequestState], list[int], list[int]]:
+) -> tuple[list[CachedRequestState], list[int], list[int]]:
     """Apply the step's diffs: drop finished and preempted requests, extend block tables, add new
     requests. Returns the batch's states, computed-token counts before the step and scheduled
     token counts; raises ``RuntimeError`` when the scheduler's view disagrees with the backend's."""
@@ -68,7 +68,7 @@ def apply_scheduler_output(
     for req_id in scheduler_output.preempted_req_ids:
         batch.remove(req_id)
     cached = scheduler_output.cached
-    states: list[RequestState] = []
+    states: list[CachedRequestState] = []
     starts: list[int] = []
     counts: list[int] = []
     for index, (state, new_blocks, computed, num) in enumerate(cached.diffs(batch.requests)):
@@ -99,7 +99,7 @@ def apply_scheduler_output(
     return states, starts, counts
 
 
-def _stage_drafts(batch: InputBatch, state: RequestState, computed: int, num: int) -> None:
+def _stage_drafts(batch: InputBatch, state: CachedRequestState, computed: int, num: int) -> None:
     """Write a decoding request's drafts after its last known token."""
     num_drafts = len(state.drafts)
     if computed != state.num_tokens - 1 or num != 1 + num_drafts:
@@ -119,7 +119,7 @@ def _stage_drafts(batch: InputBatch, state: RequestState, computed: int, num: in
 
 def build_step_inputs(
     batch: InputBatch,
-    states: list[RequestState],
+    states: list[CachedRequestState],
     starts: list[int],
     counts: list[int],
 ) -> StepInputs:

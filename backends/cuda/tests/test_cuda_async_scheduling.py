@@ -11,7 +11,7 @@ from hf_reference import PROMPTS
 from tiny_models import TinyModel
 
 from engine_core import SamplingParams
-from engine_core._core.protocol import EngineCoreRequest
+from engine_core._core.engine_io import EngineCoreRequest
 from engine_core._engine.core import EngineCore
 from engine_core.config import EngineConfig
 

@@ -52,7 +52,7 @@ def _generate(model: TinyModel, spec: dict[str, Any] | None, **fields: Any) -> t
     with model.llm(speculative_config=spec, **SMALL, **fields) as llm:
         outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         core = llm._client.engine_core
-        stats = core.scheduler.spec.stats if spec is not None else None
+        stats = core.scheduler.draft_planner.stats if spec is not None else None
     tokens = [(o.outputs[0].token_ids, [list(e) for e in o.outputs[0].logprobs or []])
               for o in outputs]  # fmt: skip
     return tokens, stats
@@ -161,7 +161,7 @@ def test_sleep_and_wake_up_keep_the_draft_model(
         assert drafter.kv_caches == []
         backend.wake_up()
         outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-        stats = llm._client.engine_core.scheduler.spec.stats
+        stats = llm._client.engine_core.scheduler.draft_planner.stats
     tokens = [(o.outputs[0].token_ids, [list(e) for e in o.outputs[0].logprobs or []])
               for o in outputs]  # fmt: skip
     assert tokens == plain
@@ -197,7 +197,7 @@ def test_the_target_as_its_own_draft_under_penalties_and_min_tokens(
             outputs = llm.generate(PROMPTS[:1] * 2, params, use_tqdm=False)
             results[spec is None] = [o.outputs[0].token_ids for o in outputs]
             if spec is not None:
-                stats = llm._client.engine_core.scheduler.spec.stats
+                stats = llm._client.engine_core.scheduler.draft_planner.stats
     assert results[True] == results[False]
     penalized, held_back = results[False]
     assert penalized != first  # the penalties changed the greedy path

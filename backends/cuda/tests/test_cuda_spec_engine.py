@@ -73,7 +73,7 @@ PARAMS = [
 
 
 def _stats(llm: Any) -> Any:
-    return llm._client.engine_core.scheduler.spec.stats
+    return llm._client.engine_core.scheduler.draft_planner.stats
 
 
 @pytest.mark.parametrize("kind", KINDS)

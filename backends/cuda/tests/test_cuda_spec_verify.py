@@ -8,7 +8,7 @@ from typing import Literal
 import numpy as np
 import pytest
 import torch
-from engine_core_cuda._input_batch import InputBatch, RequestState
+from engine_core_cuda._input_batch import CachedRequestState, InputBatch
 from engine_core_cuda._random import exponential_noise, request_seed
 from engine_core_cuda._sampler import sample
 from engine_core_cuda._sampling_inputs import build_sampling_batch
@@ -22,7 +22,9 @@ PROMPT_LEN = 3
 DEVICE = torch.device("cpu")
 
 
-def _batch(params: list[SamplingParams], eos: int = 15) -> tuple[InputBatch, list[RequestState]]:
+def _batch(
+    params: list[SamplingParams], eos: int = 15
+) -> tuple[InputBatch, list[CachedRequestState]]:
     batch = InputBatch(
         max_num_reqs=len(params), max_model_len=32, block_size=4, vocab_size=VOCAB,
         engine_seed=0, device=DEVICE,
@@ -62,7 +64,7 @@ def _verify(
     logits: list[torch.Tensor],
     drafts: list[list[int]],
     impl: Literal["torch", "triton"],
-) -> tuple[list[list[int]], InputBatch, list[RequestState]]:
+) -> tuple[list[list[int]], InputBatch, list[CachedRequestState]]:
     batch, states = _batch(params)
     draft_rows = DraftRows.of(drafts)
     rows = torch.tensor([s.row for s in states])

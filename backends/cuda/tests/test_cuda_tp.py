@@ -26,7 +26,7 @@ from engine_core_cuda._tp.shard import shard_model_config, slice_of
 from tiny_models import TinyModel
 
 from engine_core import AsyncLLM, EngineDeadError, SamplingParams
-from engine_core._engine.core import resolve_async_scheduling
+from engine_core._engine.startup import resolve_async_scheduling
 from engine_core._workers import WorkerDiedError
 from engine_core.abc import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.config import EngineConfig

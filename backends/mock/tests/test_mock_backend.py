@@ -15,7 +15,7 @@ from engine_core_mock import MockBackend
 from mock_driver import Driver
 from xxhash import xxh3_64_intdigest
 
-from engine_core._core.protocol import EngineCoreRequest, FinishedRequest
+from engine_core._core.engine_io import EngineCoreRequest, FinishedRequest
 from engine_core._engine.core import EngineCore
 from engine_core.abc import (
     AsyncModelRunnerOutput,

@@ -15,7 +15,7 @@ from engine_core_mock import MockBackend
 from engine_core_mock._provider import provider
 
 from engine_core import LLM, SamplingParams
-from engine_core._engine.core import size_kv_cache
+from engine_core._engine.startup import size_kv_cache
 from engine_core.abc import BackendProvider, KVCacheSpec
 from engine_core.config import EngineConfig
 

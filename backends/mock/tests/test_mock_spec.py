@@ -8,7 +8,7 @@ import pytest
 from engine_core_mock import MockBackend
 from mock_driver import Driver, FakeTime
 
-from engine_core._core.protocol import EngineCoreRequest
+from engine_core._core.engine_io import EngineCoreRequest
 from engine_core._engine.core import EngineCore
 from engine_core.abc import SpecSupport, StepCostModel
 from engine_core.config import EngineConfig, SpeculativeConfig

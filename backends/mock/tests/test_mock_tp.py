@@ -15,7 +15,7 @@ from engine_core_mock._worker import MockWorker
 from mock_driver import Driver
 
 from engine_core import LLM, AsyncLLM, EngineDeadError, SamplingParams
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest
+from engine_core._core.engine_io import EngineCoreOutputs, EngineCoreRequest
 from engine_core._engine.core import EngineCore
 from engine_core._workers import Sampled, Step, WorkerDiedError
 from engine_core.abc import CachedRequestData, NewRequestData, SchedulerOutput

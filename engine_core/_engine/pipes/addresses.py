@@ -1,7 +1,7 @@
 """Where the pipes of a client / engine-core pair bind, and how an event loop awaits a ZMQ
 socket under asyncio and trio alike.
 
-Addresses. By default the pipes are Unix stream sockets (``unix://``, see ``unix_stream``) at
+Addresses. By default the pipes are Unix stream sockets (``unix://``, see ``pipes.unix``) at
 paths in a private temporary directory (mode 0700, so other users cannot connect), removed when
 the client shuts down; ``transport="zmq-ipc"`` (or ``ENGINE_CORE_IPC_TRANSPORT=zmq`` in the
 environment, or a platform without epoll) makes them ZMQ ``ipc://`` sockets in the same
@@ -47,15 +47,15 @@ __all__ = [
     "curve_server",
     "deployment_keys",
     "SocketAddresses",
-    "Transport",
+    "TransportKind",
     "unix_stream_available",
     "make_socket",
     "recv_async",
     "send_async",
 ]
 
-Transport = Literal["ipc", "zmq-ipc", "tcp"]
-TRANSPORTS: tuple[Transport, ...] = ("ipc", "zmq-ipc", "tcp")
+TransportKind = Literal["ipc", "zmq-ipc", "tcp"]
+TRANSPORTS: tuple[TransportKind, ...] = ("ipc", "zmq-ipc", "tcp")
 
 OUTPUT_HWM = 16
 """Step outputs ZMQ holds on each side of the engine -> client pipe. A client that stops reading
@@ -67,10 +67,10 @@ class SocketAddresses:
     """Where the client's output pipe and the engine's input pipe bind.
 
     ``output`` and ``input`` are bind addresses (``tcp://host:*`` picks a free port; the bound
-    endpoint is read back from the socket); their scheme chooses the pipe (see ``transport``).
+    endpoint is read back from the socket); their scheme chooses the pipe (see ``pipes``).
     """
 
-    def __init__(self, transport: Transport = "ipc", host: str = "127.0.0.1") -> None:
+    def __init__(self, transport: TransportKind = "ipc", host: str = "127.0.0.1") -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if transport == "ipc" and not unix_stream_available():

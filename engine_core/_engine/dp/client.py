@@ -18,7 +18,7 @@ come back as ordinary outputs. :class:`EngineDeadError` is raised only once no e
 With ``dp_restart_engines`` a dead engine is restarted in a thread, with backoff, and rejoins.
 
 Where the engines run is the launchers' business (``launcher``): child processes of this one by
-default; with ``data_parallel_backend="ray"`` a :class:`~engine_core._engine.ray_launch.
+default; with ``data_parallel_backend="ray"`` a :class:`~engine_core._engine.ray.launch.
 RayDeployment` places each engine on a Ray cluster first (a restart gets a new placement group).
 """
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -36,64 +35,34 @@ import anyio.to_thread
 import msgspec
 import zmq
 
-from engine_core._core.protocol import (
+from engine_core._core.engine_io import (
     DPEngineCoreOutputs,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
     FinishedRequest,
+    check_utility_call,
 )
-from engine_core._core.router import REASONS, Router
-from engine_core._engine.client import UTILITY_METHODS, EngineCoreClient
-from engine_core._engine.core import PauseMode
-from engine_core._engine.dp_stats import aggregate_stats
-from engine_core._engine.mp_client import MPClient
+from engine_core._core.router import Router
+from engine_core._engine.client import EngineCoreClient
+from engine_core._engine.dp.failover import (
+    Tracked,
+    lost_request_ending,
+    moved_request,
+    restart_engine,
+)
+from engine_core._engine.dp.stats import RouterMetrics, aggregate_stats
+from engine_core._engine.mp.client import MPClient
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineClosedError, EngineDeadError, EngineError
 
 if TYPE_CHECKING:
-    from engine_core._engine.launcher import EngineLauncher
-    from engine_core._engine.ray_launch import RayDeployment
+    from engine_core._engine.mp.launcher import EngineLauncher
+    from engine_core._engine.ray.launch import RayDeployment
 
 __all__ = ["DPClient"]
 
 logger = logging.getLogger(__name__)
-
-_RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
-
-
-class _Tracked:
-    """A request in flight, as the client needs it to move it to another engine."""
-
-    __slots__ = ("request", "engine", "num_tokens", "tokens")
-
-    def __init__(self, request: EngineCoreRequest, engine: int) -> None:
-        self.request = request
-        self.engine = engine
-        self.num_tokens = 0
-        self.tokens: list[int] = list(request.resume_output_token_ids)
-
-
-class RouterMetrics:
-    """What the router did: requests by engine and reason, predicted and actual prefix hits."""
-
-    def __init__(self, num_engines: int) -> None:
-        self.requests: dict[tuple[int, str], int] = {
-            (e, r): 0 for e in range(num_engines) for r in REASONS
-        }
-        self.predicted_hit_tokens = [0] * num_engines
-        self.actual_hit_tokens = [0] * num_engines
-        """Cached tokens the engines reported for the requests they started."""
-        self.engine_restarts = [0] * num_engines
-
-
-def _resumable(request: EngineCoreRequest) -> bool:
-    """Whether another engine can continue the request exactly from its tokens: greedy, or
-    seeded (both shipped backends draw from a pure function of the seed and the position), with
-    no grammar state or prompt logprobs that would not carry over."""
-    params = request.sampling_params
-    exact = params.is_greedy or params.seed is not None
-    return exact and params.structured_outputs is None and params.prompt_logprobs is None
 
 
 class DPClient(EngineCoreClient):
@@ -153,7 +122,7 @@ class DPClient(EngineCoreClient):
         self.num_engines = config.data_parallel_size
         self._closing = False
         self._turn = 0
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, Tracked] = {}
         self._ended: list[FinishedRequest] = []
         """Endings the client decided itself (failover), returned as the next outputs."""
         self._wakeup: anyio.Event | None = None
@@ -169,7 +138,7 @@ class DPClient(EngineCoreClient):
         if self.config.data_parallel_backend != "ray":
             return
         try:
-            from engine_core._engine.ray_launch import RayDeployment
+            from engine_core._engine.ray.launch import RayDeployment
         except ModuleNotFoundError as exc:
             if exc.name != "ray":
                 raise
@@ -280,31 +249,16 @@ class DPClient(EngineCoreClient):
             tracked = self._tracked.get(request_id)
             if tracked is None or tracked.engine != engine:
                 continue
-            if tracked.request.data_parallel_rank is None:
-                if tracked.num_tokens == 0 and mode != "fail":
-                    self._send(tracked, tracked.request, "failover")
-                    continue
-                if mode == "resume" and _resumable(tracked.request):
-                    resumed = msgspec.structs.replace(
-                        tracked.request, resume_output_token_ids=list(tracked.tokens)
-                    )
-                    self._send(tracked, resumed, "failover")
-                    continue
+            moved = moved_request(tracked, mode)
+            if moved is not None:
+                self._send(tracked, moved, "failover")
+                continue
             del self._tracked[request_id]
-            self._ended.append(
-                FinishedRequest(
-                    request_id,
-                    "error",
-                    None,
-                    f"engine {engine} of the data-parallel deployment died ({cause}); "
-                    "the request may be sent again",
-                    retryable=True,
-                )
-            )
+            self._ended.append(lost_request_ending(request_id, engine, cause))
         if self._wakeup is not None:
             self._wakeup.set()
 
-    def _send(self, tracked: _Tracked, request: EngineCoreRequest, reason: str | None) -> None:
+    def _send(self, tracked: Tracked, request: EngineCoreRequest, reason: str | None) -> None:
         """Route ``request`` and send it to its engine (another one if that one died)."""
         while True:
             decision = self.router.route(
@@ -336,24 +290,14 @@ class DPClient(EngineCoreClient):
 
     def _restart(self, engine: int) -> None:
         deployment = self._deployment  # the same one, even while shutting down
-        for delay in _RESTART_BACKOFF_S:
-            time.sleep(delay)
-            if self._closing:
-                return
-            try:
-                launcher = None if deployment is None else deployment.replace(engine)
-                client = MPClient(self._engine_config(engine), launcher=launcher)
-            except Exception as exc:
-                if self._closing:
-                    return
-                logger.error("restarting engine %d failed: %s", engine, exc)
-                continue
-            if self._closing:
-                client.shutdown()
-                return
+
+        def start() -> MPClient:
+            launcher = None if deployment is None else deployment.replace(engine)
+            return MPClient(self._engine_config(engine), launcher=launcher)
+
+        client = restart_engine(engine, start, lambda: self._closing)
+        if client is not None:
             self._rejoined.append((engine, client))
-            return
-        logger.error("engine %d could not be restarted; giving up", engine)
 
     def _take_rejoined(self) -> None:
         if not self._rejoined:
@@ -376,7 +320,7 @@ class DPClient(EngineCoreClient):
         """Route ``request`` to an engine and send it there. A pin to an engine that is not
         alive ends the request with a retryable error."""
         self._check_usable()
-        tracked = _Tracked(request, -1)
+        tracked = Tracked(request, -1)
         self._tracked[request.request_id] = tracked
         try:
             self._send(tracked, request, None)
@@ -509,10 +453,7 @@ class DPClient(EngineCoreClient):
         return None
 
     def _check_call(self, method: str, args: tuple[Any, ...]) -> None:
-        if method not in UTILITY_METHODS:
-            raise ValueError(f"unknown utility method {method!r}")
-        if method == "pause_generation" and args:
-            PauseMode.parse(args[0])
+        check_utility_call(method, args)
         self._check_usable()
 
     def _gather(self, method: str, outcomes: dict[int, Any]) -> Any:

@@ -9,15 +9,15 @@ import time
 
 import pytest
 
+from engine_core._core.drafts import DraftPlanner, check_verified
 from engine_core._core.request import Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
-from engine_core._core.spec_decode import SpecDecoder, check_verified
 from engine_core._core.spec_policy import CostModel, SpecPolicy
 from engine_core.abc import ModelRunnerOutput, SpecSupport, StepCostModel
 from engine_core.config import SpeculativeConfig
 from engine_core.errors import BackendError
+from engine_core.ngram import NgramIndex, NgramProposer
 from engine_core.sampling_params import SamplingParams
-from engine_core.spec import NgramIndex, NgramProposer
 
 BLOCK_SIZE = 16
 
@@ -199,7 +199,7 @@ def test_a_step_with_nobody_decoding_decides_from_the_requests_that_sample() -> 
     scheduler = make_scheduler(k=3, method="scripted", dynamic=True)
     add(scheduler, "r", COPY[:15])
     out = scheduler.schedule()  # nobody decodes yet: decided from r alone (a batch of 1)
-    assert scheduler.spec is not None and scheduler.spec.k == 3
+    assert scheduler.draft_planner is not None and scheduler.draft_planner.k == 3
     assert out.num_draft_tokens == 4 and out.draft_req_ids == ["r"]
 
 
@@ -234,7 +234,7 @@ def make_scheduler(
     spec = SpeculativeConfig(
         method=method, num_speculative_tokens=k, dynamic=dynamic, prompt_lookup_min=min_n
     )
-    return Scheduler(config, num_blocks, SpecDecoder(spec, support))
+    return Scheduler(config, num_blocks, DraftPlanner(spec, support))
 
 
 def add(scheduler: Scheduler, request_id: str, prompt: list[int], **params: object) -> Request:
@@ -289,7 +289,7 @@ def test_kv_is_reserved_for_the_drafts_and_the_lookahead_then_rolled_back() -> N
     assert request.num_computed_tokens == 17  # 2 drafts rejected
     assert request.all_token_ids[15:] == [15, 16, 7]
     assert request.num_computed_tokens == request.num_tokens - 1
-    spec = scheduler.spec
+    spec = scheduler.draft_planner
     assert spec is not None
     assert (spec.stats.num_drafts, spec.stats.num_draft_tokens) == (1, 3)
     assert spec.stats.num_accepted_tokens == 1
@@ -318,9 +318,9 @@ def test_a_probe_asks_a_backend_drafter_and_reserves_its_lookahead() -> None:
     # Its slots cover the drafter's KV past the scheduled position: 3 more.
     assert len(request.blocks) * BLOCK_SIZE >= request.num_computed_tokens + 3
     scheduler.update_from_output(out, ModelRunnerOutput(["r"], [[7]], draft_token_ids=[[7, 7, 8]]))
-    spec = scheduler.spec
-    assert spec is not None and request.spec is not None
-    assert request.spec.shadow == [7, 7, 8] and not request.spec.probing
+    spec = scheduler.draft_planner
+    assert spec is not None and request.drafting is not None
+    assert request.drafting.shadow == [7, 7, 8] and not request.drafting.probing
     # Scored against the tokens that follow: 7 and 7 right, 8 wrong (9 came).
     for token in (7, 7, 9):
         out = scheduler.schedule()
@@ -406,7 +406,7 @@ def test_a_preempted_request_drops_its_drafts_and_resumes_without_them() -> None
     assert out.cached.req_ids == ["a"] and out.preempted_req_ids == ["b"]
     assert out.cached.spec_token_ids == [[16, 17, 18]]
     assert second.status is RequestStatus.PREEMPTED
-    assert second.spec is not None and second.spec.scheduled == []
+    assert second.drafting is not None and second.drafting.scheduled == []
     scheduler.update_from_output(out, ModelRunnerOutput(["a"], [[16, 17, 18, 19]]))
     scheduler.finish_requests("a")
     out = scheduler.schedule()

@@ -2,9 +2,9 @@
 
 Ray does placement and lifecycle only. :class:`RayDeployment` joins the cluster (or starts a
 local one), makes the deployment's CURVE keys and gives each engine a placement group of its own
-(one bundle, see ``ray_placement``), waiting at most ``placement_timeout_s`` before failing with
+(one bundle, see ``ray.placement``), waiting at most ``placement_timeout_s`` before failing with
 what was asked and what the cluster has. :class:`RayLauncher` is the ``MPClient`` launcher of one
-engine: the driver binds two TCP sockets (``dial_sockets``: CURVE servers that admit only the
+engine: the driver binds two TCP sockets (``pipes.dial``: CURVE servers that admit only the
 deployment's client key), and an actor in the engine's placement group starts the usual engine-core process
 (``python -m engine_core._engine``) on its node, which dials both sockets with the keys it got
 through the actor's arguments. Requests, outputs and control calls then flow over ZMQ exactly as
@@ -46,17 +46,17 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine_core._engine.dial_sockets import DialSockets
-from engine_core._engine.launch import EngineProcess, WatchedEngine
 from engine_core._engine.main import DIAL_KEYS_ENV
-from engine_core._engine.ray_placement import (
+from engine_core._engine.mp.launcher import EngineProcess, WatchedEngine
+from engine_core._engine.pipes.addresses import deployment_keys
+from engine_core._engine.pipes.dial import DialSockets
+from engine_core._engine.ray.placement import (
     NodeView,
     PlacementError,
     engine_bundle,
     label_selector,
     placement_error_message,
 )
-from engine_core._engine.sockets import deployment_keys
 from engine_core._engine.wire import EngineDead
 from engine_core.config import EngineConfig
 
@@ -105,7 +105,7 @@ def _one_line(error: BaseException) -> str:
 
 class RayEngineHandle(WatchedEngine):
     """One engine's actor and the thread that waits on its ``run`` ref (see the module's
-    docstring): the :class:`~engine_core._engine.launcher.EngineHandle` of a Ray engine."""
+    docstring): the :class:`~engine_core._engine.mp.launcher.EngineHandle` of a Ray engine."""
 
     pid: int | None = None
     """The engine runs on another machine: no local process id."""

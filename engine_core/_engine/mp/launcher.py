@@ -1,6 +1,15 @@
-"""What ``MPClient`` launches: the sockets it binds and the engine-core process it starts.
+"""How ``MPClient`` gets its engine: the seam between the client and where the engine runs.
 
-:class:`ClientSockets` binds the client's output pipe (the engine connects to it);
+An :class:`EngineLauncher` is used once: :meth:`~EngineLauncher.open_sockets` makes the client's
+sockets (the output socket the engine sends to, the input socket requests go down, the in-process
+wake-up), then :meth:`~EngineLauncher.start` starts the engine and returns an
+:class:`EngineHandle`, which watches it in a thread and stops or kills it. The client's protocol,
+inbox, liveness and failover logic do not depend on which launcher it got.
+
+:class:`LocalLauncher` (the default) starts a child process on this machine (below);
+``ray.launch`` places the engine on a Ray cluster.
+
+What the local launcher starts: :class:`ClientSockets` binds the client's output pipe (the engine connects to it);
 :class:`EngineProcess` starts a fresh interpreter running ``python -m engine_core._engine`` (see
 ``main``): unlike ``multiprocessing``'s spawn it never imports the caller's ``__main__``, so a
 script without an ``if __name__ == "__main__":`` guard, ``python -c``, a script on standard
@@ -26,14 +35,23 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import anyio
 import anyio.to_thread
 
-from engine_core._engine.sockets import OUTPUT_HWM, SocketAddresses, Transport
-from engine_core._engine.transport import Pipes, Sender
+from engine_core._engine.pipes.addresses import OUTPUT_HWM, SocketAddresses, TransportKind
+from engine_core._engine.pipes.pipes import Pipes, Receiver, Sender
 
-__all__ = ["ClientSockets", "EngineProcess", "WatchedEngine"]
+__all__ = [
+    "ClientSockets",
+    "EngineHandle",
+    "EngineLauncher",
+    "EngineProcess",
+    "EngineSockets",
+    "LocalLauncher",
+    "WatchedEngine",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +67,7 @@ class ClientSockets:
     client's own process watch posts into it) and the input pipe (connected to the engine's once
     it said where it listens, see :meth:`connect_input`)."""
 
-    def __init__(self, transport: Transport, host: str) -> None:
+    def __init__(self, transport: TransportKind, host: str) -> None:
         self.addresses = SocketAddresses(transport, host)
         self._pipes = Pipes()
         self.input: Sender | None = None
@@ -228,3 +246,74 @@ class EngineProcess(WatchedEngine):
             self.kill()
         self._watch.join()
         self._sentinel.close()
+
+
+class EngineSockets(Protocol):
+    """The client's ends of the pipe to one engine."""
+
+    @property
+    def output(self) -> Receiver: ...
+
+    @property
+    def input(self) -> Sender | None:
+        """None until :meth:`connect_input`."""
+
+    def connect_input(self, address: str) -> None:
+        """Make the input socket reach the engine whose ``Hello`` named ``address``; sending
+        never blocks afterwards."""
+
+    def post_to_self(self, frame: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class EngineHandle(Protocol):
+    """A started engine and the thread that watches it: ``on_exit(exit_code)`` runs in that
+    thread once the engine has ended; ``look()`` runs there first and then whenever the seconds
+    it returned have passed."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def stop(self) -> None:
+        """Wait for the exit a ``Shutdown`` asked for; escalate when it does not come."""
+
+    async def stop_async(self) -> None: ...
+
+    def wait_watch(self, timeout: float | None = None) -> None: ...
+
+    async def wait_watch_async(self, timeout: float | None = None) -> None: ...
+
+    def close(self) -> None:
+        """Kill the engine if it still runs and release it (idempotent)."""
+
+
+class EngineLauncher(Protocol):
+    def open_sockets(self) -> EngineSockets: ...
+
+    def start(
+        self, on_exit: Callable[[int], None], look: Callable[[], float | None]
+    ) -> EngineHandle: ...
+
+
+class LocalLauncher:
+    """An engine-core process on this machine, on ``ipc://`` (or ``tcp`` on ``host``) sockets."""
+
+    def __init__(self, transport: TransportKind = "ipc", host: str = "127.0.0.1") -> None:
+        self.transport: TransportKind = transport
+        self.host = host
+        self._sockets: ClientSockets | None = None
+
+    def open_sockets(self) -> ClientSockets:
+        self._sockets = ClientSockets(self.transport, self.host)
+        return self._sockets
+
+    def start(
+        self, on_exit: Callable[[int], None], look: Callable[[], float | None]
+    ) -> EngineProcess:
+        assert self._sockets is not None, "open_sockets() first"
+        return EngineProcess(
+            self._sockets.output_endpoint, self._sockets.addresses.input, on_exit, look
+        )

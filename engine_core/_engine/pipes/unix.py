@@ -37,7 +37,7 @@ import threading
 import anyio
 import anyio.lowlevel
 
-from engine_core._engine.fd_wait import ReadableWaiter
+from engine_core._engine.pipes.fd_wait import ReadableWaiter
 
 __all__ = ["MAX_FRAME", "StreamReceiver", "StreamSender", "unix_path"]
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from engine_core._core.drafts import DraftPlanner, check_verified
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
-from engine_core._core.spec_decode import SpecDecoder, check_verified
-from engine_core._engine.backend_harness import Harness
 from engine_core.abc import Backend, ModelRunnerOutput, SchedulerOutput, SpecSupport
 from engine_core.config import EngineConfig, SpeculativeConfig
 from engine_core.errors import BackendError
-from engine_core.spec import NgramIndex
+from engine_core.ngram import NgramIndex
+from engine_core.testing.harness import Harness
 
 NUM_DRAFTS = 4
 
@@ -49,7 +49,7 @@ class SpecHarness(Harness):
     ) -> None:
         super().__init__(backend, config, num_blocks)
         self.proposer = ScriptedProposer(self.vocab_size)
-        spec = SpecDecoder(
+        spec = DraftPlanner(
             SpeculativeConfig(num_speculative_tokens=NUM_DRAFTS, dynamic=False),
             support,
         )

@@ -29,8 +29,8 @@ import anyio
 import msgspec
 from anyio.lowlevel import RunVar
 
-from engine_core._core.protocol import EngineCoreOutputs
-from engine_core._engine.transport import Receiver
+from engine_core._core.engine_io import EngineCoreOutputs
+from engine_core._engine.pipes.pipes import Receiver
 from engine_core._engine.wire import (
     EngineDead,
     Heartbeat,
@@ -194,7 +194,7 @@ class EngineInbox:
                 assert self._on_silence is not None
                 self._on_silence(quiet_s)
                 return
-            self._sort(frame)
+            self._route(frame)
             if self.gone:
                 return
 
@@ -215,7 +215,7 @@ class EngineInbox:
 
     # -- reading --------------------------------------------------------------------------------
 
-    def _sort(self, frame: bytes) -> None:
+    def _route(self, frame: bytes) -> None:
         message = decode(self._decoder, frame)
         match message:
             case EngineCoreOutputs():
@@ -249,7 +249,7 @@ class EngineInbox:
             case EngineDead():
                 # From the process watch: what the engine sent before it ended comes first.
                 while (pending := self._pipe.recv_nowait()) is not None:
-                    self._sort(pending)
+                    self._route(pending)
 
     def read_until_sync(self, done: Callable[[], bool], timeout: float | None = None) -> None:
         """Read until ``done()``, the engine is gone, or ``timeout`` seconds passed."""
@@ -263,12 +263,12 @@ class EngineInbox:
                 if timeout <= 0:
                     return
             if self._pipe.poll(timeout) and (frame := self._pipe.recv_nowait()) is not None:
-                self._sort(frame)
+                self._route(frame)
 
     def read_pending_sync(self) -> None:
         """Sort every frame the pipe holds now (without waiting)."""
         while not self.gone and (frame := self._pipe.recv_nowait()) is not None:
-            self._sort(frame)
+            self._route(frame)
 
     async def read_until(self, done: Callable[[], bool]) -> None:
         """Read until ``done()`` or the engine is gone, one task of the event loop at a time."""
@@ -279,7 +279,7 @@ class EngineInbox:
                 continue
             try:
                 async with readers.lock:
-                    self._sort(await self._pipe.recv())
+                    self._route(await self._pipe.recv())
             finally:
                 readers.announce()
 

@@ -27,7 +27,9 @@ from contextlib import contextmanager
 from itertools import pairwise
 from typing import Any
 
-from engine_core._engine.backend_harness import (
+from engine_core.abc import Backend, KVCacheSpec, SpecSupport, TokenLogprobs
+from engine_core.config import EngineConfig
+from engine_core.testing.harness import (
     MAX_BLOCKS,
     BackendFactory,
     Harness,
@@ -37,9 +39,7 @@ from engine_core._engine.backend_harness import (
     num_blocks_for,
     opened,
 )
-from engine_core._engine.spec_harness import SpecHarness
-from engine_core.abc import Backend, KVCacheSpec, SpecSupport, TokenLogprobs
-from engine_core.config import EngineConfig
+from engine_core.testing.spec_harness import SpecHarness
 
 __all__ = [
     "BACKEND_CHECKS",

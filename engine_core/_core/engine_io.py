@@ -1,7 +1,12 @@
-"""Messages between the front end and the engine core (msgspec structs; no pickle anywhere)."""
+"""What goes into and out of the engine core, read by both sides of the pipe: the requests, the
+per-step outputs, the startup report (:class:`EngineInfo`) and the stats (msgspec structs; no
+pickle anywhere), and the control calls a client may forward (:data:`UTILITY_METHODS`, checked by
+:func:`check_utility_call`, with :class:`PauseMode`)."""
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -10,6 +15,9 @@ from engine_core.abc import TokenLogprobs
 from engine_core.sampling_params import SamplingParams
 
 __all__ = [
+    "PauseMode",
+    "UTILITY_METHODS",
+    "check_utility_call",
     "EngineCoreOutputs",
     "DPEngineCoreOutputs",
     "EngineLoad",
@@ -201,3 +209,50 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
             f"step; async scheduling {'on' if self.async_scheduling else 'off'}; speculative "
             f"decoding {self.speculative_method or 'off'}"
         )
+
+
+class PauseMode(enum.StrEnum):
+    """What :meth:`EngineCore.pause_generation` does with in-flight requests. A ``str`` enum:
+    callers pass the plain strings as well, and the wire carries the same values."""
+
+    ABORT = "abort"
+    """They end as aborted; new requests are rejected (retryable) until resumed."""
+    WAIT = "wait"
+    """They run to completion; new requests are rejected (retryable) until resumed."""
+    KEEP = "keep"
+    """They freeze in place; new requests queue."""
+
+    @classmethod
+    def parse(cls, mode: str) -> PauseMode:
+        """``mode`` as a member; ``ValueError`` naming the modes when it is none of them."""
+        try:
+            return cls(mode)
+        except ValueError:
+            raise ValueError(f"mode must be one of {', '.join(cls)}, got {mode!r}") from None
+
+
+UTILITY_METHODS = frozenset(
+    {
+        "get_stats",
+        "reset_prefix_cache",
+        "profile",
+        "sleep",
+        "wake_up",
+        "check_health",
+        "pause_generation",
+        "resume_generation",
+        "is_paused",
+        "kv_cache_snapshot",
+    }
+)
+"""The control calls a client forwards to the engine core by name (methods of ``EngineCore``)."""
+
+
+def check_utility_call(method: str, args: Sequence[Any]) -> None:
+    """``ValueError`` unless ``method`` is one of :data:`UTILITY_METHODS` (and, for
+    ``pause_generation``, its mode one of :class:`PauseMode`'s): each client refuses a bad call
+    before it reaches the engine, and the engine refuses it again."""
+    if method not in UTILITY_METHODS:
+        raise ValueError(f"unknown utility method {method!r}")
+    if method == "pause_generation" and args:
+        PauseMode.parse(args[0])

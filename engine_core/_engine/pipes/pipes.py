@@ -4,9 +4,9 @@ A pipe carries frames (msgspec messages) one way: a :class:`Receiver` binds an a
 a :class:`Sender` connects to it and writes. :class:`Pipes` opens both kinds, choosing the
 implementation by the address's scheme:
 
-- ``unix://PATH``: length-prefixed frames on a Unix stream socket (``unix_stream``), the default
+- ``unix://PATH``: length-prefixed frames on a Unix stream socket (``pipes.unix``), the default
   on one host (Linux): one ``send`` and one ``recv`` per message, no thread hop;
-- ``tcp://HOST:PORT`` and ``ipc://PATH``: ZMQ PUSH/PULL sockets (``sockets``), for engines on
+- ``tcp://HOST:PORT`` and ``ipc://PATH``: ZMQ PUSH/PULL sockets (``pipes.addresses``), for engines on
   another host, and on one host where there is no epoll (or ``ENGINE_CORE_IPC_TRANSPORT=zmq``).
 
 Either way the client's output pipe takes frames that other threads of its own process
@@ -21,14 +21,14 @@ from typing import Protocol
 
 import zmq
 
-from engine_core._engine.sockets import (
+from engine_core._engine.pipes.addresses import (
     EngineKeys,
     curve_client,
     make_socket,
     recv_async,
     send_async,
 )
-from engine_core._engine.unix_stream import StreamReceiver, StreamSender
+from engine_core._engine.pipes.unix import StreamReceiver, StreamSender
 
 __all__ = ["Pipes", "Receiver", "Sender", "ZmqReceiver", "ZmqSender"]
 

@@ -3,7 +3,7 @@
 Unlike a local engine, whose input socket the client connects to, a remote engine connects both
 sockets to the driver, so that only the driver accepts connections: :class:`DialSockets` binds
 the output socket (PULL) and the input socket (PUSH) on TCP ports of ``host``, both CURVE servers
-in a context that admits only the deployment's client key (see ``sockets``). The engine-core
+in a context that admits only the deployment's client key (see ``pipes.addresses``). The engine-core
 process dials them when it is given the keys (``main``).
 
 A bound PUSH socket queues nothing while no engine is connected: :meth:`DialSockets.connect_input`
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import zmq
 
-from engine_core._engine.sockets import (
+from engine_core._engine.pipes.addresses import (
     OUTPUT_HWM,
     DeploymentKeys,
     admit_only,
     curve_server,
     make_socket,
 )
-from engine_core._engine.transport import Sender, ZmqReceiver, ZmqSender
+from engine_core._engine.pipes.pipes import Sender, ZmqReceiver, ZmqSender
 
 __all__ = ["DialSockets"]
 

@@ -226,12 +226,7 @@ class AsyncHarness(Harness):
         scheduler_output = self.scheduler.schedule()
         launched = scheduler_output.total_num_scheduled_tokens > 0
         if launched:
-            # A request samples in this step when it computes up to its last placeholder.
-            completes = [
-                r.num_output_placeholders > 0
-                and r.num_computed_tokens == r.num_tokens + r.num_output_placeholders - 1
-                for r in self.scheduler.scheduled
-            ]
+            completes = [r.samples_in_flight for r in self.scheduler.scheduled]
             self.backend.execute_model(scheduler_output)
             handle = self.backend.sample_tokens_async(None)
             assert isinstance(handle, AsyncModelRunnerOutput), (

@@ -1,6 +1,6 @@
 """Where a Ray deployment's engines go, decided without Ray: the bundle each engine asks for,
 the node label selector that realises the strategy across engines, and the message of a
-placement that timed out. ``ray_launch`` applies them.
+placement that timed out. ``ray.launch`` applies them.
 
 Each engine has a placement group of its own with one bundle (``{"CPU": 1, "GPU": g}``), so its
 devices sit on one node and tensor parallelism never spans nodes. A placement group's strategy

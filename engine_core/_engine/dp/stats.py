@@ -1,10 +1,12 @@
-"""The stats of a data-parallel deployment: the engines' own, summed the way rates add up."""
+"""The stats of a data-parallel deployment: the engines' own, summed the way rates add up, and
+what the router did (:class:`RouterMetrics`)."""
 
 from __future__ import annotations
 
-from engine_core._core.protocol import EngineStats
+from engine_core._core.engine_io import EngineStats
+from engine_core._core.router import REASONS
 
-__all__ = ["aggregate_stats"]
+__all__ = ["RouterMetrics", "aggregate_stats"]
 
 _SUMMED = (
     "num_running",
@@ -59,3 +61,16 @@ def aggregate_stats(per_engine: dict[int, EngineStats], num_engines: int) -> Eng
         engines=stats,
         engine_ranks=ranks,
     )
+
+
+class RouterMetrics:
+    """What the router did: requests by engine and reason, predicted and actual prefix hits."""
+
+    def __init__(self, num_engines: int) -> None:
+        self.requests: dict[tuple[int, str], int] = {
+            (e, r): 0 for e in range(num_engines) for r in REASONS
+        }
+        self.predicted_hit_tokens = [0] * num_engines
+        self.actual_hit_tokens = [0] * num_engines
+        """Cached tokens the engines reported for the requests they started."""
+        self.engine_restarts = [0] * num_engines

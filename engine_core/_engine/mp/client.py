@@ -1,12 +1,14 @@
-"""``MPClient``: the engine core in its own process, reached over ZMQ.
+"""``MPClient``: the engine core in its own process, reached over two one-way pipes.
 
-Construction launches the engine-core process (see ``launch``), answers its ``Hello`` with the
+Construction launches the engine-core process through its launcher (``mp.launcher``: a child
+process by default, a Ray actor with ``ray.launch``), answers its ``Hello`` with the
 configuration (``Startup``) and waits for its ``Ready``;
 :meth:`MPClient.start_async` does the same without blocking an event loop. Then requests and
 control calls go down the input pipe; per-step outputs, call replies and finally a death notice
 come up the output pipe (see ``wire``; the pipes are Unix stream sockets on one host, ZMQ over
-tcp, see ``transport``). Lifecycle: starting -> ready -> closing -> closed, or
-dead when the engine ends on its own (a dead client still closes).
+tcp, see ``pipes``). Lifecycle, one table of allowed transitions (``_NEXT``): starting ->
+ready -> closing -> closed; dead when the engine ends on its own (a dead client still closes);
+a client that fails to start is closed from starting.
 
 Reading. There is no reader task: whoever needs a message reads it (see ``inbox``).
 ``get_output[_async]`` reads until a step's outputs arrive, ``call_utility[_async]`` until its
@@ -45,19 +47,29 @@ import anyio.to_thread
 import msgspec
 import zmq
 
-from engine_core._core.protocol import EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineStats
-from engine_core._engine.client import UTILITY_METHODS, EngineCoreClient
-from engine_core._engine.core import PauseMode
-from engine_core._engine.death import (
+from engine_core._core.engine_io import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    EngineStats,
+    check_utility_call,
+)
+from engine_core._engine.client import EngineCoreClient
+from engine_core._engine.mp.death import (
     RemoteEngineError,
     call_error,
     dead_error,
     describe_exit,
     startup_error,
 )
-from engine_core._engine.inbox import EngineInbox
-from engine_core._engine.launcher import EngineHandle, EngineLauncher, EngineSockets, LocalLauncher
-from engine_core._engine.sockets import Transport
+from engine_core._engine.mp.inbox import EngineInbox
+from engine_core._engine.mp.launcher import (
+    EngineHandle,
+    EngineLauncher,
+    EngineSockets,
+    LocalLauncher,
+)
+from engine_core._engine.pipes.addresses import TransportKind
 from engine_core._engine.wire import (
     AbortRequests,
     ClientMessage,
@@ -120,7 +132,7 @@ class MPClient(EngineCoreClient):
         self,
         config: EngineConfig,
         *,
-        transport: Transport = "ipc",
+        transport: TransportKind = "ipc",
         host: str = "127.0.0.1",
         launcher: EngineLauncher | None = None,
     ) -> None:
@@ -139,7 +151,7 @@ class MPClient(EngineCoreClient):
         cls,
         config: EngineConfig,
         *,
-        transport: Transport = "ipc",
+        transport: TransportKind = "ipc",
         host: str = "127.0.0.1",
         launcher: EngineLauncher | None = None,
     ) -> MPClient:
@@ -348,10 +360,7 @@ class MPClient(EngineCoreClient):
 
     def _start_call(self, method: str, args: tuple[Any, ...]) -> int:
         """Check and send a control call; its id, whose reply the inbox keeps."""
-        if method not in UTILITY_METHODS:
-            raise ValueError(f"unknown utility method {method!r}")
-        if method == "pause_generation" and args:
-            PauseMode.parse(args[0])  # refused here, before it reaches the engine
+        check_utility_call(method, args)  # refused here, before it reaches the engine
         self._check_usable()
         call_id = next(self._call_ids)
         self._inbox.expect_reply(call_id)

@@ -1,12 +1,20 @@
 """Speculative decoding on the scheduler's side: where drafts come from, how many each request
 verifies, the check of what a backend returns, and the counters.
 
-The scheduler calls :class:`SpecDecoder` at four points of a step: :meth:`~SpecDecoder.plan`
-before it serves the running requests (the policy's draft count for the step),
-:meth:`~SpecDecoder.drafts_for` for each decoding request (its drafts, within the caps the
-scheduler computes), :meth:`~SpecDecoder.verified` for each request that verified drafts (the
-output check; returns how many to roll back) and :meth:`~SpecDecoder.after_tokens` once a
-request's tokens are appended (scoring, and a backend proposer's drafts for the next step).
+:class:`DraftPlanner` plans and checks drafts (it decodes nothing: the backend verifies them).
+The scheduler calls it at these points of a step, and reads nothing else of it:
+
+1. scheduling: :meth:`~DraftPlanner.plan` before it serves the running requests (the policy's
+   draft count for the step); :meth:`~DraftPlanner.tokens_for` for each decoding request (the
+   tokens and KV slots it takes: its drafts, within the cap the scheduler computes, and the
+   slots a backend's drafter writes ahead); :meth:`~DraftPlanner.sampling` for each request
+   that samples a token in the step; :meth:`~DraftPlanner.unscheduled` for one preempted;
+   :meth:`~DraftPlanner.finish_plan` once the batch is known (what goes into the step's output:
+   :class:`StepDrafts`);
+2. applying the results: :meth:`~DraftPlanner.verify_step` for each request that got tokens
+   (the output check; returns how many positions to roll back) and
+   :meth:`~DraftPlanner.after_tokens` once they are appended (scoring, and a backend proposer's
+   drafts for the next step).
 
 Drafts never enter ``Request.all_token_ids`` nor its block keys: only verified tokens do, so
 only verified tokens are ever prefix-cached.
@@ -15,18 +23,18 @@ only verified tokens are ever prefix-cached.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from engine_core._core.spec_policy import Acceptance, CostModel, SpecPolicy
 from engine_core.errors import BackendError
-from engine_core.spec import NgramIndex, NgramProposer
+from engine_core.ngram import NgramIndex, NgramProposer
 
 if TYPE_CHECKING:
     from engine_core._core.request import Request
     from engine_core.abc import SpecSupport
     from engine_core.config import SpeculativeConfig
 
-__all__ = ["Proposer", "SpecDecoder", "SpecState", "SpecStats", "check_verified"]
+__all__ = ["DraftPlanner", "DraftState", "Proposer", "SpecStats", "StepDrafts", "check_verified"]
 
 PROBE_PERIOD = 32
 """A request left undrafted is probed (its proposal scored against the tokens that follow)
@@ -41,7 +49,7 @@ NGRAM_PROPOSE_S = 5e-6
 
 
 class Proposer(Protocol):
-    """What proposes drafts in the core (:class:`~engine_core.spec.NgramProposer`; the
+    """What proposes drafts in the core (:class:`~engine_core.ngram.NgramProposer`; the
     conformance checks script theirs)."""
 
     def propose(
@@ -49,8 +57,8 @@ class Proposer(Protocol):
     ) -> list[int]: ...
 
 
-class SpecState:
-    """One request's speculative state (``Request.spec``)."""
+class DraftState:
+    """One request's speculative state (``Request.drafting``)."""
 
     __slots__ = (
         "drafts",
@@ -145,7 +153,18 @@ def check_verified(request_id: str, drafts: list[int], tokens: list[int]) -> int
     return num_accepted
 
 
-class SpecDecoder:
+class StepDrafts(NamedTuple):
+    """What a step's output carries of drafts (``SchedulerOutput``'s fields)."""
+
+    spec_token_ids: list[list[int]] | None
+    """The drafts each running request of the batch verifies (None: none does)."""
+    num_draft_tokens: int
+    """Backend proposers: the drafts to ask for after the step."""
+    draft_req_ids: list[str]
+    """Backend proposers: the requests to draft for after the step."""
+
+
+class DraftPlanner:
     """The scheduler's speculative decoding: drafts, the policy and the counters."""
 
     def __init__(self, config: SpeculativeConfig, support: SpecSupport) -> None:
@@ -187,6 +206,8 @@ class SpecDecoder:
         """Backend proposers: the drafts to ask for after the step."""
         self.draft_req_ids: list[str] = []
         """Backend proposers: the requests to draft for after the step."""
+        self.num_drafted = 0
+        """Requests of the step being scheduled that verify drafts."""
         self._pending: list[Request] | None = None
         """Requests that sample in a step that has no decoding request yet to decide from."""
         self._num_states = 0
@@ -196,15 +217,15 @@ class SpecDecoder:
         if self.measures_cost and num_tokens > 0 and seconds > 0:
             self.policy.cost.observe(num_tokens, seconds)
 
-    def state(self, request: Request) -> SpecState:
-        spec = request.spec
+    def state(self, request: Request) -> DraftState:
+        spec = request.drafting
         if spec is None:
             self._num_states += 1
             probe_in = 1 + self._num_states % PROBE_PERIOD
-            spec = request.spec = SpecState(self.policy.new_acceptance(), probe_in)
+            spec = request.drafting = DraftState(self.policy.new_acceptance(), probe_in)
         return spec
 
-    def _drafted(self, spec: SpecState) -> bool:
+    def _drafted(self, spec: DraftState) -> bool:
         """Whether a request gets drafts in the step planned."""
         if self.k == 0:
             return False
@@ -228,6 +249,7 @@ class SpecDecoder:
             spec.alpha = alpha
         self.num_draft_tokens = 0
         self.draft_req_ids = []
+        self.num_drafted = 0
         self._pending = None
         if not estimates:
             # Nobody decodes: decide once the step's admissions are known (finish_plan),
@@ -246,10 +268,11 @@ class SpecDecoder:
                 spec.probe_in = PROBE_PERIOD
                 self._probe(request, spec)
 
-    def finish_plan(self, scheduled: list[Request]) -> None:
-        """The step is scheduled (``scheduled``: its batch): count it by its draft count. A
-        step in which nobody decoded decides now, from the requests that sample a token in it,
-        whose drafts a backend proposer makes for the next step."""
+    def finish_plan(self, scheduled: list[Request], running: list[Request]) -> StepDrafts:
+        """The step is scheduled (``scheduled``: its batch, ``running`` first): count it by its
+        draft count, and return what its output carries of drafts. A step in which nobody
+        decoded decides now, from the requests that sample a token in it, whose drafts a
+        backend proposer makes for the next step."""
         pending, self._pending = self._pending, None
         if pending:
             policy = self.policy
@@ -264,6 +287,23 @@ class SpecDecoder:
             self.draft_req_ids = [i for i in self.draft_req_ids if i in in_batch]
         steps = self.stats.steps_by_k
         steps[self.k] = steps.get(self.k, 0) + 1
+        spec_token_ids = (
+            [r.drafting.scheduled if r.drafting is not None else [] for r in running]
+            if self.num_drafted
+            else None
+        )
+        return StepDrafts(spec_token_ids, self.num_draft_tokens, self.draft_req_ids)
+
+    def tokens_for(self, request: Request, cap: int) -> tuple[int, int]:
+        """A decoding request's tokens and KV slots this step: its next token and the drafts it
+        verifies (at most the step's draft count, and ``cap`` tokens in all), plus the slots a
+        backend proposer's drafter writes ahead when it drafts for the request (drafted or
+        probed)."""
+        drafts = self.drafts_for(request, cap - 1) if self.k else []
+        if drafts:
+            self.num_drafted += 1
+            return 1 + len(drafts), 1 + len(drafts) + self.lookahead()
+        return 1, 1 + self.lookahead() if self.asks_drafts(request) else 1
 
     def drafts_for(self, request: Request, cap: int) -> list[int]:
         """The drafts ``request`` verifies this step (at most ``cap``; it decodes), set as its
@@ -290,13 +330,13 @@ class SpecDecoder:
             self.policy.observe(spec.acceptance, 0, True)
         return drafts
 
-    def _propose(self, request: Request, spec: SpecState, k: int) -> list[int]:
+    def _propose(self, request: Request, spec: DraftState, k: int) -> list[int]:
         assert self.proposer is not None
         if spec.index is None:
             spec.index = NgramIndex()
         return self.proposer.propose(request.all_token_ids, k, spec.index)
 
-    def _probe(self, request: Request, spec: SpecState) -> None:
+    def _probe(self, request: Request, spec: DraftState) -> None:
         if self.in_core:
             spec.shadow = self._propose(request, spec, self.k_max)
         else:
@@ -324,7 +364,7 @@ class SpecDecoder:
     def asks_drafts(self, request: Request) -> bool:
         """Whether a backend proposer drafts for ``request`` after this step (drafted or
         probed)."""
-        spec = request.spec
+        spec = request.drafting
         if self.in_core or spec is None:
             return False
         return spec.probing or (self.k > 0 and self._drafted(spec))
@@ -338,8 +378,10 @@ class SpecDecoder:
 
     def unscheduled(self, request: Request) -> None:
         """``request`` left the step or was preempted: its drafts are dropped."""
-        spec = request.spec
+        spec = request.drafting
         if spec is not None:
+            if spec.scheduled:
+                self.num_drafted -= 1
             ids = self.draft_req_ids
             if ids and request.request_id in ids:
                 ids.remove(request.request_id)
@@ -351,10 +393,24 @@ class SpecDecoder:
 
     # -- applying a step's results --------------------------------------------------------------
 
+    def verify_step(self, request: Request, tokens: list[int]) -> int:
+        """The positions to roll back after ``request`` got ``tokens`` from a step: its rejected
+        drafts (:meth:`verified`), 0 when it verified none; ``BackendError`` for several tokens
+        without drafts."""
+        spec = request.drafting
+        if spec is not None and spec.scheduled:
+            return self.verified(request, tokens)
+        if len(tokens) != 1:
+            raise BackendError(
+                f"request {request.request_id!r}: the backend returned {len(tokens)} "
+                "tokens for a step without drafts"
+            )
+        return 0
+
     def verified(self, request: Request, tokens: list[int]) -> int:
         """Check ``tokens`` against ``request``'s scheduled drafts and count them; returns the
         drafts rejected (the positions to roll back)."""
-        spec = request.spec
+        spec = request.drafting
         assert spec is not None
         drafts = spec.scheduled
         num_accepted = check_verified(request.request_id, drafts, tokens)
@@ -388,8 +444,8 @@ class SpecDecoder:
     def after_tokens(self, request: Request, tokens: list[int], drafts: list[int] | None) -> None:
         """``request`` appended ``tokens`` (it goes on); ``drafts``: a backend proposer's for its
         next step."""
-        spec = request.spec
-        if spec is None:
+        spec = request.drafting
+        if spec is None or not (drafts or spec.shadow or spec.probing):
             return
         if spec.shadow:
             self._score_shadow(spec, tokens)
@@ -400,7 +456,7 @@ class SpecDecoder:
             spec.drafts = list(drafts)
             spec.drafts_at = len(request.all_token_ids)
 
-    def _score_shadow(self, spec: SpecState, tokens: list[int]) -> None:
+    def _score_shadow(self, spec: DraftState, tokens: list[int]) -> None:
         shadow = spec.shadow
         matched = 0
         for token, draft in zip(tokens, shadow, strict=False):

@@ -1,0 +1,4 @@
+"""The pipes between a client and its engine-core process: the two one-way ends and what opens
+them (``pipes``), Unix stream pipes (``unix``, waiting on descriptors with ``fd_wait``), the
+addresses, socket options and CURVE keys (``addresses``) and the sockets of an engine that dials
+its client (``dial``)."""
