@@ -15,7 +15,7 @@ from engine_core_cuda._options import parse_options
 from tiny_models import TinyModel
 
 from engine_core import EngineConfig, SamplingParams
-from engine_core._core.protocol import EngineInfo
+from engine_core._core.engine_io import EngineInfo
 
 
 @pytest.fixture(autouse=True)
