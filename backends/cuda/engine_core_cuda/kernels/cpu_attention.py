@@ -170,7 +170,11 @@ def _cpu_key() -> str:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        home = os.path.expanduser("~")
+        # No home directory (an unset HOME in a service): the temporary directory.
+        base = os.path.join(home, ".cache") if home != "~" else tempfile.gettempdir()
     return Path(base) / "engine_core_cuda"
 
 
