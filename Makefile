@@ -42,8 +42,12 @@ setup: $(STAMP)
 run: $(CORE_STAMP)
 	$(PY) -m engine_core bench throughput --backend mock --num-prompts 1000 --input-len 128 --output-len 128
 
+# Two worker processes, each test file whole on one of them (its module fixtures built once):
+# the suite waits on engine processes and subprocesses as much as it computes.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check engine_core backends tests bench

@@ -109,7 +109,8 @@ synchronously (``sample_tokens``, never ``sample_tokens_async``). Each step:
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import msgspec
 
@@ -124,10 +125,14 @@ __all__ = [
     "Backend",
     "BackendProvider",
     "CachedRequestData",
+    "ChunkedLocalSpec",
+    "FullAttentionSpec",
     "KVCacheSpec",
+    "LayerSpec",
     "ModelRunnerOutput",
     "NewRequestData",
     "SchedulerOutput",
+    "SlidingWindowSpec",
     "SpecSupport",
     "StepCostModel",
     "TokenLogprobs",
@@ -151,6 +156,44 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
     def bytes_per_block(self, block_size: int) -> int:
         """Bytes of one block across all layers."""
         return self.num_layers * self.page_size_bytes(block_size)
+
+
+class _LayerSpecBase(msgspec.Struct, frozen=True, kw_only=True):
+    num_kv_heads: int
+    """KV heads of this layer on this rank (after tensor-parallel sharding)."""
+    head_size: int
+    dtype_bytes: int
+    """Bytes of one element of the KV cache."""
+
+    def page_size_bytes(self, block_size: int) -> int:
+        """Bytes of one block of this layer (K and V)."""
+        return 2 * block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+
+
+class FullAttentionSpec(_LayerSpecBase, frozen=True, kw_only=True):
+    """A layer whose queries see every earlier key (Hugging Face's ``"full_attention"``)."""
+
+    kind: ClassVar[str] = "full_attention"
+
+
+class SlidingWindowSpec(_LayerSpecBase, frozen=True, kw_only=True):
+    """A sliding-window layer (``"sliding_attention"``): the query at position ``p`` sees the
+    keys ``p - window + 1 .. p``; the core releases the blocks behind the window."""
+
+    kind: ClassVar[str] = "sliding_attention"
+    window: int
+
+
+class ChunkedLocalSpec(_LayerSpecBase, frozen=True, kw_only=True):
+    """A chunked-local layer (``"chunked_attention"``, Llama 4): the query at ``p`` sees the
+    keys from ``p // chunk * chunk`` to ``p``; blocks of earlier chunks are released."""
+
+    kind: ClassVar[str] = "chunked_attention"
+    chunk: int
+
+
+LayerSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalSpec
+"""One layer's KV spec; :meth:`Backend.kv_cache_spec` may return one per layer."""
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -255,8 +298,12 @@ class Backend(abc.ABC):
         self.config = config
 
     @abc.abstractmethod
-    def kv_cache_spec(self) -> KVCacheSpec:
-        """The KV geometry of the loaded model."""
+    def kv_cache_spec(self) -> KVCacheSpec | Sequence[LayerSpec]:
+        """The KV geometry of the loaded model: one :class:`KVCacheSpec` when every layer is
+        full attention with the same shape (one KV-cache group, as before), or one
+        :class:`LayerSpec` per layer, in layer order. With per-layer specs the core groups the
+        layers (``docs/kv_cache_groups.md``) and calls ``initialize_kv_cache(num_blocks,
+        kv_groups)``; the block ids it sends are then per group."""
 
     @abc.abstractmethod
     def available_kv_cache_memory(self) -> int:
@@ -264,7 +311,13 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate ``num_blocks`` KV blocks of ``config.block_size`` tokens each."""
+        """Allocate ``num_blocks`` KV blocks of ``config.block_size`` tokens each.
+
+        A backend whose :meth:`kv_cache_spec` returns per-layer specs is called as
+        ``initialize_kv_cache(num_blocks, kv_groups)`` instead, where ``kv_groups[g]`` lists
+        the layer indices of KV-cache group ``g`` (in the order of the block tables the
+        scheduler sends); one block is then a page of one group: ``max(len(group))`` layers'
+        K and V for ``block_size`` tokens (``docs/kv_cache_groups.md``)."""
 
     @abc.abstractmethod
     def vocab_size(self) -> int:

@@ -24,6 +24,7 @@ __all__ = [
     "EngineCoreRequest",
     "EngineInfo",
     "EngineStats",
+    "KVGroupStats",
     "FinishedRequest",
     "KVEvents",
 ]
@@ -123,6 +124,17 @@ class DPEngineCoreOutputs(EngineCoreOutputs, tag="dpout"):
         return not (self.req_ids or self.finished or self.prompt_logprobs or self.kv_events)
 
 
+class KVGroupStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One KV-cache group's blocks (``EngineStats.kv_groups``)."""
+
+    kind: str
+    """``"full_attention"``, ``"sliding_attention"`` or ``"chunked_attention"``."""
+    window: int | None
+    """The sliding window (or the chunk) in tokens; None for full attention."""
+    blocks_in_use: int
+    """Blocks of the pool this group's tables hold now (released ones not counted)."""
+
+
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """A snapshot of the engine's state and counters."""
 
@@ -152,6 +164,9 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Each live engine's own stats, by rank (data parallelism only)."""
     engine_ranks: list[int] = []
     """The rank of each entry of ``engines``."""
+    kv_groups: list[KVGroupStats] = []
+    """Per KV-cache group, in the order of the block tables (one entry for a model whose
+    layers are all full attention)."""
     spec_num_speculative_tokens: int = 0
     """Speculative decoding: the most drafts a request verifies in a step (0: off)."""
     spec_num_drafts: int = 0
@@ -192,6 +207,9 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     async_scheduling: bool = False
     speculative_method: str | None = None
     """The draft method, when speculative decoding is on."""
+    kv_groups: str = ""
+    """The KV-cache groups, when the layers are not all full attention (e.g.
+    ``full_attention x2, sliding_attention(1024) x2, ...``); empty: one group."""
     backend_settings: dict[str, str | int | float | bool] = {}
     """What the backend resolved for itself (``Backend.resolved_settings``: its device,
     kernels, CPU threads)."""
@@ -204,7 +222,9 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
             options += f" ({settings})"
         return (
             f"backend {self.backend}{options}; KV cache {self.num_kv_blocks} blocks of "
-            f"{self.block_size} tokens; max_model_len {self.max_model_len}; "
+            f"{self.block_size} tokens"
+            + (f" (groups: {self.kv_groups})" if self.kv_groups else "")
+            + f"; max_model_len {self.max_model_len}; "
             f"max_num_seqs {self.max_num_seqs}; token budget {self.max_num_batched_tokens} per "
             f"step; async scheduling {'on' if self.async_scheduling else 'off'}; speculative "
             f"decoding {self.speculative_method or 'off'}"

@@ -127,6 +127,8 @@ class Request:
         "error",
         "block_keys",
         "blocks",
+        "group_blocks",
+        "released_blocks",
         "num_cached_blocks",
         "num_cached_tokens",
         "num_preemptions",
@@ -185,6 +187,11 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.blocks: list[KVCacheBlock] = []
+        self.group_blocks: list[list[KVCacheBlock]] | None = None
+        """With several KV-cache groups (or a window group): one block table per group, a
+        released block's entry being the null block; ``blocks`` is then ``group_blocks[0]``."""
+        self.released_blocks: list[int] | None = None
+        """Per group, the entries before it that are released (window and chunked groups)."""
         self.num_cached_blocks = 0
         self.num_cached_tokens = -1
         self.num_preemptions = 0

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from engine_core._core.engine_io import EngineCoreOutputs, FinishedRequest
-from engine_core._core.kv_cache_manager import KVCacheManager
+from engine_core._core.kv_cache_manager import GroupedKVCacheManager, KVCacheManager
 from engine_core._core.request import FINISH_REASONS, GrammarMatcher, Request, RequestStatus
 from engine_core._core.request_queue import make_queue
 from engine_core._core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -27,6 +27,7 @@ from engine_core.abc import ModelRunnerOutput, TokenLogprobs
 
 if TYPE_CHECKING:
     from engine_core._core.drafts import DraftPlanner
+    from engine_core._core.kv_groups import KVLayout
     from engine_core.config import EngineConfig
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -85,15 +86,32 @@ class Scheduler:
     """Decides each step which requests compute how many tokens, and applies the results."""
 
     def __init__(
-        self, config: SchedulerConfig, num_blocks: int, spec: DraftPlanner | None = None
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        spec: DraftPlanner | None = None,
+        kv_layout: KVLayout | None = None,
     ) -> None:
         self.config = config
         self.draft_planner = spec
         """Speculative decoding (None: off; nothing of it runs)."""
         """Requests of the step being scheduled that verify drafts."""
-        self.kv = KVCacheManager(
-            num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
-        )
+        self._grouped = kv_layout is not None and not kv_layout.is_one_full_group
+        """Several KV-cache groups, or a window group: per-group tables (else the one plain
+        table, which costs nothing new)."""
+        self.kv: KVCacheManager
+        if kv_layout is not None and self._grouped:
+            self.kv = GroupedKVCacheManager(
+                num_blocks,
+                config.block_size,
+                kv_layout,
+                enable_caching=config.enable_prefix_caching,
+                tokens_per_step=config.max_num_batched_tokens,
+            )
+        else:
+            self.kv = KVCacheManager(
+                num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+            )
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(config.scheduling_policy)
         self.running: list[Request] = []
@@ -223,7 +241,9 @@ class Scheduler:
         """Let running requests catch up, in admission order, appending their entries; returns
         the budget left and whether anything was preempted."""
         threshold = self.config.long_prefill_token_threshold
-        allocate_slots = self.kv.allocate_slots
+        kv = self.kv
+        allocate_slots = kv.allocate_slots
+        grouped = self._grouped
         spec = self.draft_planner
         if spec is not None:
             spec.plan(self.running, budget)
@@ -271,11 +291,12 @@ class Scheduler:
                     break
             else:
                 blocks = request.blocks
-                new_block_ids = (
-                    [b.block_id for b in blocks[num_blocks_before:]]
-                    if len(blocks) != num_blocks_before
-                    else None
-                )
+                if len(blocks) == num_blocks_before:
+                    new_block_ids = None
+                elif grouped:
+                    new_block_ids = kv.table_ids(request, num_blocks_before)
+                else:
+                    new_block_ids = [b.block_id for b in blocks[num_blocks_before:]]
                 entries += (request, request.request_id, new_block_ids, computed, num_new)
                 request.num_computed_tokens = computed + num_new
                 if self._async and computed + num_new == num_tokens:
@@ -352,7 +373,7 @@ class Scheduler:
                     request.request_id,
                     request.prompt_token_ids,
                     request.sampling_params,
-                    request.block_ids,
+                    kv.table_ids(request),
                     num_hit_tokens,
                     num_new,
                     request.output_token_ids,  # after a preemption or a resume elsewhere

@@ -33,8 +33,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
-    """The whole block table of the request."""
+    block_ids: list[int | list[int]]
+    """The whole block table of the request: a list of ids (one KV-cache group), or one such
+    list per group (``block_ids[g]``, all of one length; a released block is a null id)."""
     num_computed_tokens: int
     """Tokens whose KV is already in the cache (prefix-cache hits); compute starts here."""
     num_scheduled_tokens: int
@@ -52,8 +53,9 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     """Compact diffs for requests the backend already holds, as parallel lists."""
 
     req_ids: list[str] = []
-    new_block_ids: list[list[int] | None] = []
-    """Blocks appended to each block table this step (None: none)."""
+    new_block_ids: list[list[int | list[int]] | None] = []
+    """Blocks appended to each block table this step (None: none); with several KV-cache
+    groups, one list per group (of one length)."""
     num_computed_tokens: list[int] = []
     num_scheduled_tokens: list[int] = []
     """Tokens computed this step, drafts included."""
@@ -69,7 +71,7 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
 
     def diffs(
         self, states: Mapping[str, StateT]
-    ) -> Iterator[tuple[StateT, list[int] | None, int, int]]:
+    ) -> Iterator[tuple[StateT, list[int | list[int]] | None, int, int]]:
         """Each request's backend state (looked up in ``states``) with its new block ids, its
         computed tokens before the step and its scheduled tokens. Raises ``RuntimeError`` when
         the columns disagree in length, an id is unknown, or the backend computed a different

@@ -39,12 +39,14 @@ from engine_core._core.engine_io import (
     EngineLoad,
     EngineStats,
     FinishedRequest,
+    KVGroupStats,
     PauseMode,
 )
 from engine_core._core.kv_events import KVEventLog, snapshot
 from engine_core._core.request import Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core._engine.startup import (
+    kv_layout_of,
     resolve_async_scheduling,
     resolve_spec_support,
     size_kv_cache,
@@ -112,8 +114,14 @@ class EngineCore:
             self.spec_support = resolve_spec_support(config, backend)
             self.async_scheduling = resolve_async_scheduling(config, backend)
             config = msgspec.structs.replace(config, async_scheduling=self.async_scheduling)
-            self.num_kv_blocks, config = size_kv_cache(config, backend)
-            backend.initialize_kv_cache(self.num_kv_blocks)
+            self.kv_layout = kv_layout_of(config, backend)
+            self.num_kv_blocks, config = size_kv_cache(config, backend, self.kv_layout)
+            if self.kv_layout.per_layer:
+                backend.initialize_kv_cache(  # type: ignore[call-arg]
+                    self.num_kv_blocks, self.kv_layout.kv_groups
+                )
+            else:
+                backend.initialize_kv_cache(self.num_kv_blocks)
         except BaseException:
             backend.close()
             raise
@@ -127,7 +135,7 @@ class EngineCore:
         if config.speculative_config is not None and self.spec_support is not None:
             spec = DraftPlanner(config.speculative_config, self.spec_support)
         self.scheduler = Scheduler(
-            SchedulerConfig.from_engine_config(config), self.num_kv_blocks, spec
+            SchedulerConfig.from_engine_config(config), self.num_kv_blocks, spec, self.kv_layout
         )
         self.num_steps = 0
         self._in_flight: deque[_InFlight] = deque()
@@ -512,6 +520,7 @@ class EngineCore:
                 if self.config.speculative_config is not None and self.spec_support is not None
                 else None
             ),
+            kv_groups="" if self.kv_layout.is_one_full_group else self.kv_layout.describe(),
             backend_settings=self._backend_settings,
         )
 
@@ -531,6 +540,10 @@ class EngineCore:
             prefix_cache_hits=kv.stats.hits,
             num_malformed_messages=self.num_malformed_messages,
             device_busy_s=self.device_busy_s,
+            kv_groups=[
+                KVGroupStats(kind=kind, window=span, blocks_in_use=used)
+                for kind, span, used in kv.group_usage()
+            ],
             **self._spec_stats(),
         )
 

@@ -4,8 +4,9 @@ backend, before its first step.
 - :func:`resolve_spec_support`: the backend's speculative-decoding capability, checked against
   what ``speculative_config`` asks;
 - :func:`resolve_async_scheduling`: whether one step stays in flight while the next is scheduled;
+- :func:`kv_layout_of`: the KV-cache groups of the backend's layers (``docs/kv_cache_groups.md``);
 - :func:`size_kv_cache`: how many KV blocks fit (or the ``num_kv_blocks`` override), and the
-  ``max_model_len`` they hold.
+  ``max_model_len`` they hold, per group.
 
 Pure functions of the config and the backend's reports: no event loop, no sockets.
 """
@@ -16,11 +17,12 @@ import logging
 
 import msgspec
 
+from engine_core._core.kv_groups import KVLayout, plan_kv_layout
 from engine_core.abc import Backend, SpecSupport
 from engine_core.config import EngineConfig
 from engine_core.errors import BackendError
 
-__all__ = ["resolve_async_scheduling", "resolve_spec_support", "size_kv_cache"]
+__all__ = ["kv_layout_of", "resolve_async_scheduling", "resolve_spec_support", "size_kv_cache"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,39 +76,58 @@ def resolve_spec_support(config: EngineConfig, backend: Backend) -> SpecSupport 
     return support
 
 
-def _blocks_in_kv_memory(config: EngineConfig, backend: Backend) -> int:
+def _blocks_in_kv_memory(backend: Backend, page_size_bytes: int) -> int:
     """The blocks that fit the KV memory the backend has left after the model."""
     memory = backend.available_kv_cache_memory()
     if memory <= 0:
         raise BackendError(
             f"no memory is left for the KV cache ({memory} bytes available after the model)"
         )
-    num_blocks = memory // backend.kv_cache_spec().bytes_per_block(config.block_size)
+    num_blocks = memory // page_size_bytes
     if num_blocks <= 0:
         raise BackendError(f"the KV cache memory ({memory} bytes) does not hold one block")
     return num_blocks
 
 
-def size_kv_cache(config: EngineConfig, backend: Backend) -> tuple[int, EngineConfig]:
+def kv_layout_of(config: EngineConfig, backend: Backend) -> KVLayout:
+    """The KV-cache groups of the backend's layers (``ValueError`` naming the layer and the
+    field for inconsistent specs)."""
+    return plan_kv_layout(backend.kv_cache_spec(), config.block_size)
+
+
+def size_kv_cache(
+    config: EngineConfig, backend: Backend, layout: KVLayout | None = None
+) -> tuple[int, EngineConfig]:
     """The number of KV blocks (``num_kv_blocks`` when set, else what fits the backend's KV
     memory) and the resolved config. A ``max_model_len`` left unset is lowered to what the KV
-    cache holds; one set explicitly must fit (``ValueError`` otherwise)."""
+    cache holds; one set explicitly must fit (``ValueError`` otherwise). With KV-cache groups a
+    request needs, per window group, only the blocks its window sees."""
+    if layout is None:
+        layout = kv_layout_of(config, backend)
     resolved = config.resolved(model_max_len=backend.max_model_len())
     num_blocks = resolved.num_kv_blocks
     if num_blocks is None:
-        num_blocks = _blocks_in_kv_memory(resolved, backend)
-    capacity = num_blocks * resolved.block_size
+        num_blocks = _blocks_in_kv_memory(backend, layout.page_size_bytes)
+    block_size = resolved.block_size
     max_model_len = resolved.max_model_len
-    assert max_model_len is not None
-    if config.max_model_len is None and capacity < max_model_len:
+    assert max_model_len is not None and resolved.max_num_batched_tokens is not None
+    step = resolved.max_num_batched_tokens
+    if layout.is_one_full_group:
+        capacity: int | None = num_blocks * block_size
+    else:
+        capacity = layout.max_tokens_in(num_blocks, step, block_size)
+    if config.max_model_len is None and capacity is not None and capacity < max_model_len:
         logger.info("max_model_len lowered to %d: the KV cache holds no more", capacity)
         max_model_len = capacity
         resolved = msgspec.structs.replace(resolved, max_model_len=max_model_len)
-    needed = -(-max_model_len // resolved.block_size)
+    needed = layout.blocks_needed(max_model_len, step, block_size)
     if num_blocks < needed:
+        groups = (
+            "" if layout.is_one_full_group else f" in its KV-cache groups ({layout.describe()})"
+        )
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks ({capacity} tokens) but one request of "
-            f"max_model_len={max_model_len} needs {needed}; lower max_model_len to "
+            f"max_model_len={max_model_len} needs {needed}{groups}; lower max_model_len to "
             f"{capacity} or below, or give the KV cache more blocks"
         )
     return num_blocks, resolved

@@ -6,6 +6,9 @@ Engine state, read from :meth:`AsyncLLM.get_stats` at each scrape:
 
 - ``engine_core_num_requests_running`` / ``engine_core_num_requests_waiting`` (gauges)
 - ``engine_core_kv_cache_usage_perc`` (gauge, 0..1)
+- ``engine_core_kv_group_blocks_in_use{group,kind,window}`` (gauge): blocks each KV-cache group
+  holds (``kind`` ``full_attention``, ``sliding_attention`` or ``chunked_attention``; ``window``
+  empty for full attention)
 - ``engine_core_prefix_cache_hit_rate`` (gauge, 0..1), ``engine_core_prefix_cache_queries_total``
   and ``engine_core_prefix_cache_hits_total`` (counters, tokens)
 - ``engine_core_num_preemptions_total`` (counter)
@@ -150,6 +153,7 @@ class _Collector(Collector):
         m = self.metrics
         if m.stats is not None:
             yield from _engine_state(m.stats)
+            yield from _kv_group_state(m.stats)
             if m.stats.spec_num_speculative_tokens:
                 yield from _spec_state(m.stats)
         if m.router is not None:
@@ -213,6 +217,30 @@ def _engine_state(stats: EngineStats) -> Iterator[Metric]:
         for rank, engine in zip(stats.engine_ranks, stats.engines, strict=True):
             metric.add_metric([str(rank)], getattr(engine, field))
         yield metric
+
+
+def _kv_group_state(stats: EngineStats) -> Iterator[Metric]:
+    """Blocks in use per KV-cache group (``group``, ``kind``, ``window``; ``engine`` with data
+    parallelism)."""
+    engines = (
+        list(zip([str(r) for r in stats.engine_ranks], stats.engines, strict=True))
+        if stats.engines
+        else [(None, stats)]
+    )
+    if not any(s.kv_groups for _, s in engines):
+        return
+    base = ["engine"] if stats.engines else []
+    metric = GaugeMetricFamily(
+        "engine_core_kv_group_blocks_in_use",
+        "KV-cache blocks each group's block tables hold (released ones not counted).",
+        labels=[*base, "group", "kind", "window"],
+    )
+    for rank, s in engines:
+        labels = [rank] if rank is not None else []
+        for g, group in enumerate(s.kv_groups):
+            window = "" if group.window is None else str(group.window)
+            metric.add_metric([*labels, str(g), group.kind, window], group.blocks_in_use)
+    yield metric
 
 
 def _spec_state(stats: EngineStats) -> Iterator[Metric]:

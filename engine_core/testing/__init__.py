@@ -21,38 +21,22 @@ chunked, its prefix came from the prefix cache, or it was preempted and resumed.
 
 from __future__ import annotations
 
-from engine_core.testing.conformance import (
-    BACKEND_CHECKS,
-    BackendFactory,
-    check_abort,
-    check_async_scheduling,
-    check_backend,
-    check_close,
-    check_decode,
-    check_greedy_determinism,
-    check_logprobs,
-    check_mixed_batch,
-    check_preemption,
-    check_prefill_chunks,
-    check_prefix_caching,
-    check_spec_decode,
-    check_startup,
-)
+from engine_core.testing import conformance as _conformance
+from engine_core.testing.conformance import BACKEND_CHECKS as BACKEND_CHECKS
+from engine_core.testing.conformance import BackendFactory as BackendFactory
+from engine_core.testing.conformance import check_abort as check_abort
+from engine_core.testing.conformance import check_async_scheduling as check_async_scheduling
+from engine_core.testing.conformance import check_backend as check_backend
+from engine_core.testing.conformance import check_close as check_close
+from engine_core.testing.conformance import check_decode as check_decode
+from engine_core.testing.conformance import check_greedy_determinism as check_greedy_determinism
+from engine_core.testing.conformance import check_kv_groups as check_kv_groups
+from engine_core.testing.conformance import check_logprobs as check_logprobs
+from engine_core.testing.conformance import check_mixed_batch as check_mixed_batch
+from engine_core.testing.conformance import check_preemption as check_preemption
+from engine_core.testing.conformance import check_prefill_chunks as check_prefill_chunks
+from engine_core.testing.conformance import check_prefix_caching as check_prefix_caching
+from engine_core.testing.conformance import check_spec_decode as check_spec_decode
+from engine_core.testing.conformance import check_startup as check_startup
 
-__all__ = [
-    "BACKEND_CHECKS",
-    "BackendFactory",
-    "check_abort",
-    "check_async_scheduling",
-    "check_backend",
-    "check_close",
-    "check_decode",
-    "check_greedy_determinism",
-    "check_logprobs",
-    "check_mixed_batch",
-    "check_preemption",
-    "check_prefill_chunks",
-    "check_prefix_caching",
-    "check_spec_decode",
-    "check_startup",
-]
+__all__ = _conformance.__all__

@@ -1,23 +1,6 @@
-"""A conformance suite that any backend runs against itself.
-
-::
-
-    from engine_core.testing import check_backend
-
-    def test_conformance() -> None:
-        check_backend(MyBackend, EngineConfig(model="/models/tiny"))
-
-Every ``check_*`` function takes a factory ``make_backend(config) -> Backend`` (usually the
-backend class) and an optional :class:`~engine_core.EngineConfig`; it builds its own backend,
-drives it the way the engine core does (through the real scheduler, so every
-:class:`~engine_core.abc.SchedulerOutput` is one the engine could send), closes it, and raises
-``AssertionError`` with a message saying what went wrong. :data:`BACKEND_CHECKS` lists them for
-parametrized tests; :func:`check_backend` runs them all.
-
-The checks assume nothing about which tokens a model produces, only that greedy decoding is
-deterministic: a sequence gets the same next token alone or in a batch, whether its prompt was
-chunked, its prefix came from the prefix cache, or it was preempted and resumed.
-"""
+"""The backend conformance checks (``check_*``, :data:`BACKEND_CHECKS`, :func:`check_backend`),
+exported by :mod:`engine_core.testing`, whose docstring says how to use them. They drive a backend
+through the real scheduler with the harnesses of :mod:`engine_core.testing.harness`."""
 
 from __future__ import annotations
 
@@ -27,6 +10,7 @@ from contextlib import contextmanager
 from itertools import pairwise
 from typing import Any
 
+from engine_core._core.kv_groups import plan_kv_layout
 from engine_core.abc import Backend, KVCacheSpec, SpecSupport, TokenLogprobs
 from engine_core.config import EngineConfig
 from engine_core.testing.harness import (
@@ -35,6 +19,7 @@ from engine_core.testing.harness import (
     Harness,
     assert_same,
     default_config,
+    initialize_kv,
     make_prompt,
     num_blocks_for,
     opened,
@@ -50,6 +35,7 @@ __all__ = [
     "check_close",
     "check_decode",
     "check_greedy_determinism",
+    "check_kv_groups",
     "check_logprobs",
     "check_mixed_batch",
     "check_preemption",
@@ -67,12 +53,15 @@ def check_startup(make_backend: BackendFactory, config: EngineConfig | None = No
     try:
         assert isinstance(backend, Backend), f"{backend!r} is not an engine_core.abc.Backend"
         spec = backend.kv_cache_spec()
-        assert isinstance(spec, KVCacheSpec), f"kv_cache_spec() returned {spec!r}"
-        for field in ("num_layers", "num_kv_heads", "head_size", "dtype_bytes"):
-            value = getattr(spec, field)
-            assert isinstance(value, int) and not isinstance(value, bool) and value > 0, (
-                f"kv_cache_spec().{field} must be a positive int, got {value!r}"
-            )
+        if isinstance(spec, KVCacheSpec):
+            for field in ("num_layers", "num_kv_heads", "head_size", "dtype_bytes"):
+                value = getattr(spec, field)
+                assert isinstance(value, int) and not isinstance(value, bool) and value > 0, (
+                    f"kv_cache_spec().{field} must be a positive int, got {value!r}"
+                )
+        else:
+            assert isinstance(spec, list | tuple), f"kv_cache_spec() returned {spec!r}"
+        layout = plan_kv_layout(spec, config.block_size)  # ValueError names a bad layer
         vocab_size = backend.vocab_size()
         assert isinstance(vocab_size, int) and vocab_size >= 256, (
             f"vocab_size() must be an int >= 256 for these checks, got {vocab_size!r}"
@@ -82,13 +71,13 @@ def check_startup(make_backend: BackendFactory, config: EngineConfig | None = No
             f"max_model_len() must be None or a positive int, got {max_model_len!r}"
         )
         memory = backend.available_kv_cache_memory()
-        bytes_per_block = spec.bytes_per_block(config.block_size)
+        bytes_per_block = layout.page_size_bytes
         assert isinstance(memory, int) and memory >= bytes_per_block, (
             f"available_kv_cache_memory() must be an int of at least one block "
             f"({bytes_per_block} bytes), got {memory!r}"
         )
         num_blocks = min(memory // bytes_per_block, MAX_BLOCKS)
-        backend.initialize_kv_cache(num_blocks)
+        initialize_kv(backend, config, num_blocks)
     finally:
         backend.close()
 
@@ -232,6 +221,39 @@ def check_prefix_caching(make_backend: BackendFactory, config: EngineConfig | No
         assert_same("a warm prefix", outputs["x-warm-1"], expected_x)
         assert_same("a prefix-cache hit", outputs["x-warm-2"], expected_x)
         assert_same("a shared prefix with another suffix", outputs["y-warm"], expected_y)
+
+
+def check_kv_groups(make_backend: BackendFactory, config: EngineConfig | None = None) -> None:
+    """A backend with window or chunked layers (per-layer specs): prompts several windows long,
+    prefilled in chunks across the window's edge while other requests take the blocks the
+    windows release, give the tokens of a run in one chunk, alone; prefix hits (whose window
+    tables start with null ids) give them too. A window layer that read a released block would
+    see another request's KV. Nothing to check for a backend of full-attention layers."""
+    config = config or default_config()
+    with opened(make_backend, config) as h:
+        spans = [g.span for g in h.kv_layout.groups if g.span is not None]
+        if not spans:
+            return
+        bs = h.block_size
+        span = max(spans)
+        length = min(3 * span + bs + 3, h.scheduler.config.max_model_len - 16)
+        prompts = {f"long-{i}": make_prompt(30 + i, length - 5 * i) for i in range(3)}
+        expected = {req_id: h.generate(f"{req_id}-alone", p, 8) for req_id, p in prompts.items()}
+        h.set_token_budget(max(bs, span // 2 + 3))  # chunks that start inside the window
+        for req_id, prompt in prompts.items():
+            h.add(req_id, prompt, 8, cold=False)
+        outputs = h.run()
+        for req_id in prompts:
+            assert_same(f"{req_id} prefilled in chunks", outputs[req_id], expected[req_id])
+        for req_id, prompt in prompts.items():
+            h.add(f"{req_id}-hit", prompt, 8, cold=False)
+        scheduler_output, _ = h.step()
+        hits = [r.num_computed_tokens for r in scheduler_output.new_reqs]
+        assert hits and hits[0] > span, f"expected a prefix hit longer than the window: {hits}"
+        outputs = h.run()
+        for req_id in prompts:
+            assert_same(f"{req_id} from a prefix hit", outputs[f"{req_id}-hit"], expected[req_id])
+        _assert_no_leak(h, "KV-cache groups")
 
 
 def check_greedy_determinism(
@@ -457,7 +479,7 @@ def _spec_opened(
     backend = make_backend(config)
     try:
         num_blocks = num_blocks_for(backend, config)
-        backend.initialize_kv_cache(num_blocks)
+        initialize_kv(backend, config, num_blocks)
         yield SpecHarness(backend, config, num_blocks, support)
     finally:
         backend.close()
@@ -477,7 +499,7 @@ def check_close(make_backend: BackendFactory, config: EngineConfig | None = None
     backend = make_backend(config)
     try:
         num_blocks = num_blocks_for(backend, config)
-        backend.initialize_kv_cache(num_blocks)
+        initialize_kv(backend, config, num_blocks)
         h = Harness(backend, config, num_blocks)
         h.add("open-1", make_prompt(17, 5), 10)
         h.add("open-2", make_prompt(18, 6), 10)
@@ -498,6 +520,7 @@ BACKEND_CHECKS: tuple[Callable[[BackendFactory, EngineConfig | None], None], ...
     check_abort,
     check_preemption,
     check_prefix_caching,
+    check_kv_groups,
     check_greedy_determinism,
     check_logprobs,
     check_async_scheduling,

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from engine_core._core.kv_groups import plan_kv_layout
 from engine_core._core.request import Request
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core.abc import (
@@ -39,8 +40,18 @@ def make_prompt(seed: int, length: int) -> list[int]:
 def num_blocks_for(backend: Backend, config: EngineConfig) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    bytes_per_block = backend.kv_cache_spec().bytes_per_block(config.block_size)
-    return min(backend.available_kv_cache_memory() // bytes_per_block, MAX_BLOCKS)
+    page_size = plan_kv_layout(backend.kv_cache_spec(), config.block_size).page_size_bytes
+    return min(backend.available_kv_cache_memory() // page_size, MAX_BLOCKS)
+
+
+def initialize_kv(backend: Backend, config: EngineConfig, num_blocks: int) -> None:
+    """``initialize_kv_cache`` as the engine calls it: with the KV-cache groups when the
+    backend gave per-layer specs."""
+    layout = plan_kv_layout(backend.kv_cache_spec(), config.block_size)
+    if layout.per_layer:
+        backend.initialize_kv_cache(num_blocks, layout.kv_groups)  # type: ignore[call-arg]
+    else:
+        backend.initialize_kv_cache(num_blocks)
 
 
 @contextmanager
@@ -55,7 +66,7 @@ def opened(
         assert num_blocks >= MIN_BLOCKS, (
             f"the checks need {MIN_BLOCKS} KV blocks; the backend offers {num_blocks}"
         )
-        backend.initialize_kv_cache(num_blocks)
+        initialize_kv(backend, config, num_blocks)
         cls = AsyncHarness if async_scheduling else Harness
         yield cls(backend, config, num_blocks)
     finally:
@@ -75,6 +86,7 @@ class Harness:
         assert max_model_len >= 8 * self.block_size, (
             f"the checks need max_model_len >= {8 * self.block_size}, got {max_model_len}"
         )
+        self.kv_layout = plan_kv_layout(backend.kv_cache_spec(), self.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=16,
@@ -84,6 +96,7 @@ class Harness:
                 async_scheduling=self.async_scheduling,
             ),
             num_blocks,
+            kv_layout=self.kv_layout,
         )
         self.outputs: dict[str, list[int]] = {}
         self.logprobs: dict[str, list[TokenLogprobs]] = {}

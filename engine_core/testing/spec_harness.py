@@ -64,6 +64,7 @@ class SpecHarness(Harness):
             ),
             num_blocks,
             spec,
+            self.kv_layout,
         )
         self.num_verified = 0
         self.num_rejected = 0

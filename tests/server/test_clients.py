@@ -60,11 +60,6 @@ class Person(pydantic.BaseModel):
     age: int
 
 
-@pytest.fixture(scope="module", params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return request.param  # type: ignore[no-any-return]
-
-
 @pytest.fixture(scope="module")
 async def base_url(anyio_backend: str) -> AsyncIterator[str]:
     stop = anyio.Event()

@@ -21,11 +21,6 @@ pytestmark = pytest.mark.anyio
 PROMPTS = [list(b"the cat sat"), list(b"a dog")]
 
 
-@pytest.fixture(scope="module", params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return request.param  # type: ignore[no-any-return]
-
-
 @pytest.fixture(scope="module")
 async def client(anyio_backend: str) -> AsyncIterator[httpx.AsyncClient]:
     async with serving(multiprocess=False) as (client, _):

@@ -5,7 +5,6 @@ usage, and grammars (a JSON schema, a tool grammar) applied after it ends."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import jsonschema
@@ -18,24 +17,12 @@ from helpers.tool_servers import (
     WEATHER_ARGS,
     ToolServers,
     in_thread,
-    tool_servers,
 )
 
 pytestmark = pytest.mark.anyio
 
 THOUGHT = "\nThe user asks 2+2.\n"
 ANSWER = "The answer is 4."
-
-
-@pytest.fixture(scope="module", params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return request.param  # type: ignore[no-any-return]
-
-
-@pytest.fixture(scope="module")
-async def servers(anyio_backend: str) -> AsyncIterator[ToolServers]:
-    async with tool_servers() as servers:
-        yield servers
 
 
 async def reply(

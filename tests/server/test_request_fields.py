@@ -31,11 +31,6 @@ VLLM_FIELDS: dict[str, Any] = {
 """vLLM's extensions that clients send, each with a value the engine serves."""
 
 
-@pytest.fixture(scope="module", params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return request.param  # type: ignore[no-any-return]
-
-
 @pytest.fixture(scope="module")
 async def client(anyio_backend: str) -> AsyncIterator[httpx.AsyncClient]:
     async with serving(multiprocess=False) as (client, _):

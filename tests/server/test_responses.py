@@ -5,7 +5,6 @@ agent loop over function_call_output items, and the storage fields refused."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
@@ -18,24 +17,12 @@ from helpers.tool_servers import (
     WEATHER_SCHEMA,
     ToolServers,
     in_thread,
-    tool_servers,
 )
 
 pytestmark = pytest.mark.anyio
 
 WEATHER_TOOL: Any = {"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA}
 TIME_TOOL: Any = {"type": "function", "name": "get_time", "parameters": TIME_SCHEMA}
-
-
-@pytest.fixture(scope="module", params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return request.param  # type: ignore[no-any-return]
-
-
-@pytest.fixture(scope="module")
-async def servers(anyio_backend: str) -> AsyncIterator[ToolServers]:
-    async with tool_servers() as servers:
-        yield servers
 
 
 async def create(servers: ToolServers, server: str, **kwargs: Any) -> Any:

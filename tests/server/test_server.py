@@ -13,7 +13,7 @@ import functools
 import json
 import math
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -21,6 +21,7 @@ import anyio
 import httpx
 import openai
 import pytest
+from helpers.tool_servers import in_thread
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
@@ -37,16 +38,6 @@ MODEL = "mock-model"
 HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 CHAT_HI = "user: hi\nassistant:"
 LN2 = math.log(2)
-
-
-@pytest.fixture(
-    scope="module",
-    params=[("asyncio", "uvicorn"), ("asyncio", "hypercorn"), ("trio", "hypercorn")],
-    ids=lambda stack: "-".join(stack),
-)
-def stack(request: pytest.FixtureRequest) -> tuple[str, str]:
-    """(runtime, HTTP server): one server per stack for the whole module."""
-    return request.param  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +90,6 @@ async def server(stack: tuple[str, str]) -> AsyncIterator[Server]:
             for client in server.clients:
                 client.close()
             stop.set()
-
-
-async def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run a blocking client call without blocking the server's event loop."""
-    with anyio.fail_after(20):
-        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
 
 async def complete(server: Server, **kwargs: Any) -> Completion:

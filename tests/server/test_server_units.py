@@ -10,7 +10,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_core._core.engine_io import EngineStats
+from engine_core._core.engine_io import EngineStats, KVGroupStats
 from engine_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine_core.server import DEFAULT_CHAT_TEMPLATE, ServerSettings, load_chat_template
 from engine_core.server._chat_template import ChatTemplateError
@@ -199,6 +199,28 @@ def test_engine_state_comes_from_the_stats() -> None:
     fields: dict[str, Any] = {field: value for _, field, value in shown}
     stats = EngineStats(num_steps=9, num_kv_blocks=100, num_free_kv_blocks=75, **fields)
     _expect(_samples(ServerMetrics(), stats), {metric: value for metric, _, value in shown})
+
+
+def test_kv_group_blocks_are_a_series_per_group() -> None:
+    groups = [
+        KVGroupStats(kind="full_attention", window=None, blocks_in_use=30),
+        KVGroupStats(kind="sliding_attention", window=128, blocks_in_use=4),
+    ]
+    stats = EngineStats(
+        num_running=1,
+        num_waiting=0,
+        kv_cache_usage=0.34,
+        prefix_cache_hit_rate=0.0,
+        num_preemptions=0,
+        num_steps=9,
+        num_kv_blocks=100,
+        num_free_kv_blocks=66,
+        kv_groups=groups,
+    )
+    s = _samples(ServerMetrics(), stats)
+    name = "engine_core_kv_group_blocks_in_use"
+    assert s[f"{name}|group=0|kind=full_attention|window="] == 30
+    assert s[f"{name}|group=1|kind=sliding_attention|window=128"] == 4
 
 
 def test_speculative_decoding_series_use_vllms_names() -> None:

@@ -20,11 +20,6 @@ TEXT = "line\u2028para\u2029next\x85end"
 REPLIES = [{"match": "breaks", "text": TEXT}]
 
 
-@pytest.fixture(scope="module", params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return request.param  # type: ignore[no-any-return]
-
-
 @pytest.fixture(scope="module")
 async def client(anyio_backend: str) -> AsyncIterator[httpx.AsyncClient]:
     async with serving(multiprocess=False, backend_options={"replies": REPLIES}) as (c, _):

@@ -6,7 +6,6 @@ The mock plays the model with scripted replies (``tests/helpers/tool_servers.py`
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import jsonschema
@@ -23,7 +22,6 @@ from helpers.tool_servers import (
     WEATHER_ARGS,
     ToolServers,
     in_thread,
-    tool_servers,
 )
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
@@ -38,17 +36,6 @@ from engine_core.server.tools._choice import (
 pytestmark = pytest.mark.anyio
 
 MARKUP = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", '"name"')
-
-
-@pytest.fixture(scope="module", params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return request.param  # type: ignore[no-any-return]
-
-
-@pytest.fixture(scope="module")
-async def servers(anyio_backend: str) -> AsyncIterator[ToolServers]:
-    async with tool_servers() as servers:
-        yield servers
 
 
 def _user(text: str) -> list[Any]:

@@ -25,9 +25,13 @@ import torch
 from engine_core.abc import (
     AsyncModelRunnerOutput,
     Backend,
+    ChunkedLocalSpec,
+    FullAttentionSpec,
     KVCacheSpec,
+    LayerSpec,
     ModelRunnerOutput,
     SchedulerOutput,
+    SlidingWindowSpec,
     SpecSupport,
 )
 from engine_core.config import EngineConfig
@@ -135,14 +139,30 @@ class CudaBackend(Backend):
             settings["cpu_threads"] = runner.cpu_threads.describe()
         return settings
 
-    def kv_cache_spec(self) -> KVCacheSpec:
+    def kv_cache_spec(self) -> KVCacheSpec | list[LayerSpec]:
+        """One spec per layer (its kind, window or chunk) for a model with window or chunked
+        layers, so the core gives them KV-cache groups of their own and releases what their
+        windows left behind (``docs/cuda_kv_groups.md``); one ``KVCacheSpec`` for a model of
+        full-attention layers, and with a draft model, which reads and writes through one
+        table of every position."""
         c = self.runner.model_config  # this rank's shard: the core sizes blocks per rank
-        return KVCacheSpec(
-            num_layers=c.num_layers,
-            num_kv_heads=c.num_kv_heads,
-            head_size=c.head_size,
-            dtype_bytes=self.runner.dtype.itemsize,
-        )
+        geometry = {
+            "num_kv_heads": c.num_kv_heads,
+            "head_size": c.head_size,
+            "dtype_bytes": self.runner.dtype.itemsize,
+        }
+        kinds = [c.layer_attention(i) for i in range(c.num_layers)]
+        if self.runner.drafter is not None or all(k.kind == "full_attention" for k in kinds):
+            return KVCacheSpec(num_layers=c.num_layers, **geometry)
+        specs: list[LayerSpec] = []
+        for k in kinds:
+            if k.kind == "sliding_attention" and k.window is not None:
+                specs.append(SlidingWindowSpec(window=k.window, **geometry))
+            elif k.kind == "chunked_attention" and k.chunk is not None:
+                specs.append(ChunkedLocalSpec(chunk=k.chunk, **geometry))
+            else:
+                specs.append(FullAttentionSpec(**geometry))
+        return specs
 
     def available_kv_cache_memory(self) -> int:
         """The minimum over the ranks under tensor parallelism. With a draft model, the share
@@ -153,7 +173,9 @@ class CudaBackend(Backend):
             if drafter is None:
                 return memory
             block_size = self.config.block_size
-            own = self.kv_cache_spec().bytes_per_block(block_size)
+            spec = self.kv_cache_spec()  # one group with a draft model
+            assert isinstance(spec, KVCacheSpec)
+            own = spec.bytes_per_block(block_size)
             return memory * own // (own + drafter.block_bytes(block_size))
         with self.tp.on_every_rank("available_kv_cache_memory") as others:
             own = available_kv_cache_memory(self.runner, self.config.kv_cache_memory_fraction)

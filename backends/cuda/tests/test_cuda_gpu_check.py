@@ -192,6 +192,7 @@ def test_checks_past_the_budget_are_failed_rows(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.timeout(600)  # nine checks, each in a process of its own, Triton interpreted
 def test_cpu_smoke_run(tmp_path: Path) -> None:
     only = "kernels,startup,throughput,sampling,longctx,prefill,profile,spec"
     result = _run("--device", "cpu", "--out", str(tmp_path), "--only", only, timeout=600)

@@ -168,6 +168,7 @@ def test_sleep_and_wake_up_keep_the_draft_model(
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
 
 
+@pytest.mark.timeout(300)
 def test_conformance_with_a_draft_model(tiny: dict[str, TinyModel]) -> None:
     config = EngineConfig(
         model=str(tiny["llama"].path), backend="cuda",

@@ -76,6 +76,7 @@ def _stats(llm: Any) -> Any:
     return llm._client.engine_core.scheduler.draft_planner.stats
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", KINDS)
 def test_ngram_speculation_gives_the_tokens_of_plain_decoding(
     tiny: dict[str, TinyModel], kind: str

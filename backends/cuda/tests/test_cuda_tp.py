@@ -317,6 +317,7 @@ def test_tp2_passes_the_backend_checks_on_its_paths(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_tp2_passes_the_rest_of_check_backend(tiny: dict[str, TinyModel]) -> None:
     """With the checks above, the whole of ``check_backend`` (async scheduling included)."""
     for check in BACKEND_CHECKS:

@@ -94,7 +94,14 @@ def test_prefix_hits_longer_than_the_window(tiny: dict[str, TinyModel]) -> None:
 def test_preemption_equals_transformers(tiny: dict[str, TinyModel]) -> None:
     model = tiny["gemma2"]
     with model.llm(
-        block_size=4, num_kv_blocks=36, max_model_len=128, enable_prefix_caching=False
+        # Pages of one layer (3 groups): 32 for a request's full group of 128 tokens and 7 per
+        # window group at 16 tokens a step fit; five requests do not.
+        block_size=4,
+        num_kv_blocks=50,
+        max_model_len=128,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        enable_prefix_caching=False,
     ) as llm:
         outputs = llm.generate(PROMPTS, _params(max_tokens=20), use_tqdm=False)
         stats = llm.get_stats()

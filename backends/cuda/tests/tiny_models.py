@@ -158,6 +158,11 @@ WINDOWED_KINDS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 ALL_KINDS = {**KINDS, **WINDOWED_KINDS}
 
+PAGES_PER_BLOCK = {"gemma2": 3, "gemma3": 4}
+"""The engine core gives these models' layers KV-cache groups of one layer each (window and full
+layers apart), so one block of pages is this many of the one-group layout's blocks: the tests
+give them that many more blocks for the same KV memory."""
+
 
 def _hf_model(kind: str) -> torch.nn.Module:
     import transformers
@@ -254,5 +259,5 @@ class TinyModel:
         """An offline engine running this model with the cuda backend on the CPU."""
         options = {"device": "cpu", "kernels": "torch", **fields.pop("backend_options", {})}
         fields.setdefault("max_model_len", 256)
-        fields.setdefault("num_kv_blocks", 96)
+        fields.setdefault("num_kv_blocks", 96 * PAGES_PER_BLOCK.get(self.kind, 1))
         return LLM(model=str(self.path), backend="cuda", backend_options=options, **fields)

@@ -24,7 +24,7 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from engine_core._workers import WorkerGroup
@@ -33,6 +33,7 @@ from engine_core.abc import (
     Backend,
     CachedRequestData,
     KVCacheSpec,
+    LayerSpec,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -42,6 +43,7 @@ from engine_core.abc import (
 )
 from engine_core.config import EngineConfig
 from engine_core_mock._blocks import BlockLedger
+from engine_core_mock._layout import group_kinds, layer_spec
 from engine_core_mock._options import Fault, parse_options
 from engine_core_mock._replies import Replies
 from engine_core_mock._rule import TokenRule, grammar_rows
@@ -118,6 +120,8 @@ class MockBackend(Backend):
         self._engine_seed = config.seed
         self._requests: dict[str, RequestState] = {}
         self._blocks: BlockLedger | None = None
+        self._windowed = False
+        """Whether a KV-cache group has a window (its reads are checked every step)."""
         self._batch: list[RequestState] | None = None
         self._batch_ids: list[str] = []
         self._rule = TokenRule(self._vocab_size, config.tokenizer_name)
@@ -148,16 +152,24 @@ class MockBackend(Backend):
 
     # -- startup --------------------------------------------------------------------------------
 
-    def kv_cache_spec(self) -> KVCacheSpec:
+    def kv_cache_spec(self) -> KVCacheSpec | list[LayerSpec]:
+        """One ``KVCacheSpec`` for the plain geometry; one spec per layer when the model has
+        ``layer_types`` (backend options, or its ``config.json``)."""
         g = self.geometry
         tp = self.tensor_parallel_size
-        return KVCacheSpec(
-            num_layers=g.num_layers,
-            # Per rank: KV heads split, or replicated when there are fewer than ranks.
-            num_kv_heads=g.num_kv_heads // tp if g.num_kv_heads % tp == 0 else g.num_kv_heads,
-            head_size=g.head_size,
-            dtype_bytes=g.dtype_bytes,
-        )
+        # Per rank: KV heads split, or replicated when there are fewer than ranks.
+        heads = g.num_kv_heads // tp if g.num_kv_heads % tp == 0 else g.num_kv_heads
+        if g.layer_types is None:
+            return KVCacheSpec(
+                num_layers=g.num_layers,
+                num_kv_heads=heads,
+                head_size=g.head_size,
+                dtype_bytes=g.dtype_bytes,
+            )
+        return [
+            layer_spec(kind, heads, g.head_size, g.dtype_bytes, g.sliding_window, g.chunk_size)
+            for kind in g.layer_types
+        ]
 
     def available_kv_cache_memory(self) -> int:
         """``device_memory_bytes * kv_cache_memory_fraction`` minus the weights (the size of the
@@ -170,14 +182,21 @@ class MockBackend(Backend):
         others = self.workers.call("available_kv_cache_memory")
         return min(own, *(int(v) for v in others if isinstance(v, int)))
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(
+        self, num_blocks: int, kv_groups: Sequence[Sequence[int]] | None = None
+    ) -> None:
+        """``kv_groups``: the layers of each KV-cache group (with ``layer_types``); every
+        block table the scheduler sends is then checked against what each group's layers
+        read."""
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be an int > 0, got {num_blocks!r}")
         if self._requests:
             raise RuntimeError("initialize_kv_cache called while requests are live")
+        groups = group_kinds(self.geometry, kv_groups)
         if self.workers is not None:
             self.workers.call("initialize_kv_cache", num_blocks)
-        self._blocks = BlockLedger(num_blocks, self._block_size, self._holders)
+        self._blocks = BlockLedger(num_blocks, self._block_size, self._holders, groups)
+        self._windowed = any(g.span is not None for g in groups)
 
     def vocab_size(self) -> int:
         return self._vocab_size
@@ -280,6 +299,7 @@ class MockBackend(Backend):
     ) -> int:
         block_size = self._block_size
         total = 0
+        windowed = self._windowed
         drafts_column = cached.spec_token_ids
         for index, (state, new_block_ids, computed, num) in enumerate(cached.diffs(self._requests)):
             req_id = state.req_id
@@ -297,6 +317,12 @@ class MockBackend(Backend):
                     f"{len(state.tokens)} tokens, but {num} are scheduled after {computed}"
                 )
             state.drafts = drafts
+            if windowed:
+                blocks.release_behind(state, computed)
+            # NOTE: what a window group reads needs no check each step: every entry was
+            # checked when it was appended (or, a hit, when the request arrived), and the
+            # ledger's reference counts keep any other request from writing a block this one
+            # still reads.
             if new_block_ids is not None:
                 blocks.append(state, new_block_ids, computed)
             if end > len(state.block_ids) * block_size:
@@ -354,12 +380,14 @@ class MockBackend(Backend):
                     f"new request {req_id!r}: cannot schedule {num} tokens after {computed} "
                     f"computed ones of {len(tokens)}"
                 )
-            if end > len(new.block_ids) * block_size:
-                raise RuntimeError(
-                    f"new request {req_id!r}: a block table of {len(new.block_ids)} blocks cannot "
-                    f"hold {end} tokens (block_size {block_size})"
-                )
             blocks.append(state, new.block_ids, computed)
+            if end > len(state.block_ids) * block_size:
+                raise RuntimeError(
+                    f"new request {req_id!r}: a block table of {len(state.block_ids)} blocks "
+                    f"cannot hold {end} tokens (block_size {block_size})"
+                )
+            if self._windowed:
+                blocks.check_reads(state, computed, end)
             requests[req_id] = state
             if end // block_size != computed // block_size:
                 blocks.record_written(state, computed, end)
@@ -369,7 +397,11 @@ class MockBackend(Backend):
         return total
 
     def _holders(self, block_id: int) -> list[str]:
-        return [r.req_id for r in self._requests.values() if block_id in r.block_ids]
+        return [
+            r.req_id
+            for r in self._requests.values()
+            if any(block_id in table for table in (r.group_tables or [r.block_ids]))
+        ]
 
     def _wait(self, deadline: float | None, fault: Fault | None) -> None:
         """Until the step's deadline; then its fault, if it has one."""

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from engine_core.config import EngineConfig
 from engine_core_mock._copy import CopyRule, parse_copy
 from engine_core_mock._drafter import SpecOptions, parse_spec
+from engine_core_mock._layout import LAYER_TYPES
 from engine_core_mock._replies import Reply, parse_replies
 
 __all__ = ["Fault", "Latency", "MockOptions", "ModelGeometry", "parse_options"]
@@ -32,6 +33,9 @@ OPTION_NAMES = frozenset(
         "tensor_parallel_memory_bytes",
         "spec",
         "copy_prompt",
+        "layer_types",
+        "sliding_window",
+        "attention_chunk_size",
     }
 )
 _LATENCY_KEYS = ("step_s", "per_token_s", "per_context_token_s")
@@ -101,6 +105,12 @@ class ModelGeometry:
     device_memory_bytes: int
     weight_bytes: int
     max_model_len: int | None
+    layer_types: tuple[str, ...] | None = None
+    """Per layer, Hugging Face's kind (``"full_attention"``, ``"sliding_attention"``,
+    ``"chunked_attention"``); None: every layer full attention, one ``KVCacheSpec``."""
+    sliding_window: int | None = None
+    chunk_size: int | None = None
+    """``attention_chunk_size`` of chunked-local layers."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +241,72 @@ def _hf_geometry(path: Path) -> dict[str, Any]:
         found["vocab_size"] = hf["vocab_size"]
     if isinstance(hf.get("max_position_embeddings"), int):
         found["max_model_len"] = hf["max_position_embeddings"]
+    found.update(_hf_layer_types(hf, path, found["num_layers"]))
     return found
+
+
+def _hf_layer_types(hf: dict[str, Any], path: Path, num_layers: int) -> dict[str, Any]:
+    """``layer_types``, ``sliding_window`` and ``attention_chunk_size`` of an HF config, with
+    the architectures' defaults where ``layer_types`` is absent: Mistral's window on every
+    layer, Gemma 2 alternating (window first), Gemma 3's ``sliding_window_pattern``."""
+    found: dict[str, Any] = {}
+    window = hf.get("sliding_window")
+    chunk = hf.get("attention_chunk_size")
+    types = hf.get("layer_types")
+    model_type = hf.get("model_type", "")
+    if types is None and isinstance(window, int) and window > 0:
+        if model_type in ("mistral", "qwen2", "ministral") and hf.get("use_sliding_window", True):
+            types = ["sliding_attention"] * num_layers
+        elif model_type == "gemma2":
+            types = [
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+            ]
+        elif model_type in ("gemma3", "gemma3_text"):
+            pattern = hf.get("sliding_window_pattern", 6)
+            types = [
+                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                for i in range(num_layers)
+            ]
+    if types is not None:
+        found["layer_types"] = types
+        found["_layer_types_from"] = f"layer_types in {path}"
+    if window is not None:
+        found["sliding_window"] = window
+    if chunk is not None:
+        found["attention_chunk_size"] = chunk
+    return found
+
+
+def _parse_layer_types(values: dict[str, Any], options: dict[str, Any]) -> None:
+    """Validate the layer kinds (options over the model's config) in ``values``."""
+    source = values.pop("_layer_types_from", "backend_options['layer_types']")
+    for key in ("layer_types", "sliding_window", "attention_chunk_size"):
+        if options.get(key) is not None:
+            values[key] = options[key]
+            if key == "layer_types":
+                source = "backend_options['layer_types']"
+    types = values.pop("layer_types", None)
+    window = values.pop("sliding_window", None)
+    chunk = values.pop("attention_chunk_size", None)
+    values["layer_types"] = values["sliding_window"] = values["chunk_size"] = None
+    if types is None:
+        return
+    num_layers = values["num_layers"]
+    if not isinstance(types, list | tuple) or not all(isinstance(t, str) for t in types):
+        raise ValueError(f"{source} must be a list of layer kinds, got {types!r}")
+    if len(types) != num_layers:
+        raise ValueError(
+            f"{source} has {len(types)} entries but the model has {num_layers} layers "
+            "(num_hidden_layers / backend_options['num_layers'])"
+        )
+    for i, kind in enumerate(types):
+        if kind not in LAYER_TYPES:
+            raise ValueError(f"{source}[{i}] is {kind!r}; known kinds: {', '.join(LAYER_TYPES)}")
+    if "sliding_attention" in types:
+        values["sliding_window"] = _int_option("sliding_window", window, minimum=1)
+    if "chunked_attention" in types:
+        values["chunk_size"] = _int_option("attention_chunk_size", chunk, minimum=1)
+    values["layer_types"] = tuple(types)
 
 
 def _tokenizer_vocab_size(name: str) -> int:
@@ -267,6 +342,8 @@ def parse_options(config: EngineConfig) -> MockOptions:
         model_dir = Path(config.model)
         values.update(_hf_geometry(model_dir / "config.json"))
         values["weight_bytes"] = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    layer_keys = ("layer_types", "sliding_window", "attention_chunk_size", "_layer_types_from")
+    layers = {k: values.pop(k) for k in layer_keys if k in values}
     if config.dtype != "auto":
         values["dtype_bytes"] = dtype_bytes(config.dtype, "dtype")
     for name in values:
@@ -274,6 +351,8 @@ def parse_options(config: EngineConfig) -> MockOptions:
             values[name] = _int_option(
                 name, options[name], minimum=0 if name == "weight_bytes" else 1
             )
+    values.update(layers)
+    _parse_layer_types(values, options)
     if values["vocab_size"] is None:
         values["vocab_size"] = _tokenizer_vocab_size(config.tokenizer_name)
     tp = options.get("tensor_parallel_size")

@@ -32,6 +32,8 @@ class RequestState:
         "num_prompt_tokens",
         "num_computed_tokens",
         "block_ids",
+        "group_tables",
+        "released",
         "block_fingerprints",
         "plain",
         "greedy",
@@ -67,6 +69,11 @@ class RequestState:
         self.num_prompt_tokens = len(new.prompt_token_ids)
         self.num_computed_tokens = new.num_computed_tokens
         self.block_ids: list[int] = []
+        self.group_tables: list[list[int]] | None = None
+        """Per KV-cache group, the block table (None until the first blocks; group 0's is
+        ``block_ids``); a window group's entries behind its window are -1 once let go."""
+        self.released: list[int] | None = None
+        """Per group, how many leading entries the mock let go of."""
         self.block_fingerprints: list[int] = []
         self.greedy = params.is_greedy
         self.min_tokens = params.min_tokens

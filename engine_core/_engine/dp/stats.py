@@ -3,7 +3,7 @@ what the router did (:class:`RouterMetrics`)."""
 
 from __future__ import annotations
 
-from engine_core._core.engine_io import EngineStats
+from engine_core._core.engine_io import EngineStats, KVGroupStats
 from engine_core._core.router import REASONS
 
 __all__ = ["RouterMetrics", "aggregate_stats"]
@@ -35,6 +35,19 @@ def _sum_lists(lists: list[list[int]]) -> list[int]:
     return total
 
 
+def _sum_kv_groups(stats: list[EngineStats]) -> list[KVGroupStats]:
+    """Blocks in use per group, summed over engines of one layout (else none)."""
+    layouts = {tuple((g.kind, g.window) for g in s.kv_groups) for s in stats}
+    if len(layouts) != 1:
+        return []
+    return [
+        KVGroupStats(
+            kind=kind, window=window, blocks_in_use=sum(s.kv_groups[i].blocks_in_use for s in stats)
+        )
+        for i, (kind, window) in enumerate(layouts.pop())
+    ]
+
+
 def aggregate_stats(per_engine: dict[int, EngineStats], num_engines: int) -> EngineStats:
     """One snapshot of the live engines (``rank -> stats``): counts summed, the KV usage and the
     hit rate computed from the sums (never an average of rates), each engine's own listed."""
@@ -60,6 +73,7 @@ def aggregate_stats(per_engine: dict[int, EngineStats], num_engines: int) -> Eng
         num_engines_alive=len(stats),
         engines=stats,
         engine_ranks=ranks,
+        kv_groups=_sum_kv_groups(stats),
     )
 
 
