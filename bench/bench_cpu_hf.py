@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""The cuda backend on the CPU against transformers' ``generate``: same tiny Llama, same
+"""The cuda backend on the CPU against transformers' ``generate``: same tiny models, same
 machine, same run.
 
-The tiny Llama of the backend's tests (random weights, 2 layers, hidden size 64) generates
+Each tiny model of the backend's tests (``--models``, default the Llama and the Qwen3-MoE: random
+weights, 2 layers, hidden size 64; the MoE has 4 experts, top-2) generates
 ``--tokens`` greedy tokens for each of ``--batch-sizes`` identical-length prompts, through
 ``LLM.generate`` (engine core in the caller's thread; token ids only, like transformers, unless
 ``--detokenize``) and through ``model.generate`` of transformers, on ``--threads`` torch
@@ -10,7 +11,8 @@ threads. Each configuration runs ``--rounds`` times,
 interleaved; the table shows the median tokens/s and the ratio engine / transformers.
 
 Usage: ``python bench/bench_cpu_hf.py [--batch-sizes 1,32] [--tokens 64] [--rounds 5]
-[--threads 1] [--kernels torch,triton] [--detokenize] [--json PATH]``.
+[--threads 1] [--kernels torch,triton] [--models llama,qwen3_moe] [--detokenize]
+[--json PATH]``.
 """
 
 from __future__ import annotations
@@ -78,53 +80,68 @@ def main() -> None:
     p.add_argument("--kernels", default="torch", help="comma-separated: torch, triton")
     p.add_argument("--detokenize", action="store_true",
                    help="the engine detokenizes its outputs (transformers' generate does not)")  # fmt: skip
+    p.add_argument(
+        "--models",
+        default="llama,qwen3_moe",
+        help="comma-separated tiny models: llama, qwen3_moe (MoE), mixtral, ...",
+    )
     p.add_argument("--json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     print(machine_line())
-    print(f"tiny Llama, greedy, {args.tokens} tokens, prompts of {PROMPT_LEN} tokens, "
+    print(f"tiny {args.models}, greedy, {args.tokens} tokens, prompts of {PROMPT_LEN} tokens, "
           f"{args.threads} thread(s), {args.rounds} rounds, median tok/s, engine "
           f"{'with' if args.detokenize else 'without'} detokenization")  # fmt: skip
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    medians: dict[str, dict[str, dict[int, float]]] = {}
+    all_rates: dict[str, dict[str, dict[int, list[float]]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = TinyModel("llama", Path(tmp) / "llama")
-        engines = {
-            k: LLM(
-                model=str(model.path),
-                backend="cuda",
-                max_model_len=256,
-                max_num_seqs=max(batch_sizes),
-                backend_options={"device": "cpu", "kernels": k},
-            )  # fmt: skip
-            for k in kernels
-        }
-        rates: dict[str, dict[int, list[float]]] = {
-            name: {b: [] for b in batch_sizes} for name in [*kernels, "transformers"]
-        }
-        try:
-            for b in batch_sizes:  # warm-up
-                for llm in engines.values():
-                    _engine_rate(llm, b, 4, args.detokenize)
-                _hf_rate(model.hf, b, 4)
-            for _ in range(args.rounds):
-                for b in batch_sizes:
-                    for k, llm in engines.items():
-                        rates[k][b].append(_engine_rate(llm, b, args.tokens, args.detokenize))
-                    rates["transformers"][b].append(_hf_rate(model.hf, b, args.tokens))
-        finally:
-            for llm in engines.values():
-                llm.close()
-    medians = {name: {b: statistics.median(r) for b, r in by_b.items()}
-               for name, by_b in rates.items()}  # fmt: skip
-    print(f"{'batch':>6} " + " ".join(f"{'engine ' + k:>16}" for k in kernels)
+        for kind in models:
+            model = TinyModel(kind, Path(tmp) / kind)
+            rates = _measure(model, batch_sizes, kernels, args)
+            all_rates[kind] = rates
+            medians[kind] = {name: {b: statistics.median(r) for b, r in by_b.items()}
+                             for name, by_b in rates.items()}  # fmt: skip
+    print(f"{'model':>10} {'batch':>6} " + " ".join(f"{'engine ' + k:>16}" for k in kernels)
           + f" {'transformers':>14} " + " ".join(f"{'ratio ' + k:>14}" for k in kernels))  # fmt: skip
-    for b in batch_sizes:
-        hf = medians["transformers"][b]
-        print(f"{b:>6} " + " ".join(f"{medians[k][b]:>16,.0f}" for k in kernels) + f" {hf:>14,.0f} "
-              + " ".join(f"{medians[k][b] / hf:>14.2f}" for k in kernels))  # fmt: skip
+    for kind in models:
+        for b in batch_sizes:
+            m = medians[kind]
+            hf = m["transformers"][b]
+            print(f"{kind:>10} {b:>6} " + " ".join(f"{m[k][b]:>16,.0f}" for k in kernels)
+                  + f" {hf:>14,.0f} " + " ".join(f"{m[k][b] / hf:>14.2f}" for k in kernels))  # fmt: skip
     write_results(args.json, {"tokens": args.tokens, "threads": args.threads,
-                              "median_tok_s": medians, "rounds": rates})  # fmt: skip
+                              "median_tok_s": medians, "rounds": all_rates})  # fmt: skip
+
+
+def _measure(model: TinyModel, batch_sizes: list[int], kernels: list[str],
+             args: argparse.Namespace) -> dict[str, dict[int, list[float]]]:  # fmt: skip
+    """Tokens/s of each engine and of transformers per batch size, ``args.rounds`` interleaved
+    rounds after a warm-up."""
+    engines = {
+        k: LLM(model=str(model.path), backend="cuda", max_model_len=256,
+               max_num_seqs=max(batch_sizes), backend_options={"device": "cpu", "kernels": k})
+        for k in kernels
+    }  # fmt: skip
+    rates: dict[str, dict[int, list[float]]] = {
+        name: {b: [] for b in batch_sizes} for name in [*kernels, "transformers"]
+    }
+    try:
+        for b in batch_sizes:  # warm-up
+            for llm in engines.values():
+                _engine_rate(llm, b, 4, args.detokenize)
+            _hf_rate(model.hf, b, 4)
+        for _ in range(args.rounds):
+            for b in batch_sizes:
+                for k, llm in engines.items():
+                    rates[k][b].append(_engine_rate(llm, b, args.tokens, args.detokenize))
+                rates["transformers"][b].append(_hf_rate(model.hf, b, args.tokens))
+    finally:
+        for llm in engines.values():
+            llm.close()
+    return rates
 
 
 if __name__ == "__main__":

@@ -51,6 +51,17 @@ with the reason. Rows already written before a crash are kept.
   against none through the engine on prompts that repeat a phrase, at batch 1, 64 and 256; and
   how many greedy outputs differ (bfloat16 flips).
 
+- moe: the fused MoE Triton kernel against the per-expert torch loop (bfloat16 and FP8
+  weights, 1 and 64 tokens, Qwen3-30B-A3B's layer: 128 experts, top-8, 768 x 2048) and its
+  speed against that loop at batch 64 (>= 5x); decode of a Qwen3-30B-A3B-shaped model (random
+  weights, graphs on) at batch 1, 64 and 256 against the roofline of the weights and experts a
+  batch touches (``E * (1 - (1 - k / E) ** B)`` experts per layer): within 2x at batch 1 and
+  1.3x at 256;
+- fp8: the FP8 linear (``torch._scaled_mm``) against the dequantised product, the KV write
+  kernel's FP8 conversion against torch's, the KV blocks of an FP8 cache against bf16's in the
+  same memory (>= 1.95x), and batch-1 decode of the 8B shape with FP8 weights against bf16
+  (>= 1.7x the step speed; FP8 weights and KV: information).
+
 ``--device cpu`` runs the same code at toy sizes on the CPU (Triton interpreted) to check the
 script itself; the speed targets are then not enforced. Exit status: 0 when every row passes, 1
 when one fails, 2 when no GPU is visible.
@@ -96,12 +107,15 @@ CHECK_SUMMARIES = {
     "tp": "two tensor-parallel ranks on one device against one rank (logprobs, greedy)",
     "overlap": "decode tok/s through the engine with async scheduling off and on (info)",
     "spec": "speculative decoding: verify-cost curve, ngram and draft model vs none (info)",
+    "moe": "fused MoE kernel vs torch and vs a per-expert loop; Qwen3-30B-A3B decode roofline",
+    "fp8": "FP8 linear and KV write vs torch; FP8 KV blocks; FP8 8B decode at batch 1 vs bf16",
 }
 """Each check (``--only``) and what it shows, in one line: listed by ``--help``."""
 CHECKS = tuple(CHECK_SUMMARIES)
 TIMEOUTS_S = {"preflight": 90, "kernels": 120, "startup": 150, "throughput": 180, "sampling": 120,
               "longctx": 120, "window": 150, "prefill": 100, "profile": 120, "parity": 150,
-              "conformance": 150, "tp": 150, "overlap": 150, "spec": 180}  # fmt: skip
+              "conformance": 150, "tp": 150, "overlap": 150, "spec": 180, "moe": 240,
+              "fp8": 180}  # fmt: skip
 """Each check's time limit (seconds, scaled by ``--timeout-scale``); typical runs take a fraction."""
 MIN_CHECK_S = 15
 """A check is not started with less of the ``--budget`` left."""
@@ -1569,6 +1583,201 @@ def check_spec(table: Table, args: argparse.Namespace, root: Path) -> None:
                        + (f", first at tokens {where[:8]}" if where else "")])  # fmt: skip
 
 
+# -- mixture of experts and FP8 -----------------------------------------------------------------
+
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+    "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "rope_theta": 1000000.0,
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+}  # fmt: skip
+TOY_MOE = {**QWEN3_30B_A3B, "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}  # fmt: skip
+
+
+def experts_touched(num_experts: int, top_k: int, batch: int) -> float:
+    """Expected distinct experts a layer reads for ``batch`` tokens routed uniformly at random
+    (``E * (1 - (1 - k / E) ** B)``): the bytes a decode step must stream."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def moe_decode_roofline(config: dict[str, Any], batch: int, mean_context: float,
+                        bandwidth: float, peak_flops: float,
+                        dtype_bytes: int = 2) -> Roofline:  # fmt: skip
+    """One MoE decode step: the attention, router, norm and LM-head weights, the experts the
+    batch touches (:func:`experts_touched`) and every sequence's KV are read once; each token
+    multiplies the dense weights and its ``top_k`` experts, and attends to its context."""
+    h, layers, e, k = (config["hidden_size"], config["num_hidden_layers"],
+                       config["num_experts"], config["num_experts_per_tok"])  # fmt: skip
+    heads, kv_heads, d = (config["num_attention_heads"], config["num_key_value_heads"],
+                          config["head_dim"])  # fmt: skip
+    expert = 3 * h * config["moe_intermediate_size"]
+    attention = h * (heads + 2 * kv_heads) * d + heads * d * h + e * h
+    head = h * config["vocab_size"]
+    weights = (layers * (attention + experts_touched(e, k, batch) * expert) + head) * dtype_bytes
+    kv = batch * mean_context * layers * 2 * kv_heads * d * dtype_bytes
+    flops = 2.0 * batch * (layers * (attention + k * expert) + head)
+    flops += 4.0 * layers * heads * d * batch * mean_context
+    return Roofline(weights + kv, flops, bandwidth, peak_flops)
+
+
+def _moe_problem(tokens: int, config: dict[str, Any], device: str, dtype: Any,
+                 seed: int = 0) -> tuple[Any, ...]:  # fmt: skip
+    import torch
+    from engine_core_cuda.kernels.moe_torch import route_topk
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    e, h, inter = config["num_experts"], config["hidden_size"], config["moe_intermediate_size"]
+    x = torch.randn(tokens, h, generator=gen, device=device).to(dtype)
+    w13 = (0.03 * torch.randn(e, 2 * inter, h, generator=gen, device=device)).to(dtype)
+    w2 = (0.03 * torch.randn(e, h, inter, generator=gen, device=device)).to(dtype)
+    logits = torch.randn(tokens, e, generator=gen, device=device)
+    weights, ids = route_topk(logits, config["num_experts_per_tok"], renormalize=True,
+                              out_dtype=dtype)  # fmt: skip
+    return x, w13, w2, weights, ids
+
+
+def check_moe(table: Table, args: argparse.Namespace, root: Path) -> None:
+    import torch
+    from engine_core_cuda.kernels.fused_moe import fused_moe
+    from engine_core_cuda.kernels.moe_torch import fused_moe_torch
+
+    config = QWEN3_30B_A3B if args.gpu else TOY_MOE
+    dtype = torch.bfloat16 if args.gpu else torch.float32
+    # The fused kernel against the per-expert torch loop: agreement, then speed at batch 64.
+    for tokens in (1, 64) if args.gpu else (3,):
+        for fp8 in (False, True):
+            x, w13, w2, weights, ids = _moe_problem(tokens, config, args.device, dtype)
+            s13 = s2 = None
+            if fp8:
+                from engine_core_cuda._fp8 import quantize_rows
+
+                w13, s13 = quantize_rows(w13)
+                w2, s2 = quantize_rows(w2)
+            got = fused_moe(x, w13, w2, weights, ids, "silu", s13, s2).float()
+            expected = fused_moe_torch(x, w13, w2, weights, ids, "silu", s13, s2).float()
+            error = float((got - expected).abs().max() / expected.abs().max())
+            tol = 2e-2 if args.gpu else 1e-4
+            table.add(f"moe: fused kernel vs torch, {tokens} tokens{' fp8 weights' if fp8 else ''}",
+                      f"max rel error {error:.2e}", f"<= {tol:g}", error <= tol)  # fmt: skip
+    batch = 64 if args.gpu else 2
+    x, w13, w2, weights, ids = _moe_problem(batch, config, args.device, dtype)
+    device = torch.device(args.device)
+    rounds = 20 if args.gpu else 1
+    fused = _time(lambda: fused_moe(x, w13, w2, weights, ids), device, rounds)
+    loop = _time(lambda: fused_moe_torch(x, w13, w2, weights, ids), device, rounds)
+    table.add(f"moe: fused vs per-expert loop b={batch} (one layer)",
+              f"{fused * 1e6:.0f} us vs {loop * 1e6:.0f} us: x{loop / fused:.1f}",
+              ">= 5" if args.gpu else "", (loop / fused >= 5) if args.gpu else None)  # fmt: skip
+    # Whole-model decode against the roofline of the experts the batch touches.
+    batch_sizes = [1, 64, 256] if args.gpu else [1, 2]
+    context, steps, warmup = (args.context, args.steps, 3) if args.gpu else (24, 1, 0)
+    targets = {1: 0.5, 256: 1 / 1.3}
+    model_dir = write_config(root, "qwen3-30b-a3b-shaped", config)
+    backend = make_backend(
+        model_dir, args.device, dtype="bfloat16" if args.gpu else "float32",
+        max_model_len=context + warmup + steps + 64, max_num_seqs=max(batch_sizes),
+        options={"max_graph_batch_size": max(batch_sizes)},
+    )  # fmt: skip
+    try:
+        backend.available_kv_cache_memory()
+        backend.initialize_kv_cache(_blocks_for(max(batch_sizes), context))
+        for b in batch_sizes:
+            seconds, _, mean_ctx = _decode_run(backend, b, context, warmup, steps,
+                                               config["vocab_size"])  # fmt: skip
+            roof = moe_decode_roofline(config, b, mean_ctx, args.bandwidth, args.peak_flops,
+                                       2 if args.gpu else 4)  # fmt: skip
+            ratio = roof.seconds / seconds
+            target = targets.get(b) if args.gpu else None
+            table.add(f"moe: decode b={b} ctx={context} (Qwen3-30B-A3B shape)",
+                      f"{seconds * 1e3:.2f} ms {b / seconds:,.0f} tok/s {roof.describe(seconds)}",
+                      f"{ratio:.2f}" + (f">={target:.2f}" if target else ""),
+                      (ratio >= target) if target else None,
+                      [f"roofline {roof.seconds * 1e3:.2f} ms ({roof.bound}-bound), experts "
+                       f"touched per layer {experts_touched(config['num_experts'], config['num_experts_per_tok'], b):.1f}"])  # fmt: skip
+    finally:
+        release(backend)
+
+
+def check_fp8(table: Table, args: argparse.Namespace, root: Path) -> None:
+    import torch
+    from engine_core_cuda._fp8 import FP8_DTYPE, device_has_fp8, fp8_linear, quantize_rows
+    from engine_core_cuda.kernels.kv_write import write_kv
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.gpu else torch.float32
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    # The FP8 linear (scaled_mm on FP8 GPUs) against the dequantised product.
+    x = torch.randn(16, 256, generator=gen, device=args.device).to(dtype)
+    w = (0.05 * torch.randn(512, 256, generator=gen, device=args.device)).to(dtype)
+    q, scale = quantize_rows(w)
+    got = fp8_linear(x, q, scale).float()
+    qx, sx = quantize_rows(x)
+    expected = (qx.float() * sx[:, None]) @ (q.float() * scale[:, None]).t()
+    error = float((got - expected).abs().max() / expected.abs().max())
+    path = "scaled_mm" if device_has_fp8(device) and dtype == torch.bfloat16 else "dequantised"
+    table.add(f"fp8: linear ({path}) vs dequantised product", f"max rel error {error:.2e}",
+              "<= 0.02", error <= 0.02)  # fmt: skip
+    # The per-token activation quantisation kernel against torch (exact on a GPU; Triton's
+    # interpreter mis-rounds FP8 near powers of two, so the CPU row is information).
+    from engine_core_cuda.kernels.fp8_quant import quantize_per_token
+
+    codes, scales = quantize_per_token(x)
+    same = torch.equal(codes.float(), qx.float()) and torch.equal(scales, sx)
+    table.add("fp8: per-token quantisation kernel vs torch", "identical" if same else "different",
+              "identical" if args.gpu else "", same if args.gpu else None)  # fmt: skip
+    # The KV write kernel's FP8 conversion against torch's (compiled only: interpreted, torch
+    # converts).
+    key = 4.0 * torch.randn(64, 8, 128, generator=gen, device=args.device).to(dtype)
+    cache = torch.zeros(8, 16, 8, 128, dtype=FP8_DTYPE, device=args.device)
+    other = torch.zeros_like(cache)
+    write_kv(key, key, cache, other, torch.arange(64, device=args.device), 2.0, 2.0)
+    reference = (key.float() / 2.0).clamp(-448, 448).to(FP8_DTYPE).float()
+    same = torch.equal(cache.view(-1, 8, 128)[:64].float(), reference)
+    table.add("fp8: KV write conversion vs torch", "identical" if same else "different",
+              "identical", same)  # fmt: skip
+    # KV blocks at equal memory, from each cache's block size (two layers of the 8B shape: the
+    # ratio does not depend on the depth).
+    blocks = {}
+    for kv in ("auto", "fp8"):
+        model_dir = write_config(root, "llama3-8b-shaped-2-layers",
+                                 {**big_shape(args), "num_hidden_layers": 2})  # fmt: skip
+        backend = make_backend(model_dir, args.device, dtype="bfloat16", max_model_len=4096,
+                               kv_cache_dtype=kv)  # fmt: skip
+        try:
+            blocks[kv] = (8 << 30) // backend.kv_cache_spec().bytes_per_block(16)
+        finally:
+            release(backend)
+    ratio = blocks["fp8"] / blocks["auto"]
+    table.add("fp8: KV blocks in 8 GiB, fp8 vs bf16", f"{blocks['fp8']} vs {blocks['auto']}: "
+              f"x{ratio:.2f}", ">= 1.95", ratio >= 1.95)  # fmt: skip
+    # 8B-shaped decode at batch 1: FP8 weights (and FP8 KV) against bf16.
+    context, steps, warmup = (args.context, args.steps, 3) if args.gpu else (24, 1, 0)
+    times = {}
+    vocab = big_shape(args)["vocab_size"]
+    for label, fields in (("bf16", {}), ("fp8 weights", {"quantization": "fp8"}),
+                          ("fp8 weights + KV", {"quantization": "fp8",
+                                                "kv_cache_dtype": "fp8"})):  # fmt: skip
+        if label.endswith("KV") and args.gpu and not device_has_fp8(device):
+            continue
+        backend = big_backend(args, root, max_len=context + warmup + steps + 64, max_seqs=1,
+                              graphs=True, num_blocks=_blocks_for(1, context), **fields)  # fmt: skip
+        try:
+            times[label], _, _ = _decode_run(backend, 1, context, warmup, steps, vocab)
+            size = weight_bytes(backend)
+        finally:
+            release(backend)
+        speedup = times["bf16"] / times[label]
+        enforce = args.gpu and label == "fp8 weights"
+        table.add(f"fp8: decode b=1 ctx={context} {label} (8B shape)",
+                  f"{times[label] * 1e3:.2f} ms, weights {size / 2**30:.1f} GiB, x{speedup:.2f}",
+                  ">= 1.7" if enforce else "", (speedup >= 1.7) if enforce else None)  # fmt: skip
+
+
 # -- the checks' processes --------------------------------------------------------------------
 
 CHECK_FUNCTIONS: dict[str, Callable[[Table, argparse.Namespace, Path], None]] = {
@@ -1586,6 +1795,8 @@ CHECK_FUNCTIONS: dict[str, Callable[[Table, argparse.Namespace, Path], None]] = 
     "tp": check_tp,
     "overlap": check_overlap,
     "spec": check_spec,
+    "moe": check_moe,
+    "fp8": check_fp8,
 }
 
 

@@ -214,6 +214,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     their own sampling."""
     dtype: str = "auto"
     """Model weights' data type (``"auto"``: the backend picks, bf16 on a GPU)."""
+    quantization: Literal["fp8"] | None = None
+    """Quantise the weights at load: ``"fp8"`` stores the linear layers' and experts' weights
+    in FP8 (e4m3) with per-output-channel scales, activations quantised per token as they go.
+    None: as the checkpoint is (an FP8 checkpoint, whose ``quantization_config`` says so, loads
+    in FP8 either way)."""
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
+    """Data type of the KV cache: ``"auto"`` (the model's) or ``"fp8"`` (= ``"fp8_e4m3"``: one
+    byte per element with per-tensor scales, about twice the blocks; needs a device with FP8)."""
     tensor_parallel_size: int = 1
     """Devices one model is split over (1 so far)."""
     data_parallel_size: int = 1
@@ -323,6 +331,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
         ):
             raise ValueError(
                 f"data_parallel_rank must be an int in [0, data_parallel_size), got {rank!r}"
+            )
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be 'fp8' or None, got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}"
             )
         if self.router not in (None, "prefix", "least_loaded", "round_robin"):
             raise ValueError(

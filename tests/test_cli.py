@@ -74,6 +74,10 @@ def test_every_engine_config_field_is_a_serve_flag(capsys: pytest.CaptureFixture
         )
     )
     assert spec.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    fp8 = engine_config_from_args(
+        parser.parse_args(["serve", "--quantization", "fp8", "--kv-cache-dtype", "fp8"])
+    )
+    assert (fp8.quantization, fp8.kv_cache_dtype) == ("fp8", "fp8")
     assert (args.port, args.host, args.served_model_name) == (0, "127.0.0.1", ["a", "b"])
     assert (args.runtime, args.api_key) == ("asyncio", None)
     with pytest.raises(SystemExit) as info:

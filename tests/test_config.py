@@ -42,6 +42,8 @@ def test_defaults() -> None:
             "max_stop_string_len": 1024,
             "seed": 0,
             "dtype": "auto",
+            "quantization": None,
+            "kv_cache_dtype": "auto",
             "tensor_parallel_size": 1,
             "data_parallel_size": 1,
             "data_parallel_rank": 0,
@@ -114,6 +116,8 @@ def test_backend_options_are_not_shared() -> None:
         ("ray_gpus_per_engine", -1),
         ("ray_gpus_per_engine", True),
         ("placement_timeout_s", 0),
+        ("quantization", "int4"),
+        ("kv_cache_dtype", "fp16"),
     ],
 )
 def test_invalid_value_names_the_parameter(name: str, value: Any) -> None:

@@ -82,11 +82,20 @@ class AttentionContext:
     chunk): fewer keys, fewer segments."""
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, cache: KVCache, group: int = 0
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: KVCache,
+        group: int = 0,
+        scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
         """Store this step's keys and values (``[tokens, kv_heads, head_size]``) in the slots of
-        KV-cache group ``group``."""
-        self.ops.write_kv(key, value, cache[0], cache[1], self.slot_mappings[group])
+        KV-cache group ``group``; an FP8 cache divides them by ``scales`` (per tensor: keys,
+        values)."""
+        if cache[0].dtype == torch.float8_e4m3fn:
+            self.ops.write_kv(key, value, cache[0], cache[1], self.slot_mappings[group], *scales)
+        else:
+            self.ops.write_kv(key, value, cache[0], cache[1], self.slot_mappings[group])
 
     def attend(
         self,
@@ -95,14 +104,17 @@ class AttentionContext:
         layer: LayerAttention,
         group: int = 0,
         sinks: torch.Tensor | None = None,
+        scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         """Causal attention of ``q`` (``[tokens, heads, head_size]``) over the cache, of the
         kind ``layer`` (its scale, window, chunk, soft cap; ``sinks``: one logit per query
         head), through the block table of KV-cache group ``group``; returns a new contiguous
-        tensor of ``q``'s shape."""
+        tensor of ``q``'s shape. An FP8 cache's ``scales`` (keys, values) multiply the scores
+        and the output (exact: attention is linear in each)."""
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         span = layer.span
-        return self.ops.paged_attention(
+        k_scale, v_scale = scales if cache[0].dtype == torch.float8_e4m3fn else (1.0, 1.0)
+        out = self.ops.paged_attention(
             q,
             cache[0],
             cache[1],
@@ -110,7 +122,7 @@ class AttentionContext:
             self.seq_rows,
             self.query_start_loc,
             self.seq_lens,
-            scale=layer.scale,
+            scale=layer.scale * k_scale,
             max_query_len=self.max_query_len,
             num_segments=self.num_segments if span is None else self.span_segments.get(span, 1),
             out=out,
@@ -119,3 +131,4 @@ class AttentionContext:
             softcap=layer.softcap,
             sinks=sinks,
         )
+        return out if v_scale == 1.0 else out.mul_(v_scale)

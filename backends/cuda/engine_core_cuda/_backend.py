@@ -69,7 +69,8 @@ def _check_model_dir(config: EngineConfig, load_format: str) -> Path:
 
 
 class CudaBackend(Backend):
-    """Runs an HF Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3 checkpoint with torch, Triton paged
+    """Runs an HF Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3 or MoE (Qwen3-MoE, Qwen2-MoE,
+    Mixtral) checkpoint, in its dtype or FP8, with torch, Triton paged
     attention and on-device sampling; see ``engine_core_cuda`` for the ``backend_options``. It
     supports async scheduling: sampled tokens stay on the device as the next step's input
     ids."""
@@ -83,7 +84,7 @@ class CudaBackend(Backend):
         super().__init__(config)
         self.options = rank_options(parse_options(config), tp_rank)
         model_dir = _check_model_dir(config, self.options.load_format)
-        self.model_config = load_model_config(model_dir)
+        self.model_config = load_model_config(model_dir, config.quantization)
         self.tp_rank = tp_rank
         size = config.tensor_parallel_size
         # A field that does not divide fails here, before any process starts.
@@ -149,7 +150,7 @@ class CudaBackend(Backend):
         geometry = {
             "num_kv_heads": c.num_kv_heads,
             "head_size": c.head_size,
-            "dtype_bytes": self.runner.dtype.itemsize,
+            "dtype_bytes": self.runner.kv_dtype.itemsize,
         }
         kinds = [c.layer_attention(i) for i in range(c.num_layers)]
         if self.runner.drafter is not None or all(k.kind == "full_attention" for k in kinds):

@@ -20,6 +20,8 @@ from engine_core_cuda._layer_kinds import (
     layer_types_of,
     logit_fields,
 )
+from engine_core_cuda._moe_config import MOE_ARCHITECTURES, MoeConfig, moe_config_of
+from engine_core_cuda._quant_config import QuantConfig, quant_config_of
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig", "load_model_config"]
 
@@ -29,6 +31,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     *GEMMA_ARCHITECTURES,
+    *MOE_ARCHITECTURES,
 )
 ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -82,6 +85,14 @@ class ModelConfig:
     """Gemma: scores are scaled by ``query_pre_attn_scalar ** -0.5`` instead of the head size's."""
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    moe: MoeConfig | None = None
+    """Mixture-of-experts models: the experts of the layers ``moe.sparse_layers``."""
+    quantization: QuantConfig | None = None
+    """FP8 weights: an FP8 checkpoint's, or quantised at load (None: as the checkpoint is)."""
+
+    def layer_is_moe(self, index: int) -> bool:
+        """Whether layer ``index`` routes tokens to experts (else it has the dense MLP)."""
+        return self.moe is not None and index in self.moe.sparse_layers
 
     @property
     def max_model_len(self) -> int:
@@ -194,9 +205,10 @@ def _layer_types(
     return layer_types_of(hf, architecture, num_layers, path)
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Read ``config.json`` of ``model_dir``. Raises ``FileNotFoundError`` when it is missing and
-    ``ValueError`` naming the problem for an unsupported architecture or an invalid field."""
+def load_model_config(model_dir: str | Path, quantization: str | None = None) -> ModelConfig:
+    """Read ``config.json`` of ``model_dir``; ``quantization`` is ``EngineConfig.quantization``.
+    Raises ``FileNotFoundError`` when it is missing and ``ValueError`` naming the problem for an
+    unsupported architecture, quantisation or an invalid field."""
     path = Path(model_dir) / "config.json"
     hf = _read(path)
     architectures = hf.get("architectures") or []
@@ -223,7 +235,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"num_key_value_heads ({num_kv_heads})"
         )
     head_size = hf.get("head_dim") or hidden_size // num_heads
-    is_qwen2 = architecture == "Qwen2ForCausalLM"
+    is_qwen2 = architecture == "Qwen2ForCausalLM" or (
+        architecture == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True))
+    )
     attention_bias = bool(hf.get("attention_bias", False))
     dtype = hf.get("torch_dtype") or hf.get("dtype")
     num_layers = _int(hf, "num_hidden_layers", path)
@@ -244,7 +258,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         qkv_bias=is_qwen2 or attention_bias,
         o_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
         rope=_rope(hf, path, "full_attention" if gemma3 else None),
         checkpoint_dtype=dtype if isinstance(dtype, str) else None,
         sliding_window=window,
@@ -253,4 +267,10 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         hidden_act=act,
         local_rope=_rope(hf, path, "sliding_attention") if gemma3 else None,
         **logit_fields(hf, architecture, path),
+        moe=(
+            moe_config_of(hf, architecture, num_layers, path)
+            if architecture in MOE_ARCHITECTURES
+            else None
+        ),
+        quantization=quant_config_of(hf, path, quantization),
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from engine_core_cuda.kernels import reference
+from engine_core_cuda.kernels.moe_torch import fused_moe_torch
 from engine_core_cuda.kernels.torch_attention import paged_attention_torch
 from engine_core_cuda.kernels.torch_ops import (
     add_gemma_rms_norm_torch,
@@ -28,7 +29,9 @@ KERNEL_IMPLS = ("triton", "torch")
 class KernelOps:
     """``write_kv``, ``paged_attention``, ``rms_norm``, ``add_rms_norm`` (and Gemma's
     ``gemma_rms_norm``, ``gemma_add_rms_norm``), ``rotary_embedding``, ``silu_and_mul`` and
-    ``gelu_tanh_and_mul`` with the contracts of :mod:`engine_core_cuda.kernels`."""
+    ``gelu_tanh_and_mul`` with the contracts of :mod:`engine_core_cuda.kernels`, and
+    ``fused_moe`` (the experts of a mixture-of-experts block,
+    :func:`~engine_core_cuda.kernels.moe_torch.fused_moe_torch`'s contract)."""
 
     def __init__(self, impl: Literal["triton", "torch"]) -> None:
         if impl not in KERNEL_IMPLS:
@@ -36,6 +39,7 @@ class KernelOps:
         self.impl = impl
         if impl == "triton":
             from engine_core_cuda.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+            from engine_core_cuda.kernels.fused_moe import fused_moe
             from engine_core_cuda.kernels.kv_write import write_kv
             from engine_core_cuda.kernels.paged_attention import paged_attention
             from engine_core_cuda.kernels.rms_norm import (
@@ -55,6 +59,7 @@ class KernelOps:
             self.gelu_tanh_and_mul = gelu_tanh_and_mul
             self.gemma_rms_norm = gemma_rms_norm
             self.gemma_add_rms_norm = gemma_add_rms_norm
+            self.fused_moe: Any = fused_moe
         else:
             self.write_kv = write_kv_torch
             self.paged_attention = paged_attention_torch
@@ -65,6 +70,7 @@ class KernelOps:
             self.gelu_tanh_and_mul = reference.gelu_tanh_and_mul_reference
             self.gemma_rms_norm = reference.gemma_rms_norm_reference
             self.gemma_add_rms_norm = add_gemma_rms_norm_torch
+            self.fused_moe = fused_moe_torch
 
     @property
     def graph_capturable(self) -> bool:

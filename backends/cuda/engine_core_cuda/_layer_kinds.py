@@ -86,7 +86,7 @@ def _default_layer_types(hf: dict[str, Any], architecture: str, num_layers: int,
             "sliding_attention" if (i + 1) % pattern else "full_attention"
             for i in range(num_layers)
         ]
-    if architecture == "MistralForCausalLM" and window is not None:
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM") and window is not None:
         return ["sliding_attention"] * num_layers
     return ["full_attention"] * num_layers
 

@@ -60,6 +60,8 @@ class Linear(nn.Module):
             if bias
             else None
         )
+        self.weight_scale: nn.Parameter | None = None
+        """FP8 weights (:mod:`engine_core_cuda._fp8`): one float32 scale per output row."""
         self.shards: dict[str, tuple[int, int]] = {}
         """Shard name -> (first row, number of rows)."""
         start = 0
@@ -68,6 +70,13 @@ class Linear(nn.Module):
             start += size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None:
+            from engine_core_cuda._fp8 import fp8_linear
+
+            if self.reduce is None:
+                return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+            y = self.reduce(fp8_linear(x, self.weight, self.weight_scale))
+            return y if self.bias is None else y + self.bias
         if self.reduce is None:
             return F.linear(x, self.weight, self.bias)
         y = self.reduce(F.linear(x, self.weight))
@@ -116,6 +125,9 @@ class Attention(nn.Module):
         self.layer = layer if layer is not None else LayerAttention(scale=config.head_size**-0.5)
         self.kv_group = 0
         """Set by the model runner from the cache's layout (:mod:`engine_core_cuda._kv_layout`)."""
+        self.kv_scales = (1.0, 1.0)
+        """An FP8 KV cache's per-tensor (key, value) scales: the checkpoint's ``k_scale`` and
+        ``v_scale`` when it has them."""
         self.rotary = rotary
         self.qkv_proj = Linear(
             config.hidden_size,
@@ -151,14 +163,15 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_size), ops)[0].view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_size), ops)[0].view(k.shape)
         ops.rotary_embedding(positions, q, k, self.rotary.cos, self.rotary.sin)
-        ctx.write_kv(k, v, cache, self.kv_group)
-        out = ctx.attend(q, cache, self.layer, self.kv_group)
+        ctx.write_kv(k, v, cache, self.kv_group, self.kv_scales)
+        out = ctx.attend(q, cache, self.layer, self.kv_group, scales=self.kv_scales)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up in one matrix; ``act`` is silu, or
-    gelu-tanh (``config.hidden_act == "gelu_pytorch_tanh"``)."""
+    gelu-tanh (``config.hidden_act == "gelu_pytorch_tanh"``). ``intermediate_size`` defaults
+    to the config's (a MoE model's shared expert has its own)."""
 
     def __init__(
         self,
@@ -166,10 +179,11 @@ class MLP(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         parallel: TensorParallel | None = None,
+        intermediate_size: int | None = None,
     ) -> None:
         super().__init__()
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = Linear(
             config.hidden_size,
             {"gate": size, "up": size},
@@ -192,7 +206,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks on the residual stream."""
+    """Pre-norm attention and MLP blocks on the residual stream; with ``moe`` the MLP is the
+    sparse mixture-of-experts block (:class:`~engine_core_cuda._moe.SparseMoeBlock`)."""
 
     def __init__(
         self,
@@ -202,6 +217,7 @@ class DecoderLayer(nn.Module):
         device: torch.device,
         parallel: TensorParallel | None = None,
         layer: LayerAttention | None = None,
+        moe: bool = False,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
@@ -209,7 +225,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype, device
         )
-        self.mlp = MLP(config, dtype, device, parallel)
+        self.mlp: nn.Module
+        if moe:
+            from engine_core_cuda._moe import SparseMoeBlock
+
+            self.mlp = SparseMoeBlock(config, dtype, device, parallel)
+        else:
+            self.mlp = MLP(config, dtype, device, parallel)
 
     def forward(
         self,

@@ -52,7 +52,7 @@ def profile_run(runner: ModelRunner, num_tokens: int, num_seqs: int) -> None:
     positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths])).to(device)
     dummy_block = torch.zeros(
         (1, runner.block_size, config.num_kv_heads, config.head_size),
-        dtype=runner.dtype,
+        dtype=runner.kv_dtype,
         device=device,
     )
     no_slots = torch.full((total,), -1, dtype=torch.int64, device=device)

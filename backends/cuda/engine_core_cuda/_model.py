@@ -1,5 +1,6 @@
-"""The decoder-only causal LM of the Llama family (Llama, Mistral, Qwen2, Qwen3) and of Gemma 2
-and Gemma 3 (text).
+"""The decoder-only causal LM of the Llama family (Llama, Mistral, Qwen2, Qwen3), of its
+mixture-of-experts relatives (Qwen3-MoE, Qwen2-MoE, Mixtral: :mod:`engine_core_cuda._moe`) and
+of Gemma 2 and Gemma 3 (text).
 
 The differences between the architectures are flags of :class:`ModelConfig`: QKV bias (Qwen2),
 per-head q/k RMSNorm (Qwen3, Gemma 3), tied embeddings, RoPE scaling, each layer's kind of
@@ -55,10 +56,12 @@ class _Decoder(nn.Module):
             rope = config.layer_rope(i)
             if rope not in tables:  # layers of one RoPE share its tables
                 tables[rope] = RotaryTables(rope, config.head_size, max_positions, dtype, device)
-        layer_cls = GemmaDecoderLayer if config.is_gemma else DecoderLayer
         self.layers = nn.ModuleList(
-            layer_cls(config, tables[config.layer_rope(i)], dtype, device, parallel,
-                      config.layer_attention(i))
+            GemmaDecoderLayer(config, tables[config.layer_rope(i)], dtype, device, parallel,
+                              config.layer_attention(i))
+            if config.is_gemma
+            else DecoderLayer(config, tables[config.layer_rope(i)], dtype, device, parallel,
+                              config.layer_attention(i), moe=config.layer_is_moe(i))
             for i in range(config.num_layers)
         )  # fmt: skip
         norm_cls = GemmaRMSNorm if config.is_gemma else RMSNorm

@@ -46,6 +46,7 @@ from engine_core_cuda._device import (
     resolve_dtype,
 )
 from engine_core_cuda._draft_model import DraftModel
+from engine_core_cuda._fp8 import prepare_fp8_storage, resolve_kv_cache_dtype
 from engine_core_cuda._hf_config import ModelConfig
 from engine_core_cuda._input_batch import InputBatch
 from engine_core_cuda._kernel_ops import KernelOps
@@ -159,6 +160,8 @@ class ModelRunner:
         """This rank's geometry (heads, KV heads and intermediate size of its shard)."""
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        """The KV cache's element type: the model's, or FP8 (``kv_cache_dtype="fp8"``)."""
         self.cpu_threads: CpuThreads | None = None
         """torch's intra-op threads on the CPU (None on a GPU), set again on the thread of each
         step (the engine may step on another thread than the one that built the runner)."""
@@ -171,6 +174,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or model_config.max_model_len
         self.model = CausalLM(model_config, self.max_model_len, self.dtype, self.device, parallel)
+        self.quantization = model_config.quantization
+        if self.quantization is not None:  # FP8 weights, filled by the loader
+            prepare_fp8_storage(self.model, self.quantization.ignore)
         self.drafter: DraftModel | None = None
         self.load_weights()
         self.batch = InputBatch(
@@ -212,7 +218,7 @@ class ModelRunner:
         if self.options.load_format == "dummy":
             init_random_weights(self.model, self.config.seed)
         elif self.parallel is None:
-            load_weights(self.model, Path(model_dir))
+            load_weights(self.model, Path(model_dir), quant=self.quantization)
         else:
             from engine_core_cuda._tp.shard import slice_of
 
@@ -221,6 +227,7 @@ class ModelRunner:
                 self.model,
                 Path(model_dir),
                 lambda name, ndim: slice_of(name, ndim, full, rank, size),
+                self.quantization,
             )
         if self.drafter is not None:
             self.drafter.load_weights()
@@ -250,7 +257,7 @@ class ModelRunner:
             self.batch.set_kv_groups(layout.num_groups)
             self.kv_layout = layout
         self.num_blocks = num_blocks
-        self._kv_tensor = torch.zeros(self.kv_cache_shape, dtype=self.dtype, device=self.device)
+        self._kv_tensor = torch.zeros(self.kv_cache_shape, dtype=self.kv_dtype, device=self.device)
         slots = self._kv_tensor.unbind(0)
         self.kv_caches = []
         for layer, (group, slot) in zip(

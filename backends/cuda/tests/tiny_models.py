@@ -1,4 +1,5 @@
-"""Tiny random Llama, Qwen2, Qwen3, Mistral, Gemma 2 and Gemma 3 checkpoints with a trained BPE
+"""Tiny random Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3 and mixture-of-experts (Qwen3-MoE,
+Qwen2-MoE, Mixtral) checkpoints with a trained BPE
 tokenizer, written as HF directories at test time (no download)."""
 
 from __future__ import annotations
@@ -156,7 +157,21 @@ WINDOWED_KINDS: dict[str, dict[str, Any]] = {
         },
     },
 }  # fmt: skip
-ALL_KINDS = {**KINDS, **WINDOWED_KINDS}
+
+MOE_KINDS: dict[str, dict[str, Any]] = {
+    # Renormalised top-2 of 4 experts, q/k norms; layer 1 dense (mlp_only_layers).
+    "qwen3_moe": {"tie_word_embeddings": False, "head_dim": 32, "rope_theta": 1000000.0,
+                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "norm_topk_prob": True, "mlp_only_layers": [1]},
+    # Top-2 of 4 without renormalisation, the sigmoid-gated shared expert, QKV bias.
+    "qwen2_moe": {"tie_word_embeddings": False, "rope_theta": 10000.0, "num_experts": 4,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 48, "norm_topk_prob": False},
+    # Top-2 of 4 (always renormalised), every layer sparse; w1/w3/w2 names.
+    "mixtral": {"tie_word_embeddings": False, "rope_theta": 10000.0, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "intermediate_size": 32, "sliding_window": None},
+}  # fmt: skip
+ALL_KINDS = {**KINDS, **WINDOWED_KINDS, **MOE_KINDS}
 
 PAGES_PER_BLOCK = {"gemma2": 3, "gemma3": 4}
 """The engine core gives these models' layers KV-cache groups of one layer each (window and full
@@ -174,6 +189,9 @@ def _hf_model(kind: str) -> torch.nn.Module:
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }
     config_cls, model_cls = classes[kind]
     config = config_cls(**{**_COMMON, **ALL_KINDS[kind]})

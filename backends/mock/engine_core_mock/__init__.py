@@ -36,7 +36,8 @@ Tokens (``vocab_size`` V):
   otherwise read from ``config.json`` of ``EngineConfig.model`` or synthetic (32 layers, 8 KV
   heads of 128, 2-byte dtype, 16 GiB of device memory, no weights). The vocabulary defaults to
   the model's, else the served tokenizer's (its added tokens included; 258 for the byte
-  tokenizer), so every token the mock samples decodes to text;
+  tokenizer), so every token the mock samples decodes to text. ``EngineConfig.kv_cache_dtype``
+  ``"fp8"`` makes the KV element one byte (about twice the blocks);
 - ``latency``: ``{"step_s", "per_token_s", "per_context_token_s"}``, each step then lasts
   ``step_s + per_token_s * scheduled tokens + per_context_token_s * context tokens``;
 - ``load_s``: seconds that constructing the backend takes (a model load);

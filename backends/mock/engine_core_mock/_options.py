@@ -346,6 +346,8 @@ def parse_options(config: EngineConfig) -> MockOptions:
     layers = {k: values.pop(k) for k in layer_keys if k in values}
     if config.dtype != "auto":
         values["dtype_bytes"] = dtype_bytes(config.dtype, "dtype")
+    if config.kv_cache_dtype != "auto":  # FP8 KV cache: one byte per element
+        values["dtype_bytes"] = 1
     for name in values:
         if options.get(name) is not None:
             values[name] = _int_option(

@@ -225,3 +225,16 @@ def test_importing_the_provider_stays_light() -> None:
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.stdout.strip() == "['engine_core_mock', 'engine_core_mock._provider']"
+
+
+def test_fp8_kv_cache_dtype_doubles_the_blocks(tmp_path: Path) -> None:
+    """``kv_cache_dtype="fp8"``: one byte per element, so the same memory holds twice the
+    blocks of the bf16 cache (2867 above)."""
+    model = _model_dir(tmp_path, LLAMA_8B, [4 * GiB] * 4)
+    config = EngineConfig(model=model, max_model_len=32768, kv_cache_dtype="fp8",
+                          backend_options={"device_memory_bytes": 24 * GiB})  # fmt: skip
+    backend = MockBackend(config)
+    assert backend.kv_cache_spec().dtype_bytes == 1
+    assert size_kv_cache(config, backend)[0] == 5734
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3'"):
+        EngineConfig(kv_cache_dtype="int4")  # type: ignore[arg-type]

@@ -1,4 +1,6 @@
-"""The sharding rules (Megatron style) for Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3.
+"""The sharding rules (Megatron style) for Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 and the
+mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral: every rank holds every expert, with a
+slice of its intermediate dimension).
 
 | module | split | collective |
 |---|---|---|
@@ -7,6 +9,9 @@
 | ``o_proj`` | input columns by heads; bias added once after the reduce | all-reduce |
 | ``gate/up_proj`` | output rows | — |
 | ``down_proj`` | input columns; bias added once | all-reduce |
+| MoE: router (``gate``), Qwen2-MoE's ``shared_expert_gate`` | replicated | — |
+| MoE: each expert's ``gate/up_proj`` (Mixtral ``w1/w3``), the shared expert's | output rows (of the expert's intermediate size) | — |
+| MoE: each expert's ``down_proj`` (Mixtral ``w2``), the shared expert's | input columns | one all-reduce of the block's sum |
 | norms (Gemma's four per layer too), rotary, Qwen3's and Gemma 3's q/k norms | replicated | — |
 
 Each rank reads only its slices from the checkpoint.
@@ -40,16 +45,36 @@ def shard_model_config(config: ModelConfig, size: int) -> ModelConfig:
         problems.append(
             f"intermediate_size ({config.intermediate_size}) % tensor_parallel_size != 0"
         )
+    moe = config.moe
+    if moe is not None:
+        if moe.intermediate_size % size:
+            problems.append(
+                f"moe_intermediate_size ({moe.intermediate_size}) % tensor_parallel_size != 0"
+            )
+        if moe.shared_expert_intermediate_size % size:
+            problems.append(
+                f"shared_expert_intermediate_size ({moe.shared_expert_intermediate_size}) "
+                "% tensor_parallel_size != 0"
+            )
+    if config.quantization is not None and config.quantization.strategy == "block":
+        problems.append("block-wise FP8 weights are not sharded (load them on one device)")
     if problems:
         raise ValueError(
             f"model: cannot shard {config.architecture} over tensor_parallel_size={size}: "
             + "; ".join(problems)
+        )
+    if moe is not None:
+        moe = dataclasses.replace(
+            moe,
+            intermediate_size=moe.intermediate_size // size,
+            shared_expert_intermediate_size=moe.shared_expert_intermediate_size // size,
         )
     return dataclasses.replace(
         config,
         num_heads=config.num_heads // size,
         num_kv_heads=max(1, kv // size),
         intermediate_size=config.intermediate_size // size,
+        moe=moe,
     )
 
 
@@ -67,6 +92,22 @@ class Slice:
     start: int
     stop: int
     rows: int
+
+
+_COLUMN_PARALLEL = ("gate_proj", "up_proj", "w1", "w3")
+_ROW_PARALLEL = ("o_proj", "down_proj", "w2")
+
+
+def _intermediate_size(name: str, config: ModelConfig) -> int:
+    """The intermediate size of the MLP that checkpoint tensor ``name`` belongs to: a routed
+    expert's, the shared expert's, or the dense MLP's."""
+    moe = config.moe
+    if moe is not None:
+        if ".experts." in name:
+            return moe.intermediate_size
+        if ".shared_expert." in name:
+            return moe.shared_expert_intermediate_size
+    return config.intermediate_size
 
 
 def slice_of(name: str, ndim: int, config: ModelConfig, rank: int, size: int) -> Slice | None:
@@ -90,11 +131,12 @@ def slice_of(name: str, ndim: int, config: ModelConfig, rank: int, size: int) ->
             return Slice(0, rank * n, (rank + 1) * n, n)
         index = rank // (size // kv)
         return Slice(0, index * head, (index + 1) * head, head)
-    if module in ("gate_proj", "up_proj"):
-        n = config.intermediate_size // size
+    inter = _intermediate_size(name, config)
+    if module in _COLUMN_PARALLEL:
+        n = inter // size
         return Slice(0, rank * n, (rank + 1) * n, n)
-    if module in ("o_proj", "down_proj") and kind == "weight" and ndim == 2:
-        total = config.num_heads * head if module == "o_proj" else config.intermediate_size
+    if module in _ROW_PARALLEL and kind == "weight" and ndim == 2:
+        total = config.num_heads * head if module == "o_proj" else inter
         n = total // size
         return Slice(1, rank * n, (rank + 1) * n, n)
     return None  # norms, row-parallel biases (added once after the reduce)

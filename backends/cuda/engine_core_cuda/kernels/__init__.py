@@ -17,6 +17,8 @@ __all__ = ["KERNEL_MODULES", "compiled_variants"]
 
 KERNEL_MODULES = (
     "engine_core_cuda.kernels.activation",
+    "engine_core_cuda.kernels.fp8_quant",
+    "engine_core_cuda.kernels.fused_moe",
     "engine_core_cuda.kernels.kv_write",
     "engine_core_cuda.kernels.paged_attention",
     "engine_core_cuda.kernels.rms_norm",

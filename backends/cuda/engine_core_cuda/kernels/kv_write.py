@@ -32,9 +32,12 @@ def _write_kv_kernel(
     stride_key_token,
     stride_value_token,
     stride_cache_slot,
+    inv_k_scale,
+    inv_v_scale,
     ROW_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     # One program copies BLOCK_T tokens; a token's row (num_kv_heads * head_size elements) is
     # contiguous both in the projection output and in its cache slot.
@@ -47,9 +50,16 @@ def _write_kv_kernel(
     rows = offs_t.to(tl.int64)[:, None]
     cache_offsets = slots[:, None] * stride_cache_slot + offs_e[None, :]
     key = tl.load(key_ptr + rows * stride_key_token + offs_e[None, :], mask=mask)
-    tl.store(key_cache_ptr + cache_offsets, key, mask=mask)
     value = tl.load(value_ptr + rows * stride_value_token + offs_e[None, :], mask=mask)
-    tl.store(value_cache_ptr + cache_offsets, value, mask=mask)
+    dtype = key_cache_ptr.dtype.element_ty
+    if FP8:  # scaled per tensor, saturated to e4m3's range (e4m3fn has no infinities), rounded
+        # to nearest even as torch rounds
+        key = tl.clamp(key.to(tl.float32) * inv_k_scale, -448.0, 448.0)
+        value = tl.clamp(value.to(tl.float32) * inv_v_scale, -448.0, 448.0)
+        key = key.to(dtype, fp_downcast_rounding="rtne")
+        value = value.to(dtype, fp_downcast_rounding="rtne")
+    tl.store(key_cache_ptr + cache_offsets, key.to(dtype), mask=mask)
+    tl.store(value_cache_ptr + cache_offsets, value.to(dtype), mask=mask)
 
 
 def write_kv(
@@ -58,11 +68,14 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store ``key``/``value`` (``[num_tokens, num_kv_heads, head_size]``, each token's heads
     contiguous) at ``slot_mapping`` (``[num_tokens]``; slot ``block_id * block_size + offset``,
     negative: skip) of ``key_cache``/``value_cache`` (``[num_blocks, block_size, num_kv_heads,
-    head_size]``, contiguous)."""
+    head_size]``, contiguous). An FP8 cache stores ``key / k_scale`` and ``value / v_scale``
+    saturated to e4m3's range."""
     num_tokens, num_heads, head_size = key.shape
     row_size = num_heads * head_size
     for name, t in (("key", key), ("value", value)):
@@ -72,6 +85,15 @@ def write_kv(
         raise ValueError("key_cache and value_cache must be contiguous")
     if num_tokens == 0:
         return
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
+    if fp8 and INTERPRETED:
+        # Triton's interpreter rounds conversions to FP8 wrongly near powers of two (1.99 -> 1):
+        # interpreted, torch converts and the kernel copies bytes; compiled, the kernel converts.
+        key = (key.float() / k_scale).clamp(-448.0, 448.0).to(key_cache.dtype).view(torch.uint8)
+        value = (value.float() / v_scale).clamp(-448.0, 448.0).to(key_cache.dtype)
+        value = value.view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+        fp8 = False
     block_e = triton.next_power_of_2(row_size)
     block_t = max(1, _MAX_TILE_ELEMENTS // block_e)  # fixed per model: one compiled variant
     grid = (triton.cdiv(num_tokens, block_t),)
@@ -85,7 +107,10 @@ def write_kv(
         key.stride(0),
         value.stride(0),
         row_size,
+        1.0 / k_scale,
+        1.0 / v_scale,
         ROW_SIZE=row_size,
         BLOCK_T=block_t,
         BLOCK_E=block_e,
+        FP8=fp8,
     )

@@ -196,7 +196,7 @@ def _paged_attention_kernel(
             key_cache_ptr + slot_offsets[None, :] + offs_d[:, None],
             mask=d_valid[:, None] & n_valid[None, :],
             other=0.0,
-        )
+        ).to(q.dtype)  # an FP8 cache's keys widened (its scale is folded into ``scale``)
         if IEEE:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
             s = tl.dot(q, k, input_precision="ieee")
         else:
@@ -218,7 +218,7 @@ def _paged_attention_kernel(
             value_cache_ptr + slot_offsets[:, None] + offs_d[None, :],
             mask=n_valid[:, None] & d_valid[None, :],
             other=0.0,
-        )
+        ).to(q.dtype)
         if IEEE:  # noqa: SIM108
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:

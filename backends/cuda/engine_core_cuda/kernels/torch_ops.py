@@ -61,8 +61,16 @@ def write_kv_torch(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Same contract as :func:`engine_core_cuda.kernels.kv_write.write_kv`."""
+    if key_cache.dtype == torch.float8_e4m3fn:
+        # Copied as bytes: indexed copies have no FP8 kernels on every device.
+        key = (key.float() / k_scale).clamp(-448.0, 448.0).to(key_cache.dtype).view(torch.uint8)
+        value = (value.float() / v_scale).clamp(-448.0, 448.0).to(key_cache.dtype)
+        value = value.view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     if slot_mapping.numel() == 0 or int(slot_mapping.min()) < 0:
         write_kv_reference(key, value, key_cache, value_cache, slot_mapping)
         return

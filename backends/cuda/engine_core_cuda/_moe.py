@@ -1,0 +1,148 @@
+"""The sparse mixture-of-experts block (Qwen3-MoE, Qwen2-MoE, Mixtral) that replaces a decoder
+layer's MLP in the layers :attr:`~engine_core_cuda._moe_config.MoeConfig.sparse_layers`.
+
+A router (``gate``: a ``[experts, hidden]`` matrix, no bias) scores every expert for each token
+and keeps the ``top_k`` best (:func:`~engine_core_cuda.kernels.moe_torch.route_topk`); the
+experts' weights are stacked (``w13``: each expert's gate and up rows, ``w2``: its down matrix)
+so one fused kernel (:meth:`KernelOps.fused_moe`) computes every token's weighted sum of its
+experts' SwiGLU MLPs. Qwen2-MoE adds a shared expert, an ordinary MLP scaled by
+``sigmoid(shared_expert_gate(x))``.
+
+Checkpoints name the experts one by one (``…mlp.experts.E.gate_proj.weight``, Mixtral's
+``…block_sparse_moe.experts.E.w1.weight``); :meth:`SparseMoeBlock.checkpoint_targets` maps each
+name into its slot of the stacked weights for the loader.
+
+Under tensor parallelism every rank holds every expert with a slice of its intermediate
+dimension (and of the shared expert's): the partial outputs are summed by one all-reduce at the
+end of the block.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_core_cuda._hf_config import ModelConfig
+from engine_core_cuda._kernel_ops import KernelOps
+from engine_core_cuda._layers import MLP
+from engine_core_cuda.kernels.moe_torch import route_topk
+
+if TYPE_CHECKING:
+    from engine_core_cuda._tp.parallel import TensorParallel
+
+__all__ = ["Experts", "Router", "SparseMoeBlock"]
+
+Target = tuple[torch.Tensor, int, int]
+"""A checkpoint tensor's destination: (tensor, first row, number of rows)."""
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Router(nn.Module):
+    """``logits = x W^T`` over the experts, then top-k (softmax or sigmoid scores, optionally
+    renormalised)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        assert config.moe is not None
+        self.moe = config.moe
+        self.weight = _param(config.moe.num_experts, config.hidden_size, dtype=dtype, device=device)
+        self.bias = (
+            _param(config.moe.num_experts, dtype=dtype, device=device)
+            if config.moe.router_bias
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [tokens, top_k] in x's dtype, expert ids [tokens, top_k])``."""
+        moe = self.moe
+        return route_topk(F.linear(x, self.weight, self.bias), moe.top_k, scoring=moe.scoring,
+                          renormalize=moe.renormalize, out_dtype=x.dtype)  # fmt: skip
+
+
+class Experts(nn.Module):
+    """The routed experts' stacked weights: ``w13`` ``[experts, 2 * inter, hidden]`` (gate rows,
+    then up rows) and ``w2`` ``[experts, hidden, inter]``; FP8 weights carry per-output-channel
+    scales ``w13_scale``, ``w2_scale`` (None otherwise)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        assert config.moe is not None
+        e, inter, hidden = config.moe.num_experts, config.moe.intermediate_size, config.hidden_size
+        self.intermediate_size = inter
+        self.w13 = _param(e, 2 * inter, hidden, dtype=dtype, device=device)
+        self.w2 = _param(e, hidden, inter, dtype=dtype, device=device)
+        self.w13_scale: nn.Parameter | None = None
+        self.w2_scale: nn.Parameter | None = None
+        self.b13: nn.Parameter | None = None
+        """gpt-oss: the gate and up projections' biases ``[experts, 2 * inter]`` (None: none)."""
+        self.b2: nn.Parameter | None = None
+        """gpt-oss: the down projection's bias ``[experts, hidden]``."""
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, routed experts and (Qwen2-MoE) the gated shared expert."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        parallel: TensorParallel | None = None,
+    ) -> None:
+        super().__init__()
+        assert config.moe is not None
+        self.moe = config.moe
+        self.activation = config.hidden_act
+        self.gate = Router(config, dtype, device)
+        self.experts = Experts(config, dtype, device)
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if self.moe.shared_expert_intermediate_size:
+            self.shared_expert = MLP(
+                config, dtype, device, intermediate_size=self.moe.shared_expert_intermediate_size
+            )
+            self.shared_expert_gate = nn.Linear(
+                config.hidden_size, 1, bias=False, dtype=dtype, device=device
+            )
+            self.shared_expert_gate.weight.requires_grad_(False)
+        self.reduce = parallel.all_reduce if parallel is not None else None
+
+    def checkpoint_targets(self, name: str) -> dict[str, Target]:
+        """Checkpoint tensor names -> destinations for the router and the routed experts of the
+        block called ``name`` in the model (the shared expert's Linear layers map themselves)."""
+        parent = f"{name.rpartition('.')[0]}.{self.moe.prefix}"
+        targets: dict[str, Target] = {
+            f"{parent}.gate.weight": (self.gate.weight, 0, self.moe.num_experts)
+        }
+        if self.gate.bias is not None:
+            targets[f"{parent}.gate.bias"] = (self.gate.bias, 0, self.moe.num_experts)
+        gate, up, down = self.moe.weight_names
+        inter = self.experts.intermediate_size
+        w13, w2 = self.experts.w13, self.experts.w2
+        for e in range(self.moe.num_experts):
+            prefix = f"{parent}.experts.{e}"
+            targets[f"{prefix}.{gate}.weight"] = (w13[e], 0, inter)
+            targets[f"{prefix}.{up}.weight"] = (w13[e], inter, inter)
+            targets[f"{prefix}.{down}.weight"] = (w2[e], 0, w2.shape[1])
+            s13, s2 = self.experts.w13_scale, self.experts.w2_scale
+            if s13 is not None and s2 is not None:  # FP8 experts: per-row scales
+                targets[f"{prefix}.{gate}.weight_scale"] = (s13[e], 0, inter)
+                targets[f"{prefix}.{up}.weight_scale"] = (s13[e], inter, inter)
+                targets[f"{prefix}.{down}.weight_scale"] = (s2[e], 0, s2.shape[1])
+        return targets
+
+    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        ex = self.experts
+        out = ops.fused_moe(x, ex.w13, ex.w2, weights, ids, self.activation, ex.w13_scale,
+                            ex.w2_scale, b13=ex.b13, b2=ex.b2)  # fmt: skip
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            shared = self.shared_expert(x, ops)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out if self.reduce is None else self.reduce(out)

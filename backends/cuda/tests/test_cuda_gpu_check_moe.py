@@ -1,0 +1,55 @@
+"""``bench/gpu_check.py``'s ``moe`` and ``fp8`` checks at toy sizes on the CPU (Triton
+interpreted), run in this process: their rows pass or are information, and the MoE roofline's
+arithmetic."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "gpu_check.py"
+
+
+def _module() -> ModuleType:
+    if "gpu_check" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["gpu_check"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["gpu_check"]
+
+
+def test_moe_roofline_counts_the_experts_a_batch_touches() -> None:
+    gc = _module()
+    config = gc.QWEN3_30B_A3B
+    assert gc.experts_touched(128, 8, 1) == pytest.approx(8)
+    assert 125 < gc.experts_touched(128, 8, 64) < 128
+    one = gc.moe_decode_roofline(config, 1, 512, 4.8e12, 989e12)
+    # ~3.3 B parameters touched at batch 1 (bf16) plus the LM head and KV: ~2 ms on an H200.
+    assert 6e9 < one.bytes < 8e9 and one.bound == "memory"
+    many = gc.moe_decode_roofline(config, 256, 512, 4.8e12, 989e12)
+    # Nearly every expert (~30 B parameters, 61 GB) and 256 x 512 tokens of KV (12.9 GB).
+    assert 70e9 < many.bytes < 76e9 and many.bound == "memory"
+
+
+@pytest.mark.parametrize("check", ["moe", "fp8"])
+def test_cpu_smoke_rows(tmp_path: Path, check: str) -> None:
+    gc = _module()
+    args = gc.parse_args(["--device", "cpu", "--out", str(tmp_path)])
+    table = gc.Table()
+    getattr(gc, f"check_{check}")(table, args, tmp_path)
+    assert not table.failed, [r.line() for r in table.failed]
+    names = [r.check for r in table.rows]
+    if check == "moe":
+        assert "moe: fused kernel vs torch, 3 tokens fp8 weights" in names
+        assert any(n.startswith("moe: fused vs per-expert loop") for n in names)
+        assert "moe: decode b=1 ctx=24 (Qwen3-30B-A3B shape)" in names
+    else:
+        assert "fp8: KV blocks in 8 GiB, fp8 vs bf16" in names
+        assert "fp8: decode b=1 ctx=24 fp8 weights (8B shape)" in names
+        assert "fp8: KV write conversion vs torch" in names
