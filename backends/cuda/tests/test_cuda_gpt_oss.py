@@ -163,3 +163,21 @@ def test_refusals(tiny: dict[str, TinyModel]) -> None:
         load_model_config(tiny["gpt_oss"].path, quantization="fp8")
     with pytest.raises(ValueError, match="attention sinks"):
         shard_model_config(load_model_config(tiny["gpt_oss"].path), 2)
+
+
+def test_the_sinks_matter(tiny: dict[str, TinyModel], tmp_path: Path) -> None:
+    """The same checkpoint with every sink logit at -1e4 (no sinks) parts from transformers."""
+    from safetensors.torch import load_file, save_file
+    from test_cuda_windowed_models import LOGPROB_TOL, _worst_logprob_error
+
+    source = tiny["gpt_oss"]
+    edited = TinyModel.__new__(TinyModel)
+    edited.kind, edited.path, edited.hf = "gpt_oss", tmp_path / "no_sinks", source.hf
+    shutil.copytree(source.path, edited.path)
+    tensors = load_file(str(edited.path / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(".sinks")]:
+        tensors[name] = torch.full_like(tensors[name], -1e4)
+    save_file(tensors, str(edited.path / "model.safetensors"))
+    with edited.llm() as llm:
+        outputs = llm.generate(PROMPTS[3:4], _params(prompt_logprobs=1), use_tqdm=False)
+    assert _worst_logprob_error(edited, outputs[0]) > 100 * LOGPROB_TOL
