@@ -181,3 +181,41 @@ def test_the_sinks_matter(tiny: dict[str, TinyModel], tmp_path: Path) -> None:
     with edited.llm() as llm:
         outputs = llm.generate(PROMPTS[3:4], _params(prompt_logprobs=1), use_tqdm=False)
     assert _worst_logprob_error(edited, outputs[0]) > 100 * LOGPROB_TOL
+
+
+def test_the_published_gpt_oss_20b_config(tmp_path: Path) -> None:
+    """openai/gpt-oss-20b's config.json as published (MXFP4, ``rope_scaling``, no
+    ``swiglu_alpha``): its geometry, and its YaRN tables equal transformers' (default
+    ``GptOssConfig`` is that model)."""
+    from engine_core_cuda._hf_config import load_model_config
+    from engine_core_cuda._rope import RotaryTables
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    published = {
+        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "eos_token_id": 200002,
+        "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+        "initial_context_length": 4096, "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+        "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+        "num_local_experts": 32, "pad_token_id": 199999, "rms_norm_eps": 1e-05,
+        "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn",
+                                "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+                                "quant_method": "mxfp4"},
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                         "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                         "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+        "swiglu_limit": 7.0, "tie_word_embeddings": False, "vocab_size": 201088,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    config = load_model_config(tmp_path)
+    assert config.mxfp4_experts and config.quantization is None
+    assert config.moe is not None and (config.moe.num_experts, config.moe.top_k) == (32, 4)
+    assert config.sliding_window == 128 and config.layer_attention(0).window == 128
+    assert config.layer_attention(1).window is None
+    tables = RotaryTables(config.rope, 64, 5000, torch.float32, torch.device("cpu"))
+    cos, sin = GptOssRotaryEmbedding(GptOssConfig())(torch.zeros(1), torch.arange(5000)[None])
+    torch.testing.assert_close(tables.cos[:, :32], cos[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(tables.sin[:, 32:], sin[0], atol=1e-6, rtol=1e-6)
