@@ -19,8 +19,11 @@ provider answers "usable here?" for when it is asked without a config). The dtyp
 
 ``backend_options`` (unknown names raise ``ValueError``): ``device``, ``kernels``
 (``"triton"`` | ``"torch"``), ``cuda_graphs``, ``max_graph_batch_size``, ``kv_cache_bytes``,
-``profile_dir``, ``load_format`` (``"safetensors"`` | ``"dummy"``); see
-:class:`engine_core_cuda._options.CudaOptions`.
+``profile_dir``, ``load_format`` (``"safetensors"`` | ``"dummy"``), ``distributed_backend``,
+``cpu_threads`` (torch's threads on the CPU: default ``OMP_NUM_THREADS`` when set, else the
+usable cores less one); see :class:`engine_core_cuda._options.CudaOptions`. On the CPU the
+decode rows of full-attention float32 layers read K/V in place through a small C kernel built
+once per machine (:mod:`engine_core_cuda.kernels.cpu_attention`).
 """
 
 from __future__ import annotations
