@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts block (Qwen3-MoE, Qwen2-MoE, Mixtral) that replaces a decoder
+"""The sparse mixture-of-experts block (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss) that replaces a decoder
 layer's MLP in the layers :attr:`~engine_core_cuda._moe_config.MoeConfig.sparse_layers`.
 
 A router (``gate``: a ``[experts, hidden]`` matrix, no bias) scores every expert for each token
