@@ -102,7 +102,9 @@ def _targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
 
 
 def checkpoint_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
-    """The model's weights under their checkpoint names (views; fused matrices split)."""
+    """The model's weights under their checkpoint names (views; fused matrices split). gpt-oss's
+    stacked experts are not among them: the checkpoint's layout is a rearrangement of ``w13``,
+    not a view."""
     return {
         name: param[start : start + rows] for name, (param, start, rows) in _targets(model).items()
     }
@@ -202,8 +204,13 @@ def load_weights(
                         pair[part] = f.get_tensor(checkpoint_name)
                         if len(pair) == 2:
                             dtype = model.lm_head_weight.dtype
-                            # [experts, out, in] dequantised: the stacked tensor's transpose
-                            tensor = dequantize_mxfp4(pair["blocks"], pair["scales"], dtype)
+                            # [experts, out, in] dequantised (expert by expert, to bound the
+                            # temporaries): the stacked tensor's transpose
+                            codes, exponents = pair["blocks"], pair["scales"]
+                            tensor = torch.cat([
+                                dequantize_mxfp4(codes[e : e + 1], exponents[e : e + 1], dtype)
+                                for e in range(codes.shape[0])
+                            ])  # fmt: skip
                             stacked[base](tensor.transpose(1, 2))
                             loaded.add(base)
                             del mxfp4[base]
