@@ -1610,12 +1610,22 @@ def experts_touched(num_experts: int, top_k: int, batch: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
+def moe_shape(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with the keys :func:`moe_decode_roofline` reads: ``num_experts`` (Mixtral's and
+    gpt-oss's ``num_local_experts``) and ``moe_intermediate_size`` (gpt-oss's
+    ``intermediate_size``)."""
+    return {**config, "num_experts": config.get("num_experts", config.get("num_local_experts")),
+            "moe_intermediate_size": config.get("moe_intermediate_size",
+                                                config["intermediate_size"])}  # fmt: skip
+
+
 def moe_decode_roofline(config: dict[str, Any], batch: int, mean_context: float,
                         bandwidth: float, peak_flops: float,
                         dtype_bytes: int = 2) -> Roofline:  # fmt: skip
     """One MoE decode step: the attention, router, norm and LM-head weights, the experts the
     batch touches (:func:`experts_touched`) and every sequence's KV are read once; each token
-    multiplies the dense weights and its ``top_k`` experts, and attends to its context."""
+    multiplies the dense weights and its ``top_k`` experts, and attends to its context (a window
+    layer's: at most ``sliding_window`` positions)."""
     h, layers, e, k = (config["hidden_size"], config["num_hidden_layers"],
                        config["num_experts"], config["num_experts_per_tok"])  # fmt: skip
     heads, kv_heads, d = (config["num_attention_heads"], config["num_key_value_heads"],
@@ -1624,9 +1634,13 @@ def moe_decode_roofline(config: dict[str, Any], batch: int, mean_context: float,
     attention = h * (heads + 2 * kv_heads) * d + heads * d * h + e * h
     head = h * config["vocab_size"]
     weights = (layers * (attention + experts_touched(e, k, batch) * expert) + head) * dtype_bytes
-    kv = batch * mean_context * layers * 2 * kv_heads * d * dtype_bytes
+    # Window layers (``layer_types``) read at most ``sliding_window`` keys per sequence.
+    window = config.get("sliding_window")
+    keys = sum(min(mean_context, window) if kind == "sliding_attention" and window else mean_context
+               for kind in config.get("layer_types") or ["full_attention"] * layers)  # fmt: skip
+    kv = batch * keys * 2 * kv_heads * d * dtype_bytes
     flops = 2.0 * batch * (layers * (attention + k * expert) + head)
-    flops += 4.0 * layers * heads * d * batch * mean_context
+    flops += 4.0 * heads * d * batch * keys
     return Roofline(weights + kv, flops, bandwidth, peak_flops)
 
 
@@ -1690,9 +1704,7 @@ def _moe_decode_rows(table: Table, args: argparse.Namespace, root: Path, config:
     :func:`moe_decode_roofline`; ``targets``: the least roofline ratio per batch size."""
     batch_sizes = [1, 64, 256] if args.gpu else [1, 2]
     context, steps, warmup = (args.context, args.steps, 3) if args.gpu else (24, 1, 0)
-    roof_config = {**config, "num_experts": config.get("num_experts", config.get("num_local_experts")),
-                   "moe_intermediate_size": config.get("moe_intermediate_size",
-                                                       config["intermediate_size"])}  # fmt: skip
+    roof_config = moe_shape(config)
     model_dir = write_config(root, directory, config)
     backend = make_backend(
         model_dir, args.device, dtype="bfloat16" if args.gpu else "float32",
@@ -1741,8 +1753,8 @@ TOY_GPT_OSS = {**GPT_OSS_20B, "vocab_size": 512, "hidden_size": 64, "intermediat
 def check_gpt_oss(table: Table, args: argparse.Namespace, root: Path) -> None:
     """Decode of a gpt-oss-20b-shaped model (window/full layers with sinks, clamped-SwiGLU
     experts with biases; bf16 weights, as MXFP4 checkpoints load) against the roofline of the
-    experts a batch touches (information: the roofline reads every layer's KV in full, the
-    window layers read at most 128 positions)."""
+    experts a batch touches and the KV its layers read (a window layer: at most 128 positions);
+    information only."""
     config = GPT_OSS_20B if args.gpu else TOY_GPT_OSS
     _moe_decode_rows(table, args, root, config, "gpt-oss-20b-shaped", "gpt_oss", "gpt-oss-20b", {})
 

@@ -35,6 +35,14 @@ def test_moe_roofline_counts_the_experts_a_batch_touches() -> None:
     many = gc.moe_decode_roofline(config, 256, 512, 4.8e12, 989e12)
     # Nearly every expert (~30 B parameters, 61 GB) and 256 x 512 tokens of KV (12.9 GB).
     assert 70e9 < many.bytes < 76e9 and many.bound == "memory"
+    # gpt-oss-20b: its window layers read at most 128 positions of KV.
+    oss = gc.moe_shape(gc.GPT_OSS_20B)
+    assert (oss["num_experts"], oss["moe_intermediate_size"]) == (32, 2880)
+    full = {**oss, "layer_types": ["full_attention"] * 24}
+    kv_per_layer = 256 * 2 * 8 * 64 * 2 * (4096 - 128)  # batch 256: what 12 window layers skip
+    skipped = gc.moe_decode_roofline(full, 256, 4096, 4.8e12, 989e12).bytes - gc.moe_decode_roofline(
+        oss, 256, 4096, 4.8e12, 989e12).bytes  # fmt: skip
+    assert skipped == pytest.approx(12 * kv_per_layer)
 
 
 @pytest.mark.parametrize("check", ["moe", "fp8", "gpt_oss"])
