@@ -366,6 +366,13 @@ class Backend(abc.ABC):
         the backend is constructed; see "Speculative decoding" in this module's docs."""
         return None
 
+    def resolved_settings(self) -> dict[str, str | int | float | bool]:
+        """What the backend decided for itself that the user may not have said (its device,
+        kernels, CPU threads and where their count came from), for the engine's one-line
+        startup log (``EngineInfo.backend_settings``). Called once, after
+        :meth:`initialize_kv_cache`; ``{}`` by default."""
+        return {}
+
     def profile(self, action: Literal["start", "stop"]) -> None:  # noqa: B027
         """Start or stop a profiler; no-op by default."""
 

@@ -210,10 +210,16 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     kv_groups: str = ""
     """The KV-cache groups, when the layers are not all full attention (e.g.
     ``full_attention x2, sliding_attention(1024) x2, ...``); empty: one group."""
+    backend_settings: dict[str, str | int | float | bool] = {}
+    """What the backend resolved for itself (``Backend.resolved_settings``: its device,
+    kernels, CPU threads)."""
 
     def describe(self) -> str:
         """The resolved configuration in one line, for a startup log."""
         options = f" {self.backend_options}" if self.backend_options else ""
+        if self.backend_settings:
+            settings = ", ".join(f"{k} {v}" for k, v in self.backend_settings.items())
+            options += f" ({settings})"
         return (
             f"backend {self.backend}{options}; KV cache {self.num_kv_blocks} blocks of "
             f"{self.block_size} tokens"

@@ -130,6 +130,7 @@ class EngineCore:
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         self.max_model_len: int = config.max_model_len
         self.vocab_size = backend.vocab_size()
+        self._backend_settings = _shown_options(backend.resolved_settings())
         spec = None
         if config.speculative_config is not None and self.spec_support is not None:
             spec = DraftPlanner(config.speculative_config, self.spec_support)
@@ -520,6 +521,7 @@ class EngineCore:
                 else None
             ),
             kv_groups="" if self.kv_layout.is_one_full_group else self.kv_layout.describe(),
+            backend_settings=self._backend_settings,
         )
 
     def get_stats(self) -> EngineStats:

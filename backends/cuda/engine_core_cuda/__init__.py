@@ -3,7 +3,8 @@
 Torch model code for decoder-only HF checkpoints (``LlamaForCausalLM``, ``MistralForCausalLM``
 with its sliding window, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``,
 ``Gemma3ForCausalLM``; the mixture-of-experts ``Qwen3MoeForCausalLM``, ``Qwen2MoeForCausalLM``,
-``MixtralForCausalLM`` with a fused MoE kernel), FP8 weights (FP8 checkpoints, or
+``MixtralForCausalLM``, ``GptOssForCausalLM`` (MXFP4 experts dequantised at load) with a fused
+MoE kernel), FP8 weights (FP8 checkpoints, or
 ``EngineConfig.quantization="fp8"``) and an optional FP8 KV cache, one paged KV-cache tensor sized from free device memory, Triton kernels
 for writing K/V and for paged attention over mixed prefill/decode batches (full, sliding-window
 and chunked-local layers, soft caps, sinks; ``docs/cuda_kv_groups.md``),
@@ -19,8 +20,11 @@ provider answers "usable here?" for when it is asked without a config). The dtyp
 
 ``backend_options`` (unknown names raise ``ValueError``): ``device``, ``kernels``
 (``"triton"`` | ``"torch"``), ``cuda_graphs``, ``max_graph_batch_size``, ``kv_cache_bytes``,
-``profile_dir``, ``load_format`` (``"safetensors"`` | ``"dummy"``); see
-:class:`engine_core_cuda._options.CudaOptions`.
+``profile_dir``, ``load_format`` (``"safetensors"`` | ``"dummy"``), ``distributed_backend``,
+``cpu_threads`` (torch's threads on the CPU: default ``OMP_NUM_THREADS`` when set, else the
+usable cores less one); see :class:`engine_core_cuda._options.CudaOptions`. On the CPU the
+decode rows of full-attention float32 layers read K/V in place through a small C kernel built
+once per machine (:mod:`engine_core_cuda.kernels.cpu_attention`).
 """
 
 from __future__ import annotations

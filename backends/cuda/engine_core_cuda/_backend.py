@@ -70,7 +70,7 @@ def _check_model_dir(config: EngineConfig, load_format: str) -> Path:
 
 class CudaBackend(Backend):
     """Runs an HF Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3 or MoE (Qwen3-MoE, Qwen2-MoE,
-    Mixtral) checkpoint, in its dtype or FP8, with torch, Triton paged
+    Mixtral, gpt-oss) checkpoint, in its dtype or FP8, with torch, Triton paged
     attention and on-device sampling; see ``engine_core_cuda`` for the ``backend_options``. It
     supports async scheduling: sampled tokens stay on the device as the next step's input
     ids."""
@@ -96,7 +96,7 @@ class CudaBackend(Backend):
             parallel = self.tp.parallel
         elif size > 1:
             assert tp_directory is not None
-            share_cpu(torch.device(self.options.device), size)
+            share_cpu(torch.device(self.options.device), size, self.options.cpu_threads)
             parallel = join(self.options, tp_rank, size, tp_directory)
         started = time.perf_counter()
         try:
@@ -126,6 +126,19 @@ class CudaBackend(Backend):
         return self.runner.dtype
 
     # -- startup --------------------------------------------------------------------------------
+
+    def resolved_settings(self) -> dict[str, str | int | float | bool]:
+        """Device, dtype, kernels, and on the CPU torch's thread count with where it came from
+        (``cpu_threads``, ``OMP_NUM_THREADS`` or the default, the usable cores less one)."""
+        runner = self.runner
+        settings: dict[str, str | int | float | bool] = {
+            "device": str(runner.device),
+            "dtype": str(runner.dtype).removeprefix("torch."),
+            "kernels": self.options.kernels,
+        }
+        if runner.cpu_threads is not None:
+            settings["cpu_threads"] = runner.cpu_threads.describe()
+        return settings
 
     def kv_cache_spec(self) -> KVCacheSpec | list[LayerSpec]:
         """One spec per layer (its kind, window or chunk) for a model with window or chunked

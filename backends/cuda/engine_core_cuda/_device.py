@@ -1,20 +1,40 @@
-"""The device and dtype the backend runs with, and how much memory the device has free.
+"""The device and dtype the backend runs with, how much memory the device has free, and how many
+threads torch computes with on the CPU.
 
 On the CPU the Triton kernels run in interpreter mode, which must be switched on before the
 kernel module is first imported: :func:`prepare_triton` does that.
+
+**CPU threads.** torch's intra-op threads default to every core, and they spin and wait for one
+another at each operation: when anything else wants a core (the engine's event loop, the HTTP
+front end, other jobs on a shared machine) one descheduled thread holds up the whole operation,
+and a step takes several times longer than on one thread. So the backend sizes them to what the
+machine leaves (:func:`resolve_cpu_threads`): ``backend_options["cpu_threads"]`` when given,
+else ``OMP_NUM_THREADS`` when the user set it, else the usable cores (affinity and cgroup quota)
+less one for the engine's own threads, never below one; divided among tensor-parallel ranks.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 
 from engine_core.config import backend_options_hint
 from engine_core_cuda.kernels import KERNEL_MODULES
 
-__all__ = ["free_memory_bytes", "prepare_triton", "resolve_device", "resolve_dtype"]
+__all__ = [
+    "CpuThreads",
+    "apply_cpu_threads",
+    "free_memory_bytes",
+    "prepare_triton",
+    "resolve_cpu_threads",
+    "resolve_device",
+    "resolve_dtype",
+    "usable_cpus",
+]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -101,3 +121,67 @@ def free_memory_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def _cgroup_cpu_limit(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:
+    """Whole CPUs the cgroup (v2) quota allows, rounded up; None without a quota."""
+    try:
+        with open(path, encoding="ascii") as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return max(1, math.ceil(int(quota) / int(period)))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        count = os.cpu_count() or 1
+    limit = _cgroup_cpu_limit()
+    return max(1, min(count, limit) if limit is not None else count)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuThreads:
+    """torch's intra-op thread count on the CPU and where it came from."""
+
+    threads: int
+    source: str
+    """``"cpu_threads"`` (the option), ``"OMP_NUM_THREADS"`` or ``"N cores - 1"`` (the
+    default; ``"N cores - 1, over R ranks"`` under tensor parallelism)."""
+
+    def describe(self) -> str:
+        return f"{self.threads} ({self.source})"
+
+
+def resolve_cpu_threads(
+    option: int | None, tp_size: int = 1, environ: dict[str, str] | None = None
+) -> CpuThreads:
+    """Threads for one rank: ``option`` (``backend_options["cpu_threads"]``) when given; else
+    ``OMP_NUM_THREADS`` when set to a positive integer (the user's word, as torch itself reads
+    it); else :func:`usable_cpus` less one (the engine's event loop, the front end), divided by
+    ``tp_size``, at least 1."""
+    if option is not None:
+        return CpuThreads(option, "cpu_threads")
+    env = os.environ if environ is None else environ
+    omp = env.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return CpuThreads(int(omp), "OMP_NUM_THREADS")
+    cores = usable_cpus()
+    source = f"{cores} cores - 1" + (f", over {tp_size} ranks" if tp_size > 1 else "")
+    return CpuThreads(max(1, (cores - 1) // max(1, tp_size)), source)
+
+
+def apply_cpu_threads(threads: int) -> None:
+    """Make torch compute with ``threads`` intra-op threads on the calling thread (OpenMP's
+    count is per thread: threads that ran torch before keep theirs until told) and on threads
+    started later."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

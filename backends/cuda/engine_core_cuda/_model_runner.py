@@ -37,7 +37,14 @@ from engine_core.abc import (
 )
 from engine_core.config import EngineConfig
 from engine_core_cuda._attention import AttentionContext, KVCache, split_kv_segments
-from engine_core_cuda._device import prepare_triton, resolve_device, resolve_dtype
+from engine_core_cuda._device import (
+    CpuThreads,
+    apply_cpu_threads,
+    prepare_triton,
+    resolve_cpu_threads,
+    resolve_device,
+    resolve_dtype,
+)
 from engine_core_cuda._draft_model import DraftModel
 from engine_core_cuda._fp8 import prepare_fp8_storage, resolve_kv_cache_dtype
 from engine_core_cuda._hf_config import ModelConfig
@@ -155,6 +162,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         """The KV cache's element type: the model's, or FP8 (``kv_cache_dtype="fp8"``)."""
+        self.cpu_threads: CpuThreads | None = None
+        """torch's intra-op threads on the CPU (None on a GPU), set again on the thread of each
+        step (the engine may step on another thread than the one that built the runner)."""
+        if self.device.type == "cpu":
+            self.cpu_threads = resolve_cpu_threads(options.cpu_threads, config.tensor_parallel_size)
+            apply_cpu_threads(self.cpu_threads.threads)
         if options.kernels == "triton":
             prepare_triton(self.device)
         self.ops = KernelOps(options.kernels)
@@ -270,6 +283,8 @@ class ModelRunner:
             raise RuntimeError("execute_model called twice without sample_tokens in between")
         if self._kv_tensor is None:
             raise RuntimeError("execute_model called without a KV cache (initialize_kv_cache)")
+        if self.cpu_threads is not None:
+            apply_cpu_threads(self.cpu_threads.threads)
         if self.device.type == "cuda":
             self._step_start = torch.cuda.Event(enable_timing=True)
             self._step_start.record()
@@ -431,6 +446,8 @@ class ModelRunner:
     def _sample(
         self, step: StepInputs, logits: torch.Tensor, picks: list[int], bitmask: Any | None
     ) -> torch.Tensor:
+        if self.cpu_threads is not None:
+            apply_cpu_threads(self.cpu_threads.threads)
         all_pick = len(picks) == len(step.states)
         index = None if all_pick else torch.tensor(picks, dtype=torch.int64).to(self.device)
         rows = step.seq_rows.long() if index is None else step.seq_rows[index].long()

@@ -51,6 +51,7 @@ OPTION_NAMES = frozenset(
         "profile_dir",
         "load_format",
         "distributed_backend",
+        "cpu_threads",
     }
 )
 
@@ -74,7 +75,10 @@ class CudaOptions:
     - ``load_format``: ``"safetensors"`` (default) or ``"dummy"`` (random weights of the
       ``config.json`` geometry, for benchmarks; no weight files needed);
     - ``distributed_backend``: the tensor-parallel collectives, ``"nccl"`` (default on CUDA) or
-      ``"gloo"`` (the CPU's; on CUDA it lets two ranks share one GPU, for correctness checks).
+      ``"gloo"`` (the CPU's; on CUDA it lets two ranks share one GPU, for correctness checks);
+    - ``cpu_threads``: torch's intra-op threads on the CPU (None: ``OMP_NUM_THREADS`` when set,
+      else the usable cores less one, at least 1; under tensor parallelism per rank: see
+      :func:`engine_core_cuda._device.resolve_cpu_threads`).
     """
 
     device: str
@@ -85,6 +89,7 @@ class CudaOptions:
     profile_dir: str
     load_format: Literal["safetensors", "dummy"] = "safetensors"
     distributed_backend: Literal["nccl", "gloo"] | None = None
+    cpu_threads: int | None = None
 
     @property
     def on_cpu(self) -> bool:
@@ -144,6 +149,9 @@ def parse_options(config: EngineConfig) -> CudaOptions:
         )
     if distributed == "nccl" and device == "cpu":
         raise ValueError("backend_options['distributed_backend'] 'nccl' needs a CUDA device")
+    cpu_threads = options.get("cpu_threads")
+    if cpu_threads is not None:
+        cpu_threads = _positive_int("cpu_threads", cpu_threads)
     return CudaOptions(
         device=device,
         kernels=kernels,
@@ -153,4 +161,5 @@ def parse_options(config: EngineConfig) -> CudaOptions:
         profile_dir=profile_dir,
         load_format=load_format,
         distributed_backend=distributed,
+        cpu_threads=cpu_threads,
     )

@@ -7,7 +7,8 @@ with counter-based noise (:mod:`engine_core_cuda._random`). Logprobs are those o
 (the model's distribution, before any processing).
 
 Two implementations of the last part give the same tokens: ``"torch"`` (the reference: a sort for
-top-k with top-p, the noise as ``[rows, vocab]`` tensors) and ``"triton"``, one fused kernel per
+top-k with top-p, the noise as ``[rows, vocab]`` tensors; on the CPU the race runs in chunks,
+:func:`engine_core_cuda._random.exponential_race`) and ``"triton"``, one fused kernel per
 step (:mod:`engine_core_cuda.kernels.sampling`). Processing that changes the logits (penalties,
 masks, a logit bias) happens before, on the logits that :func:`sample` takes.
 """
@@ -19,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from engine_core_cuda._random import exponential_noise
+from engine_core_cuda._random import exponential_noise, exponential_race
 
 __all__ = [
     "LogprobsTensors",
@@ -141,6 +142,8 @@ def _random_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.top_k is not None or batch.top_p is not None:
         logits = _apply_top_k_top_p(logits, batch)
     probs = logits.softmax(dim=-1)
+    if probs.device.type == "cpu":  # the same tokens, without the [rows, vocab] noise tensors
+        return exponential_race(probs, batch.seeds, batch.positions)
     noise = exponential_noise(batch.seeds, batch.positions, logits.shape[-1])
     return (probs / noise).argmax(dim=-1)
 

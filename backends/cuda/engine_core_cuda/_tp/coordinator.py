@@ -79,7 +79,7 @@ class Coordinator:
         sampling): the workers may wait in one forever, so closing kills them."""
         try:
             self.workers.wait_ready()
-            share_cpu(device, size)
+            share_cpu(device, size, options.cpu_threads)
             self._loading = self.workers.start_call("load")
             self.parallel = self._join(options, size)
         except BaseException:

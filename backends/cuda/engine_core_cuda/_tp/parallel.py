@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from engine_core_cuda._device import apply_cpu_threads, resolve_cpu_threads
 
 __all__ = ["DISTRIBUTED_BACKENDS", "TensorParallel", "init_distributed", "share_cpu"]
 
@@ -62,12 +63,13 @@ class TensorParallel:
             dist.destroy_process_group()
 
 
-def share_cpu(device: torch.device, size: int) -> None:
+def share_cpu(device: torch.device, size: int, cpu_threads: int | None = None) -> None:
     """Ranks on the CPU share its cores: more threads than cores make OpenMP's spinning threads
     starve the peer a collective waits for (a step then takes ~100x longer). Call it on the
-    thread that runs the model (OpenMP's thread count is per thread)."""
+    thread that runs the model (OpenMP's thread count is per thread); ``cpu_threads``: the
+    ``backend_options`` value, per rank."""
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        apply_cpu_threads(resolve_cpu_threads(cpu_threads, size).threads)
 
 
 def init_distributed(

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from engine_core_cuda.kernels.attention_masks import check_attention_options, first_visible
+from engine_core_cuda.kernels.cpu_attention import decode_attention_native
 
 __all__ = ["paged_attention_torch"]
 
@@ -71,6 +72,16 @@ def _gather(
     return blocks, torch.from_numpy(first * block_size).to(device)
 
 
+def _blocks_of(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The cache blocks ``blocks`` (``[S, n]``) of each sequence, one after the other: float32
+    ``[S, n * block_size, kv_heads, head_size]``. ``index_select`` copies whole blocks (rows of
+    the cache), several times faster on the CPU than advanced indexing's element-wise gather."""
+    num_seqs, num_blocks = blocks.shape
+    rows = cache.index_select(0, blocks.reshape(-1))
+    rows = rows.view(num_seqs, num_blocks * cache.shape[1], *cache.shape[2:])
+    return rows if rows.dtype == torch.float32 else rows.float()
+
+
 def _softmax_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, layer: _Layer
 ) -> torch.Tensor:
@@ -108,8 +119,8 @@ def _attend(
     ``seq_lens`` tokens whose keys from ``first_key`` (None: 0) on are in the cache blocks
     ``blocks`` (``[S, blocks]``). Returns float32 ``[S, Q, heads, head_size]``."""
     num_queries = q.shape[1]
-    k = key_cache[blocks].flatten(1, 2).float()  # [S, L, kv_heads, D]
-    v = value_cache[blocks].flatten(1, 2).float()
+    k = _blocks_of(key_cache, blocks)  # [S, L, kv_heads, D]
+    v = _blocks_of(value_cache, blocks)
     # Query i of a sequence of n tokens sits at position n - Q + i and sees keys up to that.
     key_pos = torch.arange(k.shape[1], device=q.device)[None, :]  # [1 or S, L]
     if first_key is not None:
@@ -180,10 +191,13 @@ def paged_attention_torch(
     chunk: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    native: bool = True,
     **_: Any,
 ) -> torch.Tensor:
     """Same contract as :func:`engine_core_cuda.kernels.paged_attention.paged_attention` (the
-    tile shape and split-KV arguments mean nothing here), computed in float32."""
+    tile shape and split-KV arguments mean nothing here), computed in float32. On the CPU the
+    decode rows of a full-attention float32 layer read K/V in place through the native kernel
+    (:mod:`engine_core_cuda.kernels.cpu_attention`) where it is available and ``native``."""
     check_attention_options(q.shape[1], window, chunk, softcap, sinks)
     layer = _Layer(scale, window, chunk, softcap, sinks)
     if out is None:
@@ -201,17 +215,29 @@ def paged_attention_torch(
         index = None if all_decode else torch.tensor(decodes, device=q.device)
         rows = seq_rows if index is None else seq_rows[index]
         lens = seq_lens if index is None else seq_lens[index]
-        blocks, first_key = _gather(block_table, rows, [lengths[i] for i in decodes],
-                                    [1] * len(decodes), block_size, layer)  # fmt: skip
-        if index is None and q.shape[0] == num_seqs:  # a decode-only step: token i is sequence i
-            result = _attend(q[:, None], key_cache, value_cache, blocks, first_key, lens.long(),
-                             layer)  # fmt: skip
-            out.copy_(result[:, 0])
-        else:
-            tokens = (query_start_loc[:-1] if index is None else query_start_loc[index]).long()
-            result = _attend(q[tokens][:, None], key_cache, value_cache, blocks, first_key,
-                             lens.long(), layer)  # fmt: skip
-            out[tokens] = result[:, 0].to(out.dtype)
+        tokens = (query_start_loc[:-1] if index is None else query_start_loc[index]).long()
+        in_place = (
+            native
+            and q.device.type == "cpu"
+            and window is None
+            and chunk is None
+            and softcap is None
+            and sinks is None
+            and decode_attention_native(
+                q, key_cache, value_cache, block_table, rows, lens, tokens, out, scale
+            )  # fmt: skip
+        )
+        if not in_place:
+            blocks, first_key = _gather(block_table, rows, [lengths[i] for i in decodes],
+                                        [1] * len(decodes), block_size, layer)  # fmt: skip
+            if index is None and q.shape[0] == num_seqs:  # decode only: token i is sequence i
+                result = _attend(q[:, None], key_cache, value_cache, blocks, first_key,
+                                 lens.long(), layer)  # fmt: skip
+                out.copy_(result[:, 0])
+            else:
+                result = _attend(q[tokens][:, None], key_cache, value_cache, blocks, first_key,
+                                 lens.long(), layer)  # fmt: skip
+                out[tokens] = result[:, 0].to(out.dtype)
     chunks = [i for i, n in enumerate(q_lens) if n > 1]
     if chunks:
         longest = max(q_lens[i] for i in chunks)
