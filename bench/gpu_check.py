@@ -60,7 +60,11 @@ with the reason. Rows already written before a crash are kept.
 - fp8: the FP8 linear (``torch._scaled_mm``) against the dequantised product, the KV write
   kernel's FP8 conversion against torch's, the KV blocks of an FP8 cache against bf16's in the
   same memory (>= 1.95x), and batch-1 decode of the 8B shape with FP8 weights against bf16
-  (>= 1.7x the step speed; FP8 weights and KV: information).
+  (>= 1.7x the step speed; FP8 weights and KV: information);
+- gpt_oss: decode of a gpt-oss-20b-shaped model (24 alternating window-128/full layers with
+  sinks, 32 experts top-4 with biases and the clamped SwiGLU, bf16 weights as MXFP4
+  checkpoints load) at batch 1, 64 and 256 against the roofline of the experts a batch touches
+  (information).
 
 ``--device cpu`` runs the same code at toy sizes on the CPU (Triton interpreted) to check the
 script itself; the speed targets are then not enforced. Exit status: 0 when every row passes, 1
@@ -109,13 +113,14 @@ CHECK_SUMMARIES = {
     "spec": "speculative decoding: verify-cost curve, ngram and draft model vs none (info)",
     "moe": "fused MoE kernel vs torch and vs a per-expert loop; Qwen3-30B-A3B decode roofline",
     "fp8": "FP8 linear and KV write vs torch; FP8 KV blocks; FP8 8B decode at batch 1 vs bf16",
+    "gpt_oss": "gpt-oss-20b-shaped decode (sinks, windows, biased experts) vs its roofline (info)",
 }
 """Each check (``--only``) and what it shows, in one line: listed by ``--help``."""
 CHECKS = tuple(CHECK_SUMMARIES)
 TIMEOUTS_S = {"preflight": 90, "kernels": 120, "startup": 150, "throughput": 180, "sampling": 120,
               "longctx": 120, "window": 150, "prefill": 100, "profile": 120, "parity": 150,
               "conformance": 150, "tp": 150, "overlap": 150, "spec": 180, "moe": 240,
-              "fp8": 180}  # fmt: skip
+              "fp8": 180, "gpt_oss": 180}  # fmt: skip
 """Each check's time limit (seconds, scaled by ``--timeout-scale``); typical runs take a fraction."""
 MIN_CHECK_S = 15
 """A check is not started with less of the ``--budget`` left."""
@@ -1605,12 +1610,22 @@ def experts_touched(num_experts: int, top_k: int, batch: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
+def moe_shape(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with the keys :func:`moe_decode_roofline` reads: ``num_experts`` (Mixtral's and
+    gpt-oss's ``num_local_experts``) and ``moe_intermediate_size`` (gpt-oss's
+    ``intermediate_size``)."""
+    return {**config, "num_experts": config.get("num_experts", config.get("num_local_experts")),
+            "moe_intermediate_size": config.get("moe_intermediate_size",
+                                                config["intermediate_size"])}  # fmt: skip
+
+
 def moe_decode_roofline(config: dict[str, Any], batch: int, mean_context: float,
                         bandwidth: float, peak_flops: float,
                         dtype_bytes: int = 2) -> Roofline:  # fmt: skip
     """One MoE decode step: the attention, router, norm and LM-head weights, the experts the
     batch touches (:func:`experts_touched`) and every sequence's KV are read once; each token
-    multiplies the dense weights and its ``top_k`` experts, and attends to its context."""
+    multiplies the dense weights and its ``top_k`` experts, and attends to its context (a window
+    layer's: at most ``sliding_window`` positions)."""
     h, layers, e, k = (config["hidden_size"], config["num_hidden_layers"],
                        config["num_experts"], config["num_experts_per_tok"])  # fmt: skip
     heads, kv_heads, d = (config["num_attention_heads"], config["num_key_value_heads"],
@@ -1619,9 +1634,13 @@ def moe_decode_roofline(config: dict[str, Any], batch: int, mean_context: float,
     attention = h * (heads + 2 * kv_heads) * d + heads * d * h + e * h
     head = h * config["vocab_size"]
     weights = (layers * (attention + experts_touched(e, k, batch) * expert) + head) * dtype_bytes
-    kv = batch * mean_context * layers * 2 * kv_heads * d * dtype_bytes
+    # Window layers (``layer_types``) read at most ``sliding_window`` keys per sequence.
+    window = config.get("sliding_window")
+    keys = sum(min(mean_context, window) if kind == "sliding_attention" and window else mean_context
+               for kind in config.get("layer_types") or ["full_attention"] * layers)  # fmt: skip
+    kv = batch * keys * 2 * kv_heads * d * dtype_bytes
     flops = 2.0 * batch * (layers * (attention + k * expert) + head)
-    flops += 4.0 * layers * heads * d * batch * mean_context
+    flops += 4.0 * heads * d * batch * keys
     return Roofline(weights + kv, flops, bandwidth, peak_flops)
 
 
@@ -1674,33 +1693,70 @@ def check_moe(table: Table, args: argparse.Namespace, root: Path) -> None:
               f"{fused * 1e6:.0f} us vs {loop * 1e6:.0f} us: x{loop / fused:.1f}",
               ">= 5" if args.gpu else "", (loop / fused >= 5) if args.gpu else None)  # fmt: skip
     # Whole-model decode against the roofline of the experts the batch touches.
+    _moe_decode_rows(table, args, root, config, "qwen3-30b-a3b-shaped", "moe", "Qwen3-30B-A3B",
+                     {1: 0.5, 256: 1 / 1.3})  # fmt: skip
+
+
+def _moe_decode_rows(table: Table, args: argparse.Namespace, root: Path, config: dict[str, Any],
+                     directory: str, check: str, label: str,
+                     targets: dict[int, float]) -> None:  # fmt: skip
+    """Decode of a MoE-shaped model (random weights, graphs on) at batch 1, 64, 256 against
+    :func:`moe_decode_roofline`; ``targets``: the least roofline ratio per batch size."""
     batch_sizes = [1, 64, 256] if args.gpu else [1, 2]
     context, steps, warmup = (args.context, args.steps, 3) if args.gpu else (24, 1, 0)
-    targets = {1: 0.5, 256: 1 / 1.3}
-    model_dir = write_config(root, "qwen3-30b-a3b-shaped", config)
+    roof_config = moe_shape(config)
+    model_dir = write_config(root, directory, config)
     backend = make_backend(
         model_dir, args.device, dtype="bfloat16" if args.gpu else "float32",
         max_model_len=context + warmup + steps + 64, max_num_seqs=max(batch_sizes),
         options={"max_graph_batch_size": max(batch_sizes)},
     )  # fmt: skip
+    e, k = roof_config["num_experts"], roof_config["num_experts_per_tok"]
     try:
         backend.available_kv_cache_memory()
         backend.initialize_kv_cache(_blocks_for(max(batch_sizes), context))
         for b in batch_sizes:
             seconds, _, mean_ctx = _decode_run(backend, b, context, warmup, steps,
                                                config["vocab_size"])  # fmt: skip
-            roof = moe_decode_roofline(config, b, mean_ctx, args.bandwidth, args.peak_flops,
+            roof = moe_decode_roofline(roof_config, b, mean_ctx, args.bandwidth, args.peak_flops,
                                        2 if args.gpu else 4)  # fmt: skip
             ratio = roof.seconds / seconds
             target = targets.get(b) if args.gpu else None
-            table.add(f"moe: decode b={b} ctx={context} (Qwen3-30B-A3B shape)",
+            table.add(f"{check}: decode b={b} ctx={context} ({label} shape)",
                       f"{seconds * 1e3:.2f} ms {b / seconds:,.0f} tok/s {roof.describe(seconds)}",
                       f"{ratio:.2f}" + (f">={target:.2f}" if target else ""),
                       (ratio >= target) if target else None,
                       [f"roofline {roof.seconds * 1e3:.2f} ms ({roof.bound}-bound), experts "
-                       f"touched per layer {experts_touched(config['num_experts'], config['num_experts_per_tok'], b):.1f}"])  # fmt: skip
+                       f"touched per layer {experts_touched(e, k, b):.1f}"])  # fmt: skip
     finally:
         release(backend)
+
+
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
+    "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+    "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "num_local_experts": 32, "num_experts_per_tok": 4, "attention_bias": True,
+    "swiglu_limit": 7.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "rope_theta": 150000.0,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": False, "original_max_position_embeddings": 4096},
+}  # fmt: skip
+TOY_GPT_OSS = {**GPT_OSS_20B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 32,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+               "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
+
+
+def check_gpt_oss(table: Table, args: argparse.Namespace, root: Path) -> None:
+    """Decode of a gpt-oss-20b-shaped model (window/full layers with sinks, clamped-SwiGLU
+    experts with biases; bf16 weights, as MXFP4 checkpoints load) against the roofline of the
+    experts a batch touches and the KV its layers read (a window layer: at most 128 positions);
+    information only."""
+    config = GPT_OSS_20B if args.gpu else TOY_GPT_OSS
+    _moe_decode_rows(table, args, root, config, "gpt-oss-20b-shaped", "gpt_oss", "gpt-oss-20b", {})
 
 
 def check_fp8(table: Table, args: argparse.Namespace, root: Path) -> None:
@@ -1797,6 +1853,7 @@ CHECK_FUNCTIONS: dict[str, Callable[[Table, argparse.Namespace, Path], None]] = 
     "spec": check_spec,
     "moe": check_moe,
     "fp8": check_fp8,
+    "gpt_oss": check_gpt_oss,
 }
 
 

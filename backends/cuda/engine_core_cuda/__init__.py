@@ -3,7 +3,8 @@
 Torch model code for decoder-only HF checkpoints (``LlamaForCausalLM``, ``MistralForCausalLM``
 with its sliding window, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``,
 ``Gemma3ForCausalLM``; the mixture-of-experts ``Qwen3MoeForCausalLM``, ``Qwen2MoeForCausalLM``,
-``MixtralForCausalLM`` with a fused MoE kernel), FP8 weights (FP8 checkpoints, or
+``MixtralForCausalLM``, ``GptOssForCausalLM`` (MXFP4 experts dequantised at load) with a fused
+MoE kernel), FP8 weights (FP8 checkpoints, or
 ``EngineConfig.quantization="fp8"``) and an optional FP8 KV cache, one paged KV-cache tensor sized from free device memory, Triton kernels
 for writing K/V and for paged attention over mixed prefill/decode batches (full, sliding-window
 and chunked-local layers, soft caps, sinks; ``docs/cuda_kv_groups.md``),

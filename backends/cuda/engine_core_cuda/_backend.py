@@ -70,7 +70,7 @@ def _check_model_dir(config: EngineConfig, load_format: str) -> Path:
 
 class CudaBackend(Backend):
     """Runs an HF Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3 or MoE (Qwen3-MoE, Qwen2-MoE,
-    Mixtral) checkpoint, in its dtype or FP8, with torch, Triton paged
+    Mixtral, gpt-oss) checkpoint, in its dtype or FP8, with torch, Triton paged
     attention and on-device sampling; see ``engine_core_cuda`` for the ``backend_options``. It
     supports async scheduling: sampled tokens stay on the device as the next step's input
     ids."""

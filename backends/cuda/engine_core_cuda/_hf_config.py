@@ -33,7 +33,7 @@ SUPPORTED_ARCHITECTURES = (
     *GEMMA_ARCHITECTURES,
     *MOE_ARCHITECTURES,
 )
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -43,11 +43,19 @@ class RopeConfig:
 
     theta: float
     scaling: str = "default"
-    """``"default"`` (none), ``"linear"`` or ``"llama3"``."""
+    """``"default"`` (none), ``"linear"``, ``"llama3"`` or ``"yarn"`` (gpt-oss)."""
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    """YaRN: frequencies of more than ``beta_fast`` rotations over the original length are
+    kept, those of fewer than ``beta_slow`` divided by ``factor``, the ones between ramped."""
+    beta_slow: float = 1.0
+    truncate: bool = True
+    """YaRN: whether the ramp's ends are rounded to whole dimensions."""
+    attention_factor: float = 1.0
+    """YaRN: cos and sin are multiplied by it (``0.1 * ln(factor) + 1`` unless given)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +97,11 @@ class ModelConfig:
     """Mixture-of-experts models: the experts of the layers ``moe.sparse_layers``."""
     quantization: QuantConfig | None = None
     """FP8 weights: an FP8 checkpoint's, or quantised at load (None: as the checkpoint is)."""
+    attention_sinks: bool = False
+    """gpt-oss: every attention layer has a learned logit per query head (``self_attn.sinks``)
+    in its softmax's denominator."""
+    mxfp4_experts: bool = False
+    """The checkpoint's experts are MXFP4 (``quant_method: mxfp4``): dequantised at load."""
 
     def layer_is_moe(self, index: int) -> bool:
         """Whether layer ``index`` routes tokens to experts (else it has the dense MLP)."""
@@ -183,6 +196,8 @@ def _rope(hf: dict[str, Any], path: Path, layer_type: str | None = None) -> Rope
         return RopeConfig(float(theta))
     if kind == "linear":
         return RopeConfig(float(theta), "linear", float(scaling["factor"]))
+    if kind == "yarn":
+        return _yarn(float(theta), scaling, hf, path)
     return RopeConfig(
         float(theta),
         "llama3",
@@ -190,6 +205,39 @@ def _rope(hf: dict[str, Any], path: Path, layer_type: str | None = None) -> Rope
         float(scaling["low_freq_factor"]),
         float(scaling["high_freq_factor"]),
         int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def _yarn(theta: float, scaling: dict[str, Any], hf: dict[str, Any], path: Path) -> RopeConfig:
+    """YaRN as transformers computes it: ``factor`` (default: ``max_position_embeddings /
+    original_max_position_embeddings``), the ramp ``beta_fast``/``beta_slow``, ``truncate`` and
+    the cos/sin factor ``attention_factor`` (else from ``mscale``/``mscale_all_dim``, else
+    ``0.1 * ln(factor) + 1``)."""
+    original = scaling.get("original_max_position_embeddings")
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+        raise ValueError(
+            f"model: {path} has YaRN RoPE without a valid original_max_position_embeddings "
+            f"(got {original!r})"
+        )
+    factor = scaling.get("factor") or hf.get("max_position_embeddings", original) / original
+    factor = float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeConfig(
+        theta,
+        "yarn",
+        factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(scaling.get("beta_fast") or 32.0),
+        beta_slow=float(scaling.get("beta_slow") or 1.0),
+        truncate=bool(scaling.get("truncate", True)),
+        attention_factor=float(attention),
     )
 
 
@@ -203,6 +251,20 @@ def _layer_types(
             raise ValueError(f"model: {path} sets use_sliding_window, which is not supported")
         hf = {**hf, "sliding_window": None, "layer_types": None}
     return layer_types_of(hf, architecture, num_layers, path)
+
+
+def _mxfp4_experts(hf: dict[str, Any], architecture: str, path: Path) -> bool:
+    """Whether the checkpoint's experts are MXFP4 (``quantization_config.quant_method:
+    mxfp4``, gpt-oss's published format; dequantised at load)."""
+    q = hf.get("quantization_config")
+    if not isinstance(q, dict) or q.get("quant_method") != "mxfp4":
+        return False
+    if architecture != "GptOssForCausalLM":
+        raise ValueError(
+            f"model: {path} has quantization_config.quant_method='mxfp4', which the cuda backend "
+            f"serves only for GptOssForCausalLM's experts (not {architecture})"
+        )
+    return True
 
 
 def load_model_config(model_dir: str | Path, quantization: str | None = None) -> ModelConfig:
@@ -238,11 +300,18 @@ def load_model_config(model_dir: str | Path, quantization: str | None = None) ->
     is_qwen2 = architecture == "Qwen2ForCausalLM" or (
         architecture == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True))
     )
-    attention_bias = bool(hf.get("attention_bias", False))
+    gpt_oss = architecture == "GptOssForCausalLM"
+    attention_bias = bool(hf.get("attention_bias", gpt_oss))
     dtype = hf.get("torch_dtype") or hf.get("dtype")
     num_layers = _int(hf, "num_hidden_layers", path)
     gemma3 = architecture == "Gemma3ForCausalLM"
     layer_types, window, chunk = _layer_types(hf, architecture, num_layers, path)
+    mxfp4 = _mxfp4_experts(hf, architecture, path)
+    if gpt_oss and quantization is not None:
+        raise ValueError(
+            f"model: quantization={quantization!r} is not served for {architecture} (its experts "
+            "load as bf16/fp32, MXFP4 checkpoints dequantised); supported: None"
+        )
     return ModelConfig(
         architecture=architecture,
         vocab_size=_int(hf, "vocab_size", path),
@@ -272,5 +341,11 @@ def load_model_config(model_dir: str | Path, quantization: str | None = None) ->
             if architecture in MOE_ARCHITECTURES
             else None
         ),
-        quantization=quant_config_of(hf, path, quantization),
+        quantization=quant_config_of(
+            {k: v for k, v in hf.items() if k != "quantization_config"} if mxfp4 else hf,
+            path,
+            quantization,
+        ),
+        attention_sinks=gpt_oss,
+        mxfp4_experts=mxfp4,
     )

@@ -4,8 +4,8 @@ A layer is ``"full_attention"``, ``"sliding_attention"`` (it sees the last ``sli
 keys, its own included) or ``"chunked_attention"`` (attention restarts every
 ``attention_chunk_size`` tokens): Hugging Face's ``layer_types`` names, which are also what the
 KV-cache manager groups layers by. Where a config has no ``layer_types`` they follow from the
-architecture: Mistral's ``sliding_window`` applies to every layer, Gemma 2 alternates window and
-full layers (window first), Gemma 3 has ``sliding_window_pattern - 1`` window layers before each
+architecture: Mistral's ``sliding_window`` applies to every layer, Gemma 2 and gpt-oss alternate
+window and full layers (window first), Gemma 3 has ``sliding_window_pattern - 1`` window layers before each
 full one.
 
 :class:`LayerAttention` is what one layer's attention computes besides the causal softmax:
@@ -78,7 +78,7 @@ def _positive_int(hf: dict[str, Any], key: str, path: Path) -> int | None:
 
 def _default_layer_types(hf: dict[str, Any], architecture: str, num_layers: int,
                          window: int | None, path: Path) -> list[str]:  # fmt: skip
-    if architecture == "Gemma2ForCausalLM":
+    if architecture in ("Gemma2ForCausalLM", "GptOssForCausalLM"):
         return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
     if architecture == "Gemma3ForCausalLM":
         pattern = _positive_int(hf, "sliding_window_pattern", path) or 6

@@ -1,5 +1,5 @@
 """The building blocks of a Llama-family decoder layer: RMSNorm, attention with fused QKV
-projection (optional bias and per-head q/k norm) of a layer's kind (full, sliding window,
+projection (optional bias, per-head q/k norm and attention sinks) of a layer's kind (full, sliding window,
 chunked local: :class:`~engine_core_cuda._layer_kinds.LayerAttention`), and the fused gate/up
 SwiGLU (or GeGLU) MLP.
 
@@ -144,6 +144,12 @@ class Attention(nn.Module):
             device=device,
             reduce=parallel.all_reduce if parallel is not None else None,
         )
+        self.sinks: nn.Parameter | None = None
+        """gpt-oss: one learned logit per query head in the softmax's denominator."""
+        if config.attention_sinks:
+            self.sinks = nn.Parameter(
+                torch.empty(self.num_heads, dtype=dtype, device=device), requires_grad=False
+            )
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_size, config.rms_norm_eps, dtype, device)
@@ -164,7 +170,7 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_size), ops)[0].view(k.shape)
         ops.rotary_embedding(positions, q, k, self.rotary.cos, self.rotary.sin)
         ctx.write_kv(k, v, cache, self.kv_group, self.kv_scales)
-        out = ctx.attend(q, cache, self.layer, self.kv_group, scales=self.kv_scales)
+        out = ctx.attend(q, cache, self.layer, self.kv_group, self.sinks, self.kv_scales)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 

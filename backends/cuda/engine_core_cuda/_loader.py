@@ -5,7 +5,10 @@ ones for benchmarks.
 A fused matrix is loaded shard by shard: the rows of shard ``s`` of ``...qkv_proj`` or
 ``...gate_up_proj`` come from the checkpoint's ``...{s}_proj``; a mixture-of-experts block's
 stacked expert weights come from the checkpoint's per-expert matrices
-(:meth:`~engine_core_cuda._moe.SparseMoeBlock.checkpoint_targets`).
+(:meth:`~engine_core_cuda._moe.SparseMoeBlock.checkpoint_targets`), or from gpt-oss's stacked
+tensors (:meth:`~engine_core_cuda._moe.SparseMoeBlock.stacked_loaders`), which an MXFP4
+checkpoint stores as ``…_blocks`` and ``…_scales`` pairs, dequantised as they are read
+(:func:`~engine_core_cuda._mxfp4.dequantize_mxfp4`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from engine_core_cuda._fp8 import FP8_DTYPE, dequantize_blocks, quantize_rows, r
 from engine_core_cuda._layers import Attention, Linear
 from engine_core_cuda._model import CausalLM
 from engine_core_cuda._moe import SparseMoeBlock
+from engine_core_cuda._mxfp4 import dequantize_mxfp4
 
 if TYPE_CHECKING:
     from engine_core_cuda._quant_config import QuantConfig
@@ -61,12 +65,25 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+def _stacked_loaders(model: CausalLM) -> dict[str, Callable[[torch.Tensor], None]]:
+    """gpt-oss's stacked expert tensors: checkpoint name -> the function that stores one."""
+    loaders: dict[str, Callable[[torch.Tensor], None]] = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, SparseMoeBlock):
+            loaders.update(module.stacked_loaders(module_name))
+    return loaders
+
+
 def _targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """Checkpoint tensor name -> (parameter, first row, number of rows)."""
+    """Checkpoint tensor name -> (parameter, first row, number of rows); stacked experts
+    (:func:`_stacked_loaders`) are left out."""
     targets: dict[str, tuple[torch.Tensor, int, int]] = {}
+    stacked: set[int] = set()
     for module_name, module in model.named_modules():
         if isinstance(module, SparseMoeBlock):
             targets.update(module.checkpoint_targets(module_name))
+            if module.moe.stacked:
+                stacked |= {id(p) for p in module.experts.parameters()}
         elif isinstance(module, Linear):
             parent = module_name.rpartition(".")[0]
             for shard, (start, rows) in module.shards.items():
@@ -77,7 +94,7 @@ def _targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
                 if module.bias is not None:
                     targets[f"{parent}.{shard}_proj.bias"] = (module.bias, start, rows)
     # Targets may be views into a parameter (a stacked expert's rows): it is covered too.
-    fused = {id(t[0] if t[0]._base is None else t[0]._base) for t in targets.values()}
+    fused = {id(t[0] if t[0]._base is None else t[0]._base) for t in targets.values()} | stacked
     for name, param in model.named_parameters():
         if id(param) not in fused:
             targets[name] = (param, 0, param.shape[0])
@@ -85,7 +102,9 @@ def _targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
 
 
 def checkpoint_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
-    """The model's weights under their checkpoint names (views; fused matrices split)."""
+    """The model's weights under their checkpoint names (views; fused matrices split). gpt-oss's
+    stacked experts are not among them: the checkpoint's layout is a rearrangement of ``w13``,
+    not a view."""
     return {
         name: param[start : start + rows] for name, (param, start, rows) in _targets(model).items()
     }
@@ -157,6 +176,9 @@ def load_weights(
             "loading safetensors weights needs the 'safetensors' package: pip install safetensors"
         ) from exc
     targets = _targets(model)
+    stacked = _stacked_loaders(model)
+    mxfp4: dict[str, dict[str, torch.Tensor]] = {}
+    """MXFP4 experts: each tensor's blocks and scales, until both are read."""
     device = model.lm_head_weight.device
     read_device = str(device) if device.type == "cuda" else "cpu"
     tied = model.config.tie_word_embeddings
@@ -175,6 +197,28 @@ def load_weights(
                 if name.endswith(_KV_SCALE_SUFFIXES):
                     _set_kv_scale(model, name, f.get_tensor(checkpoint_name))
                     continue
+                if stacked:
+                    base, _, part = name.rpartition("_")
+                    if base in stacked and part in ("blocks", "scales"):
+                        pair = mxfp4.setdefault(base, {})
+                        pair[part] = f.get_tensor(checkpoint_name)
+                        if len(pair) == 2:
+                            dtype = model.lm_head_weight.dtype
+                            # [experts, out, in] dequantised (expert by expert, to bound the
+                            # temporaries): the stacked tensor's transpose
+                            codes, exponents = pair["blocks"], pair["scales"]
+                            tensor = torch.cat([
+                                dequantize_mxfp4(codes[e : e + 1], exponents[e : e + 1], dtype)
+                                for e in range(codes.shape[0])
+                            ])  # fmt: skip
+                            stacked[base](tensor.transpose(1, 2))
+                            loaded.add(base)
+                            del mxfp4[base]
+                        continue
+                    if name in stacked:
+                        stacked[name](f.get_tensor(checkpoint_name))
+                        loaded.add(name)
+                        continue
                 target = targets.get(name)
                 if fp8 and quant is not None and quant.strategy == "block" and target is not None:
                     base, _, kind = name.rpartition(".")
@@ -214,7 +258,13 @@ def load_weights(
     if blocks:
         assert quant is not None and quant.block is not None
         loaded |= _load_blocks(targets, blocks, quant.block)
-    missing = sorted(set(targets) - loaded)
+    if mxfp4:
+        raise ValueError(
+            "model: the checkpoint has MXFP4 "
+            + ", ".join(f"{base}_{next(iter(p))}" for base, p in mxfp4.items())
+            + " without its other half (_blocks and _scales)"
+        )
+    missing = sorted((set(targets) | set(stacked)) - loaded)
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(

@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts block (Qwen3-MoE, Qwen2-MoE, Mixtral) that replaces a decoder
+"""The sparse mixture-of-experts block (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss) that replaces a decoder
 layer's MLP in the layers :attr:`~engine_core_cuda._moe_config.MoeConfig.sparse_layers`.
 
 A router (``gate``: a ``[experts, hidden]`` matrix, no bias) scores every expert for each token
@@ -10,7 +10,10 @@ experts' SwiGLU MLPs. Qwen2-MoE adds a shared expert, an ordinary MLP scaled by
 
 Checkpoints name the experts one by one (``…mlp.experts.E.gate_proj.weight``, Mixtral's
 ``…block_sparse_moe.experts.E.w1.weight``); :meth:`SparseMoeBlock.checkpoint_targets` maps each
-name into its slot of the stacked weights for the loader.
+name into its slot of the stacked weights for the loader. gpt-oss stores them stacked
+(``…mlp.experts.gate_up_proj`` ``[experts, hidden, 2 * inter]``, gate and up interleaved column
+by column, ``…down_proj`` ``[experts, inter, hidden]``, each with a ``_bias``; its router is
+``…mlp.router``): :meth:`SparseMoeBlock.stacked_loaders` rearranges them into ``w13``/``w2``.
 
 Under tensor parallelism every rank holds every expert with a slice of its intermediate
 dimension (and of the shared expert's): the partial outputs are summed by one all-reduce at the
@@ -19,6 +22,7 @@ end of the block.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -83,6 +87,24 @@ class Experts(nn.Module):
         """gpt-oss: the gate and up projections' biases ``[experts, 2 * inter]`` (None: none)."""
         self.b2: nn.Parameter | None = None
         """gpt-oss: the down projection's bias ``[experts, hidden]``."""
+        if config.moe.stacked:
+            self.b13 = _param(e, 2 * inter, dtype=dtype, device=device)
+            self.b2 = _param(e, hidden, dtype=dtype, device=device)
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(
+            f"model: weight {name!r} has shape {tuple(tensor.shape)} after rearranging, "
+            f"expected {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(tensor)
+
+
+def _deinterleave(tensor: torch.Tensor) -> torch.Tensor:
+    """Rows (dim 1) ``g0, u0, g1, u1, …`` -> ``g0, g1, …, u0, u1, …``."""
+    return torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
 
 
 class SparseMoeBlock(nn.Module):
@@ -98,7 +120,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         assert config.moe is not None
         self.moe = config.moe
-        self.activation = config.hidden_act
+        self.activation = config.moe.activation or config.hidden_act
         self.gate = Router(config, dtype, device)
         self.experts = Experts(config, dtype, device)
         self.shared_expert: MLP | None = None
@@ -117,11 +139,14 @@ class SparseMoeBlock(nn.Module):
         """Checkpoint tensor names -> destinations for the router and the routed experts of the
         block called ``name`` in the model (the shared expert's Linear layers map themselves)."""
         parent = f"{name.rpartition('.')[0]}.{self.moe.prefix}"
+        router = f"{parent}.router" if self.moe.stacked else f"{parent}.gate"
         targets: dict[str, Target] = {
-            f"{parent}.gate.weight": (self.gate.weight, 0, self.moe.num_experts)
+            f"{router}.weight": (self.gate.weight, 0, self.moe.num_experts)
         }
         if self.gate.bias is not None:
-            targets[f"{parent}.gate.bias"] = (self.gate.bias, 0, self.moe.num_experts)
+            targets[f"{router}.bias"] = (self.gate.bias, 0, self.moe.num_experts)
+        if self.moe.stacked:
+            return targets
         gate, up, down = self.moe.weight_names
         inter = self.experts.intermediate_size
         w13, w2 = self.experts.w13, self.experts.w2
@@ -137,11 +162,30 @@ class SparseMoeBlock(nn.Module):
                 targets[f"{prefix}.{down}.weight_scale"] = (s2[e], 0, s2.shape[1])
         return targets
 
+    def stacked_loaders(self, name: str) -> dict[str, Callable[[torch.Tensor], None]]:
+        """gpt-oss: checkpoint names of the stacked experts (as transformers' ``GptOssExperts``
+        holds them) -> functions copying such a tensor into ``w13``, ``b13``, ``w2``, ``b2``
+        (empty for the experts of other architectures)."""
+        if not self.moe.stacked:
+            return {}
+        ex = self.experts
+        assert ex.b13 is not None and ex.b2 is not None
+        w13, b13, w2, b2 = ex.w13, ex.b13, ex.w2, ex.b2
+        parent = f"{name.rpartition('.')[0]}.{self.moe.prefix}.experts"
+        gate_up, down = f"{parent}.gate_up_proj", f"{parent}.down_proj"
+        return {
+            gate_up: lambda t: _copy(w13, _deinterleave(t.transpose(1, 2)), gate_up),
+            f"{gate_up}_bias": lambda t: _copy(b13, _deinterleave(t), f"{gate_up}_bias"),
+            down: lambda t: _copy(w2, t.transpose(1, 2), down),
+            f"{down}_bias": lambda t: _copy(b2, t, f"{down}_bias"),
+        }
+
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         weights, ids = self.gate(x)
-        ex = self.experts
+        ex, moe = self.experts, self.moe
         out = ops.fused_moe(x, ex.w13, ex.w2, weights, ids, self.activation, ex.w13_scale,
-                            ex.w2_scale, b13=ex.b13, b2=ex.b2)  # fmt: skip
+                            ex.w2_scale, b13=ex.b13, b2=ex.b2, swiglu_alpha=moe.swiglu_alpha,
+                            swiglu_limit=moe.swiglu_limit)  # fmt: skip
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert(x, ops)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared

@@ -6,6 +6,10 @@ token picks them, which layers have them, and how their weights are named in the
 | ``Qwen3MoeForCausalLM`` | softmax | ``norm_topk_prob`` | — | ``mlp.gate``, ``mlp.experts.E.{gate,up,down}_proj`` |
 | ``Qwen2MoeForCausalLM`` | softmax | ``norm_topk_prob`` | sigmoid-gated (``shared_expert_gate``) | the same, plus ``mlp.shared_expert.*`` |
 | ``MixtralForCausalLM`` | softmax | always | — | ``block_sparse_moe.gate``, ``block_sparse_moe.experts.E.w{1,3,2}`` |
+| ``GptOssForCausalLM`` | softmax of the top-k biased logits | always | — | ``mlp.router``, stacked ``mlp.experts.{gate_up,down}_proj`` (+ ``_bias``; MXFP4: ``_blocks``/``_scales``) |
+
+gpt-oss's experts compute the clamped SwiGLU ``"swigluoai"`` (``swiglu_alpha``, ``swiglu_limit``)
+with biases, on every layer.
 
 ``scoring_func`` (``"softmax"`` or ``"sigmoid"``) is read where a config has it. Fields that
 change the routing in ways the layer does not implement (grouped or biased top-k, expert-choice
@@ -20,7 +24,12 @@ from typing import Any
 
 __all__ = ["MOE_ARCHITECTURES", "MoeConfig", "moe_config_of"]
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = (
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "MixtralForCausalLM",
+    "GptOssForCausalLM",
+)
 SCORING_FUNCS = ("softmax", "sigmoid")
 
 # Config fields whose non-default values ask for routing this layer does not do, with the value
@@ -62,6 +71,15 @@ class MoeConfig:
     """The checkpoint names of each expert's gate, up and down projections."""
     router_bias: bool = False
     """Whether the router's logits have a bias (gpt-oss)."""
+    activation: str | None = None
+    """The experts' activation when it is not the config's ``hidden_act``: gpt-oss's clamped
+    SwiGLU ``"swigluoai"``."""
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    stacked: bool = False
+    """gpt-oss: the checkpoint holds each layer's experts stacked (``experts.gate_up_proj``
+    ``[experts, hidden, 2 * inter]`` with gate and up interleaved column by column, and
+    ``experts.down_proj`` ``[experts, inter, hidden]``, each with a ``_bias``), not one by one."""
 
 
 def _positive(hf: dict[str, Any], key: str, path: Path, default: int | None = None) -> int:
@@ -83,6 +101,39 @@ def _check_unsupported(hf: dict[str, Any], path: Path) -> None:
             )
 
 
+def _number(hf: dict[str, Any], key: str, path: Path, default: float) -> float:
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"model: {path} has an invalid {key} {value!r} (a number > 0)")
+    return float(value)
+
+
+def _gpt_oss(hf: dict[str, Any], num_layers: int, path: Path) -> MoeConfig:
+    """gpt-oss: ``router`` with a bias, softmax over the top-k logits (the renormalised top-k of
+    the softmax), clamped SwiGLU experts with biases on every layer."""
+    num_experts = _positive(hf, "num_local_experts", path)
+    top_k = _positive(hf, "num_experts_per_tok", path)
+    if top_k > num_experts:
+        raise ValueError(
+            f"model: {path}: num_experts_per_tok ({top_k}) exceeds the number of experts "
+            f"({num_experts})"
+        )
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=_positive(hf, "intermediate_size", path),
+        renormalize=True,
+        sparse_layers=tuple(range(num_layers)),
+        prefix="mlp",
+        weight_names=("gate_up_proj", "gate_up_proj", "down_proj"),
+        router_bias=True,
+        activation="swigluoai",
+        swiglu_alpha=_number(hf, "swiglu_alpha", path, 1.702),
+        swiglu_limit=_number(hf, "swiglu_limit", path, 7.0),
+        stacked=True,
+    )
+
+
 def moe_config_of(hf: dict[str, Any], architecture: str, num_layers: int, path: Path) -> MoeConfig:
     """The MoE settings of a config of one of :data:`MOE_ARCHITECTURES`. Raises ``ValueError``
     naming the field for an invalid or unsupported value."""
@@ -92,6 +143,8 @@ def moe_config_of(hf: dict[str, Any], architecture: str, num_layers: int, path: 
         raise ValueError(
             f"model: {path} sets scoring_func={scoring!r}; supported: {', '.join(SCORING_FUNCS)}"
         )
+    if architecture == "GptOssForCausalLM":
+        return _gpt_oss(hf, num_layers, path)
     mixtral = architecture == "MixtralForCausalLM"
     # Mixtral's name; Qwen's configs say num_experts, and newer transformers write either.
     key = "num_local_experts" if "num_local_experts" in hf else "num_experts"

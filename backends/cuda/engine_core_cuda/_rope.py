@@ -1,5 +1,5 @@
-"""Rotary position embeddings (the "rotate half" layout of HF Llama), with llama3 and linear
-frequency scaling. The cos/sin tables are computed once, exactly as transformers computes them;
+"""Rotary position embeddings (the "rotate half" layout of HF Llama), with llama3, linear and
+YaRN (gpt-oss) frequency scaling. The cos/sin tables are computed once, exactly as transformers computes them;
 the kernels index them by position each step."""
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ def inverse_frequencies(rope: RopeConfig, head_size: int) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.scaling == "linear":
         return inv_freq / rope.factor
+    if rope.scaling == "yarn":
+        return _yarn(rope, head_size, inv_freq)
     if rope.scaling != "llama3":
         return inv_freq
     old_len = rope.original_max_position_embeddings
@@ -35,8 +37,29 @@ def inverse_frequencies(rope: RopeConfig, head_size: int) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn(rope: RopeConfig, head_size: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN: dimensions that turn more than ``beta_fast`` times over the original context keep
+    their frequency, those turning fewer than ``beta_slow`` times are divided by ``factor``,
+    and a linear ramp blends the dimensions between (transformers' arithmetic)."""
+
+    def dimension(rotations: float) -> float:
+        turns = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return head_size * math.log(turns) / (2 * math.log(rope.theta))
+
+    low, high = dimension(rope.beta_fast), dimension(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_size - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_size // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    return (inv_freq / rope.factor) * (1 - keep) + inv_freq * keep
+
+
 class RotaryTables(torch.nn.Module):
-    """The ``[max_positions, head_size]`` cos and sin tables, in the model dtype."""
+    """The ``[max_positions, head_size]`` cos and sin tables, in the model dtype (YaRN: times
+    its ``attention_factor``)."""
 
     def __init__(
         self,
@@ -51,7 +74,10 @@ class RotaryTables(torch.nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+        if rope.attention_factor != 1.0:
+            cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", angles.cos().to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", angles.sin().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("cos", cos.to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", sin.to(dtype=dtype, device=device), persistent=False)

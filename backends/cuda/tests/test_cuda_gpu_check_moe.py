@@ -1,4 +1,4 @@
-"""``bench/gpu_check.py``'s ``moe`` and ``fp8`` checks at toy sizes on the CPU (Triton
+"""``bench/gpu_check.py``'s ``moe``, ``fp8`` and ``gpt_oss`` checks at toy sizes on the CPU (Triton
 interpreted), run in this process: their rows pass or are information, and the MoE roofline's
 arithmetic."""
 
@@ -35,9 +35,17 @@ def test_moe_roofline_counts_the_experts_a_batch_touches() -> None:
     many = gc.moe_decode_roofline(config, 256, 512, 4.8e12, 989e12)
     # Nearly every expert (~30 B parameters, 61 GB) and 256 x 512 tokens of KV (12.9 GB).
     assert 70e9 < many.bytes < 76e9 and many.bound == "memory"
+    # gpt-oss-20b: its window layers read at most 128 positions of KV.
+    oss = gc.moe_shape(gc.GPT_OSS_20B)
+    assert (oss["num_experts"], oss["moe_intermediate_size"]) == (32, 2880)
+    full = {**oss, "layer_types": ["full_attention"] * 24}
+    kv_per_layer = 256 * 2 * 8 * 64 * 2 * (4096 - 128)  # batch 256: what 12 window layers skip
+    skipped = gc.moe_decode_roofline(full, 256, 4096, 4.8e12, 989e12).bytes - gc.moe_decode_roofline(
+        oss, 256, 4096, 4.8e12, 989e12).bytes  # fmt: skip
+    assert skipped == pytest.approx(12 * kv_per_layer)
 
 
-@pytest.mark.parametrize("check", ["moe", "fp8"])
+@pytest.mark.parametrize("check", ["moe", "fp8", "gpt_oss"])
 def test_cpu_smoke_rows(tmp_path: Path, check: str) -> None:
     gc = _module()
     args = gc.parse_args(["--device", "cpu", "--out", str(tmp_path)])
@@ -49,6 +57,9 @@ def test_cpu_smoke_rows(tmp_path: Path, check: str) -> None:
         assert "moe: fused kernel vs torch, 3 tokens fp8 weights" in names
         assert any(n.startswith("moe: fused vs per-expert loop") for n in names)
         assert "moe: decode b=1 ctx=24 (Qwen3-30B-A3B shape)" in names
+    elif check == "gpt_oss":
+        assert names == ["gpt_oss: decode b=1 ctx=24 (gpt-oss-20b shape)",
+                         "gpt_oss: decode b=2 ctx=24 (gpt-oss-20b shape)"]  # fmt: skip
     else:
         assert "fp8: KV blocks in 8 GiB, fp8 vs bf16" in names
         assert "fp8: decode b=1 ctx=24 fp8 weights (8B shape)" in names

@@ -1,5 +1,6 @@
 """The engine core's KV-cache groups driving the CUDA backend on the CPU: Gemma 3 (five window
-layers per full one) and Mistral (a window on every layer) report per-layer specs, the core
+layers per full one), Mistral (a window on every layer) and gpt-oss (window and full layers
+alternating, with sinks) report per-layer specs, the core
 groups them and releases the window groups' blocks behind the window while requests run (the
 freed blocks go to other requests), and greedy tokens still equal transformers'."""
 
@@ -17,7 +18,7 @@ from engine_core.abc import SlidingWindowSpec, load_tokenizer
 from engine_core.config import EngineConfig
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mistral"])
+@pytest.mark.parametrize("kind", ["gemma3", "mistral", "gpt_oss"])
 def test_window_groups_release_blocks_and_tokens_match_transformers(
     tiny: dict[str, TinyModel], kind: str
 ) -> None:

@@ -98,8 +98,11 @@ def test_an_unsupported_rope_scaling_fails_at_startup(
     tiny: dict[str, TinyModel], tmp_path: Path
 ) -> None:
     directory = _copy(tiny["qwen2"], tmp_path)
+    _edit_config(directory, rope_scaling={"rope_type": "longrope", "factor": 4.0})
+    with pytest.raises(ValueError, match="uses RoPE scaling 'longrope'; supported: default, lin"):
+        _backend(directory)
     _edit_config(directory, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ValueError, match="uses RoPE scaling 'yarn'; supported: default, linear"):
+    with pytest.raises(ValueError, match="YaRN RoPE without a valid original_max_position_emb"):
         _backend(directory)
 
 

@@ -1,9 +1,9 @@
-"""Mistral with its sliding window, Gemma 2 and Gemma 3 through ``LLM(backend="cuda")`` on the
+"""Mistral with its sliding window, Gemma 2, Gemma 3 and gpt-oss (window layers with attention
+sinks; :mod:`test_cuda_gpt_oss` has the rest of it) through ``LLM(backend="cuda")`` on the
 CPU against transformers (float32): greedy tokens identical and logprobs (sampled and prompt)
 within 1e-4, on prompts longer than the window, with chunked prefill across the window's edge,
-prefix-cache hits longer than the window, preemption and the Triton kernels. Every layer reads
-the one full block table (the engine core has one KV-cache group): the window masks make that
-exact. Each model feature is also shown to matter: without it the outputs part from
+prefix-cache hits longer than the window, preemption and the Triton kernels, through the engine
+core's KV-cache groups (window layers' blocks behind the window are released). Each model feature is also shown to matter: without it the outputs part from
 transformers'."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tiny_models import WINDOW, TinyModel, edited_copy
 from engine_core import SamplingParams
 from engine_core.outputs import RequestOutput
 
-WINDOWED = ["mistral", "gemma2", "gemma3"]
+WINDOWED = ["mistral", "gemma2", "gemma3", "gpt_oss"]
 LOGPROB_TOL = 1e-4
 
 
@@ -67,7 +67,7 @@ def test_batched_greedy_and_logprobs_equal_transformers(
     _check(model, outputs)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize("kind", WINDOWED)
 def test_chunked_prefill_across_the_window_edge(tiny: dict[str, TinyModel], kind: str) -> None:
     """Chunks of 6 tokens over blocks of 4 and a window of 8: chunks start inside the window of
     the one before and inside blocks."""
@@ -147,6 +147,8 @@ def _edited(model: TinyModel, tmp_path: Path, changes: dict[str, object]) -> Tin
         ("gemma2", {"query_pre_attn_scalar": 16}),
         ("gemma3", {"rope_local_base_freq": 100000.0}),
         ("gemma3", {"sliding_window_pattern": 2}),
+        ("gpt_oss", {"layer_types": ["full_attention"] * 4}),
+        ("gpt_oss", {"rope_scaling": None}),
     ],
     ids=lambda value: value if isinstance(value, str) else ",".join(value),
 )

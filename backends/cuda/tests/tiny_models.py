@@ -1,5 +1,5 @@
 """Tiny random Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3 and mixture-of-experts (Qwen3-MoE,
-Qwen2-MoE, Mixtral) checkpoints with a trained BPE
+Qwen2-MoE, Mixtral, gpt-oss) checkpoints with a trained BPE
 tokenizer, written as HF directories at test time (no download)."""
 
 from __future__ import annotations
@@ -170,13 +170,23 @@ MOE_KINDS: dict[str, dict[str, Any]] = {
     # Top-2 of 4 (always renormalised), every layer sparse; w1/w3/w2 names.
     "mixtral": {"tie_word_embeddings": False, "rope_theta": 10000.0, "num_local_experts": 4,
                 "num_experts_per_tok": 2, "intermediate_size": 32, "sliding_window": None},
+    # Window and full layers alternating (window first) with attention sinks, QKV and o biases,
+    # YaRN RoPE that matters within 512 positions (truncate off, as gpt-oss), top-2 of 4
+    # experts with router and expert biases; its config.json is rewritten in the published
+    # spelling (rope_theta, rope_scaling, torch_dtype).
+    "gpt_oss": {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": WINDOW,
+                "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                    "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                    "original_max_position_embeddings": 64}},
 }  # fmt: skip
 ALL_KINDS = {**KINDS, **WINDOWED_KINDS, **MOE_KINDS}
 
-PAGES_PER_BLOCK = {"gemma2": 3, "gemma3": 4}
-"""The engine core gives these models' layers KV-cache groups of one layer each (window and full
-layers apart), so one block of pages is this many of the one-group layout's blocks: the tests
-give them that many more blocks for the same KV memory."""
+PAGES_PER_BLOCK = {"gemma2": 3, "gemma3": 4, "gpt_oss": 2}
+"""The engine core splits these models' layers into this many KV-cache groups (window and full
+layers apart; Gemma's of one layer each, gpt-oss's of two), so one block of pages is this many
+of the one-group layout's blocks: the tests give them that many more blocks for the same KV
+memory."""
 
 
 def _hf_model(kind: str) -> torch.nn.Module:
@@ -192,6 +202,7 @@ def _hf_model(kind: str) -> torch.nn.Module:
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }
     config_cls, model_cls = classes[kind]
     config = config_cls(**{**_COMMON, **ALL_KINDS[kind]})
@@ -205,6 +216,8 @@ def _hf_model(kind: str) -> torch.nn.Module:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(norm_base + 0.1 * torch.randn_like(param))
+            elif name.endswith("sinks"):  # large enough to take a share of the softmax
+                param.normal_(0.0, 1.0)
             else:
                 param.normal_(0.0, 0.25 if name.endswith("bias") else 0.12)
     return model
@@ -243,7 +256,7 @@ def build(kind: str, directory: Path) -> torch.nn.Module:
     model = _hf_model(kind)
     model.generation_config.eos_token_id = 1
     model.save_pretrained(directory, max_shard_size="40KB" if kind == "qwen3" else "50GB")
-    if kind == "qwen2":
+    if kind in ("qwen2", "gpt_oss"):
         _to_published_config(directory / "config.json")
     if kind == "gemma3":
         _to_published_gemma3_config(directory / "config.json")

@@ -288,8 +288,9 @@ class MPClient(EngineCoreClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         """Send ``request`` to the engine core. Raises :class:`EngineDeadError` once it died."""
         self._check_usable()
-        self._inbox.track(request.request_id)
         self._send(request)
+        # NOTE: tracking after the send is safe: outputs are routed on this thread only, later.
+        self._inbox.track(request.request_id)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort requests (no output follows for them); a no-op once the engine is gone."""

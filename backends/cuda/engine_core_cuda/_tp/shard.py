@@ -58,6 +58,8 @@ def shard_model_config(config: ModelConfig, size: int) -> ModelConfig:
             )
     if config.quantization is not None and config.quantization.strategy == "block":
         problems.append("block-wise FP8 weights are not sharded (load them on one device)")
+    if config.attention_sinks or (moe is not None and moe.stacked):
+        problems.append("attention sinks and stacked (gpt-oss) experts are not sharded yet")
     if problems:
         raise ValueError(
             f"model: cannot shard {config.architecture} over tensor_parallel_size={size}: "
