@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from engine_core._core.engine_io import EngineStats
+from engine_core._core.engine_io import EngineStats, KVGroupStats
 from engine_core.config import EngineConfig, SpeculativeConfig
 from engine_core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -69,6 +69,9 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "ray_gpus_per_engine": 2,
         "ray_driver_host": "10.0.0.2",
         "placement_timeout_s": 30.0,
+        "dp_restart_wait_s": 20.0,
+        "quantization": "fp8",
+        "kv_cache_dtype": "fp8",
     },
     SpeculativeConfig: {
         "method": "draft_model",
@@ -113,6 +116,7 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "spec_accepted_per_pos": [101, 102],
         "spec_drafted_per_pos": [103, 104],
         "spec_steps_by_k": {0: 105, 4: 106},
+        "kv_groups": [KVGroupStats(kind="sliding_attention", window=107, blocks_in_use=108)],
     },
 }
 """Per struct, keyword arguments that set every field away from its default."""

@@ -12,11 +12,15 @@ Each program reads one row, finds its largest magnitude, and writes the row divi
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["quantize_per_token"]
+__all__ = ["INTERPRETED", "quantize_per_token"]
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
