@@ -8,16 +8,26 @@ the router's cost.
   tokens per second of DP=2, of DP=1 through the data-parallel client and of DP=1 through the
   plain client, interleaved for ``--rounds`` rounds; medians and ratios;
 - (b) the router's cost per decision (block digests of a ``--route-tokens``-token prompt, index
-  walk, decision and the request's end), with 2 and 8 engines whose index holds other prompts.
+  walk, decision and the request's end), with 2 and 8 engines whose index holds other prompts;
+- (c) the chaos drill (only with ``--only c``): DP=``--chaos-engines`` with
+  ``dp_restart_engines`` and ``dp_failover=--chaos-failover``, ``--chaos-requests`` greedy
+  requests of ``--chaos-output-tokens`` tokens submitted at once, while a SIGKILL hits a
+  random live engine every ``--kill-every`` s until they are done (so every engine is often
+  dead at once); each request's tokens are checked against the mock's greedy rule (counting up
+  from the last prompt token). Reported: requests exact / wrong / failed (by error), kills,
+  restarts, the moments no engine was alive, seconds.
 
-Usage: ``python bench/bench_dp.py [--rounds 3] [--only a,b] [--runtime asyncio|trio]
-[--json PATH]``.
+Usage: ``python bench/bench_dp.py [--rounds 3] [--only a,b,c] [--runtime asyncio|trio]
+[--kill-every 0.5] [--chaos-requests 3000] [--json PATH]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import os
 import random
+import signal
 import statistics
 import time
 from typing import Any
@@ -127,6 +137,98 @@ def bench_router(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+async def bench_chaos(args: argparse.Namespace) -> dict[str, Any]:
+    from engine_core._engine.dp.client import DPClient
+
+    engine = AsyncLLM(
+        backend="mock",
+        tokenizer="byte",
+        max_num_seqs=64,
+        data_parallel_size=args.chaos_engines,
+        dp_restart_engines=True,
+        dp_failover=args.chaos_failover,
+        backend_options={"latency": {"step_s": args.chaos_step_s}},
+    )
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=args.chaos_output_tokens,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    rng = random.Random(0)
+    # Last tokens low enough that counting up never wraps around the vocabulary.
+    prompts = [
+        [rng.randrange(1, 200) for _ in range(args.prompt_tokens)]
+        for _ in range(args.chaos_requests)
+    ]
+    outcomes: collections.Counter[str] = collections.Counter()
+    kills = outages = 0
+    done = anyio.Event()
+
+    async def run(prompt: list[int]) -> None:
+        tokens: list[int] = []
+        try:
+            async for out in engine.generate({"prompt_token_ids": prompt}, params):
+                tokens += out.outputs[0].token_ids
+        except Exception as exc:
+            outcomes[f"{type(exc).__name__}: {str(exc)[:80]}"] += 1
+            return
+        first = prompt[-1] + 1
+        exact = tokens == list(range(first, first + args.chaos_output_tokens))
+        outcomes["exact" if exact else "wrong"] += 1
+
+    async def chaos(client: DPClient) -> None:
+        nonlocal kills, outages
+        kill_rng = random.Random(1)
+        while not done.is_set():
+            with anyio.move_on_after(args.kill_every):
+                await done.wait()
+            if done.is_set():
+                return
+            alive = [e["pid"] for e in client.engine_status() if e["alive"] and e["pid"]]
+            if not alive:
+                outages += 1
+                continue
+            try:
+                os.kill(kill_rng.choice(alive), signal.SIGKILL)
+                kills += 1
+            except ProcessLookupError:
+                pass
+
+    async with engine:
+        client = engine._client
+        assert isinstance(client, DPClient)
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(chaos, client)
+            async with anyio.create_task_group() as requests:
+                for prompt in prompts:
+                    requests.start_soon(run, prompt)
+            done.set()
+        seconds = time.perf_counter() - start
+        restarts = sum(client.metrics.engine_restarts)
+        dead = engine.dead_error
+    result = {
+        "requests": args.chaos_requests,
+        "outcomes": dict(outcomes),
+        "kills": kills,
+        "restarts": restarts,
+        "ticks_with_no_engine_alive": outages,
+        "seconds": seconds,
+        "deployment_dead": None if dead is None else str(dead),
+    }
+    failed = args.chaos_requests - outcomes["exact"]
+    print(
+        f"(c) chaos, DP={args.chaos_engines}, a SIGKILL every {args.kill_every} s, restarts on, "
+        f"dp_failover={args.chaos_failover}: {outcomes['exact']} of {args.chaos_requests} "
+        f"exact, {failed} not; {kills} kills, {restarts} restarts, no engine alive at "
+        f"{outages} ticks; {seconds:.1f} s; deployment dead: {result['deployment_dead']}"
+    )
+    for outcome, count in sorted(outcomes.items(), key=lambda item: -item[1]):
+        print(f"    {count:>6}  {outcome}")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
@@ -139,6 +241,12 @@ def main() -> None:
     parser.add_argument("--only", default="a,b")
     parser.add_argument("--configs", default="dp2,dp1_dp_client,dp1_plain")
     parser.add_argument("--runtime", choices=["asyncio", "trio"], default="asyncio")
+    parser.add_argument("--kill-every", type=float, default=0.5, help="(c) seconds between kills")
+    parser.add_argument("--chaos-requests", type=int, default=3000)
+    parser.add_argument("--chaos-output-tokens", type=int, default=32)
+    parser.add_argument("--chaos-engines", type=int, default=2)
+    parser.add_argument("--chaos-step-s", type=float, default=0.01)
+    parser.add_argument("--chaos-failover", choices=["retry", "fail", "resume"], default="resume")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     print(machine_line())
@@ -148,6 +256,8 @@ def main() -> None:
         results["throughput"] = anyio.run(bench_throughput, args, backend=args.runtime)
     if "b" in only:
         results["router"] = bench_router(args)
+    if "c" in only:
+        results["chaos"] = anyio.run(bench_chaos, args, backend=args.runtime)
     write_results(args.json, results)
 
 

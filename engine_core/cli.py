@@ -350,9 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-alive-timeout",
         type=float,
-        default=5.0,
+        default=65.0,
         metavar="S",
-        help="close a connection that waits this long for a request (default 5)",
+        help="close a connection that waits this long for its next request (default 65: longer "
+        "than clients' and load balancers' idle expiry; before its first request the "
+        "header timeout applies if shorter)",
     )
     p.add_argument(
         "--header-timeout",

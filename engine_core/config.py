@@ -243,7 +243,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     started end with a retryable error naming the engine, except that ``"resume"`` continues
     greedy ones on another engine from the tokens already streamed."""
     dp_restart_engines: bool = False
-    """Restart a dead engine (with backoff) and let it rejoin."""
+    """Restart a dead engine (with backoff) and let it rejoin. While every engine is dead and
+    one is restarting, requests wait for it (``dp_restart_wait_s``) instead of failing:
+    :class:`~engine_core.errors.EngineDeadError` only once no restart is left."""
+    dp_restart_wait_s: float = 60.0
+    """With ``dp_restart_engines``: how long a request waits for an engine while every engine
+    is dead (then it ends with a retryable error)."""
     data_parallel_backend: Literal["mp", "ray"] = "mp"
     """Where the engines run: ``"mp"``, child processes of the front end on this machine;
     ``"ray"``, one Ray actor per engine, each in its own placement group, on the nodes of a Ray
@@ -309,6 +314,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"backend must be a non-empty name, got {self.backend!r}")
         _positive("block_size", self.block_size, allow_none=False, integer=True)
+        _positive("dp_restart_wait_s", self.dp_restart_wait_s, allow_none=False)
         _positive("num_kv_blocks", self.num_kv_blocks, integer=True)
         _positive("max_model_len", self.max_model_len, integer=True)
         _positive("max_num_seqs", self.max_num_seqs, allow_none=False, integer=True)

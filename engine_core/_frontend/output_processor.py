@@ -291,8 +291,8 @@ class OutputProcessor:
             metrics.spec_num_drafts += fin.spec_num_drafts
             metrics.spec_num_draft_tokens += fin.spec_num_draft_tokens
             metrics.spec_num_accepted_tokens += fin.spec_num_accepted_tokens
+        detokenizer = completion.detokenizer
         if token_ids:
-            detokenizer = completion.detokenizer
             before = detokenizer.num_tokens
             stop = detokenizer.update(
                 token_ids, fin is not None and fin.finish_reason == "stop" and fin.error is None
@@ -315,8 +315,10 @@ class OutputProcessor:
             step_logprobs = self._logprobs(completion, entries, len(token_ids)) if entries else []
         finished = completion.finish_reason is not None
         if finished:
+            detokenizer.finish()
             self._completion_done(completion, step.now)
-        output = completion_output(completion, token_ids, step_logprobs, finished)
+        text = detokenizer.take(finished)
+        output = completion_output(completion, text, token_ids, step_logprobs, finished)
         if output is not None:
             state = completion.request
             if state.n == 1:

@@ -123,15 +123,13 @@ def request_output(state: RequestState, outputs: list[CompletionOutput]) -> Requ
 
 def completion_output(
     completion: CompletionState,
+    text: str,
     token_ids: list[int],
     step_logprobs: list[PositionLogprobs] | None,
     finished: bool,
 ) -> CompletionOutput | None:
-    """What one step changed of a completion, as its output kind shows it (None: nothing to
-    show yet). Costs the step's tokens, whatever came before."""
-    if finished:
-        completion.detokenizer.finish()
-    text = completion.detokenizer.take(finished)
+    """What one step changed of a completion (its new ``text`` and ``token_ids``), as its output
+    kind shows it (None: nothing to show yet). Costs the step's tokens, whatever came before."""
     if completion.request.kind != _FINAL_ONLY:
         return CompletionOutput(
             completion.index,

@@ -65,9 +65,12 @@ class ServerSettings:
     max_request_body_bytes: int = 16 << 20
     health_timeout_s: float = 5.0
     """``/health`` answers 503 when the engine does not answer within this time."""
-    keep_alive_timeout_s: float = 5.0
-    """A connection that waits for a request (before its first, between two) is closed after
-    this long."""
+    keep_alive_timeout_s: float = 65.0
+    """A connection that waits for its next request is closed after this long (before its
+    first request: after ``header_timeout_s`` at most). Longer than the idle expiry of common
+    clients (httpx and the OpenAI Python SDK 5 s, Node's fetch 4 s, aiohttp 15 s) and of common load
+    balancers (60 s): they end an idle connection before the server does, so a request of
+    theirs never meets a connection the server is closing."""
     header_timeout_s: float = 10.0
     """A request's headers must be in within this long of its first byte, or its connection
     is closed."""

@@ -4,10 +4,13 @@ headers, and how many the server holds at once.
 Both HTTP servers keep their connections through a :class:`ConnectionGuard` (uvicorn in
 ``_uvicorn``, hypercorn in ``_hypercorn``):
 
-- a connection waiting for a request (before its first, between two) is closed after
-  ``keep_alive_timeout_s``; one whose request has begun is closed unless the request's headers
-  are complete within ``header_timeout_s`` of its first byte (the body's deadline is the
-  app's: ``_request_guard``);
+- a connection waiting for a request is closed after ``keep_alive_timeout_s`` between two
+  requests, and after no more than ``header_timeout_s`` before its first (a client that
+  connects sends at once; one that keeps a connection for later may idle up to its own idle
+  expiry, which the keep-alive outlasts: then the client, not the server, ends the connection,
+  and never while a request of its own is on the way); one whose request has begun is closed
+  unless the request's headers are complete within ``header_timeout_s`` of its first byte (the
+  body's deadline is the app's: ``_request_guard``);
 - past ``max_connections``, a new connection first takes the place of the connection that has
   waited longest for a request; when every connection is in a request, it is answered
   ``503`` (OpenAI's error shape, ``Retry-After``) and closed. So the process never runs out of
@@ -79,6 +82,12 @@ class ConnectionLimits:
     keep_alive_timeout_s: float
     header_timeout_s: float
     max_connections: int
+
+    def request_wait_s(self, first: bool) -> float:
+        """How long a connection may wait for a request: its ``first``, or the next one."""
+        if first:
+            return min(self.keep_alive_timeout_s, self.header_timeout_s)
+        return self.keep_alive_timeout_s
 
 
 class ConnectionGuard:

@@ -6,10 +6,22 @@ hypercorn's per-connection ``TCPServer`` from its own accept loop instead, so th
 admits or refuses each connection, and overrides two of its methods:
 
 - ``_idle_timeout`` (the task hypercorn runs while the connection waits for a request, and stops
-  once a request's headers are in) closes the connection at the guard's deadlines, or when the
-  guard evicts it, or when the server stops;
-- ``_read_data`` moves that deadline from ``keep_alive_timeout_s`` to ``header_timeout_s`` when
-  a request's first bytes come in.
+  once a request's headers are in) closes the connection at the guard's deadlines
+  (:meth:`ConnectionLimits.request_wait_s`), or when the guard evicts it, or when the server
+  stops;
+- ``_read_data`` moves that deadline to ``header_timeout_s`` when a request's first bytes come
+  in.
+
+A request that comes in as the idle deadline passes is answered, not dropped. Hypercorn's own
+``_idle_timeout`` closes the connection once its deadline has passed even when the request's
+bytes are already in (the loop was busy: the deadline and the bytes are seen in the same turn,
+and the reading task then moves a deadline that has already fired), and it closes through
+several awaits, during which a client that checked the connection sends its request into a
+connection being closed. Here the deadline's end first looks whether a request has begun (read,
+or waiting in the socket or the stream's buffer): then the connection waits for its headers
+instead; else the connection's writing side is shut at once, in the same step as that look, so
+a client sees the end of the connection before it can send (what it sends after the end is its
+own race, which a keep-alive longer than the client's idle expiry avoids: the default).
 
 The guard's bookkeeping is the same under both runtimes (``_KeptConnection``); only the deadline
 (a trio cancel scope, an asyncio timeout) and the reading differ.
@@ -21,6 +33,9 @@ app has no startup or shutdown of its own).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import select
+import socket
 import ssl
 import time
 from collections.abc import Callable
@@ -88,6 +103,11 @@ class _KeptConnection:
         """The wait for a request under way (a trio cancel scope, an asyncio timeout), while
         there is one."""
         self.first_byte_pending = False
+        self.served = False
+        """Whether a request has begun on the connection."""
+        self.stop_waiting: Callable[[], None] | None = None
+        """Ends the wait for a request (or for its headers) under way at once: the connection
+        then closes."""
 
     async def run_kept(self, live: set[Any]) -> None:
         """Run the connection (admitted by the guard), in ``live`` while it runs; the guard
@@ -106,23 +126,52 @@ class _KeptConnection:
         self.deadline = deadline
         self.first_byte_pending = True
         self.guard.waiting(self, expire)
+        self.stop_waiting = expire
         try:
             await self.context.terminated.wait()
         finally:
+            self.stop_waiting = None
             if self.deadline is deadline:  # not yet replaced by the next wait
                 self.deadline = None
                 self.guard.busy(self)
+
+    def _peer_closed(self) -> None:
+        """The client ended the connection: a wait for its request ends now (hypercorn's
+        connection ends only once its idle task has)."""
+        if self.stop_waiting is not None:
+            self.stop_waiting()
 
     def _request_begins(self) -> None:
         deadline = self.deadline
         if deadline is not None and self.first_byte_pending:
             self.first_byte_pending = False
+            self.served = True
             self.guard.busy(self)
             self._move_deadline(deadline, self.guard.limits.header_timeout_s)
 
     def _move_deadline(self, deadline: Any, seconds: float) -> None:
-        """Set ``deadline`` to ``seconds`` from now."""
+        """Set ``deadline`` to ``seconds`` from now (nothing when it has already passed)."""
         raise NotImplementedError
+
+    def _request_arrived(self) -> bool:
+        """Whether a request has begun on the connection: its first bytes read, or waiting to
+        be read."""
+        arrived = not self.first_byte_pending or self._bytes_waiting()
+        self.served |= arrived
+        return arrived
+
+    def _bytes_waiting(self) -> bool:
+        """Whether bytes (or the end of the connection) wait to be read."""
+        raise NotImplementedError
+
+
+def _readable(fileno: int) -> bool:
+    """Whether the socket ``fileno`` has bytes (or its end) to read, now."""
+    if fileno < 0:
+        return False
+    poller = select.poll()
+    poller.register(fileno, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 # -- trio ----------------------------------------------------------------------------------------
@@ -200,14 +249,40 @@ def _trio_connection_class() -> type[Any]:
         """Hypercorn's trio connection, kept by ``guard``."""
 
         async def _idle_timeout(self) -> None:
-            deadline = trio.current_time() + self.guard.limits.keep_alive_timeout_s
+            limits = self.guard.limits
+            evicted = False
+            deadline = trio.current_time() + limits.request_wait_s(first=not self.served)
             with trio.CancelScope(deadline=deadline) as scope:
-                await self._wait_for_request(scope, scope.cancel)
+
+                def expire() -> None:
+                    nonlocal evicted
+                    evicted = True
+                    scope.cancel()
+
+                await self._wait_for_request(scope, expire)
+            if not evicted and self._request_arrived():
+                # Came in as the deadline passed: the request's headers have their own.
+                with trio.move_on_after(limits.header_timeout_s) as headers:
+                    self.stop_waiting = headers.cancel
+                    try:
+                        await self.context.terminated.wait()
+                    finally:
+                        self.stop_waiting = None
+            # When nothing came, in the same step as the look: the client sees the end before
+            # it can send.
+            with contextlib.suppress(OSError, AttributeError):
+                self.stream.socket.shutdown(socket.SHUT_WR)
             with trio.CancelScope(shield=True):
                 await self._initiate_server_close()
 
         def _move_deadline(self, scope: trio.CancelScope, seconds: float) -> None:
             scope.deadline = trio.current_time() + seconds
+
+        def _bytes_waiting(self) -> bool:
+            try:
+                return _readable(self.stream.socket.fileno())
+            except (OSError, AttributeError):
+                return False
 
         async def _read_data(self) -> None:
             while True:
@@ -220,6 +295,7 @@ def _trio_connection_class() -> type[Any]:
                 await self.protocol.handle(RawData(bytes(data)))
                 if not data:
                     break
+            self._peer_closed()
             await self.protocol.handle(Closed())
 
     return Connection
@@ -299,19 +375,50 @@ def _asyncio_connection_class() -> type[Any]:
 
         async def _idle_timeout(self) -> None:
             loop = asyncio.get_running_loop()
+            limits = self.guard.limits
+            evicted = False
             try:
-                async with asyncio.timeout(self.guard.limits.keep_alive_timeout_s) as timeout:
+                wait_s = limits.request_wait_s(first=not self.served)
+                async with asyncio.timeout(wait_s) as timeout:
 
                     def expire() -> None:
-                        timeout.reschedule(loop.time())
+                        nonlocal evicted
+                        evicted = True
+                        if not timeout.expired():
+                            timeout.reschedule(loop.time())
 
                     await self._wait_for_request(timeout, expire)
             except TimeoutError:
                 pass
+            if not evicted and self._request_arrived():
+                # Came in as the deadline passed: the request's headers have their own.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(limits.header_timeout_s) as headers:
+                        self.stop_waiting = lambda: (
+                            None if headers.expired() else headers.reschedule(loop.time())
+                        )
+                        try:
+                            await self.context.terminated.wait()
+                        finally:
+                            self.stop_waiting = None
+            # When nothing came, in the same step as the look: the client sees the end before
+            # it can send.
+            if self.writer.can_write_eof() and not self.writer.is_closing():
+                with contextlib.suppress(OSError, RuntimeError):
+                    self.writer.write_eof()
             await asyncio.shield(self._initiate_server_close())
 
         def _move_deadline(self, timeout: asyncio.Timeout, seconds: float) -> None:
-            timeout.reschedule(asyncio.get_running_loop().time() + seconds)
+            if not timeout.expired():  # once fired, _idle_timeout sees the request begun
+                timeout.reschedule(asyncio.get_running_loop().time() + seconds)
+
+        def _bytes_waiting(self) -> bool:
+            # Bytes the transport has read are in the reader's buffer until the reading task
+            # runs; the rest are in the socket.
+            if getattr(self.reader, "_buffer", None):
+                return True
+            sock = self.writer.get_extra_info("socket")
+            return sock is not None and _readable(sock.fileno())
 
         async def _read_data(self) -> None:
             while not self.reader.at_eof():
@@ -322,6 +429,7 @@ def _asyncio_connection_class() -> type[Any]:
                 if data:
                     self._request_begins()
                 await self.protocol.handle(RawData(data))
+            self._peer_closed()
             await self.protocol.handle(Closed())
 
     return Connection

@@ -6,9 +6,9 @@ connection it has already taken. Its HTTP protocol class is a setting, so the gu
 subclass of uvicorn's httptools protocol:
 
 - ``connection_made`` asks the guard to admit the connection, and refuses it otherwise;
-- the connection's one timer closes it ``keep_alive_timeout_s`` after it began to wait for a
-  request (connected, or its last response out), or ``header_timeout_s`` after a request's
-  first byte unless the headers are in by then;
+- the connection's one timer closes it when it has waited too long for a request (connected:
+  ``header_timeout_s`` at most; its last response out: ``keep_alive_timeout_s``), or
+  ``header_timeout_s`` after a request's first byte unless the headers are in by then;
 - a response that goes out before its request's body was read (an error, a timeout) closes the
   connection: the rest of that body would otherwise trickle in unbounded.
 """
@@ -97,7 +97,7 @@ def protocol_class(guard: ConnectionGuard) -> Any:
                 return
             self._admitted = True
             super().connection_made(transport)
-            self._wait_for_request()
+            self._wait_for_request(first=True)
 
         def data_received(self, data: bytes) -> None:
             if self._admitted:
@@ -143,9 +143,9 @@ def protocol_class(guard: ConnectionGuard) -> Any:
             if not self.transport.is_closing():
                 self.transport.close()
 
-        def _wait_for_request(self) -> None:
+        def _wait_for_request(self, first: bool = False) -> None:
             self._cancel_timer()
-            self._timer = self.loop.call_later(limits.keep_alive_timeout_s, self._close)
+            self._timer = self.loop.call_later(limits.request_wait_s(first), self._close)
             guard.waiting(self, self._close)
 
         # -- parser callbacks ---------------------------------------------------------------------

@@ -17,6 +17,9 @@ parametrized tests; :func:`check_backend` runs them all.
 The checks assume nothing about which tokens a model produces, only that greedy decoding is
 deterministic: a sequence gets the same next token alone or in a batch, whether its prompt was
 chunked, its prefix came from the prefix cache, or it was preempted and resumed.
+
+A backend with tensor parallelism also runs :func:`check_worker_death` (async: the engine in
+its own process, a worker killed while a request decodes), at the engine's level.
 """
 
 from __future__ import annotations
@@ -38,5 +41,6 @@ from engine_core.testing.conformance import check_prefill_chunks as check_prefil
 from engine_core.testing.conformance import check_prefix_caching as check_prefix_caching
 from engine_core.testing.conformance import check_spec_decode as check_spec_decode
 from engine_core.testing.conformance import check_startup as check_startup
+from engine_core.testing.tp import check_worker_death as check_worker_death
 
-__all__ = _conformance.__all__
+__all__ = [*_conformance.__all__, "check_worker_death"]

@@ -8,10 +8,11 @@ import statistics
 import time
 
 import pytest
+from helpers.core import make_scheduler
 
 from engine_core._core.drafts import DraftPlanner, check_verified
 from engine_core._core.request import Request, RequestStatus
-from engine_core._core.scheduler import Scheduler, SchedulerConfig
+from engine_core._core.scheduler import Scheduler
 from engine_core._core.spec_policy import CostModel, SpecPolicy
 from engine_core.abc import ModelRunnerOutput, SpecSupport, StepCostModel
 from engine_core.config import SpeculativeConfig
@@ -196,7 +197,7 @@ def test_requests_alike_share_one_estimate_and_different_ones_keep_theirs() -> N
 
 
 def test_a_step_with_nobody_decoding_decides_from_the_requests_that_sample() -> None:
-    scheduler = make_scheduler(k=3, method="scripted", dynamic=True)
+    scheduler = spec_scheduler(k=3, method="scripted", dynamic=True)
     add(scheduler, "r", COPY[:15])
     out = scheduler.schedule()  # nobody decodes yet: decided from r alone (a batch of 1)
     assert scheduler.draft_planner is not None and scheduler.draft_planner.k == 3
@@ -206,7 +207,7 @@ def test_a_step_with_nobody_decoding_decides_from_the_requests_that_sample() -> 
 # -- the scheduler's accounting --------------------------------------------------------------------
 
 
-def make_scheduler(
+def spec_scheduler(
     *,
     k: int = 3,
     min_n: int = 2,
@@ -214,18 +215,11 @@ def make_scheduler(
     method: str = "ngram",
     lookahead_per_draft: int = 0,
     num_blocks: int = 100,
-    max_num_batched_tokens: int = 8192,
-    max_model_len: int = 8192,
-    enable_prefix_caching: bool = True,
     cost: tuple[float, float] = (A, B),
+    **config: object,
 ) -> Scheduler:
-    config = SchedulerConfig(
-        max_num_seqs=16,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        block_size=BLOCK_SIZE,
-        enable_prefix_caching=enable_prefix_caching,
-    )
+    """A scheduler (``make_scheduler``'s ``config``) whose drafts come from a scripted proposer
+    of up to ``k`` drafts."""
     support = SpecSupport(
         proposers=["scripted"],
         lookahead_per_draft=lookahead_per_draft,
@@ -234,7 +228,11 @@ def make_scheduler(
     spec = SpeculativeConfig(
         method=method, num_speculative_tokens=k, dynamic=dynamic, prompt_lookup_min=min_n
     )
-    return Scheduler(config, num_blocks, DraftPlanner(spec, support))
+    return make_scheduler(
+        num_blocks=num_blocks,
+        draft_planner=DraftPlanner(spec, support),
+        **config,  # type: ignore[arg-type]
+    )
 
 
 def add(scheduler: Scheduler, request_id: str, prompt: list[int], **params: object) -> Request:
@@ -261,7 +259,7 @@ def prefill(scheduler: Scheduler, token: int = 10) -> None:
 
 
 def test_drafts_count_in_the_budget_and_the_step_lowers_k_to_serve_everyone() -> None:
-    scheduler = make_scheduler(k=3, min_n=1, max_num_batched_tokens=9)
+    scheduler = spec_scheduler(k=3, min_n=1, max_num_batched_tokens=9)
     for i in range(3):
         add(scheduler, f"r{i}", COPY[:3])
     prefill(scheduler, 10)
@@ -273,7 +271,7 @@ def test_drafts_count_in_the_budget_and_the_step_lowers_k_to_serve_everyone() ->
 
 
 def test_kv_is_reserved_for_the_drafts_and_the_lookahead_then_rolled_back() -> None:
-    scheduler = make_scheduler(k=3, method="scripted", lookahead_per_draft=1)
+    scheduler = spec_scheduler(k=3, method="scripted", lookahead_per_draft=1)
     request = add(scheduler, "r", COPY[:15])
     out = scheduler.schedule()
     # The backend drafts for its next step (k + 1: the extra one scores the bonus token).
@@ -301,7 +299,7 @@ def test_kv_is_reserved_for_the_drafts_and_the_lookahead_then_rolled_back() -> N
 
 def test_a_probe_asks_a_backend_drafter_and_reserves_its_lookahead() -> None:
     # A token costs 100 times a step's fixed part: drafts never pay, so k stays 0.
-    scheduler = make_scheduler(
+    scheduler = spec_scheduler(
         k=3, method="scripted", dynamic=True, lookahead_per_draft=1, cost=(1e-3, 1e-1)
     )
     request = add(scheduler, "r", COPY[:12], max_tokens=200)
@@ -330,7 +328,7 @@ def test_a_probe_asks_a_backend_drafter_and_reserves_its_lookahead() -> None:
 
 
 def test_a_drafters_drafts_are_used_only_where_they_continue_the_sequence() -> None:
-    scheduler = make_scheduler(k=3, method="scripted")
+    scheduler = spec_scheduler(k=3, method="scripted")
     request = add(scheduler, "r", COPY[:15])
     out = scheduler.schedule()
     scheduler.update_from_output(out, ModelRunnerOutput(["r"], [[15]], draft_token_ids=[[16] * 4]))
@@ -344,7 +342,7 @@ def test_a_drafters_drafts_are_used_only_where_they_continue_the_sequence() -> N
 
 
 def test_only_verified_tokens_enter_the_prefix_cache() -> None:
-    scheduler = make_scheduler(k=3)
+    scheduler = spec_scheduler(k=3)
     request = add(scheduler, "r", COPY[:14])
     prefill(scheduler, 14)
     out = scheduler.schedule()
@@ -361,7 +359,7 @@ def test_only_verified_tokens_enter_the_prefix_cache() -> None:
 
 
 def test_drafts_never_run_past_max_tokens_or_max_model_len() -> None:
-    scheduler = make_scheduler(k=3, max_model_len=40)
+    scheduler = spec_scheduler(k=3, max_model_len=40)
     add(scheduler, "short", COPY[:20], max_tokens=3)
     add(scheduler, "long", COPY[:37], max_tokens=50)
     out = scheduler.schedule()
@@ -373,7 +371,7 @@ def test_drafts_never_run_past_max_tokens_or_max_model_len() -> None:
 
 
 def test_a_stop_among_accepted_tokens_ends_the_request_there() -> None:
-    scheduler = make_scheduler(k=3)
+    scheduler = spec_scheduler(k=3)
     request = add(scheduler, "r", COPY[:14], stop_token_ids=[15])
     prefill(scheduler, 14)
     out = scheduler.schedule()
@@ -386,7 +384,7 @@ def test_a_stop_among_accepted_tokens_ends_the_request_there() -> None:
 
 
 def test_max_tokens_among_accepted_tokens_ends_the_request_there() -> None:
-    scheduler = make_scheduler(k=3)
+    scheduler = spec_scheduler(k=3)
     add(scheduler, "r", COPY[:14], max_tokens=3, min_tokens=0)
     prefill(scheduler, 14)
     out = scheduler.schedule()
@@ -397,7 +395,7 @@ def test_max_tokens_among_accepted_tokens_ends_the_request_there() -> None:
 
 
 def test_a_preempted_request_drops_its_drafts_and_resumes_without_them() -> None:
-    scheduler = make_scheduler(k=3, num_blocks=3)
+    scheduler = spec_scheduler(k=3, num_blocks=3)
     first = add(scheduler, "a", COPY[:15])
     second = add(scheduler, "b", COPY[:15])
     prefill(scheduler, 15)
@@ -415,7 +413,7 @@ def test_a_preempted_request_drops_its_drafts_and_resumes_without_them() -> None
 
 
 def test_a_backend_returning_what_no_verifier_could_is_an_error() -> None:
-    scheduler = make_scheduler(k=3)
+    scheduler = spec_scheduler(k=3)
     add(scheduler, "r", COPY[:14])
     prefill(scheduler, 14)
     out = scheduler.schedule()
@@ -424,7 +422,7 @@ def test_a_backend_returning_what_no_verifier_could_is_an_error() -> None:
 
 
 def test_two_tokens_without_drafts_are_an_error() -> None:
-    scheduler = make_scheduler(k=3)
+    scheduler = spec_scheduler(k=3)
     add(scheduler, "r", [1, 2, 3])
     out = scheduler.schedule()
     with pytest.raises(BackendError, match="returned 2 tokens for a step without drafts"):
@@ -432,7 +430,7 @@ def test_two_tokens_without_drafts_are_an_error() -> None:
 
 
 def test_an_abort_while_the_step_runs_leaves_nothing_behind() -> None:
-    scheduler = make_scheduler(k=3)
+    scheduler = spec_scheduler(k=3)
     add(scheduler, "r", COPY[:14])
     prefill(scheduler, 14)
     out = scheduler.schedule()

@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+from helpers.core import make_request
+
 from engine_core._core.block_pool import KVCacheBlock
 from engine_core._core.kv_cache_manager import KVCacheManager
 from engine_core._core.request import Request
@@ -18,19 +20,6 @@ from engine_core.sampling_params import SamplingParams
 BLOCK_SIZE = 16
 PREFIX = [0] * 16 + [1] * 16 + [2] * 16  # three full blocks
 MAX_MODEL_LEN = 1 << 20
-
-
-def make_request(
-    request_id: str, prompt: list[int], *, cache_salt: str | None = None, hash_blocks: bool = True
-) -> Request:
-    return Request(
-        request_id,
-        prompt,
-        SamplingParams(),
-        block_size=BLOCK_SIZE,
-        cache_salt=cache_salt,
-        hash_blocks=hash_blocks,
-    )
 
 
 def admit(kv: KVCacheManager, request: Request) -> int:

@@ -3,8 +3,11 @@ release while running, prefix hits as a fixed point over groups, sizing per grou
 
 from __future__ import annotations
 
+import functools
+
 import msgspec
 import pytest
+from helpers.core import make_request as _make_request
 
 from engine_core._core.kv_cache_manager import NULL_BLOCK, GroupedKVCacheManager
 from engine_core._core.kv_groups import KVLayout, plan_kv_layout
@@ -20,6 +23,7 @@ from engine_core.abc import (
 from engine_core.sampling_params import SamplingParams
 
 BS = 4
+make_request = functools.partial(_make_request, block_size=BS)
 GEOM = {"num_kv_heads": 2, "head_size": 8, "dtype_bytes": 2}
 
 
@@ -109,10 +113,6 @@ def test_sizing_per_group() -> None:
 
 
 # -- the manager --------------------------------------------------------------------------------
-
-
-def make_request(request_id: str, prompt: list[int]) -> Request:
-    return Request(request_id, prompt, SamplingParams(), block_size=BS)
 
 
 def manager(layout: KVLayout, num_blocks: int = 64) -> GroupedKVCacheManager:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from helpers.core import make_request
 
 from engine_core._core.block_hash import NONE_HASH, block_keys, extra_key_bytes
 from engine_core._core.request import (
@@ -39,22 +40,6 @@ EXPECTED_TRANSITIONS = {
     (S.PREEMPTED, S.FINISHED_ABORTED),
     (S.PREEMPTED, S.FINISHED_ERROR),
 }
-
-
-def make_request(
-    prompt: list[int] | None = None,
-    *,
-    request_id: str = "r",
-    params: SamplingParams | None = None,
-    **kwargs: object,
-) -> Request:
-    return Request(
-        request_id,
-        list(range(10)) if prompt is None else prompt,
-        params or SamplingParams(),
-        block_size=BLOCK_SIZE,
-        **kwargs,  # type: ignore[arg-type]
-    )
 
 
 # -- RequestStatus --------------------------------------------------------------------------------
@@ -137,7 +122,7 @@ def test_full_life_cycle() -> None:
 
 
 def test_counters_follow_appended_tokens() -> None:
-    request = make_request([5, 6, 7])
+    request = make_request(prompt=[5, 6, 7])
     assert request.num_prompt_tokens == 3
     assert request.num_tokens == 3
     assert request.num_output_tokens == 0
@@ -189,7 +174,7 @@ def test_stop_tokens_wait_for_min_tokens_and_ignore_eos_drops_eos() -> None:
 def test_length_caps_max_tokens_and_max_model_len() -> None:
     request = make_request(params=SamplingParams(max_tokens=2))
     assert append_all(request, [7, 8]) == [None, S.FINISHED_LENGTH_CAPPED]
-    request = make_request(list(range(10)), params=SamplingParams(max_tokens=100))
+    request = make_request(prompt=list(range(10)), params=SamplingParams(max_tokens=100))
     assert append_all(request, [7, 8], max_model_len=12) == [None, S.FINISHED_LENGTH_CAPPED]
 
 
@@ -200,14 +185,14 @@ def test_a_stop_token_wins_over_the_length_cap_on_the_same_token() -> None:
 
 def test_prompt_is_copied() -> None:
     prompt = [1, 2, 3]
-    request = make_request(prompt)
+    request = make_request(prompt=prompt)
     request.append_output_token(4, MAX_MODEL_LEN)
     assert prompt == [1, 2, 3]
 
 
 def test_max_tokens_override_and_unlimited() -> None:
     assert make_request(params=SamplingParams(max_tokens=7)).max_tokens == 7
-    assert make_request(params=SamplingParams(max_tokens=7), max_tokens=3).max_tokens == 3
+    assert make_request(params=SamplingParams(max_tokens=7), request_max_tokens=3).max_tokens == 3
     assert make_request(params=SamplingParams(max_tokens=None)).max_tokens == 1 << 62
     assert make_request(params=SamplingParams(min_tokens=4)).min_tokens == 4
 
@@ -239,14 +224,14 @@ def test_priority_order() -> None:
 
 
 def test_only_full_blocks_are_keyed() -> None:
-    assert len(make_request(list(range(15))).block_keys) == 0
-    assert len(make_request(list(range(16))).block_keys) == 1
-    assert len(make_request(list(range(55))).block_keys) == 3
+    assert len(make_request(prompt=list(range(15))).block_keys) == 0
+    assert len(make_request(prompt=list(range(16))).block_keys) == 1
+    assert len(make_request(prompt=list(range(55))).block_keys) == 3
 
 
 def test_key_layout_parent_digest_tokens_and_salt() -> None:
     prompt = list(range(40))
-    keys = make_request(prompt, cache_salt="s1").block_keys
+    keys = make_request(prompt=prompt, cache_salt="s1").block_keys
     assert len(keys) == 2
     salt = extra_key_bytes("s1")
     assert salt == b"\x00salt\x00s1"
@@ -256,7 +241,7 @@ def test_key_layout_parent_digest_tokens_and_salt() -> None:
     assert keys[0].endswith(salt)
     assert len(keys[1]) == 16 + 16 * 4
     assert salt not in keys[1]
-    unsalted = make_request(prompt).block_keys
+    unsalted = make_request(prompt=prompt).block_keys
     # Block 1 holds the same tokens but a different parent, so the salt reaches it too.
     assert keys[0][16 : -len(salt)] == unsalted[0][16:]
     assert keys[1][16:] == unsalted[1][16:]
@@ -264,8 +249,8 @@ def test_key_layout_parent_digest_tokens_and_salt() -> None:
 
 
 def test_chained_keys_fingerprint_the_prefix() -> None:
-    a = make_request([1] * 16 + [2] * 16).block_keys
-    b = make_request([9] * 16 + [2] * 16).block_keys
+    a = make_request(prompt=[1] * 16 + [2] * 16).block_keys
+    b = make_request(prompt=[9] * 16 + [2] * 16).block_keys
     assert a[0] != b[0]
     assert a[1][16:] == b[1][16:]  # same tokens in block 1 ...
     assert a[1] != b[1]  # ... but a different prefix
@@ -273,13 +258,13 @@ def test_chained_keys_fingerprint_the_prefix() -> None:
 
 def test_keys_grow_as_output_tokens_fill_blocks() -> None:
     prompt = list(range(100, 130))
-    request = make_request(prompt, cache_salt="x")
+    request = make_request(prompt=prompt, cache_salt="x")
     assert len(request.block_keys) == 1
     outputs = list(range(500, 540))
     for n, token in enumerate(outputs, start=1):
         request.append_output_token(token, MAX_MODEL_LEN)
         assert len(request.block_keys) == (30 + n) // BLOCK_SIZE
-    reference = make_request(prompt + outputs, cache_salt="x").block_keys
+    reference = make_request(prompt=prompt + outputs, cache_salt="x").block_keys
     assert request.block_keys == reference
     assert len(reference) == 4
 
@@ -295,7 +280,7 @@ def test_block_keys_incremental_matches_whole() -> None:
 
 
 def test_no_keys_without_hashing() -> None:
-    request = make_request(list(range(40)), hash_blocks=False)
+    request = make_request(prompt=list(range(40)), hash_blocks=False)
     assert request.block_keys == []
     for token in range(30):
         request.append_output_token(token, MAX_MODEL_LEN)
@@ -303,7 +288,7 @@ def test_no_keys_without_hashing() -> None:
 
 
 def test_samples_in_flight_is_computing_up_to_the_newest_placeholder() -> None:
-    request = make_request(list(range(5)))
+    request = make_request(prompt=list(range(5)))
     assert not request.samples_in_flight  # no placeholder: nothing in flight
     request.num_output_placeholders = 1
     request.num_computed_tokens = 5  # its last prompt token computed: it samples token 6

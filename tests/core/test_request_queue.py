@@ -3,21 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from helpers.core import make_request
 
 from engine_core._core.request import Request, RequestStatus
 from engine_core._core.request_queue import FCFSQueue, PriorityQueue, RequestQueue, make_queue
-from engine_core.sampling_params import SamplingParams
-
-
-def make_request(request_id: str, priority: int = 0, arrival_time: float = 0.0) -> Request:
-    return Request(
-        request_id,
-        [1, 2, 3],
-        SamplingParams(),
-        block_size=16,
-        priority=priority,
-        arrival_time=arrival_time,
-    )
 
 
 def abort(queue: RequestQueue, request: Request) -> None:
@@ -97,7 +86,7 @@ def test_priority_order() -> None:
     for priorities, arrivals, expected in cases:
         queue = PriorityQueue()
         for i, (p, t) in enumerate(zip(priorities, arrivals, strict=True)):
-            queue.add(make_request(str(i), p, float(t)))
+            queue.add(make_request(str(i), priority=p, arrival_time=float(t)))
         assert [r.request_id for r in queue] == expected
         assert drain(queue) == expected
 
@@ -105,23 +94,23 @@ def test_priority_order() -> None:
 def test_priority_ties_keep_insertion_order() -> None:
     queue = PriorityQueue()
     for x in "cab":
-        queue.add(make_request(x, 1, 5.0))
+        queue.add(make_request(x, priority=1, arrival_time=5.0))
     assert drain(queue) == ["c", "a", "b"]
 
 
 def test_priority_add_front_keeps_priority_order() -> None:
     queue = PriorityQueue()
-    queue.add(make_request("hi", 0, 2.0))
-    preempted = make_request("lo", 5, 1.0)
+    queue.add(make_request("hi", priority=0, arrival_time=2.0))
+    preempted = make_request("lo", priority=5, arrival_time=1.0)
     preempted.status = RequestStatus.PREEMPTED
     queue.add_front(preempted)
-    queue.add(make_request("mid", 3, 3.0))
+    queue.add(make_request("mid", priority=3, arrival_time=3.0))
     assert drain(queue) == ["hi", "mid", "lo"]
 
 
 def test_priority_lazy_removal() -> None:
     queue = PriorityQueue()
-    reqs = [make_request(str(i), i, float(i)) for i in range(4)]
+    reqs = [make_request(str(i), priority=i, arrival_time=float(i)) for i in range(4)]
     for r in reversed(reqs):
         queue.add(r)
     abort(queue, reqs[0])

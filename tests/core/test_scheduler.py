@@ -5,13 +5,15 @@ vLLM's scheduler scenarios adapted to a pool without a null block (all blocks us
 
 from __future__ import annotations
 
-import itertools
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import pytest
 from helpers import every_field
+from helpers.core import BLOCK_SIZE, make_scheduler
+from helpers.core import make_request as _make_request
 
 from engine_core._core.engine_io import EngineCoreOutputs, FinishedRequest
 from engine_core._core.request import InvalidTransition, Request, RequestStatus
@@ -19,63 +21,10 @@ from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core._core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.abc import ModelRunnerOutput, TokenLogprobs
 from engine_core.config import EngineConfig
-from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
+from engine_core.sampling_params import StructuredOutputsParams
 
-BLOCK_SIZE = 16
 EOS = 2
-_prompt_serial = itertools.count(1)
-
-
-def make_scheduler(
-    *,
-    num_blocks: int = 1000,
-    max_num_seqs: int = 16,
-    max_num_batched_tokens: int = 8192,
-    max_model_len: int = 8192,
-    enable_chunked_prefill: bool = True,
-    long_prefill_token_threshold: int = 0,
-    enable_prefix_caching: bool = True,
-    scheduling_policy: str = "fcfs",
-) -> Scheduler:
-    config = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        block_size=BLOCK_SIZE,
-        enable_chunked_prefill=enable_chunked_prefill,
-        long_prefill_token_threshold=long_prefill_token_threshold,
-        enable_prefix_caching=enable_prefix_caching,
-        scheduling_policy=scheduling_policy,
-    )
-    return Scheduler(config, num_blocks)
-
-
-def make_request(
-    request_id: str,
-    num_tokens: int = 10,
-    *,
-    prompt: list[int] | None = None,
-    priority: int = 0,
-    arrival_time: float = 0.0,
-    eos_token_ids: tuple[int, ...] = (EOS,),
-    hash_blocks: bool = True,
-    **params: object,
-) -> Request:
-    if prompt is None:
-        # Distinct per request so that prefix caching does not interfere unless asked to.
-        base = 10_000 * next(_prompt_serial)
-        prompt = [base + i for i in range(num_tokens)]
-    params.setdefault("max_tokens", 16)
-    return Request(
-        request_id,
-        prompt,
-        SamplingParams(**params),  # type: ignore[arg-type]
-        block_size=BLOCK_SIZE,
-        arrival_time=arrival_time,
-        priority=priority,
-        eos_token_ids=eos_token_ids,
-        hash_blocks=hash_blocks,
-    )
+make_request = functools.partial(_make_request, eos_token_ids=(EOS,))
 
 
 def add(scheduler: Scheduler, *requests: Request) -> None:
@@ -144,7 +93,7 @@ def waiting_ids(scheduler: Scheduler) -> list[str]:
 def test_all_small_requests_in_one_step() -> None:
     """vLLM S11."""
     scheduler = make_scheduler()
-    requests = [make_request(str(i), 10) for i in range(10)]
+    requests = [make_request(str(i), num_tokens=10) for i in range(10)]
     add(scheduler, *requests)
     output = scheduler.schedule()
     assert [r.req_id for r in output.new_reqs] == [str(i) for i in range(10)]
@@ -162,7 +111,7 @@ def test_all_small_requests_in_one_step() -> None:
 
 def test_new_then_cached_request_data() -> None:
     scheduler = make_scheduler()
-    request = make_request("a", 20, temperature=0.0)
+    request = make_request("a", num_tokens=20, temperature=0.0)
     add(scheduler, request)
     output, _ = step(scheduler)
     (new,) = output.new_reqs
@@ -194,7 +143,7 @@ def test_new_then_cached_request_data() -> None:
 def test_long_prefill_threshold() -> None:
     """vLLM S12: budget 1024, threshold 400, three 800-token prompts."""
     scheduler = make_scheduler(max_num_batched_tokens=1024, long_prefill_token_threshold=400)
-    add(scheduler, *(make_request(str(i), 800) for i in range(3)))
+    add(scheduler, *(make_request(str(i), num_tokens=800) for i in range(3)))
     output, outputs = step(scheduler)
     assert num_scheduled(output) == {"0": 400, "1": 400, "2": 224}
     assert [r.req_id for r in output.new_reqs] == ["0", "1", "2"]
@@ -216,8 +165,8 @@ def test_chunked_prefill_order(chunked: bool) -> None:
     scheduler = make_scheduler(
         max_num_batched_tokens=1024, max_num_seqs=3, enable_chunked_prefill=chunked
     )
-    add(scheduler, *(make_request(f"long{i}", 800) for i in range(2)))
-    add(scheduler, *(make_request(f"short{i}", 10) for i in range(2)))
+    add(scheduler, *(make_request(f"long{i}", num_tokens=800) for i in range(2)))
+    add(scheduler, *(make_request(f"short{i}", num_tokens=10) for i in range(2)))
     output = scheduler.schedule()
     if chunked:
         assert num_scheduled(output) == {"long0": 800, "long1": 224}
@@ -230,9 +179,9 @@ def test_chunked_prefill_order(chunked: bool) -> None:
 
 def test_admission_needs_the_whole_prompt_in_free_blocks() -> None:
     scheduler = make_scheduler(num_blocks=8, max_num_batched_tokens=96)
-    holder = make_request("holder", 64, max_tokens=1)  # 4 blocks
-    big = make_request("big", 80)  # 5 blocks; a first chunk of 32 tokens would fit in 2
-    small = make_request("small", 10)
+    holder = make_request("holder", num_tokens=64, max_tokens=1)  # 4 blocks
+    big = make_request("big", num_tokens=80)  # 5 blocks; a first chunk of 32 tokens would fit in 2
+    small = make_request("small", num_tokens=10)
     add(scheduler, holder, big, small)
     output, outputs = step(scheduler)
     assert num_scheduled(output) == {"holder": 64}
@@ -245,7 +194,7 @@ def test_admission_needs_the_whole_prompt_in_free_blocks() -> None:
 
 def test_max_num_seqs_caps_running() -> None:
     scheduler = make_scheduler(max_num_seqs=3)
-    add(scheduler, *(make_request(str(i), 10) for i in range(5)))
+    add(scheduler, *(make_request(str(i), num_tokens=10) for i in range(5)))
     output, _ = step(scheduler)
     assert [r.req_id for r in output.new_reqs] == ["0", "1", "2"]
     assert scheduler.num_running == 3
@@ -342,7 +291,7 @@ def test_priority_scheduling_order(
     """vLLM S17 orders."""
     scheduler = make_scheduler(scheduling_policy="priority")
     for i, (p, t) in enumerate(zip(priorities, arrivals, strict=True)):
-        add(scheduler, make_request(str(i), 10, priority=p, arrival_time=float(t)))
+        add(scheduler, make_request(str(i), num_tokens=10, priority=p, arrival_time=float(t)))
     output = scheduler.schedule()
     assert [r.req_id for r in output.new_reqs] == expected
     assert running_ids(scheduler) == expected
@@ -351,7 +300,7 @@ def test_priority_scheduling_order(
 def test_priority_admission_respects_max_num_seqs() -> None:
     scheduler = make_scheduler(scheduling_policy="priority", max_num_seqs=2)
     for i, p in enumerate([3, 1, 2, 0]):
-        add(scheduler, make_request(str(i), 10, priority=p, arrival_time=float(i)))
+        add(scheduler, make_request(str(i), num_tokens=10, priority=p, arrival_time=float(i)))
     output = scheduler.schedule()
     assert [r.req_id for r in output.new_reqs] == ["3", "1"]
     assert waiting_ids(scheduler) == ["2", "0"]
@@ -362,14 +311,14 @@ def test_priority_admission_respects_max_num_seqs() -> None:
 
 def test_fcfs_preempts_the_latest_admitted() -> None:
     scheduler = make_scheduler(num_blocks=7, enable_prefix_caching=False)
-    a = make_request("a", 32, max_tokens=3, hash_blocks=False)  # 2 blocks
-    b = make_request("b", 32, max_tokens=3, hash_blocks=False)  # 2 blocks
-    c = make_request("c", 48, hash_blocks=False)  # 3 blocks
+    a = make_request("a", num_tokens=32, max_tokens=3, hash_blocks=False)  # 2 blocks
+    b = make_request("b", num_tokens=32, max_tokens=3, hash_blocks=False)  # 2 blocks
+    c = make_request("c", num_tokens=48, hash_blocks=False)  # 3 blocks
     add(scheduler, a, b, c)
     output, _ = step(scheduler)
     assert [r.block_ids for r in output.new_reqs] == [[0, 1], [2, 3], [4, 5, 6]]
     assert scheduler.kv.num_free_blocks == 0
-    d = make_request("d", 10, hash_blocks=False)  # 1 block
+    d = make_request("d", num_tokens=10, hash_blocks=False)  # 1 block
     add(scheduler, d)
 
     # a needs a third block: c (admitted last) is preempted, a and b take two of its blocks.
@@ -412,8 +361,8 @@ def decode_two_in_four_blocks(a_tokens: int) -> tuple[Scheduler, Request, Schedu
     """Request a (``a_tokens`` tokens) and b (32 tokens) fill a pool of four blocks (no prefix
     caching) in their first step; the scheduler, a, and the second step's output."""
     scheduler = make_scheduler(num_blocks=4, enable_prefix_caching=False)
-    a = make_request("a", a_tokens, hash_blocks=False)
-    add(scheduler, a, make_request("b", 32, hash_blocks=False))
+    a = make_request("a", num_tokens=a_tokens, hash_blocks=False)
+    add(scheduler, a, make_request("b", num_tokens=32, hash_blocks=False))
     step(scheduler)
     output, _ = step(scheduler)
     return scheduler, a, output
@@ -445,10 +394,10 @@ def test_priority_preempts_the_worst_priority() -> None:
     scheduler = make_scheduler(
         num_blocks=5, scheduling_policy="priority", enable_prefix_caching=False
     )
-    lo = make_request("lo1", 32, priority=5, arrival_time=1.0, hash_blocks=False)
+    lo = make_request("lo1", num_tokens=32, priority=5, arrival_time=1.0, hash_blocks=False)
     add(scheduler, lo)
     step(scheduler)
-    hi = make_request("hi1", 32, priority=0, arrival_time=2.0, hash_blocks=False)
+    hi = make_request("hi1", num_tokens=32, priority=0, arrival_time=2.0, hash_blocks=False)
     add(scheduler, hi)
     output, _ = step(scheduler)
     assert num_scheduled(output) == {"lo1": 1, "hi1": 32}
@@ -469,9 +418,9 @@ def test_priority_preempts_the_worst_priority() -> None:
 def _three_running(policy: str) -> tuple[Scheduler, Request, Request, Request]:
     """Running in admission order [y, x, z]; x arrived first but was admitted after y."""
     scheduler = make_scheduler(num_blocks=8, scheduling_policy=policy, enable_prefix_caching=False)
-    y = make_request("y", 32, priority=1, arrival_time=2.0, hash_blocks=False)
-    x = make_request("x", 32, priority=1, arrival_time=1.0, hash_blocks=False)
-    z = make_request("z", 32, priority=0, arrival_time=3.0, hash_blocks=False)
+    y = make_request("y", num_tokens=32, priority=1, arrival_time=2.0, hash_blocks=False)
+    x = make_request("x", num_tokens=32, priority=1, arrival_time=1.0, hash_blocks=False)
+    z = make_request("z", num_tokens=32, priority=0, arrival_time=3.0, hash_blocks=False)
     add(scheduler, y)
     step(scheduler)
     add(scheduler, x)
@@ -518,7 +467,7 @@ def test_preempted_scheduled_request_leaves_no_uncomputed_block_in_the_cache() -
     add(scheduler, low)
     output, _ = step(scheduler)
     assert num_scheduled(output) == {"low": 20}
-    high = make_request("high", 16, priority=0, arrival_time=2.0, max_tokens=2)
+    high = make_request("high", num_tokens=16, priority=0, arrival_time=2.0, max_tokens=2)
     add(scheduler, high)
     output, _ = step(scheduler)
     assert num_scheduled(output) == {"low": 20, "high": 16}
@@ -540,8 +489,8 @@ def test_preempted_scheduled_request_leaves_no_uncomputed_block_in_the_cache() -
 
 def test_eos_stops_with_no_stop_reason() -> None:
     scheduler = make_scheduler()
-    a = make_request("a", 10)
-    b = make_request("b", 10)
+    a = make_request("a", num_tokens=10)
+    b = make_request("b", num_tokens=10)
     add(scheduler, a, b)
     _, outputs = step(scheduler, {"a": [EOS], "b": [10, 11]})
     assert outputs.req_ids == ["a", "b"]
@@ -560,7 +509,7 @@ def test_eos_stops_with_no_stop_reason() -> None:
 
 def test_ignore_eos_keeps_running() -> None:
     scheduler = make_scheduler()
-    request = make_request("a", 10, ignore_eos=True)
+    request = make_request("a", num_tokens=10, ignore_eos=True)
     add(scheduler, request)
     _, outputs = step(scheduler, {"a": [EOS, 10, 11]})
     assert outputs.finished == []
@@ -571,7 +520,7 @@ def test_ignore_eos_keeps_running() -> None:
 
 def test_stop_token_trims_the_rest() -> None:
     scheduler = make_scheduler()
-    request = make_request("a", 10, stop_token_ids=[42, 43])
+    request = make_request("a", num_tokens=10, stop_token_ids=[42, 43])
     add(scheduler, request)
     _, outputs = step(scheduler, {"a": [10, 42, 12]})
     assert outputs.new_token_ids == [[10, 42]]
@@ -582,7 +531,7 @@ def test_stop_token_trims_the_rest() -> None:
 
 def test_max_tokens_trims_the_rest() -> None:
     scheduler = make_scheduler()
-    request = make_request("a", 10, max_tokens=2)
+    request = make_request("a", num_tokens=10, max_tokens=2)
     add(scheduler, request)
     _, outputs = step(scheduler, {"a": [10, 11, 12]})
     assert outputs.new_token_ids == [[10, 11]]
@@ -592,7 +541,7 @@ def test_max_tokens_trims_the_rest() -> None:
 
 def test_logprobs_are_trimmed_with_the_tokens() -> None:
     scheduler = make_scheduler()
-    add(scheduler, make_request("a", 10, max_tokens=2, logprobs=1))
+    add(scheduler, make_request("a", num_tokens=10, max_tokens=2, logprobs=1))
     output = scheduler.schedule()
     entries = [TokenLogprobs([t], [-0.5 * t], [1]) for t in (10, 11, 12)]
     result = scheduler.update_from_output(
@@ -603,7 +552,7 @@ def test_logprobs_are_trimmed_with_the_tokens() -> None:
 
 def test_max_model_len_caps_length() -> None:
     scheduler = make_scheduler(max_model_len=40)
-    request = make_request("a", 38, max_tokens=100)
+    request = make_request("a", num_tokens=38, max_tokens=100)
     add(scheduler, request)
     _, outputs = step(scheduler)
     assert outputs.finished == []
@@ -616,8 +565,8 @@ def test_max_model_len_caps_length() -> None:
 def test_stop_tokens_wait_for_min_tokens() -> None:
     """A stop token (EOS included) ends a request only once ``min_tokens`` tokens precede it."""
     scheduler = make_scheduler()
-    stop = make_request("stop", 10, min_tokens=2, stop_token_ids=[42])
-    eos = make_request("eos", 10, min_tokens=2)
+    stop = make_request("stop", num_tokens=10, min_tokens=2, stop_token_ids=[42])
+    eos = make_request("eos", num_tokens=10, min_tokens=2)
     add(scheduler, stop, eos)
     _, outputs = step(scheduler, {"stop": [42], "eos": [EOS]})
     assert outputs.finished == []
@@ -634,7 +583,7 @@ def test_stop_tokens_wait_for_min_tokens() -> None:
 
 def test_min_tokens_within_one_multi_token_output() -> None:
     scheduler = make_scheduler()
-    request = make_request("a", 10, min_tokens=1, stop_token_ids=[42])
+    request = make_request("a", num_tokens=10, min_tokens=1, stop_token_ids=[42])
     add(scheduler, request)
     _, outputs = step(scheduler, {"a": [42, 42, 5]})
     assert outputs.new_token_ids == [[42, 42]]
@@ -671,7 +620,10 @@ class FakeGrammar:
 
 def make_constrained(request_id: str, grammar: FakeGrammar, **params: Any) -> Request:
     request = make_request(
-        request_id, 10, structured_outputs=StructuredOutputsParams(choice=["x"]), **params
+        request_id,
+        num_tokens=10,
+        structured_outputs=StructuredOutputsParams(choice=["x"]),
+        **params,
     )
     request.grammar = grammar
     request.set_status(RequestStatus.WAITING)
@@ -698,7 +650,7 @@ def test_a_constrained_request_stops_like_a_plain_one(
     """With a grammar that allows everything and never completes, the stop rules (stop tokens,
     min_tokens, max_tokens, max_model_len) are those of a plain request."""
     scheduler = make_scheduler(max_model_len=13)
-    plain = make_request("plain", 10, **params)
+    plain = make_request("plain", num_tokens=10, **params)
     constrained = make_constrained("constrained", FakeGrammar(), **params)
     add(scheduler, plain, constrained)
     _, outputs = step(scheduler, {"plain": tokens, "constrained": tokens})
@@ -758,7 +710,7 @@ def test_a_grammar_complete_before_min_tokens_ends_the_request() -> None:
 
 def test_partial_prefill_emits_nothing_and_first_output_reports_cache_hits() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=32)
-    request = make_request("a", 50)
+    request = make_request("a", num_tokens=50)
     add(scheduler, request)
     _, outputs = step(scheduler)
     assert outputs.req_ids == [] and outputs.finished == []
@@ -840,8 +792,8 @@ def test_abort_accepts_a_single_id_and_a_live_view() -> None:
 
 def test_abort_running_request_between_schedule_and_update() -> None:
     scheduler = make_scheduler()
-    a = make_request("a", 40)
-    b = make_request("b", 10)
+    a = make_request("a", num_tokens=40)
+    b = make_request("b", num_tokens=10)
     add(scheduler, a, b)
     output = scheduler.schedule()
     assert scheduler.kv.num_free_blocks == 1000 - 4
@@ -925,7 +877,7 @@ def test_add_rejects_a_request_that_is_not_waiting() -> None:
 def test_reset_prefix_cache() -> None:
     """vLLM S9 (scheduler level)."""
     scheduler = make_scheduler()
-    requests = [make_request(str(i), 20) for i in range(10)]
+    requests = [make_request(str(i), num_tokens=20) for i in range(10)]
     add(scheduler, *requests)
     step(scheduler)
     assert scheduler.kv.pool.cached != {}
@@ -947,7 +899,7 @@ def test_reset_prefix_cache() -> None:
 
 def test_reset_prefix_cache_when_idle() -> None:
     scheduler = make_scheduler()
-    add(scheduler, make_request("a", 40, max_tokens=1))
+    add(scheduler, make_request("a", num_tokens=40, max_tokens=1))
     step(scheduler)
     assert scheduler.kv.pool.cached != {}
     assert scheduler.reset_prefix_cache() is True
@@ -957,7 +909,7 @@ def test_reset_prefix_cache_when_idle() -> None:
 def test_memory_leak() -> None:
     """vLLM S18: 5 requests x 10 tokens x max_tokens 10 run to completion."""
     scheduler = make_scheduler()
-    add(scheduler, *(make_request(str(i), 10, max_tokens=10) for i in range(5)))
+    add(scheduler, *(make_request(str(i), num_tokens=10, max_tokens=10) for i in range(5)))
     num_steps = 0
     while scheduler.has_unfinished_requests():
         step(scheduler)
@@ -969,7 +921,7 @@ def test_memory_leak() -> None:
     assert_no_leak(scheduler)
     # The last step's ended ids reach the backend with the next step that runs.
     assert scheduler.schedule().finished_req_ids == []
-    add(scheduler, make_request("next", 10))
+    add(scheduler, make_request("next", num_tokens=10))
     assert scheduler.schedule().finished_req_ids == [str(i) for i in range(5)]
     scheduler.finish_requests(["next"])
     assert_no_leak(scheduler)
@@ -977,9 +929,9 @@ def test_memory_leak() -> None:
 
 def test_wire_types_round_trip() -> None:
     scheduler = make_scheduler()
-    add(scheduler, make_request("a", 20, temperature=0.5, stop=["x"]))
+    add(scheduler, make_request("a", num_tokens=20, temperature=0.5, stop=["x"]))
     first, _ = step(scheduler)
-    add(scheduler, make_request("b", 5))
+    add(scheduler, make_request("b", num_tokens=5))
     second = scheduler.schedule()
     for output in (first, second):
         data = msgspec.msgpack.encode(output)
@@ -996,7 +948,7 @@ def test_prompt_logprobs_reach_the_front_end_once_per_position_across_a_preempti
     """A request preempted in the middle of its prefill recomputes positions whose prompt
     logprobs were already delivered; the scheduler forwards each position once."""
     scheduler = make_scheduler(max_num_batched_tokens=32, num_blocks=100)
-    a = make_request("a", 48, prompt_logprobs=1)
+    a = make_request("a", num_tokens=48, prompt_logprobs=1)
     add(scheduler, a)
     delivered: list[int] = []
 
@@ -1029,8 +981,8 @@ def test_prompt_logprobs_after_a_preemption_that_overlaps_part_of_what_was_sent(
     """The first chunk and the chunk recomputed after the preemption (32 positions) end at
     different positions: the second forwards only the positions after the first's."""
     scheduler = make_scheduler(max_num_batched_tokens=32, num_blocks=100)
-    b = make_request("b", 32 - first_chunk)
-    a = make_request("a", 48, prompt_logprobs=1)
+    b = make_request("b", num_tokens=32 - first_chunk)
+    a = make_request("a", num_tokens=48, prompt_logprobs=1)
     add(scheduler, b, a)
 
     def with_prompt_logprobs(output: SchedulerOutput) -> ModelRunnerOutput:
@@ -1065,8 +1017,8 @@ def test_prompt_logprobs_after_a_preemption_that_overlaps_part_of_what_was_sent(
 
 def test_prompt_logprobs_of_a_request_aborted_during_its_step_are_dropped_alone() -> None:
     scheduler = make_scheduler()
-    a = make_request("a", 3, prompt_logprobs=1)
-    b = make_request("b", 3, prompt_logprobs=1)
+    a = make_request("a", num_tokens=3, prompt_logprobs=1)
+    b = make_request("b", num_tokens=3, prompt_logprobs=1)
     add(scheduler, a, b)
     output = scheduler.schedule()
     mro = runner_output(scheduler, output)
@@ -1082,7 +1034,7 @@ def test_prompt_logprobs_of_a_request_aborted_during_its_step_are_dropped_alone(
 @pytest.mark.parametrize("order", [["nope", "a", "b"], ["done", "a", "b"], ["a", "a", "b"]])
 def test_an_unknown_or_finished_id_does_not_stop_the_aborts_after_it(order: list[str]) -> None:
     scheduler = make_scheduler()
-    done = make_request("done", 10, max_tokens=1)
+    done = make_request("done", num_tokens=10, max_tokens=1)
     a = make_request("a")
     b = make_request("b")
     add(scheduler, done, a)
@@ -1117,9 +1069,9 @@ def test_priority_preemption_does_not_skip_the_later_running_requests() -> None:
     scheduler = make_scheduler(
         num_blocks=6, scheduling_policy="priority", enable_prefix_caching=False
     )
-    a = make_request("a", 30, priority=0, arrival_time=1.0, hash_blocks=False)
-    b = make_request("b", 20, priority=2, arrival_time=2.0, hash_blocks=False)
-    c = make_request("c", 20, priority=1, arrival_time=3.0, hash_blocks=False)
+    a = make_request("a", num_tokens=30, priority=0, arrival_time=1.0, hash_blocks=False)
+    b = make_request("b", num_tokens=20, priority=2, arrival_time=2.0, hash_blocks=False)
+    c = make_request("c", num_tokens=20, priority=1, arrival_time=3.0, hash_blocks=False)
     for request in (a, b, c):
         add(scheduler, request)
         step(scheduler)
@@ -1136,7 +1088,7 @@ def test_priority_preemption_does_not_skip_the_later_running_requests() -> None:
 
 def test_the_last_token_of_the_budget_is_used() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=11, long_prefill_token_threshold=10)
-    add(scheduler, make_request("a", 30), make_request("b", 5))
+    add(scheduler, make_request("a", num_tokens=30), make_request("b", num_tokens=5))
     # a takes 10 (the threshold); b is admitted with the one token left.
     output = scheduler.schedule()
     assert num_scheduled(output) == {"a": 10, "b": 1}
@@ -1164,7 +1116,12 @@ def test_the_preemption_counters_count_every_preemption() -> None:
 
 def test_the_first_running_request_may_take_the_whole_budget() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=10)
-    add(scheduler, make_request("a", 3), make_request("b", 3), make_request("c", 3))
+    add(
+        scheduler,
+        make_request("a", num_tokens=3),
+        make_request("b", num_tokens=3),
+        make_request("c", num_tokens=3),
+    )
     step(scheduler)
     # a got ten tokens in one step (as a speculating backend may return): catching up takes
     # the whole next budget, and b and c wait a step.
@@ -1180,8 +1137,8 @@ def test_priority_ties_preempt_the_latest_admitted() -> None:
     scheduler = make_scheduler(
         num_blocks=4, scheduling_policy="priority", enable_prefix_caching=False
     )
-    first = make_request("z", 30, priority=1, arrival_time=1.0, hash_blocks=False)
-    second = make_request("a", 31, priority=1, arrival_time=1.0, hash_blocks=False)
+    first = make_request("z", num_tokens=30, priority=1, arrival_time=1.0, hash_blocks=False)
+    second = make_request("a", num_tokens=31, priority=1, arrival_time=1.0, hash_blocks=False)
     add(scheduler, first)
     step(scheduler)
     add(scheduler, second)
@@ -1203,7 +1160,7 @@ def test_a_new_scheduler_has_scheduled_nothing() -> None:
 
 def test_a_running_request_with_nothing_to_compute_is_left_out_of_the_step() -> None:
     scheduler = make_scheduler()
-    add(scheduler, make_request("a", 5), make_request("b", 5))
+    add(scheduler, make_request("a", num_tokens=5), make_request("b", num_tokens=5))
     # The backend returned no token for a (its prompt is done): a has nothing to compute.
     step(scheduler, {"b": [7]})
     output, _ = step(scheduler)
@@ -1217,9 +1174,9 @@ def test_nothing_is_admitted_in_a_step_that_preempted_even_a_request_ahead_of_th
     scheduler = make_scheduler(
         num_blocks=4, scheduling_policy="priority", enable_prefix_caching=False
     )
-    a = make_request("a", 30, priority=0, arrival_time=1.0, hash_blocks=False)
-    b = make_request("b", 31, priority=2, arrival_time=2.0, hash_blocks=False)
-    w = make_request("w", 5, priority=1, arrival_time=3.0, hash_blocks=False)
+    a = make_request("a", num_tokens=30, priority=0, arrival_time=1.0, hash_blocks=False)
+    b = make_request("b", num_tokens=31, priority=2, arrival_time=2.0, hash_blocks=False)
+    w = make_request("w", num_tokens=5, priority=1, arrival_time=3.0, hash_blocks=False)
     add(scheduler, a)
     step(scheduler)
     add(scheduler, b)
@@ -1238,8 +1195,8 @@ def test_nothing_is_admitted_in_a_step_that_preempted_even_a_request_ahead_of_th
 
 def test_num_cached_tokens_is_that_of_the_first_admission() -> None:
     scheduler = make_scheduler(num_blocks=4)
-    a = make_request("a", 32, max_tokens=2)
-    b = make_request("b", 32)
+    a = make_request("a", num_tokens=32, max_tokens=2)
+    b = make_request("b", num_tokens=32)
     add(scheduler, a, b)
     step(scheduler)
     assert b.num_cached_tokens == 0

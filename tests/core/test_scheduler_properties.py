@@ -247,7 +247,7 @@ def new_request(op: Add, serial: int, params: SamplingParams, config: Config) ->
     )
 
 
-def make_scheduler(config: Config, spec: str | None = None) -> Scheduler:
+def scheduler_for(config: Config, spec: str | None = None) -> Scheduler:
     """A scheduler configured the way the engine does it: from a (valid) EngineConfig; with
     ``spec`` (``"static"``, ``"dynamic"``), n-gram speculative decoding of up to 3 drafts."""
     # Without chunked prefill, a whole prompt must fit one step.
@@ -381,7 +381,7 @@ def run_operations(
 ) -> SpecStats | None:
     """Apply ``ops``, then run everything to its end, checking the books all along; returns
     the speculative counters (None without ``spec``)."""
-    scheduler = make_scheduler(config, spec)
+    scheduler = scheduler_for(config, spec)
     budget = scheduler.config.max_num_batched_tokens
     backend = Backend(BLOCK_SIZE, random.Random(seed))
     all_requests: list[Request] = []
@@ -447,7 +447,7 @@ def run_operations(
 def test_abort_everything_frees_every_block(
     config: Config, ops: list[Add | Abort | Step | Reset], seed: int
 ) -> None:
-    scheduler = make_scheduler(config)
+    scheduler = scheduler_for(config)
     backend = Backend(BLOCK_SIZE, random.Random(seed))
     all_requests: list[Request] = []
     for op in ops:

@@ -314,6 +314,52 @@ def test_sigterm_ends_in_flight_requests_as_aborted(runtime: str) -> None:
             client.get_output()
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "end, transport", [("sigterm", "ipc"), ("raise", "ipc"), ("sigterm", "tcp")]
+)
+async def test_the_engines_last_words_are_read_by_a_front_end_behind(
+    end: str, transport: TransportKind, anyio_backend: str
+) -> None:
+    # The front end's event loop is held while the engine ends, until the process watch has
+    # declared the end and well past its grace for the engine's death notice: the frames still
+    # in the pipe (a SIGTERM's "abort" outputs, a failure's notice and its cause) are read,
+    # from a Unix stream pipe and from a ZMQ one (tcp) alike.
+    options: dict[str, object] = dict(SLOW_STEPS)
+    if end == "raise":
+        options["fault"] = {"kind": "raise", "at_step": 3}
+    client = await MPClient.start_async(
+        config(engine_runtime=anyio_backend, backend_options=options), transport=transport
+    )
+    async with client:
+        client.add_request(request("w1", [1, 2, 3], max_tokens=1000))
+        tokens: list[int] = []
+        assert _take(await client.get_output_async(), "w1", tokens) is None
+        assert client.pid is not None
+        if end == "sigterm":
+            os.kill(client.pid, signal.SIGTERM)
+        client._process.wait_watch(30)  # blocks the loop: nothing is read meanwhile
+        time.sleep(0.2)  # the front end > 0.1 s behind the watch's notice
+        if end == "sigterm":
+            while (finished := _take(await client.get_output_async(), "w1", tokens)) is None:
+                pass
+            assert finished == FinishedRequest("w1", "abort")
+            assert tokens == list(range(4, 4 + len(tokens)))
+            with pytest.raises(EngineDeadError) as info:
+                await client.get_output_async()
+            assert str(info.value).startswith("the engine core is dead: shut down by SIGTERM")
+        else:
+            with pytest.raises(EngineDeadError) as info:
+                while True:
+                    _take(await client.get_output_async(), "w1", tokens)
+            assert tokens == [4, 5]  # steps 1 and 2, then the failure
+            assert str(info.value).startswith(
+                "the engine core is dead: RuntimeError: mock fault injected: raise at step 3"
+            )
+            assert isinstance(info.value.__cause__, RemoteEngineError)
+        assert "(its process exited with status" in str(info.value)
+
+
 _STARTUP_ERROR = (
     "the engine core failed to start (its process exited with status 1): "
     "ValueError: unknown mock backend_options ['bogus']; known: "

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Any
 
@@ -17,6 +19,7 @@ from engine_core import (
     RetryableRequestError,
     SamplingParams,
 )
+from engine_core._engine.dp import failover
 from engine_core._engine.dp.client import DPClient
 
 pytestmark = pytest.mark.anyio
@@ -157,6 +160,89 @@ async def test_a_dead_engine_restarts_and_rejoins() -> None:
         one = SamplingParams(temperature=0.0, max_tokens=1)
         outs = [o async for o in engine.generate("abc", one, data_parallel_rank=1)]
         assert outs[-1].outputs[0].text == "d"
+
+
+def _kill_all(client: DPClient) -> None:
+    for pid in client.pids:
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+
+
+def _restarting_engine(**options: Any) -> AsyncLLM:
+    return AsyncLLM(
+        backend="mock",
+        tokenizer="byte",
+        data_parallel_size=2,
+        max_num_seqs=4,
+        dp_restart_engines=True,
+        dp_failover="resume",
+        backend_options={"latency": {"step_s": 0.01}},
+        **options,
+    )
+
+
+async def test_when_every_engine_dies_with_restarts_on_requests_wait_for_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Both engines are killed while streams run on them: the streams (resumed) and the
+    # requests sent while none is alive wait for the restarted engines and complete exactly.
+    monkeypatch.setattr(failover, "RESTART_BACKOFF_S", (0.2, 1.0))
+    params = PARAMS.clone(max_tokens=40)
+    final = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+    prompts = PROMPTS[:6]
+    with LLM(backend="mock", tokenizer="byte") as single:
+        expected = [o.outputs[0].text for o in single.generate(prompts, final, use_tqdm=False)]
+    async with _restarting_engine() as engine:
+        client = engine._client
+        assert isinstance(client, DPClient)
+        texts = [""] * len(prompts)
+        started = [anyio.Event() for _ in prompts[:4]]
+
+        async def run(i: int) -> None:
+            async for out in engine.generate(prompts[i], params):
+                texts[i] += out.outputs[0].text
+                if i < len(started):
+                    started[i].set()
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for i in range(len(started)):
+                    tg.start_soon(run, i)
+                for event in started:
+                    await event.wait()
+                _kill_all(client)
+                while client.engines_alive:  # both deaths seen
+                    await anyio.sleep(0.01)
+                for i in range(len(started), len(prompts)):  # sent while none is alive
+                    tg.start_soon(run, i)
+        assert texts == expected
+        assert engine.dead_error is None
+        with anyio.fail_after(60):  # the second engine may come back after the work is done
+            while (await engine.get_stats()).num_engines_alive < 2:
+                await anyio.sleep(0.05)
+        assert client.metrics.engine_restarts == [1, 1]
+        outs = [o async for o in engine.generate("abc", PARAMS)]
+        assert "".join(o.outputs[0].text for o in outs) == "defghijklmno"
+
+
+async def test_a_request_waits_for_a_restart_no_longer_than_dp_restart_wait_s() -> None:
+    async with _restarting_engine(dp_restart_wait_s=0.2) as engine:
+        client = engine._client
+        assert isinstance(client, DPClient)
+        _kill_all(client)
+        with anyio.fail_after(60):
+            while client.engines_alive:
+                await anyio.sleep(0.01)
+            stats = await engine.get_stats()  # an outage, not an error
+            assert (stats.num_engines, stats.num_engines_alive) == (2, 0)
+            with pytest.raises(EngineDeadError, match="dead for now; 2 restarting"):
+                await engine.check_health()
+            began = time.monotonic()
+            with pytest.raises(RetryableRequestError, match=r"dp_restart_wait_s \(0.2 s\)"):
+                async for _ in engine.generate("abc", PARAMS):
+                    pass
+            assert time.monotonic() - began < 1.5  # an engine is back after 1 s and its start
+            assert engine.dead_error is None  # the deployment comes back: the test above
 
 
 async def test_resume_continues_seeded_sampling_exactly() -> None:

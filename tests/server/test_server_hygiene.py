@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import resource
+import select
 import signal
 import socket
 import subprocess
@@ -29,7 +31,7 @@ from engine_core import AsyncLLM
 from engine_core._bench.server_process import server_process
 from engine_core.errors import EngineDeadError
 from engine_core.server import ENGINE_DEAD_EXIT_CODE, ServerSettings, create_app, serve
-from engine_core.server._connections import default_max_connections
+from engine_core.server._connections import ConnectionGuard, default_max_connections
 
 pytestmark = pytest.mark.anyio
 
@@ -153,6 +155,91 @@ async def test_idle_connections_are_closed(stack: tuple[str, str]) -> None:
                 assert 0.4 <= anyio.current_time() - start < 3
                 assert await is_closed(kept_alive, within=5)
                 assert 0.4 <= anyio.current_time() - after_response < 3
+
+
+async def test_a_connection_waits_for_its_first_request_no_longer_than_the_header_timeout(
+    stack: tuple[str, str],
+) -> None:
+    # The keep-alive (long, so that clients end idle connections first) is for the wait
+    # between two requests; a connection that never sends is cut at the header timeout.
+    settings = {"keep_alive_timeout_s": 30.0, "header_timeout_s": 0.5}
+    async with running(stack, settings, multiprocess=False) as (run, _):
+        with anyio.fail_after(10):
+            async with (
+                await anyio.connect_tcp(*run.address) as silent,
+                await anyio.connect_tcp(*run.address) as kept_alive,
+            ):
+                start = anyio.current_time()
+                await kept_alive.send(HEALTH)
+                assert status_and_body(await kept_alive.receive())[0] == 200
+                assert await is_closed(silent, within=5)
+                assert 0.4 <= anyio.current_time() - start < 3
+                assert not await is_closed(kept_alive, within=0.5)
+                await kept_alive.send(HEALTH)
+                assert status_and_body(await kept_alive.receive())[0] == 200
+
+
+async def test_a_connection_the_client_closed_is_released_at_once(
+    stack: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A kept-alive connection the client ends is let go at once, not at the (long) keep-alive
+    # deadline: it would hold a file descriptor and a place under max_connections meanwhile.
+    released: list[float] = []
+    release = ConnectionGuard.release
+
+    def record(guard: ConnectionGuard, connection: object) -> None:
+        released.append(time.monotonic())
+        release(guard, connection)
+
+    monkeypatch.setattr(ConnectionGuard, "release", record)
+    settings = {"keep_alive_timeout_s": 30.0, "header_timeout_s": 30.0}
+    async with running(stack, settings, multiprocess=False) as (run, _):
+        with anyio.fail_after(10):
+            async with await anyio.connect_tcp(*run.address) as client:
+                await client.send(HEALTH)
+                assert status_and_body(await client.receive())[0] == 200
+            closed = time.monotonic()
+            while not released:
+                await anyio.sleep(0.01)
+            assert released[0] - closed < 1.0
+
+
+def closed_by_peer(stream: anyio.abc.ByteStream) -> bool:
+    """Whether the server has ended ``stream`` (or sent anything) by now: what a client's pool
+    looks at before it reuses a kept-alive connection (httpcore's ``is_readable``)."""
+    sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+async def test_a_request_at_the_keep_alive_deadline_is_answered(stack: tuple[str, str]) -> None:
+    # The client sends its next request just before the connection's idle deadline, and the
+    # event loop (the server's too: it runs in this process) is then held past that deadline,
+    # so that the server finds the request's bytes in and its deadline passed in the same turn:
+    # a client idling at the server's keep-alive boundary. The request must be answered, not
+    # dropped with the connection ("Server disconnected without sending a response").
+    keep_alive = 0.3
+    settings = {"keep_alive_timeout_s": keep_alive, "header_timeout_s": 5.0}
+    async with running(stack, settings, multiprocess=False) as (run, _):
+        with anyio.fail_after(30):
+            answered = attempts = 0
+            while answered < 3 and attempts < 10:
+                async with await anyio.connect_tcp(*run.address) as client:
+                    await client.send(HEALTH)
+                    assert status_and_body(await client.receive())[0] == 200
+                    while answered < 3 and attempts < 10:
+                        attempts += 1
+                        await anyio.sleep(keep_alive - 0.1)
+                        if closed_by_peer(client):  # the deadline came early: try again
+                            break
+                        # Sent and held with no checkpoint between: the server cannot read it
+                        # before its deadline passes.
+                        os.write(
+                            client.extra(anyio.abc.SocketAttribute.raw_socket).fileno(), HEALTH
+                        )
+                        time.sleep(0.2)
+                        assert status_and_body(await client.receive())[0] == 200
+                        answered += 1
+            assert answered == 3
 
 
 async def test_slow_headers_are_cut_at_the_header_timeout(stack: tuple[str, str]) -> None:

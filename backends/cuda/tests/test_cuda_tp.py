@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import anyio
 import msgspec
 import pytest
 import torch
@@ -25,7 +24,7 @@ from engine_core_cuda._tp.parallel import TensorParallel
 from engine_core_cuda._tp.shard import shard_model_config, slice_of
 from tiny_models import TinyModel
 
-from engine_core import AsyncLLM, EngineDeadError, SamplingParams
+from engine_core import SamplingParams
 from engine_core._engine.startup import resolve_async_scheduling
 from engine_core._workers import WorkerDiedError
 from engine_core.abc import CachedRequestData, NewRequestData, SchedulerOutput
@@ -37,6 +36,7 @@ from engine_core.testing import (
     check_logprobs,
     check_mixed_batch,
     check_preemption,
+    check_worker_death,
 )
 
 CPU = {"device": "cpu", "kernels": "torch"}
@@ -511,28 +511,8 @@ def anyio_backend() -> str:
 async def test_kill_9_of_rank_1_is_an_engine_death_naming_it_within_a_second(
     tiny: dict[str, TinyModel],
 ) -> None:
-    engine = AsyncLLM(
+    config = EngineConfig(
         model=str(tiny["llama"].path), backend="cuda", backend_options=CPU, max_model_len=256,
         num_kv_blocks=96, tensor_parallel_size=2, async_scheduling=True,
     )  # fmt: skip
-    async with engine:
-        outs: list[object] = []
-        failed: list[tuple[float, str]] = []
-        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-
-        async def consume() -> None:
-            with pytest.raises(EngineDeadError) as info:
-                async for out in engine.generate("the engine", params):
-                    outs.append(out)
-            failed.append((time.monotonic(), f"{info.value} {info.value.__cause__}"))
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(consume)
-            with anyio.fail_after(30):
-                while not outs:
-                    await anyio.sleep(0.005)
-            (worker,) = _worker_pids(engine._client.pid)  # type: ignore[union-attr]
-            killed_at = time.monotonic()
-            os.kill(worker, signal.SIGKILL)
-        assert failed[0][0] - killed_at < 1.0
-        assert "rank 1" in failed[0][1]
+    await check_worker_death(config, worker_pids=_worker_pids)

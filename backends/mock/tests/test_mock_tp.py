@@ -3,24 +3,21 @@ per-rank KV sizing, control calls and worker deaths, without torch."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 
-import anyio
 import pytest
 from engine_core_mock import MockBackend
 from engine_core_mock._worker import MockWorker
 from mock_driver import Driver
 
-from engine_core import LLM, AsyncLLM, EngineDeadError, SamplingParams
+from engine_core import LLM, SamplingParams
 from engine_core._core.engine_io import EngineCoreOutputs, EngineCoreRequest
 from engine_core._engine.core import EngineCore
 from engine_core._workers import Sampled, Step, WorkerDiedError
 from engine_core.abc import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.config import EngineConfig
-from engine_core.testing import check_backend
+from engine_core.testing import check_backend, check_worker_death
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -185,13 +182,6 @@ def test_killed_worker_fails_the_next_step_naming_its_rank() -> None:
     d.backend.close()
 
 
-def _children(pid: int) -> list[int]:
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(c) for c in (task / "children").read_text().split()]
-    return found
-
-
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc")
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.anyio
@@ -199,29 +189,12 @@ async def test_kill_9_of_rank_1_reaches_the_caller_as_engine_dead_within_a_secon
     async_scheduling: bool,
 ) -> None:
     options = {"tensor_parallel_size": 2, "latency": {"step_s": 0.001}}
-    async with AsyncLLM(
-        backend="mock", tokenizer="byte", backend_options=options,
-        async_scheduling=async_scheduling,
-    ) as engine:  # fmt: skip
-        outs: list[object] = []
-        failed: list[tuple[float, str]] = []
-
-        async def consume() -> None:
-            with pytest.raises(EngineDeadError) as info:
-                async for out in engine.generate("abc", SamplingParams(max_tokens=5000, **GREEDY)):
-                    outs.append(out)
-            failed.append((time.monotonic(), str(info.value)))
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(consume)
-            with anyio.fail_after(5):
-                while not outs:
-                    await anyio.sleep(0.005)
-            (worker,) = _children(engine._client.pid)  # type: ignore[union-attr]
-            killed_at = time.monotonic()
-            os.kill(worker, signal.SIGKILL)
-        assert failed[0][0] - killed_at < 1.0
-        assert "rank 1" in failed[0][1]
+    await check_worker_death(
+        EngineConfig(
+            backend="mock", tokenizer="byte", backend_options=options,
+            async_scheduling=async_scheduling,
+        )
+    )  # fmt: skip
 
 
 def test_a_step_in_flight_fails_when_a_worker_dies() -> None:

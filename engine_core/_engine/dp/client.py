@@ -15,7 +15,11 @@ that had streamed nothing go to another engine (``"retry"``, ``"resume"``), star
 a retryable error naming the engine, except that ``"resume"`` continues the greedy ones on
 another engine from the tokens already streamed (the client sees one stream). Those endings
 come back as ordinary outputs. :class:`EngineDeadError` is raised only once no engine is alive.
-With ``dp_restart_engines`` a dead engine is restarted in a thread, with backoff, and rejoins.
+With ``dp_restart_engines`` a dead engine is restarted in a thread, with backoff, and rejoins;
+while every engine is dead and one is restarting, the deployment waits instead of dying: the
+requests that would move (and new ones) wait for the first engine back, each for at most
+``dp_restart_wait_s`` (then it ends with a retryable error), and :class:`EngineDeadError` comes
+only once no restart is left.
 
 Where the engines run is the launchers' business (``launcher``): child processes of this one by
 default; with ``data_parallel_backend="ray"`` a :class:`~engine_core._engine.ray.launch.
@@ -25,8 +29,10 @@ RayDeployment` places each engine on a Ray cluster first (a restart gets a new p
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +56,7 @@ from engine_core._engine.dp.failover import (
     lost_request_ending,
     moved_request,
     restart_engine,
+    restart_wait_ending,
 )
 from engine_core._engine.dp.stats import RouterMetrics, aggregate_stats
 from engine_core._engine.mp.client import MPClient
@@ -63,6 +70,12 @@ if TYPE_CHECKING:
 __all__ = ["DPClient"]
 
 logger = logging.getLogger(__name__)
+
+_RESTART_POLL_S = 0.05
+_RESTART_JOIN_S = 10.0
+"""At shutdown, how long the restart threads have to finish an engine's start."""
+"""While an engine restarts, how often a waiting reader looks whether it is back (the restart
+thread cannot wake an event loop)."""
 
 
 class DPClient(EngineCoreClient):
@@ -128,6 +141,12 @@ class DPClient(EngineCoreClient):
         self._wakeup: anyio.Event | None = None
         self._rejoined: collections.deque[tuple[int, MPClient]] = collections.deque()
         self._restart_threads: list[threading.Thread] = []
+        self._closed = threading.Event()
+        """Set when the shutdown begins: wakes the restart threads from their backoff."""
+        self._restarting: set[int] = set()
+        """Engines whose restart thread still tries (it leaves once it rejoined or gave up)."""
+        self._waiting: dict[str, Tracked] = {}
+        """Requests waiting for an engine to come back, in arrival order."""
         self._last_death: EngineDeadError | None = None
         self.metrics = RouterMetrics(self.num_engines)
         self._keep_tokens = config.dp_failover == "resume"
@@ -211,11 +230,22 @@ class DPClient(EngineCoreClient):
             raise EngineClosedError("the engine was shut down")
         if self._rejoined:
             self._take_rejoined()
-        if not any(self._alive):
+        if not any(self._alive) and not self._recovering:
             raise self._all_dead()
 
+    @property
+    def _recovering(self) -> bool:
+        """Whether a dead engine may still come back (a restart under way or done)."""
+        return bool(self._restarting or self._rejoined)
+
     def _all_dead(self) -> EngineDeadError:
-        error = EngineDeadError(f"all {self.num_engines} engine cores are dead")
+        if self._recovering:
+            error = EngineDeadError(
+                f"all {self.num_engines} engine cores are dead for now; "
+                f"{len(self._restarting)} restarting"
+            )
+        else:
+            error = EngineDeadError(f"all {self.num_engines} engine cores are dead")
         error.__cause__ = self._last_death
         return error
 
@@ -237,14 +267,14 @@ class DPClient(EngineCoreClient):
         )
         if self.config.dp_restart_engines:
             self._start_restart(engine)
-        if not any(self._alive):
+        if not any(self._alive) and not self._recovering:
             # The deployment's death: every request in flight gets EngineDeadError.
             if self._wakeup is not None:
                 self._wakeup.set()
             return
         mode = self.config.dp_failover
         for request_id in lost:
-            if not any(self._alive):
+            if not any(self._alive) and not self._recovering:
                 break  # a later death took the last engine: EngineDeadError for the rest
             tracked = self._tracked.get(request_id)
             if tracked is None or tracked.engine != engine:
@@ -259,8 +289,12 @@ class DPClient(EngineCoreClient):
             self._wakeup.set()
 
     def _send(self, tracked: Tracked, request: EngineCoreRequest, reason: str | None) -> None:
-        """Route ``request`` and send it to its engine (another one if that one died)."""
+        """Route ``request`` and send it to its engine (another one if that one died); while
+        every engine is dead and one restarts, it waits for an engine to come back."""
         while True:
+            if not any(self._alive):
+                self._wait_for_engine(tracked, request, reason)
+                return
             decision = self.router.route(
                 request.request_id,
                 request.prompt_token_ids,
@@ -279,6 +313,54 @@ class DPClient(EngineCoreClient):
                 self._engine_died(engine)  # moves this request too, or ends it
                 return
 
+    # -- waiting for an engine to come back ----------------------------------------------------
+
+    def _wait_for_engine(
+        self, tracked: Tracked, request: EngineCoreRequest, reason: str | None
+    ) -> None:
+        """Keep ``request`` until an engine rejoins (or ``dp_restart_wait_s`` passed)."""
+        if tracked.engine >= 0 or request.request_id not in self._waiting:
+            tracked.waits_until = time.monotonic() + self.config.dp_restart_wait_s
+        tracked.engine = -1
+        tracked.request = request
+        tracked.reason = reason
+        self._waiting[request.request_id] = tracked
+
+    def _send_waiting(self) -> None:
+        """An engine is back: send the requests that waited for one, in their order."""
+        waiting, self._waiting = self._waiting, {}
+        for request_id, tracked in waiting.items():
+            if self._tracked.get(request_id) is not tracked:
+                continue  # aborted meanwhile
+            try:
+                self._send(tracked, tracked.request, tracked.reason)
+            except ValueError as exc:  # pinned to an engine that is not back
+                del self._tracked[request_id]
+                self._ended.append(
+                    FinishedRequest(request_id, "error", None, str(exc), retryable=True)
+                )
+
+    def _end_long_waits(self) -> None:
+        """End the requests that waited ``dp_restart_wait_s`` for an engine, retryable."""
+        now = time.monotonic()
+        for request_id, tracked in list(self._waiting.items()):
+            if tracked.waits_until > now:
+                break  # the rest came later
+            del self._waiting[request_id]
+            if self._tracked.pop(request_id, None) is not None:
+                self._ended.append(restart_wait_ending(request_id, self.config.dp_restart_wait_s))
+
+    def _next_wait_s(self) -> float | None:
+        """How long a reader may wait before it must look again (a restart to take in, a wait
+        to end); None: no limit."""
+        if not self._recovering:
+            return None
+        wait_s = _RESTART_POLL_S
+        if self._waiting:
+            first = next(iter(self._waiting.values()))
+            wait_s = min(wait_s, max(first.waits_until - time.monotonic(), 0.0))
+        return wait_s
+
     # -- restarts -------------------------------------------------------------------------------
 
     def _start_restart(self, engine: int) -> None:
@@ -286,16 +368,23 @@ class DPClient(EngineCoreClient):
             target=self._restart, args=(engine,), name=f"EngineCore-restart-{engine}", daemon=True
         )
         self._restart_threads.append(thread)
+        self._restarting.add(engine)
         thread.start()
 
     def _restart(self, engine: int) -> None:
+        try:
+            self._restart_engine(engine)
+        finally:
+            self._restarting.discard(engine)  # after it rejoined: never both empty between
+
+    def _restart_engine(self, engine: int) -> None:
         deployment = self._deployment  # the same one, even while shutting down
 
         def start() -> MPClient:
             launcher = None if deployment is None else deployment.replace(engine)
             return MPClient(self._engine_config(engine), launcher=launcher)
 
-        client = restart_engine(engine, start, lambda: self._closing)
+        client = restart_engine(engine, start, self._closed.is_set, sleep=self._closed.wait)
         if client is not None:
             self._rejoined.append((engine, client))
 
@@ -311,6 +400,8 @@ class DPClient(EngineCoreClient):
             self.metrics.engine_restarts[engine] += 1
             logger.info("engine %d restarted and rejoined", engine)
             old.shutdown()
+        if self._waiting:
+            self._send_waiting()
         if self._wakeup is not None:  # a reader waiting for the others reads this one too
             self._wakeup.set()
 
@@ -341,6 +432,9 @@ class DPClient(EngineCoreClient):
             tracked = self._tracked.pop(request_id, None)
             if tracked is None:
                 continue
+            if tracked.engine < 0:  # waiting for an engine: nowhere to abort
+                self._waiting.pop(request_id, None)
+                continue
             self.router.finished(request_id)
             by_engine.setdefault(tracked.engine, []).append(request_id)
         for engine, ids in by_engine.items():
@@ -365,12 +459,14 @@ class DPClient(EngineCoreClient):
                 if self._closing:
                     continue
                 self._engine_died(engine)
+        if self._waiting:
+            self._end_long_waits()
         if self._ended:
             ended, self._ended = self._ended, []
             return EngineCoreOutputs(finished=ended)
         if self._closing:
             raise EngineClosedError("the engine was shut down")
-        if not any(self._alive):
+        if not any(self._alive) and not self._recovering:
             raise self._all_dead()
         return None
 
@@ -409,7 +505,13 @@ class DPClient(EngineCoreClient):
             poller = zmq.Poller()
             for engine in self.engines_alive:
                 poller.register(self._clients[engine].output_pollable, zmq.POLLIN)
-            poller.poll()
+            wait_s = self._next_wait_s()
+            if wait_s is None:
+                poller.poll()
+            elif self.engines_alive:
+                poller.poll(max(1, int(wait_s * 1000)))
+            else:
+                time.sleep(wait_s)
             for engine in self.engines_alive:
                 self._clients[engine].read_pending()
 
@@ -424,7 +526,8 @@ class DPClient(EngineCoreClient):
 
     async def _wait_for_any(self) -> None:
         """Until an engine has outputs or is gone, or the client ended requests itself."""
-        if self.num_engines == 1:  # nothing to fail over to, nothing to rejoin
+        wait_s = self._next_wait_s()
+        if self.num_engines == 1 and wait_s is None:  # nothing to fail over to or take in
             await self._clients[0].wait_for_output()
             return
         self._wakeup = wakeup = anyio.Event()
@@ -436,6 +539,8 @@ class DPClient(EngineCoreClient):
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(first, wakeup.wait)
+                if wait_s is not None:  # a restart to take in, a wait to end
+                    tg.start_soon(first, functools.partial(anyio.sleep, wait_s))
                 for engine in self.engines_alive:
                     tg.start_soon(first, self._clients[engine].wait_for_output)
         finally:
@@ -468,6 +573,8 @@ class DPClient(EngineCoreClient):
             else:
                 results[engine] = outcome
         if not results:
+            if method == "get_stats" and self._recovering:  # an outage, seen as such
+                return aggregate_stats({}, self.num_engines)
             raise self._all_dead()
         return self._combine(method, results)
 
@@ -503,6 +610,7 @@ class DPClient(EngineCoreClient):
         if self._closing:
             return False
         self._closing = True
+        self._closed.set()
         if self._wakeup is not None:
             self._wakeup.set()
         return True
@@ -526,6 +634,11 @@ class DPClient(EngineCoreClient):
             await anyio.to_thread.run_sync(self._close_deployment)
 
     def _take_rejoined_for_shutdown(self) -> None:
+        # A restart under way finishes its start, sees the shutdown and stops its engine (an
+        # engine left starting would find its client gone).
+        deadline = time.monotonic() + _RESTART_JOIN_S
+        for thread in self._restart_threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
         while self._rejoined:
             self._rejoined.popleft()[1].shutdown()
 

@@ -6,7 +6,9 @@ streamed). When an engine dies, each of its requests is :func:`moved_request` (s
 engine: as it was when nothing had streamed, or resumed from the streamed tokens with
 ``dp_failover="resume"`` when that is exact) or ends with :func:`lost_request_ending` (a retryable
 error naming the engine). With ``dp_restart_engines`` :func:`restart_engine` starts the engine
-again in a thread, with backoff.
+again in a thread, with backoff; while every engine is dead and one restarts, the requests that
+move (and new ones) wait for it, and one that waited ``dp_restart_wait_s`` ends with
+:func:`restart_wait_ending`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ import msgspec
 
 from engine_core._core.engine_io import EngineCoreRequest, FinishedRequest
 
-__all__ = ["RESTART_BACKOFF_S", "Tracked", "lost_request_ending", "moved_request", "restart_engine"]
+__all__ = [
+    "RESTART_BACKOFF_S",
+    "Tracked",
+    "lost_request_ending",
+    "moved_request",
+    "restart_engine",
+    "restart_wait_ending",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +47,18 @@ _C = TypeVar("_C", bound=_Client)
 class Tracked:
     """A request in flight, as the client needs it to move it to another engine."""
 
-    __slots__ = ("request", "engine", "num_tokens", "tokens")
+    __slots__ = ("request", "engine", "num_tokens", "tokens", "reason", "waits_until")
 
     def __init__(self, request: EngineCoreRequest, engine: int) -> None:
         self.request = request
         self.engine = engine
+        """Its engine; -1 while it waits for one (every engine dead, one restarting)."""
         self.num_tokens = 0
         self.tokens: list[int] = list(request.resume_output_token_ids)
+        self.reason: str | None = None
+        """Why it goes where it goes next, while it waits (``"failover"``, or None: new)."""
+        self.waits_until = 0.0
+        """While it waits: when it stops waiting (``time.monotonic()``)."""
 
 
 def resumable(request: EngineCoreRequest) -> bool:
@@ -83,12 +97,30 @@ def lost_request_ending(request_id: str, engine: int, cause: object) -> Finished
     )
 
 
-def restart_engine(engine: int, start: Callable[[], _C], closing: Callable[[], bool]) -> _C | None:
+def restart_wait_ending(request_id: str, wait_s: float) -> FinishedRequest:
+    """The ending of a request that waited ``wait_s`` (``dp_restart_wait_s``) for an engine to
+    come back while every engine was dead: a retryable error naming the setting."""
+    return FinishedRequest(
+        request_id,
+        "error",
+        None,
+        "every engine of the data-parallel deployment is dead and none came back within "
+        f"dp_restart_wait_s ({wait_s:g} s); the request may be sent again",
+        retryable=True,
+    )
+
+
+def restart_engine(
+    engine: int,
+    start: Callable[[], _C],
+    closing: Callable[[], bool],
+    sleep: Callable[[float], object] = time.sleep,
+) -> _C | None:
     """Start engine ``engine`` again (``start()``, blocking), waiting :data:`RESTART_BACKOFF_S`
-    before each attempt; None when the deployment closes meanwhile or every attempt failed.
-    Runs in a thread of its own."""
+    before each attempt (``sleep``, which a closing deployment may cut short); None when the
+    deployment closes meanwhile or every attempt failed. Runs in a thread of its own."""
     for delay in RESTART_BACKOFF_S:
-        time.sleep(delay)
+        sleep(delay)
         if closing():
             return None
         try:

@@ -19,7 +19,9 @@ the send or the read.
 Liveness. A thread watches the process. When the process ends it records the exit code (from
 then on every call raises :class:`EngineDeadError`) and sends a death notice into the client's
 own output pipe, which wakes whoever is reading. A process that dies of an error first sends
-its own notice with the exception, which becomes the error's cause. Hung steps are caught in the
+its own notice with the exception, which becomes the error's cause. Whatever the engine sent
+before it ended is read before the end is (its last outputs, its notice), however far behind
+the reader is (see ``inbox``): a SIGTERM's final "abort" outputs reach their requests. Hung steps are caught in the
 engine (``step_timeout_s``), which then dies the same way. A frozen process (stopped, deadlocked,
 a step holding the GIL) cannot report anything: while requests are in flight or a call waits
 for its reply, the engine sends something (outputs, else a heartbeat) at least every 2/5 of
@@ -89,7 +91,9 @@ logger = logging.getLogger(__name__)
 
 _DEATH_NOTICE_GRACE_S = 0.1
 """After the process ends, how long the watch lets a reader take the engine's own death notice
-(which carries the root cause) before declaring the death itself."""
+(which carries the root cause) before it moves the client to dead (new requests and calls are
+refused from then on) and logs the exit. Reading is not cut short by it: the pipe is read to
+its end first."""
 _STARTUP_EXIT_TIMEOUT_S = 5.0
 _RESULT_TYPES: dict[str, type[Any]] = {"get_stats": EngineStats}
 
@@ -178,6 +182,8 @@ class MPClient(EngineCoreClient):
         self._state_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
         self._call_ids = itertools.count(1)
+        self._exit_code: int | None = None
+        """The process's exit status, from the watch (the inbox has it once it read the end)."""
         # All that the process watch uses exists before the process starts.
         self._sockets: EngineSockets = launcher.open_sockets()
         heartbeat_timeout_s = config.engine_heartbeat_timeout_s
@@ -219,7 +225,10 @@ class MPClient(EngineCoreClient):
                     "the engine core did not start within startup_timeout_s "
                     f"({self.config.startup_timeout_s} s)"
                 )
-            raise startup_error(self._inbox.notice, self._inbox.exit_code)
+            exit_code = self._inbox.exit_code
+            raise startup_error(
+                self._inbox.notice, self._exit_code if exit_code is None else exit_code
+            )
         self.info = ready.info
         if self._move(_State.READY):
             self._inbox.listening = True
@@ -252,7 +261,10 @@ class MPClient(EngineCoreClient):
     def _error(self) -> EngineError:
         if self._closing:
             return EngineClosedError("the engine was shut down")
-        return dead_error(self._inbox.notice, self._inbox.exit_code, self._inbox.silent_s)
+        exit_code = self._inbox.exit_code
+        if exit_code is None:
+            exit_code = self._exit_code  # ended, its last frames not read yet
+        return dead_error(self._inbox.notice, exit_code, self._inbox.silent_s)
 
     def _check_usable(self) -> None:
         if self._state is not _State.READY:
@@ -276,8 +288,9 @@ class MPClient(EngineCoreClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         """Send ``request`` to the engine core. Raises :class:`EngineDeadError` once it died."""
         self._check_usable()
-        self._inbox.track(request.request_id)
         self._send(request)
+        # NOTE: tracking after the send is safe: outputs are routed on this thread only, later.
+        self._inbox.track(request.request_id)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort requests (no output follows for them); a no-op once the engine is gone."""
@@ -336,8 +349,9 @@ class MPClient(EngineCoreClient):
 
     @property
     def gone(self) -> bool:
-        """Whether no more output comes: the engine died or the client closed."""
-        return self._state is not _State.READY or self._inbox.gone
+        """Whether no more output comes: the engine's end has been read (what it sent before,
+        too), or the client closed."""
+        return self._state is _State.CLOSED or self._inbox.gone
 
     def error(self) -> EngineError:
         """Why no more output comes (:class:`EngineDeadError` or :class:`EngineClosedError`)."""
@@ -419,7 +433,7 @@ class MPClient(EngineCoreClient):
         reads with a death notice of the client's own."""
         if not self._closing and self._inbox.silent_s is None:
             self._inbox.notice_seen.wait(_DEATH_NOTICE_GRACE_S)
-        self._inbox.exit_code = exit_code
+        self._exit_code = exit_code
         if self._move(_State.DEAD) and self._inbox.notice is None:
             logger.error("the engine-core process %s", describe_exit(exit_code))
         self._sockets.post_to_self(msgspec.msgpack.encode(EngineDead(exit_code=exit_code)))

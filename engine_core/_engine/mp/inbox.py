@@ -8,6 +8,14 @@ message, then look again for theirs: so a reply read by another task is taken at
 the reader waits on for its own message. Sync and async reads must not be mixed across threads: a
 client belongs to one thread.
 
+The end. The engine's last frames (a shutdown's final outputs, a failure's death notice with its
+cause) may still wait in the pipe when its process has ended and the client's watch says so: a
+front end that is behind (a busy event loop) reads them later. So the watch's own death notice
+(posted into the pipe, so it may come up before frames the engine sent) ends nothing by itself:
+the reader that takes it first reads whatever else the pipe holds, and only then is the engine
+:attr:`EngineInbox.gone`. No time limit applies: the process has ended, so what it sent is all
+there.
+
 Silence. The inbox also knows whether its client waits for the engine (requests in flight, a
 call's reply) and when it last heard from it. :meth:`EngineInbox.look` (called by the client's
 process watch thread) posts a :class:`~engine_core._engine.wire.Silence` notice into the pipe
@@ -82,7 +90,9 @@ _SILENCE_FRAME = msgspec.msgpack.encode(Silence())
 
 class EngineInbox:
     """The engine's messages to one client. ``on_hello(hello)`` runs when the process says it
-    listens (the startup handshake), ``on_notice`` when the engine's own death notice is read; :attr:`exit_code` is set by the client once the process has ended.
+    listens (the startup handshake), ``on_notice`` when the engine's own death notice is read;
+    :attr:`exit_code` is set once the client's own death notice has been read (the process has
+    ended) and everything the pipe held with it.
 
     With ``heartbeat_timeout_s``, ``on_silence(seconds)`` runs in the reader that finds the
     engine silent that long while it was waited for (and :attr:`listening`); ``post(frame)``
@@ -114,6 +124,7 @@ class EngineInbox:
         """The engine's own death notice: why it stopped."""
         self.notice_seen = threading.Event()
         self.exit_code: int | None = None
+        """The process's exit status, once its end has been read (every frame before it too)."""
         self.silent_s: float | None = None
         """How long the engine had been silent when the client declared it frozen."""
         self._loop_readers: RunVar[_LoopReaders] = RunVar("EngineInbox readers")
@@ -128,6 +139,8 @@ class EngineInbox:
         self._heard_at = time.monotonic()
         self._waiting_since = self._heard_at
         self._silence_posted = False
+        self._ending = False
+        """The watch's death notice is being read: what follows it ends with the process."""
 
     @property
     def gone(self) -> bool:
@@ -183,7 +196,7 @@ class EngineInbox:
         engine's is queued after all or the wait is not as long as the watch thought."""
         self._silence_posted = False
         limit = self.heartbeat_timeout_s
-        if limit is None or self.gone or not self.listening or not self.waiting:
+        if limit is None or self.gone or self._ending or not self.listening or not self.waiting:
             return
         # A backlog of the engine's messages (the client was too busy to read) is no silence:
         # the first of them ends the check.
@@ -246,10 +259,13 @@ class EngineInbox:
                     self.notice = message
                 self.notice_seen.set()
                 self._on_notice()
-            case EngineDead():
-                # From the process watch: what the engine sent before it ended comes first.
+            case EngineDead(exit_code=exit_code):
+                # From the process watch, once the process ended: what the engine sent before
+                # its end is read first, all of it (the engine's own notice among it).
+                self._ending = True
                 while (pending := self._pipe.recv_nowait()) is not None:
                     self._route(pending)
+                self.exit_code = exit_code
 
     def read_until_sync(self, done: Callable[[], bool], timeout: float | None = None) -> None:
         """Read until ``done()``, the engine is gone, or ``timeout`` seconds passed."""
