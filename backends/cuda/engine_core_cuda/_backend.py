@@ -348,6 +348,10 @@ class CudaBackend(Backend):
         runner.drop_requests()
         runner.release_kv_cache()
         self._param_shapes = [p.shape for p in runner.parameters()]
+        if level == 2:
+            from engine_core_cuda._layers import unpack_cpu_linears
+
+            unpack_cpu_linears(runner.modules())
         with torch.no_grad():
             for param in runner.parameters():
                 param.data = (
@@ -401,6 +405,9 @@ class CudaBackend(Backend):
         runner.drop_graphs()
         runner.drop_requests()
         runner.release_kv_cache()
+        from engine_core_cuda._layers import unpack_cpu_linears
+
+        unpack_cpu_linears(runner.modules())
         with torch.no_grad():
             for param in runner.parameters():
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)

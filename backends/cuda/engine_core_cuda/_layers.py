@@ -32,7 +32,15 @@ from engine_core_cuda._rope import RotaryTables
 if TYPE_CHECKING:
     from engine_core_cuda._tp.parallel import TensorParallel
 
-__all__ = ["Attention", "DecoderLayer", "Linear", "MLP", "RMSNorm"]
+__all__ = [
+    "Attention",
+    "DecoderLayer",
+    "Linear",
+    "MLP",
+    "RMSNorm",
+    "pack_cpu_linears",
+    "unpack_cpu_linears",
+]
 
 
 class Linear(nn.Module):
@@ -64,6 +72,8 @@ class Linear(nn.Module):
         """FP8 weights (:mod:`engine_core_cuda._fp8`): one float32 scale per output row."""
         self.shards: dict[str, tuple[int, int]] = {}
         """Shard name -> (first row, number of rows)."""
+        self.packed: torch.Tensor | None = None
+        """On the CPU: the weight reordered once for oneDNN (:func:`pack_cpu_linears`)."""
         start = 0
         for name, size in shards.items():
             self.shards[name] = (start, size)
@@ -77,10 +87,57 @@ class Linear(nn.Module):
                 return fp8_linear(x, self.weight, self.weight_scale, self.bias)
             y = self.reduce(fp8_linear(x, self.weight, self.weight_scale))
             return y if self.bias is None else y + self.bias
+        if self.packed is not None:
+            if self.reduce is None:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            y = self.reduce(
+                torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            )
+            return y if self.bias is None else y + self.bias
         if self.reduce is None:
             return F.linear(x, self.weight, self.bias)
         y = self.reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
+
+
+def pack_cpu_linears(modules: list[nn.Module], batch_size: int) -> int:
+    """Reorder the float32 / bfloat16 CPU weights of every :class:`Linear` under ``modules``
+    once, after loading, into oneDNN's blocked layout (as vLLM's CPU backend does): a decode
+    step's ``[rows, in] x [in, out]`` products then read the weights in the order the kernel
+    consumes them, about 1.8x faster than ``F.linear`` at 16 rows on one thread. The products
+    round differently from ``F.linear`` (float32 sums in another order). ``batch_size`` is the
+    row count the layout is chosen for; any row count runs. A packed copy is kept beside the
+    weight (which stays for everything else that reads it). Returns how many were packed; none
+    when oneDNN is unavailable or ``ENGINE_CORE_CPU_LINEAR=torch``."""
+    import os
+
+    if (
+        os.environ.get("ENGINE_CORE_CPU_LINEAR") == "torch"
+        or not torch.backends.mkldnn.is_available()
+    ):
+        return 0
+    packed = 0
+    for root in modules:
+        for module in root.modules():
+            w = getattr(module, "weight", None)
+            if (
+                isinstance(module, Linear)
+                and module.weight_scale is None
+                and w is not None
+                and w.device.type == "cpu"
+                and w.dtype in (torch.float32, torch.bfloat16)
+            ):
+                module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_size)
+                packed += 1
+    return packed
+
+
+def unpack_cpu_linears(modules: list[nn.Module]) -> None:
+    """Drop the packed copies (weights freed or about to be reloaded)."""
+    for root in modules:
+        for module in root.modules():
+            if isinstance(module, Linear):
+                module.packed = None
 
 
 class RMSNorm(nn.Module):

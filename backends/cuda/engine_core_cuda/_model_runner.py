@@ -231,6 +231,17 @@ class ModelRunner:
             )
         if self.drafter is not None:
             self.drafter.load_weights()
+        if self.device.type == "cpu":
+            from engine_core_cuda._layers import pack_cpu_linears
+
+            pack_cpu_linears(self.modules(), max(1, min(self.config.max_num_seqs, 64)))
+
+    def modules(self) -> list[torch.nn.Module]:
+        """The model and the draft model (if any)."""
+        roots: list[torch.nn.Module] = [self.model]
+        if self.drafter is not None:
+            roots.append(self.drafter.model)
+        return roots
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The weights of the model and of the draft model (if any)."""

@@ -1,0 +1,79 @@
+"""CPU linear layers run on weights reordered once for oneDNN: the products match ``F.linear``
+(to float32 rounding), for any row count, with and without bias and row parallelism; the
+switch ``ENGINE_CORE_CPU_LINEAR=torch`` keeps ``F.linear``; the runner packs after loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_core_cuda._layers import Linear, pack_cpu_linears
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
+)
+
+
+def _linear(bias: bool, dtype: torch.dtype = torch.float32, reduce=None) -> Linear:
+    torch.manual_seed(0)
+    layer = Linear(96, {"a": 40, "b": 24}, bias=bias, dtype=dtype, device=torch.device("cpu"),
+                   reduce=reduce)  # fmt: skip
+    with torch.no_grad():
+        layer.weight.normal_()
+        if layer.bias is not None:
+            layer.bias.normal_()
+    return layer
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 16, 70])
+def test_packed_matches_f_linear(bias: bool, rows: int) -> None:
+    layer = _linear(bias)
+    x = torch.randn(rows, 96)
+    expected = F.linear(x, layer.weight, layer.bias)
+    assert pack_cpu_linears([layer], 16) == 1
+    assert layer.packed is not None
+    got = layer(x)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    strided = torch.randn(rows, 192)[:, :96]  # a split's view
+    torch.testing.assert_close(layer(strided), F.linear(strided, layer.weight, layer.bias),
+                               rtol=1e-5, atol=1e-4)  # fmt: skip
+
+
+def test_packed_row_parallel_adds_bias_once() -> None:
+    calls: list[torch.Tensor] = []
+
+    def reduce(y: torch.Tensor) -> torch.Tensor:
+        calls.append(y)
+        return y * 2  # two identical ranks
+
+    layer = _linear(True, reduce=reduce)
+    x = torch.randn(3, 96)
+    pack_cpu_linears([layer], 4)
+    torch.testing.assert_close(layer(x), 2 * F.linear(x, layer.weight) + layer.bias,
+                               rtol=1e-5, atol=1e-4)  # fmt: skip
+    assert len(calls) == 1
+
+
+def test_bfloat16_packs_and_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = _linear(False, torch.bfloat16)
+    x = torch.randn(4, 96, dtype=torch.bfloat16)
+    assert pack_cpu_linears([layer], 4) == 1
+    torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight).float(),
+                               rtol=2e-2, atol=2e-2)  # fmt: skip
+    monkeypatch.setenv("ENGINE_CORE_CPU_LINEAR", "torch")
+    other = _linear(False)
+    assert pack_cpu_linears([other], 4) == 0
+    assert other.packed is None
+
+
+def test_runner_packs_after_loading_and_close_drops(tiny) -> None:
+    llm = tiny["llama"].llm()
+    try:
+        runner = llm._client.engine_core.backend.runner
+        linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+        assert linears and all(m.packed is not None for m in linears)
+    finally:
+        llm.close()
+    assert all(m.packed is None for m in linears)
