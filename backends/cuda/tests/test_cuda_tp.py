@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -461,7 +463,23 @@ def test_a_worker_dying_during_the_rendezvous_fails_startup_naming_it(
     tiny: dict[str, TinyModel],
 ) -> None:
     """Rank 0 waits in the rendezvous for a worker killed meanwhile: startup fails at once with
-    the rank, not at the store's timeout."""
+    the rank, not at the store's timeout. In a process of its own: the rendezvous rank 0 left
+    stays in torch's process-wide group state until the store's timeout, and a later
+    tensor-parallel test in the same process would wait behind it."""
+    config = msgspec.json.encode(_tp_config(tiny)).decode()
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        f"import test_cuda_tp; test_cuda_tp.startup_with_rank_1_killed_in_the_rendezvous({config!r})"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "startup failed naming rank 1" in done.stdout
+
+
+def startup_with_rank_1_killed_in_the_rendezvous(config_json: str) -> None:
+    """The body of the test above, in its own process (which it ends: the abandoned rendezvous
+    thread must not hold up the interpreter's exit)."""
+    config = msgspec.json.decode(config_json, type=EngineConfig)
     killed_at: list[float] = []
 
     def kill_rank_1_once_the_store_exists() -> None:
@@ -482,11 +500,14 @@ def test_a_worker_dying_during_the_rendezvous_fails_startup_naming_it(
     killer.start()
     try:
         with pytest.raises(WorkerDiedError, match=r"rank 1 was killed by signal 9"):
-            CudaBackend(_tp_config(tiny))
+            CudaBackend(config)
     finally:
         killer.join()
     assert killed_at and time.monotonic() - killed_at[0] < 1.0
     assert not _worker_pids(os.getpid())
+    print("startup failed naming rank 1", flush=True)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _worker_pids(parent: int) -> list[int]:
