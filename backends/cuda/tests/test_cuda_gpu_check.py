@@ -4,29 +4,18 @@ isolation of its checks in processes, its preflight rows, its refusal, and its C
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from gpu_check_script import SCRIPT, gpu_check_module
 
-SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "gpu_check.py"
-
-
-def _module() -> ModuleType:
-    if "gpu_check" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_check"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["gpu_check"]
+_module = gpu_check_module
 
 
 def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -4,24 +4,12 @@ arithmetic."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from gpu_check_script import gpu_check_module
 
-SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "gpu_check.py"
-
-
-def _module() -> ModuleType:
-    if "gpu_check" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_check"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["gpu_check"]
+_module = gpu_check_module
 
 
 def test_moe_roofline_counts_the_experts_a_batch_touches() -> None:
