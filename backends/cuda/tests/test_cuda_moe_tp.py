@@ -12,10 +12,8 @@ import pytest
 import torch
 from engine_core_cuda import CudaBackend
 from engine_core_cuda._hf_config import load_model_config
-from engine_core_cuda._model_runner import ModelRunner
-from engine_core_cuda._options import parse_options
 from engine_core_cuda._tp.shard import shard_model_config, slice_of
-from test_cuda_tp import CPU, PROMPTS, _simulate, _steps
+from test_cuda_tp import CPU, PROMPTS, _steps, assert_shards_match_tp1
 from tiny_models import TinyModel, edited_copy
 
 from engine_core import SamplingParams
@@ -52,16 +50,7 @@ def test_two_simulated_ranks_match_tp1(tiny: dict[str, TinyModel], kind: str) ->
                           dtype="float32", max_model_len=256)  # fmt: skip
     prompts = [[5 + i, 40 + 3 * i, 7, 100 + i, 9][: 2 + i] for i in range(3)]
     outputs = _steps([[i * 4 + b for b in range(4)] for i in range(3)], prompts, 3)
-    sharded = _simulate(config, model.path, 2, outputs)
-    single = ModelRunner(config, parse_options(config), load_model_config(model.path))
-    single.allocate_kv_cache(16)
-    with torch.inference_mode():
-        for out, got in zip(outputs, sharded, strict=True):
-            single.execute_model(out)
-            forward = single._forward
-            assert forward is not None and forward.logits is not None
-            torch.testing.assert_close(got, forward.logits, rtol=0, atol=1e-4)
-            single.sample_tokens(None)
+    assert_shards_match_tp1(config, 2, outputs)
 
 
 def test_tp2_on_gloo_greedy_tokens_equal_tp1(tiny: dict[str, TinyModel]) -> None:

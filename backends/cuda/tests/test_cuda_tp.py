@@ -233,6 +233,21 @@ def _simulate(
     return logits[0]
 
 
+def assert_shards_match_tp1(config: EngineConfig, ranks: int, outputs: list) -> None:
+    """``ranks`` simulated shards' logits for ``outputs`` within float32 rounding of TP=1's."""
+    path = Path(config.model or "")
+    sharded = _simulate(config, path, ranks, outputs)
+    single = ModelRunner(config, parse_options(config), load_model_config(path))
+    single.allocate_kv_cache(16)
+    with torch.inference_mode():
+        for out, got in zip(outputs, sharded, strict=True):
+            single.execute_model(out)
+            forward = single._forward
+            assert forward is not None and forward.logits is not None
+            torch.testing.assert_close(got, forward.logits, rtol=0, atol=1e-4)
+            single.sample_tokens(None)
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "gemma2"])
 def test_four_simulated_ranks_replicating_kv_heads_match_tp1(
     tiny: dict[str, TinyModel], kind: str
@@ -247,16 +262,7 @@ def test_four_simulated_ranks_replicating_kv_heads_match_tp1(
     )  # fmt: skip
     prompts = [[5 + i, 40 + 3 * i, 7, 100 + i, 9][: 2 + i] for i in range(3)]
     outputs = _steps([[i * 4 + b for b in range(4)] for i in range(3)], prompts, 4)
-    sharded = _simulate(config, model.path, 4, outputs)
-    single = ModelRunner(config, parse_options(config), load_model_config(model.path))
-    single.allocate_kv_cache(16)
-    with torch.inference_mode():
-        for out, got in zip(outputs, sharded, strict=True):
-            single.execute_model(out)
-            forward = single._forward
-            assert forward is not None and forward.logits is not None
-            torch.testing.assert_close(got, forward.logits, rtol=0, atol=1e-4)
-            single.sample_tokens(None)
+    assert_shards_match_tp1(config, 4, outputs)
 
 
 # -- against TP=1 ------------------------------------------------------------------------------
