@@ -84,6 +84,9 @@ class FinishedRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """Speculative decoding: the drafts it verified."""
     spec_num_accepted_tokens: int = 0
     """Speculative decoding: the drafts accepted."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """What the KV connector returned for the request when it finished
+    (``KVConnectorScheduler.request_finished``; None: nothing)."""
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag="out"):
