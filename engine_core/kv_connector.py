@@ -44,6 +44,8 @@ __all__ = [
     "KVConnectorScheduler",
     "KVConnectorWorker",
     "KVTransfer",
+    "available_host_memory",
+    "check_host_memory",
     "BUILTIN_CONNECTORS",
     "load_kv_connector",
     "ConnectorStep",
@@ -282,19 +284,31 @@ class KVConnectorScheduler(abc.ABC):
         """Release everything; called once."""
 
 
-class ConnectorStep(msgspec.Struct, kw_only=True):
+class ConnectorStep:
     """What the core did in one step, as :meth:`KVConnectorScheduler.build_metadata` sees it."""
 
-    scheduled: list[Any] = []
-    """The requests of the batch (``ConnectorRequest``), in batch order, with their computed
-    tokens *before* the step (``num_computed_before``, parallel)."""
-    num_computed_before: list[int] = []
-    block_tables: list[list[list[int]]] = []
-    """Per scheduled request, its whole block table per group (device ids; -1: released)."""
-    cancelled: list[str] = []
-    """Loads the core cancelled since the previous step."""
-    saves_pinned: dict[str, list[list[int]]] = {}
-    """Blocks the core keeps out of reuse for saves already in flight, by transfer id."""
+    __slots__ = ("scheduled", "num_computed_before", "cancelled", "_tables")
+
+    def __init__(
+        self,
+        scheduled: list[Any],
+        num_computed_before: list[int],
+        tables: Any,
+        cancelled: list[str],
+    ) -> None:
+        self.scheduled = scheduled
+        """The requests of the batch (``ConnectorRequest``), in batch order."""
+        self.num_computed_before = num_computed_before
+        """Parallel to ``scheduled``: each request's computed tokens before the step (what
+        earlier steps wrote: final KV)."""
+        self.cancelled = cancelled
+        """Loads the core cancelled since the previous step (their ids)."""
+        self._tables = tables
+
+    def block_table(self, index: int) -> list[list[int]]:
+        """The whole block table, per group, of the ``index``-th scheduled request (device
+        ids; -1: a released entry). Built on demand: call it only for requests it needs."""
+        return self._tables(self.scheduled[index])
 
 
 # -- the worker half --------------------------------------------------------------------------------
@@ -391,3 +405,38 @@ def load_kv_connector(name: str) -> KVConnectorProvider:
     if not isinstance(provider, KVConnectorProvider):
         raise ValueError(f"KV connector {name!r}: {provider!r} is not a KVConnectorProvider")
     return provider
+
+
+def available_host_memory() -> int | None:
+    """Bytes of memory this machine has available (``MemAvailable``), None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
+
+
+def check_host_memory(requested: int, available: int | None = None) -> None:
+    """``ValueError`` naming ``kv_offload_bytes`` (``--kv-offload-bytes``) and what is
+    available when ``requested`` bytes of host memory are more than can be pinned here
+    (``available``: the backend's own limit; None: this machine's available memory)."""
+    if available is None:
+        available = available_host_memory()
+    if available is not None and requested > available:
+        raise ValueError(
+            f"kv_offload_bytes (--kv-offload-bytes) asks for {_gib(requested)} ({requested} "
+            f"bytes) of host memory, but only {_gib(available)} ({available} bytes) can be "
+            "pinned here; give a smaller size (or 0 to turn the host tier off)"
+        )

@@ -13,13 +13,15 @@ Pure, synchronous logic: no event loop, sockets or tensors.
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from engine_core._core.engine_io import EngineCoreOutputs, FinishedRequest
 from engine_core._core.kv_cache_manager import GroupedKVCacheManager, KVCacheManager
+from engine_core._core.kv_connector_core import ENDED, NO_ROOM, ConnectorCore
 from engine_core._core.request import FINISH_REASONS, GrammarMatcher, Request, RequestStatus
 from engine_core._core.request_queue import make_queue
 from engine_core._core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -29,12 +31,14 @@ if TYPE_CHECKING:
     from engine_core._core.drafts import DraftPlanner
     from engine_core._core.kv_groups import KVLayout
     from engine_core.config import EngineConfig
+    from engine_core.kv_connector import KVConnectorScheduler
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
 _PREEMPTED = RequestStatus.PREEMPTED
 _RUNNING = RequestStatus.RUNNING
 _WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_GRAMMAR
+_PARKED = RequestStatus.WAITING_FOR_REMOTE_KVS
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _ERROR = RequestStatus.FINISHED_ERROR
 
@@ -67,6 +71,10 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     async_scheduling: bool | None = False
     """Schedule while the previous step is in flight (placeholders for its sampled tokens)."""
+    kv_load_failure_policy: str = "recompute"
+    """A KV connector's failed load: ``"recompute"`` or ``"fail"`` (``docs/kv_connector.md``)."""
+    kv_lease_s: float = 30.0
+    kv_max_parked_fraction: float = 0.5
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
@@ -91,6 +99,10 @@ class Scheduler:
         num_blocks: int,
         spec: DraftPlanner | None = None,
         kv_layout: KVLayout | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
+        *,
+        connector_name: str = "connector",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.draft_planner = spec
@@ -128,6 +140,21 @@ class Scheduler:
         # Reported to the backend with the next schedule().
         self._finished_req_ids: list[str] = []
         self._preempted_req_ids: list[str] = []
+        self.num_recomputed_tokens = 0
+        """Tokens computed again by requests resumed after a preemption (beyond their hits)."""
+        self.connector: ConnectorCore | None = None
+        """The KV connector's hooks (None: no connector; nothing of it runs)."""
+        if kv_connector is not None:
+            self.connector = ConnectorCore(
+                kv_connector,
+                self.kv,
+                block_size=config.block_size,
+                failure_policy=config.kv_load_failure_policy,
+                lease_s=config.kv_lease_s,
+                max_parked_fraction=config.kv_max_parked_fraction,
+                clock=clock,
+                name=connector_name,
+            )
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -170,10 +197,11 @@ class Scheduler:
                 if request is None:
                     continue
                 was_running = request.status == _RUNNING
+                was_parked = request.status is _PARKED
                 request.set_status(status)  # first: an invalid transition changes nothing
                 if was_running:
                     any_running = True
-                else:
+                elif not was_parked:  # a parked request is in no queue
                     # Mutation testing: the queues count discarded requests without reading
                     # them (the finished status marks them), so the argument is not pinned.
                     self.waiting.discard(request)  # pragma: no mutate
@@ -184,13 +212,41 @@ class Scheduler:
                 self.running = [r for r in self.running if r.status is _RUNNING]
         return ended
 
-    def _free(self, request: Request) -> None:
+    def _free(self, request: Request) -> dict[str, Any] | None:
+        """Release a finished request (its blocks, its grammar); returns the KV connector's
+        transfer parameters for it, if any."""
+        params = None
+        if self.connector is not None:
+            # First: the connector may hold (pin) its blocks while it saves them.
+            params = self.connector.request_finished(request)
         self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
         if request.use_structured_output:
             self.num_constrained -= 1
             request.grammar = None
+        return params
+
+    def _end_by_connector(self, request: Request) -> None:
+        """End a request the KV connector failed (its error is already reported): it is in
+        no queue and holds no parked load."""
+        request.set_status(_ERROR)
+        self._free(request)
+
+    @property
+    def connector_needs_step(self) -> bool:
+        """Whether the KV connector needs a step to run even with no tokens (transfers in
+        flight, cancellations to send)."""
+        connector = self.connector
+        return connector is not None and connector.needs_step
+
+    def take_connector_ended(self) -> list[FinishedRequest]:
+        """Requests the KV connector ended since the last call (to report)."""
+        connector = self.connector
+        if connector is None or not connector.ended:
+            return []
+        ended, connector.ended = connector.ended, []
+        return ended
 
     @property
     def scheduled(self) -> list[Request]:
@@ -204,7 +260,9 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Queued requests, with those parked for a KV load."""
+        connector = self.connector
+        return len(self.waiting) + (len(connector.parked) if connector is not None else 0)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -229,6 +287,8 @@ class Scheduler:
         the queue.
         """
         max_tokens = self.config.max_num_batched_tokens
+        if self.connector is not None and (self.connector.parked or self.connector.pins):
+            self.connector.expire(self.waiting)
         entries: list[Any] = []
         budget, any_preempted = self._schedule_running(max_tokens, entries)
         new_reqs: list[NewRequestData] = []
@@ -342,7 +402,25 @@ class Scheduler:
                 # before it resumes.
                 skipped.append(waiting.pop())
                 continue
-            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            connector = self.connector
+            hits: Any
+            if connector is not None and request.request_id in connector.loaded:
+                # Its load was reported: it holds its blocks and its computed tokens.
+                hits, num_hit_tokens = [], request.num_computed_tokens
+            else:
+                hits, num_hit_tokens = kv.get_computed_blocks(request)
+                if connector is not None:
+                    outcome = connector.try_park(request, hits, num_hit_tokens)
+                    if outcome is not None:
+                        if outcome == NO_ROOM:
+                            if not running and connector.release_for(request, waiting):
+                                continue
+                            break
+                        waiting.pop()
+                        if outcome == ENDED:
+                            request.set_status(_ERROR)
+                            self._free(request)
+                        continue  # PARKED: it waits for its load, out of the queue
             num_new = len(request.all_token_ids) - num_hit_tokens
             # Mutation testing: `>=` in this test and the next is equivalent (capping at an
             # equal value).
@@ -353,8 +431,18 @@ class Scheduler:
                     break  # the prompt must go in whole; nobody overtakes it
                 num_new = budget
             if not kv.allocate_slots(request, num_new, hits, full_sequence_must_fit=True):
+                if (
+                    connector is not None
+                    and not running
+                    and connector.release_for(request, waiting)
+                ):
+                    continue  # a stuck parked load gave its blocks back: try again
                 break
             waiting.pop()
+            if connector is not None:
+                connector.admitted(request)
+            if request.num_preemptions:
+                self.num_recomputed_tokens += len(request.all_token_ids) - num_hit_tokens
             request.set_status(_RUNNING)
             running.append(request)
             admitted.append(request)
@@ -401,6 +489,19 @@ class Scheduler:
         self._scheduled = running + admitted
         spec = self.draft_planner
         drafts = spec.finish_plan(self._scheduled, running) if spec is not None else None
+        meta = None
+        connector = self.connector
+        if connector is not None:
+            meta = connector.build(
+                self._scheduled,
+                entries[3::_ENTRY] + [r.num_computed_tokens for r in new_reqs],
+                self._end_by_connector,
+            )
+            if total == 0 and (meta is not None or connector.needs_step):
+                # No tokens, but transfers to start or to hear of: a step of the connector only.
+                if self._async:
+                    self._unapplied.append(self._scheduled)
+                return SchedulerOutput(new_reqs, cached, 0, kv_connector_metadata=meta)
         if self._async and total:
             self._unapplied.append(self._scheduled)
         if total == 0:
@@ -421,7 +522,19 @@ class Scheduler:
                     preempted_ids,
                     drafts.num_draft_tokens,
                     drafts.draft_req_ids,
+                    meta,
                 )
+        if meta is not None:
+            return SchedulerOutput(
+                new_reqs,
+                cached,
+                total,
+                finished_ids,
+                preempted_ids,
+                drafts.num_draft_tokens if drafts is not None else 0,
+                None,
+                meta,
+            )
         return SchedulerOutput(new_reqs, cached, total, finished_ids, preempted_ids)
 
     def _pick_victim(self) -> Request:
@@ -464,7 +577,10 @@ class Scheduler:
         return num_new
 
     def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop the KV, go back to the front of the waiting queue."""
+        """Recompute preemption: drop the KV, go back to the front of the waiting queue (with a
+        KV connector that stores blocks, resuming is then a load)."""
+        if self.connector is not None:
+            self.connector.request_preempted(request)
         self.kv.free(request)
         if self.draft_planner is not None:
             self.draft_planner.unscheduled(request)
@@ -496,6 +612,10 @@ class Scheduler:
         """
         sampled = runner_output.sampled_token_ids
         scheduled = self._batch_to_apply(len(sampled))
+        if self.connector is not None:
+            self.connector.apply_report(
+                runner_output.kv_connector_report, self.waiting, self._end_by_connector
+            )
         out = EngineCoreOutputs()
         out_ids, out_tokens = out.req_ids, out.new_token_ids
         logprobs = runner_output.logprobs
@@ -578,7 +698,7 @@ class Scheduler:
         if request.status is _PREEMPTED:
             self.waiting.discard(request)
         request.set_status(status)
-        self._free(request)
+        params = self._free(request)
         spec = request.drafting
         out.finished.append(
             FinishedRequest(
@@ -586,6 +706,7 @@ class Scheduler:
                 FINISH_REASONS[status],
                 request.stop_reason,
                 request.error,
+                kv_transfer_params=params,
             )
             if spec is None
             else FinishedRequest(
@@ -597,6 +718,7 @@ class Scheduler:
                 spec.num_drafts,
                 spec.num_draft_tokens,
                 spec.num_accepted_tokens,
+                kv_transfer_params=params,
             )
         )
 
@@ -693,4 +815,6 @@ class Scheduler:
                 self._preempt(request)
             self._preempted_req_ids.extend(r.request_id for r in self.running)
             self.running = []
+        if self.connector is not None:
+            self.connector.reset()
         return self.kv.reset_prefix_cache()

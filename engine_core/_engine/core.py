@@ -49,6 +49,7 @@ from engine_core._engine.startup import (
     kv_layout_of,
     resolve_async_scheduling,
     resolve_spec_support,
+    setup_kv_connector,
     size_kv_cache,
 )
 from engine_core._plugins import load_backend, resolve_config
@@ -122,6 +123,7 @@ class EngineCore:
                 )
             else:
                 backend.initialize_kv_cache(self.num_kv_blocks)
+            connector = setup_kv_connector(config, backend, self.kv_layout, self.num_kv_blocks)
         except BaseException:
             backend.close()
             raise
@@ -135,7 +137,13 @@ class EngineCore:
         if config.speculative_config is not None and self.spec_support is not None:
             spec = DraftPlanner(config.speculative_config, self.spec_support)
         self.scheduler = Scheduler(
-            SchedulerConfig.from_engine_config(config), self.num_kv_blocks, spec, self.kv_layout
+            SchedulerConfig.from_engine_config(config),
+            self.num_kv_blocks,
+            spec,
+            self.kv_layout,
+            connector,
+            connector_name=config.kv_connector_name or "connector",
+            clock=clock,
         )
         self.num_steps = 0
         self._in_flight: deque[_InFlight] = deque()
@@ -305,6 +313,7 @@ class EngineCore:
             self.scheduler.has_unfinished_requests()
             or bool(self._ended_outside_steps)
             or bool(self._in_flight)
+            or self.scheduler.connector_needs_step
         )
 
     @property
@@ -318,19 +327,30 @@ class EngineCore:
         or ended requests to report."""
         if self._ended_outside_steps or self._in_flight:
             return True
-        return self.pause_mode is not PauseMode.KEEP and self.scheduler.has_unfinished_requests()
+        scheduler = self.scheduler
+        if scheduler.connector is not None and (
+            scheduler.connector.ended or scheduler.connector_needs_step
+        ):
+            return True
+        return self.pause_mode is not PauseMode.KEEP and scheduler.has_unfinished_requests()
 
     # -- stepping -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput | None:
         """First part of a step; None when there is nothing to run."""
-        if not self.scheduler.requests or self.pause_mode is PauseMode.KEEP:
+        if self.pause_mode is PauseMode.KEEP or not (
+            self.scheduler.requests or self.scheduler.connector_needs_step
+        ):
             return None
         structured = self._structured
         if structured is not None and structured.num_pending:
             self._update_grammars(structured)
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens == 0:
+        if (
+            scheduler_output.total_num_scheduled_tokens == 0
+            and scheduler_output.kv_connector_metadata is None
+            and not self.scheduler.connector_needs_step
+        ):
             return None
         return scheduler_output
 
@@ -464,6 +484,8 @@ class EngineCore:
         if self._ended_outside_steps:
             outputs.finished.extend(self._ended_outside_steps)
             self._ended_outside_steps = []
+        if self.scheduler.connector is not None:
+            outputs.finished.extend(self.scheduler.take_connector_ended())
         outputs.timestamp = self.clock()
         if self._kv_events is not None:
             # Data parallelism: the step's prefix-cache changes and the load after it.

@@ -1,0 +1,402 @@
+"""The host-memory KV tier (CPU offload): the scheduler half of the built-in ``"host"`` connector.
+
+An index of offloaded blocks keyed by the device prefix cache's keys (per KV-cache group, the
+same suffixes as ``GroupedKVCacheManager``), so ``cache_salt`` isolates it too; LRU eviction; a
+capacity in bytes (``EngineConfig.kv_offload_bytes``) cut into host slots of one page each
+(``KVConnectorLayout.page_size_bytes``: every layer of a group, K and V, ``block_size`` tokens).
+
+- **Saves.** Each step, the full blocks of the scheduled requests that were computed before the
+  step (``ConnectorStep.num_computed_before``) and are not in the index are saved, off the
+  critical path (the core keeps them out of reuse until the save is reported). A finished
+  request's last blocks are saved after it ends (``request_finished`` holds its blocks).
+  An entry becomes visible to lookups once its save is reported.
+- **Lookups** continue past the device hit: the longest run of blocks after it that every group
+  has in the index; loaded asynchronously (the request parks until the load is reported).
+- **On a miss** the cost is one dict probe for the first block past the device hit.
+
+Pure logic (no torch): the worker halves (mock, CUDA) move the bytes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from engine_core.kv_connector import (
+    ConnectorRequest,
+    ConnectorStep,
+    KVConnectorLayout,
+    KVConnectorMetadata,
+    KVConnectorReport,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    KVTransfer,
+)
+
+if TYPE_CHECKING:
+    from engine_core.config import EngineConfig
+
+__all__ = ["HostTierProvider", "HostTierScheduler", "num_host_slots"]
+
+
+def num_host_slots(config: EngineConfig, layout: KVConnectorLayout) -> int:
+    """Host slots (one page each) that ``kv_offload_bytes`` holds."""
+    return int(config.kv_offload_bytes) // layout.page_size_bytes
+
+
+class _Entry:
+    __slots__ = ("slot", "group", "committed", "loading")
+
+    def __init__(self, slot: int, group: int) -> None:
+        self.slot = slot
+        self.group = group
+        self.committed = False
+        """The save was reported: lookups may use it."""
+        self.loading = 0
+        """Loads in flight from this slot (it is not evicted meanwhile)."""
+
+
+class _Load:
+    __slots__ = ("req_id", "keys", "block_ids", "slots", "first_block", "num_tokens")
+
+    def __init__(
+        self,
+        req_id: str,
+        keys: list[list[bytes]],
+        block_ids: list[list[int]],
+        slots: list[list[int]],
+        first_block: int,
+        num_tokens: int,
+    ) -> None:
+        self.req_id = req_id
+        self.keys = keys
+        self.block_ids = block_ids
+        self.slots = slots
+        self.first_block = first_block
+        self.num_tokens = num_tokens
+
+
+class HostTierScheduler(KVConnectorScheduler):
+    """The host tier's index and its transfers (see the module)."""
+
+    def __init__(self, config: EngineConfig, layout: KVConnectorLayout) -> None:
+        super().__init__(config, layout)
+        self.block_size = layout.block_size
+        self.num_groups = layout.num_groups
+        self.capacity = num_host_slots(config, layout)
+        if self.capacity <= 0:
+            raise ValueError(
+                f"kv_offload_bytes ({config.kv_offload_bytes}) holds no host block: one block "
+                f"(page) is {layout.page_size_bytes} bytes"
+            )
+        self._suffixes = [b"" if g == 0 else b"/g%d" % g for g in range(self.num_groups)]
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()
+        """Key -> entry, least recently used first."""
+        self._free_slots = list(range(self.capacity - 1, -1, -1))
+        self._loads: dict[str, _Load] = {}
+        """Loads to start (offered and allocated), by request id, until the next metadata."""
+        self._loading: dict[str, _Load] = {}
+        self._saving: dict[str, list[bytes]] = {}
+        """Saves in flight: their keys, by transfer id."""
+        self._finish_saves: dict[str, list[list[int]]] = {}
+        """Finished requests whose last blocks to save (block tables), by request id."""
+        self._offers: dict[str, tuple[list[list[bytes]], list[list[int]]]] = {}
+        self._finished_requests: dict[str, tuple[ConnectorRequest, int]] = {}
+        self._num_saves = 0
+        self.hit_tokens = 0
+        self.loaded_tokens = 0
+        self.num_loads = 0
+        self.num_stores = 0
+        self.failed_blocks = 0
+        self.evictions = 0
+
+    # -- lookups --------------------------------------------------------------------------------
+
+    def _keys(self, request: ConnectorRequest, index: int) -> list[bytes]:
+        key = request.block_keys[index]
+        return [key + suffix for suffix in self._suffixes]
+
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        block_size = self.block_size
+        first = num_computed_tokens // block_size
+        keys = request.block_keys
+        end = min((len(request.all_token_ids) - 1) // block_size, len(keys))
+        index = self._index
+        found_keys: list[list[bytes]] = [[] for _ in range(self.num_groups)]
+        found_slots: list[list[int]] = [[] for _ in range(self.num_groups)]
+        i = first
+        while i < end:
+            group_keys = self._keys(request, i)
+            entries = [index.get(k) for k in group_keys]
+            if any(e is None or not e.committed for e in entries):
+                break
+            for g, (k, e) in enumerate(zip(group_keys, entries, strict=True)):
+                assert e is not None
+                found_keys[g].append(k)
+                found_slots[g].append(e.slot)
+            i += 1
+        if i == first:
+            return 0, False
+        self._offers[request.request_id] = (found_keys, found_slots)
+        return (i - first) * block_size, True
+
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[list[int]], num_external_tokens: int
+    ) -> None:
+        offer = self._offers.pop(request.request_id, None)
+        if offer is None or num_external_tokens <= 0:
+            return
+        keys, slots = offer
+        n = num_external_tokens // self.block_size
+        keys = [k[:n] for k in keys]
+        slots = [s[:n] for s in slots]
+        index = self._index
+        for group_keys in keys:
+            for key in group_keys:
+                entry = index[key]
+                entry.loading += 1
+                index.move_to_end(key)
+        first = request.num_computed_tokens // self.block_size - n
+        self._loads[request.request_id] = _Load(
+            request.request_id,
+            keys,
+            [list(b[:n]) for b in block_ids],
+            slots,
+            first,
+            num_external_tokens,
+        )
+
+    def _end_load(self, req_id: str) -> _Load | None:
+        load = self._loading.pop(req_id, None) or self._loads.pop(req_id, None)
+        if load is None:
+            return None
+        index = self._index
+        for group_keys in load.keys:
+            for key in group_keys:
+                entry = index.get(key)
+                if entry is not None and entry.loading:
+                    entry.loading -= 1
+        return load
+
+    def load_cancelled(self, request: ConnectorRequest) -> None:
+        self._offers.pop(request.request_id, None)
+        self._end_load(request.request_id)
+
+    # -- saves ----------------------------------------------------------------------------------
+
+    def _take_slot(self) -> int | None:
+        if self._free_slots:
+            return self._free_slots.pop()
+        index = self._index
+        for key, entry in index.items():  # least recently used first
+            if entry.committed and not entry.loading:
+                del index[key]
+                self.evictions += 1
+                return entry.slot
+        return None
+
+    def _plan_save(
+        self,
+        transfer_id: str,
+        request: ConnectorRequest,
+        table: Sequence[Sequence[int]],
+        num_full: int,
+        saves: list[KVTransfer],
+    ) -> None:
+        """Save the blocks ``0 .. num_full`` of ``request`` that the index lacks."""
+        index = self._index
+        block_ids: list[list[int]] = [[] for _ in range(self.num_groups)]
+        slots: list[list[int]] = [[] for _ in range(self.num_groups)]
+        keys: list[bytes] = []
+        first = -1
+        for i in range(num_full):
+            group_keys = self._keys(request, i)
+            if any(k in index for k in group_keys):
+                if keys:
+                    break  # a contiguous run per transfer
+                continue
+            if any(table[g][i] < 0 for g in range(self.num_groups)):
+                continue  # released (window groups): nothing to save
+            taken = []
+            for _ in range(self.num_groups):
+                slot = self._take_slot()
+                if slot is None:
+                    break
+                taken.append(slot)
+            if len(taken) < self.num_groups:
+                self._free_slots.extend(taken)
+                break
+            if first < 0:
+                first = i
+            for g, key in enumerate(group_keys):
+                index[key] = _Entry(taken[g], g)
+                keys.append(key)
+                block_ids[g].append(table[g][i])
+                slots[g].append(taken[g])
+        if not keys:
+            return
+        self._saving[transfer_id] = keys
+        saves.append(
+            KVTransfer(
+                transfer_id,
+                request.request_id,
+                block_ids,
+                slots,
+                first,
+                len(block_ids[0]) * self.block_size,
+            )
+        )
+
+    def request_finished(
+        self, request: ConnectorRequest, block_ids: list[list[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._offers.pop(request.request_id, None)
+        self._end_load(request.request_id)
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_keys))
+        index = self._index
+        if not block_ids or not block_ids[0]:
+            return False, None
+        num_full = min(num_full, len(block_ids[0]))
+        for i in range(num_full):
+            if not all(k in index for k in self._keys(request, i)):
+                self._finish_saves[request.request_id] = block_ids
+                # Keep what is needed to save it: the request object outlives this call.
+                self._finished_requests[request.request_id] = (request, num_full)
+                return True, None
+        return False, None
+
+    def build_metadata(self, step: ConnectorStep) -> KVConnectorMetadata | None:
+        saves: list[KVTransfer] = []
+        block_size = self.block_size
+        index = self._index
+        for i, (request, computed) in enumerate(
+            zip(step.scheduled, step.num_computed_before, strict=True)
+        ):
+            num_full = min(computed // block_size, len(request.block_keys))
+            # Cheap test first (one dict probe): the last full block is stored, and with it
+            # every block before it (they were offered earlier).
+            if num_full <= 0 or request.block_keys[num_full - 1] in index:
+                continue
+            table = step.block_table(i)
+            num_full = min(num_full, len(table[0]))
+            self._num_saves += 1
+            self._plan_save(f"s{self._num_saves}", request, table, num_full, saves)
+        if self._finish_saves:
+            for req_id, table in self._finish_saves.items():
+                request, num_full = self._finished_requests.pop(req_id)
+                before = len(saves)
+                self._plan_save(req_id, request, table, num_full, saves)
+                if len(saves) == before:
+                    # Nothing to save after all (stored meanwhile, or no room): a save of no
+                    # block releases the held blocks at once.
+                    saves.append(KVTransfer(req_id, req_id, [[] for _ in table]))
+            self._finish_saves.clear()
+        loads: list[KVTransfer] = []
+        if self._loads:
+            for req_id, load in self._loads.items():
+                loads.append(
+                    KVTransfer(
+                        req_id,
+                        req_id,
+                        load.block_ids,
+                        load.slots,
+                        load.first_block,
+                        load.num_tokens,
+                    )
+                )
+                self._loading[req_id] = load
+            self._loads = {}
+        cancelled = step.cancelled
+        if not (saves or loads or cancelled):
+            return None
+        return KVConnectorMetadata(loads=loads, saves=saves, cancelled=list(cancelled))
+
+    # -- reports --------------------------------------------------------------------------------
+
+    def on_report(self, report: KVConnectorReport) -> None:
+        index = self._index
+        failed = {b for ids in report.failed_block_ids for b in ids}
+        for req_id in report.finished_loads:
+            load = self._end_load(req_id)
+            if load is None:
+                continue
+            self.num_loads += 1
+            good = load.num_tokens
+            if failed:
+                # Forget the host copies of failed blocks (they may be bad), and count them.
+                for g, ids in enumerate(load.block_ids):
+                    for j, block_id in enumerate(ids):
+                        if block_id in failed:
+                            good = min(good, j * self.block_size)
+                            self.failed_blocks += 1
+                            entry = index.pop(load.keys[g][j], None)
+                            if entry is not None and not entry.loading:
+                                self._free_slots.append(entry.slot)
+            self.hit_tokens += good
+            self.loaded_tokens += load.num_tokens
+        for transfer_id in report.finished_saves:
+            keys = self._saving.pop(transfer_id, None)
+            if keys is None:
+                continue
+            self.num_stores += 1
+            for key in keys:
+                entry = index.get(key)
+                if entry is not None:
+                    entry.committed = True
+        for transfer_id in report.failed_saves:
+            keys = self._saving.pop(transfer_id, None)
+            for key in keys or ():
+                entry = index.pop(key, None)
+                if entry is not None:
+                    self._free_slots.append(entry.slot)
+
+    # -- surfaces -------------------------------------------------------------------------------
+
+    @property
+    def num_resident_blocks(self) -> int:
+        """Blocks stored in the host tier (all groups)."""
+        return sum(1 for e in self._index.values() if e.committed)
+
+    def resident_keys(self) -> list[bytes]:
+        """Group 0's keys of every stored block (what the data-parallel router counts)."""
+        return [k for k, e in self._index.items() if e.committed and e.group == 0]
+
+    def contains(self, key: bytes) -> bool:
+        entry = self._index.get(key)
+        return entry is not None and entry.committed
+
+    def stats(self) -> dict[str, int | float]:
+        return {
+            "hit_tokens": self.hit_tokens,
+            "resident_blocks": self.num_resident_blocks,
+            "capacity_blocks": self.capacity,
+            "loads": self.num_loads,
+            "stores": self.num_stores,
+            "failed_blocks": self.failed_blocks,
+            "evictions": self.evictions,
+        }
+
+    def reset(self) -> None:
+        busy = {k: e for k, e in self._index.items() if e.loading or not e.committed}
+        for key, entry in list(self._index.items()):
+            if key not in busy:
+                self._free_slots.append(entry.slot)
+        self._index = OrderedDict(busy)
+
+
+class HostTierProvider:
+    """The built-in ``"host"`` connector: its scheduler half; the worker halves are the
+    backends' own (``Backend.init_kv_connector``)."""
+
+    name = "host"
+
+    def scheduler(self, config: EngineConfig, layout: KVConnectorLayout) -> KVConnectorScheduler:
+        return HostTierScheduler(config, layout)
+
+    def worker(
+        self, config: EngineConfig, layout: KVConnectorLayout, backend: str, rank: int
+    ) -> KVConnectorWorker | None:
+        return None
