@@ -71,6 +71,11 @@ StepResults: TypeAlias = tuple[SchedulerOutput, ModelRunnerOutput]
 """A step that ran, with its results: what :meth:`EngineCore.complete_step` applies."""
 
 
+_CONNECTOR_POLL_S = 0.001
+"""How long a step of the KV connector only (no tokens) that heard of nothing waits before the
+next one."""
+
+
 class _InFlight:
     """A launched step (async scheduling): its batch, the constrained requests that sample in
     it (their bitmask rows, in batch order; None: no bitmask) and its results' handle (None
@@ -363,7 +368,14 @@ class EngineCore:
             return self._execute_async(scheduler_output)
         if scheduler_output is None:
             return None
-        return scheduler_output, self._execute(scheduler_output)
+        runner_output = self._execute(scheduler_output)
+        if (
+            scheduler_output.total_num_scheduled_tokens == 0
+            and runner_output.kv_connector_report is None
+        ):
+            # A step of the KV connector only, and nothing arrived: do not spin on it.
+            time.sleep(_CONNECTOR_POLL_S)
+        return scheduler_output, runner_output
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Forward pass, grammar bitmask, sampling (sync scheduling). The bitmask
@@ -377,7 +389,7 @@ class EngineCore:
             elapsed = self.clock() - start
             self._device_busy_s += elapsed
             spec = self.scheduler.draft_planner
-            if spec is not None:
+            if spec is not None and scheduler_output.total_num_scheduled_tokens:
                 spec.observe_step(scheduler_output.total_num_scheduled_tokens, elapsed)
 
     def _run_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -566,8 +578,28 @@ class EngineCore:
                 KVGroupStats(kind=kind, window=span, blocks_in_use=used)
                 for kind, span, used in kv.group_usage()
             ],
+            num_recomputed_tokens=scheduler.num_recomputed_tokens,
             **self._spec_stats(),
+            **self._connector_stats(),
         )
+
+    def _connector_stats(self) -> dict[str, Any]:
+        connector = self.scheduler.connector
+        if connector is None:
+            return {}
+        counters = connector.counters
+        own = connector.stats()
+        return {
+            "kv_offload_hit_tokens": counters.external_tokens,
+            "kv_offload_bytes_loaded": counters.bytes_loaded,
+            "kv_offload_bytes_stored": counters.bytes_stored,
+            "kv_offload_load_s": counters.load_s,
+            "kv_offload_store_s": counters.store_s,
+            "kv_offload_failed_blocks": counters.failed_blocks,
+            "kv_offload_resident_blocks": int(own.get("resident_blocks", 0)),
+            "kv_parked_requests": len(connector.parked),
+            "kv_loads_cancelled": counters.loads_cancelled,
+        }
 
     def _spec_stats(self) -> dict[str, Any]:
         spec = self.scheduler.draft_planner
