@@ -10,6 +10,8 @@ import time
 from typing import Any
 
 import pytest
+from engine_core_mock._backend import MockBackend
+from engine_core_mock._kv_link import MockHostWorker
 
 from engine_core._core.engine_io import EngineCoreRequest
 from engine_core._engine.core import EngineCore
@@ -22,8 +24,6 @@ from engine_core.kv_connector import (
     KVConnectorWorker,
 )
 from engine_core.sampling_params import SamplingParams
-from engine_core_mock._backend import MockBackend
-from engine_core_mock._kv_link import MockHostWorker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -317,8 +317,9 @@ class _Provider:
 
 @pytest.fixture
 def never_connector(monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine_core._engine.startup as startup
     import engine_core_mock._backend as mock_backend
+
+    import engine_core._engine.startup as startup
 
     monkeypatch.setattr(startup, "load_kv_connector", lambda name: _Provider())
     monkeypatch.setattr(mock_backend, "load_kv_connector", lambda name: _Provider())
