@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from engine_core_mock._backend import MockBackend
 
 from engine_core._core.host_tier import HostTierScheduler
 from engine_core.config import EngineConfig
 from engine_core.kv_connector import KVConnectorMetadata
 from engine_core.testing import check_kv_connector_scheduler, check_kv_connector_worker
-from engine_core_mock._backend import MockBackend
 
 pytestmark = pytest.mark.timeout(60)
 
