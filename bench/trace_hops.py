@@ -4,8 +4,9 @@ the project's own calls on its trip from ``AsyncLLM.generate`` to the mock backe
 What is counted:
 
 - the request: ``AsyncLLM(backend="mock", tokenizer="byte")``, one ``generate("Hello",
-  SamplingParams(temperature=0, max_tokens=MAX_TOKENS))`` consumed to its end, default
-  output kind (``--max-tokens`` changes the number of tokens);
+  SamplingParams(temperature=0, max_tokens=N))`` (``--max-tokens``, default 3) with the default
+  output kind, consumed to its end; a first request ("Hi") runs before it untraced, so imports
+  and first-use caches are not counted;
 - the path: the real one of ``AsyncLLM``, with the engine core behind a real ``MPClient``, its
   inbox, the wire's msgpack encoding and typed decoding both ways, real Unix stream pipes and a
   real :class:`~engine_core._engine.proc.EngineCoreProc` (its input, stepping and output tasks:
@@ -15,17 +16,22 @@ What is counted:
   process's ``Hello``/``Startup``/``Ready`` handshake), so the calls of both sides are read in
   the one order they run in. Heartbeats are off (``engine_heartbeat_timeout_s=inf``): a timer
   has no place in a request's trip;
-- the calls: every Python-level call (``sys.setprofile``'s ``"call"`` events, which a coroutine
-  or generator resumed fires too) into a file of ``engine_core/`` or
-  ``backends/mock/engine_core_mock/``, from the first call of ``generate`` to the end of its
-  last output; the standard library, third-party code (anyio, msgspec's hooks into the
-  project's ``__post_init__`` do count: that code is the project's) and this script are not
-  read;
-- the count: consecutive calls in the same file collapse into one visit; the hops are the
+- the calls: every Python-level call (``sys.setprofile``'s ``"call"`` events; a coroutine or
+  generator resumed fires one too) into a file of ``engine_core/`` or
+  ``backends/mock/engine_core_mock/``, from the first step of the traced ``generate`` to its
+  end. Calls into the standard library, third-party code (anyio, msgspec) and this script are
+  not recorded, but the project code they call is (msgspec decoding a ``SamplingParams`` runs
+  its ``__post_init__``);
+- the hops: consecutive calls in the same file collapse into one visit; the hops are the
   changes of file between visits (visits - 1).
 
-It prints the hop count, the sequence of files visited and the files visited more than once.
-Run it from the repository root: ``python bench/trace_hops.py [--max-tokens N] [--json]``.
+Two more figures read the same calls: the hops when each function counts at its first call
+only (a reader who reads a function once), and the distinct (caller's file, called file) pairs
+among calls from one project file into another (the edges of the trip's file graph).
+
+It prints the figures, the sequence of files visited and the files visited more than once
+(``--json``: one JSON object). Run it from the repository root:
+``python bench/trace_hops.py [--max-tokens N] [--json]``.
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ class _Tracer:
 
     def __init__(self) -> None:
         self.calls: list[Call] = []
+        self._before: Any = None
         self._names: dict[str, str | None] = {}
 
     def _name(self, filename: str) -> str | None:
@@ -108,10 +115,11 @@ class _Tracer:
         self.calls.append(Call(name, f"{code.co_qualname}:{code.co_firstlineno}", caller))
 
     def on(self) -> None:
+        self._before = sys.getprofile()
         sys.setprofile(self._profile)
 
     def off(self) -> None:
-        sys.setprofile(None)
+        sys.setprofile(self._before)
 
 
 class _TaskEngine:
