@@ -58,6 +58,11 @@ class KVEvents(msgspec.Struct, array_like=True, omit_defaults=True):
     stored: list[bytes] = []
     removed: list[bytes] = []
     cleared: bool = False
+    host_stored: list[bytes] = []
+    """Digests of blocks that entered the engine's host KV tier (a cheaper hit: they are loaded,
+    not computed)."""
+    host_removed: list[bytes] = []
+    """Digests of blocks that left it."""
 
 
 class EngineLoad(msgspec.Struct, array_like=True):

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from engine_core._core.kv_events import KVEventLog
 from engine_core.kv_connector import (
     ConnectorRequest,
     ConnectorStep,
@@ -125,6 +126,9 @@ class HostTierScheduler(KVConnectorScheduler):
         self.num_stores = 0
         self.failed_blocks = 0
         self.evictions = 0
+        self.events: KVEventLog | None = None
+        """Where blocks entering and leaving the tier are recorded (group 0's keys; the
+        data-parallel router counts them as cheaper hits); None records nothing."""
 
     # -- lookups --------------------------------------------------------------------------------
 
@@ -253,6 +257,8 @@ class HostTierScheduler(KVConnectorScheduler):
             if entry.committed and not entry.loading:
                 del index[key]
                 self.evictions += 1
+                if self.events is not None and entry.group == 0:
+                    self.events.removed(key)
                 return entry.slot
         return None
 
@@ -400,6 +406,8 @@ class HostTierScheduler(KVConnectorScheduler):
                             entry = index.pop(load.keys[g][j], None)
                             if entry is not None and not entry.loading:
                                 self._free_slots.append(entry.slot)
+                            if entry is not None and g == 0 and self.events is not None:
+                                self.events.removed(load.keys[g][j])
             self.hit_tokens += good
             self.loaded_tokens += load.num_tokens
         for transfer_id in report.finished_saves:
@@ -411,6 +419,8 @@ class HostTierScheduler(KVConnectorScheduler):
                 entry = index.get(key)
                 if entry is not None:
                     entry.committed = True
+                    if entry.group == 0 and self.events is not None:
+                        self.events.stored(key)
         for transfer_id in report.failed_saves:
             keys = self._saving.pop(transfer_id, None)
             for key in keys or ():
@@ -449,6 +459,8 @@ class HostTierScheduler(KVConnectorScheduler):
         for key, entry in list(self._index.items()):
             if key not in busy:
                 self._free_slots.append(entry.slot)
+                if entry.group == 0 and self.events is not None:
+                    self.events.removed(key)
         self._index = OrderedDict(busy)
 
 

@@ -39,6 +39,7 @@ from engine_core._core.engine_io import (
     EngineLoad,
     EngineStats,
     FinishedRequest,
+    KVEvents,
     KVGroupStats,
     PauseMode,
 )
@@ -170,9 +171,15 @@ class EngineCore:
         self.pause_mode: PauseMode | None = None
         """None while generating; else the mode of the last :meth:`pause_generation`."""
         self._kv_events: KVEventLog | None = None
+        self._host_events: KVEventLog | None = None
         if config.data_parallel_size > 1:
             # The front end routes by what each engine caches: report it with every step.
             self._kv_events = self.scheduler.kv.pool.events = KVEventLog()
+            connector_half = self.scheduler.connector
+            if connector_half is not None and hasattr(connector_half.connector, "events"):
+                # The host tier's residency too: the router counts it as a cheaper hit.
+                self._host_events = KVEventLog()
+                connector_half.connector.events = self._host_events
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -509,10 +516,22 @@ class EngineCore:
                 outputs.prompt_logprobs,
                 outputs.num_cached_tokens,
                 outputs.timestamp,
-                self._kv_events.drain(),
+                self._drain_events(),
                 self._load(),
             )
         return outputs
+
+    def _drain_events(self) -> KVEvents | None:
+        assert self._kv_events is not None
+        events = self._kv_events.drain()
+        host = self._host_events.drain() if self._host_events is not None else None
+        if host is None or not (host.stored or host.removed):
+            return events
+        if events is None:
+            return KVEvents(host_stored=host.stored, host_removed=host.removed)
+        events.host_stored = host.stored
+        events.host_removed = host.removed
+        return events
 
     def _load(self) -> EngineLoad:
         scheduler = self.scheduler
