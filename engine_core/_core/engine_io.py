@@ -208,6 +208,11 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Blocks whose load failed (dropped, corrupt, late): recomputed, or their request failed."""
     kv_offload_resident_blocks: int = 0
     """Blocks stored in the host tier now (all groups)."""
+    kv_offload_capacity_blocks: int = 0
+    """Blocks the host tier holds at most (0: no host tier)."""
+    kv_offload_free_blocks: int = 0
+    """Host blocks neither stored nor being written (idle: capacity - resident; any other
+    difference is a leak)."""
     kv_parked_requests: int = 0
     """Requests waiting for their KV load now (``WAITING_FOR_REMOTE_KVS``)."""
     kv_loads_cancelled: int = 0

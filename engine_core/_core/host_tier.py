@@ -448,6 +448,7 @@ class HostTierScheduler(KVConnectorScheduler):
             "hit_tokens": self.hit_tokens,
             "resident_blocks": self.num_resident_blocks,
             "capacity_blocks": self.capacity,
+            "free_blocks": len(self._free_slots),
             "loads": self.num_loads,
             "stores": self.num_stores,
             "failed_blocks": self.failed_blocks,

@@ -616,6 +616,8 @@ class EngineCore:
             "kv_offload_store_s": counters.store_s,
             "kv_offload_failed_blocks": counters.failed_blocks,
             "kv_offload_resident_blocks": int(own.get("resident_blocks", 0)),
+            "kv_offload_capacity_blocks": int(own.get("capacity_blocks", 0)),
+            "kv_offload_free_blocks": int(own.get("free_blocks", 0)),
             "kv_parked_requests": len(connector.parked),
             "kv_loads_cancelled": counters.loads_cancelled,
         }

@@ -106,6 +106,10 @@ def assert_no_leaks(core: EngineCore) -> None:
                 if block_id >= 0:
                     live[block_id] += 1
     assert ledger._refs == live, "the mock's ledger holds blocks for a transfer"
+    stats = core.get_stats()
+    assert stats.kv_offload_free_blocks + stats.kv_offload_resident_blocks == (
+        stats.kv_offload_capacity_blocks
+    ), "host blocks leaked"
     groups = getattr(kv, "blocks_in_use", None)
     if groups is not None:
         assert groups == [0] * len(groups)
@@ -385,6 +389,19 @@ def test_a_worker_half_that_raises_is_a_backend_error() -> None:
     core = make_core(link={"fault": {"kind": "raise", "probability": 1.0, "on": "both"}})
     with pytest.raises(RuntimeError, match="worker half raised"):
         run(core, rounds(2)[0])
+
+
+def test_the_command_line_flag() -> None:
+    import argparse
+
+    from engine_core.cli import add_engine_config_flags, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_config_flags(parser)
+    args = parser.parse_args(["--kv-offload-bytes", "8GiB"])
+    assert engine_config_from_args(args).kv_offload_bytes == 8 << 30
+    with pytest.raises(ValueError, match="kv_offload_bytes"):
+        engine_config_from_args(parser.parse_args(["--kv-offload-bytes", "lots"]))
 
 
 # -- bad input ----------------------------------------------------------------------------------

@@ -31,6 +31,8 @@ _SUMMED = (
     "kv_offload_store_s",
     "kv_offload_failed_blocks",
     "kv_offload_resident_blocks",
+    "kv_offload_capacity_blocks",
+    "kv_offload_free_blocks",
     "kv_parked_requests",
     "kv_loads_cancelled",
     "num_recomputed_tokens",
