@@ -3,8 +3,9 @@
 ``backend_options={"kv_link": {...}}``:
 
 - ``bytes_per_s`` (default 50e9) and ``latency_s`` (10e-6): each transfer takes
-  ``latency_s + bytes / bytes_per_s`` on one link (transfers queue behind each other, like one
-  copy stream), off the device's timeline;
+  ``latency_s + bytes / bytes_per_s`` on the link, off the device's timeline; transfers one
+  way queue behind each other (one copy stream each way: loads and saves do not wait on each
+  other, as on a full-duplex PCIe link);
 - ``host_memory_bytes``: the host memory the mock pretends it can pin (default: what this
   machine has available); a larger ``kv_offload_bytes`` is a startup error;
 - ``fault``: ``{"kind": "drop" | "corrupt" | "late", "probability": p, "seed": s}`` injected
@@ -193,7 +194,9 @@ class MockHostWorker(KVConnectorWorker):
         self._checksums = [_EMPTY] * self.num_slots
         self._page = layout.page_size_bytes
         self._clock = clock
-        self._link_free_at = 0.0
+        self._link_free_at = [0.0, 0.0]
+        """When each direction of the link is free: host to device (loads), device to host
+        (saves). A PCIe link is full duplex, and a GPU copies each way on its own engine."""
         self._pending: dict[str, _Transfer] = {}
         self._ledger: BlockLedger | None = None
         fault = options.fault
@@ -220,12 +223,15 @@ class MockHostWorker(KVConnectorWorker):
             return fault.kind
         return None
 
-    def _schedule(self, transfer: KVTransfer, now: float, fault: str | None) -> tuple[float, float]:
+    def _schedule(
+        self, transfer: KVTransfer, now: float, fault: str | None, *, is_load: bool
+    ) -> tuple[float, float]:
         options = self.options
         num_blocks = sum(1 for ids in transfer.block_ids for b in ids if b >= 0)
-        start = max(now, self._link_free_at)
+        way = 0 if is_load else 1
+        start = max(now, self._link_free_at[way])
         end = start + options.latency_s + num_blocks * self._page / options.bytes_per_s
-        self._link_free_at = end
+        self._link_free_at[way] = end
         if fault == "late":
             end += options.fault.late_s if options.fault is not None else 0.0
         return start, end
@@ -255,7 +261,7 @@ class MockHostWorker(KVConnectorWorker):
                         ledger.hold(block_id)
             fault = self._draw(is_load=False)
             self._raise_if(fault)
-            start, end = self._schedule(save, now, fault)
+            start, end = self._schedule(save, now, fault, is_load=False)
             self._add(save, _Transfer(save, start, end, fault, values, False))
         for load in metadata.loads:
             self._check(load)
@@ -265,7 +271,7 @@ class MockHostWorker(KVConnectorWorker):
                         ledger.hold(block_id)
             fault = self._draw(is_load=True)
             self._raise_if(fault)
-            start, end = self._schedule(load, now, fault)
+            start, end = self._schedule(load, now, fault, is_load=True)
             self._add(load, _Transfer(load, start, end, fault, None, True))
 
     @staticmethod
