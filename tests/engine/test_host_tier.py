@@ -244,6 +244,22 @@ def test_failed_loads_recompute_and_give_the_fault_free_tokens(kind: str) -> Non
     assert_no_leaks(core)
 
 
+def test_failed_loads_with_several_kv_cache_groups() -> None:
+    options = {
+        "num_layers": 4,
+        "layer_types": ["full_attention", "sliding_attention"] * 2,
+        "sliding_window": 64,
+    }
+    link = {"fault": {"kind": "drop", "probability": 0.5, "seed": 5}}
+    core = make_core(num_blocks=80, host_blocks=512, options=options, link=link)
+    for batch in rounds(3):
+        tokens, finished = run(core, batch)
+        assert tokens == reference(batch)
+        assert set(finished.values()) == {"length"}
+    assert core.get_stats().kv_offload_failed_blocks > 0
+    assert_no_leaks(core)
+
+
 def test_failure_policy_fail_ends_the_request_with_an_error() -> None:
     link = {"fault": {"kind": "drop", "probability": 1.0, "seed": 0}}
     core = make_core(link=link, kv_load_failure_policy="fail")
@@ -288,6 +304,8 @@ class _OfferAll(KVConnectorScheduler):
     ) -> tuple[int, bool]:
         if self.raise_for is not None and request.all_token_ids[0] == self.raise_for:
             raise RuntimeError("index unavailable")
+        if request.all_token_ids[0] == 9:
+            return 0, False
         usable = (len(request.all_token_ids) - 1) // BLOCK * BLOCK
         return usable - num_computed_tokens, True
 
@@ -303,6 +321,11 @@ class _OfferAll(KVConnectorScheduler):
 
     def on_report(self, report: KVConnectorReport) -> None:
         pass
+
+    hold = False
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        return self.hold, {"remote": "never"} if self.hold else None
 
 
 class _Provider:
@@ -357,6 +380,21 @@ def test_parked_loads_holding_the_heads_blocks_are_cancelled_not_stalled() -> No
     assert stats.kv_loads_cancelled >= 2
     assert core.scheduler.kv.num_free_blocks == core.scheduler.kv.num_blocks
     assert not core.scheduler.connector.parked  # type: ignore[union-attr]
+
+
+@pytest.mark.usefixtures("never_connector")
+def test_held_blocks_of_a_finished_request_are_freed_when_the_lease_ends() -> None:
+    core = _never_core()
+    assert _Provider.last is not None
+    _Provider.last.hold = True
+    tokens, finished = run(core, [("a", [9] + prompt(1, 20))])  # a device miss: no offer
+    connector = core.scheduler.connector
+    assert connector is not None
+    assert finished == {"a": "length"}
+    # Its save is never reported: the blocks were held until kv_lease_s (0.2 s) ran out.
+    assert not connector.pins
+    assert core.scheduler.kv.num_free_blocks == core.scheduler.kv.num_blocks
+    assert connector.counters.lease_expired >= 1
 
 
 @pytest.mark.usefixtures("never_connector")
