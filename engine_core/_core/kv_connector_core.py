@@ -324,14 +324,20 @@ class ConnectorCore:
                 request = entry.request
                 self.cancel(request, reason=f"not reported within kv_lease_s ({self.lease_s} s)")
                 waiting.add_front(request)
-        for transfer_id, pins in list(self.pins.items()):
-            if pins[0][1] < limit:
-                self.counters.lease_expired += 1
-                logger.warning(
-                    "KV transfer %r not reported within kv_lease_s: its blocks are freed",
-                    transfer_id,
-                )
-                self._unpin(transfer_id)
+        expired = [t for t, pins in self.pins.items() if pins[0][1] < limit]
+        for transfer_id in expired:
+            self.counters.lease_expired += 1
+            logger.warning(
+                "KV transfer %r not reported within kv_lease_s: cancelled, its blocks freed",
+                transfer_id,
+            )
+            # The worker half drops it before the next forward pass (the blocks may be reused
+            # in that step); the scheduler half hears of it as a failed save.
+            self._unpin(transfer_id)
+            self.cancelled.append(transfer_id)
+        if expired:
+            report = KVConnectorReport(failed_saves=expired)
+            self._guard("on_report", lambda: self.connector.on_report(report))
 
     # -- pins ---------------------------------------------------------------------------------------
 
