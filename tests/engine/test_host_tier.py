@@ -392,10 +392,13 @@ def _never_core(**kwargs: Any) -> EngineCore:
 
 
 @pytest.mark.usefixtures("never_connector")
-def test_parked_loads_holding_the_heads_blocks_are_cancelled_not_stalled() -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_parked_loads_holding_the_heads_blocks_are_cancelled_not_stalled(
+    async_scheduling: bool,
+) -> None:
     # Two parked loads hold 20 of the 24 blocks; the head needs 10: nothing runs, and the
     # loads never arrive. The scheduler cancels them (they recompute) instead of stalling.
-    core = _never_core(kv_max_parked_fraction=1.0)
+    core = _never_core(kv_max_parked_fraction=1.0, async_scheduling=async_scheduling)
     batch = [("a", prompt(1, 150)), ("b", prompt(2, 150)), ("head", prompt(3, 150))]
     tokens, finished = run(core, batch)
     assert tokens == reference(batch)
