@@ -179,6 +179,43 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
+    # -- capacity: what one request can ever get (admission refuses what never fits) -----------
+
+    num_reserved_blocks = 0
+    """Blocks held outside requests (pinned, parked for a transfer, taken from a cache that
+    shrank): no request can get them."""
+    _reserved: list[KVCacheBlock] | None = None
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """The most blocks one request can ever hold: the pool less the reserved blocks."""
+        return self.pool.num_blocks - self.num_reserved_blocks
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks of the pool one request of ``num_tokens`` tokens needs at its peak."""
+        return -(-num_tokens // self.block_size)
+
+    def describe_need(self, num_tokens: int) -> str:
+        """The need of :meth:`blocks_for_tokens` per KV-cache group ("" with one group)."""
+        return ""
+
+    def reserve_blocks(self, num_blocks: int) -> int:
+        """Take up to ``num_blocks`` free blocks out of use (a cache that shrinks, blocks
+        pinned or parked); returns how many were taken. :meth:`release_reserved_blocks` gives
+        them back."""
+        taken = self.pool.allocate(min(num_blocks, self.pool.num_free_blocks))
+        if self._reserved is None:
+            self._reserved = []
+        self._reserved += taken
+        self.num_reserved_blocks = len(self._reserved)
+        return len(taken)
+
+    def release_reserved_blocks(self) -> None:
+        if self._reserved:
+            self.pool.free(self._reserved)
+        self._reserved = []
+        self.num_reserved_blocks = 0
+
 
 class GroupedKVCacheManager(KVCacheManager):
     """Block tables per KV-cache group, all groups in one pool (``KVLayout``).
@@ -215,6 +252,17 @@ class GroupedKVCacheManager(KVCacheManager):
             (g, group) for g, group in enumerate(self.groups) if group.span is not None
         ]
         self.blocks_in_use = [0] * self.num_groups
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return self.layout.blocks_needed(num_tokens, self.tokens_per_step, self.block_size)
+
+    def describe_need(self, num_tokens: int) -> str:
+        parts = []
+        for group in self.groups:
+            what = group.kind if group.span is None else f"{group.kind}({group.span})"
+            need = group.max_live_blocks(num_tokens, self.tokens_per_step, self.block_size)
+            parts.append(f"{what}: {need}")
+        return ", ".join(parts)
 
     def group_usage(self) -> list[tuple[str, int | None, int]]:
         return [

@@ -178,7 +178,8 @@ def test_chunked_prefill_order(chunked: bool) -> None:
 
 
 def test_admission_needs_the_whole_prompt_in_free_blocks() -> None:
-    scheduler = make_scheduler(num_blocks=8, max_num_batched_tokens=96)
+    # max_bypass_steps=0: nobody overtakes a request whose blocks are not free.
+    scheduler = make_scheduler(num_blocks=8, max_num_batched_tokens=96, max_bypass_steps=0)
     holder = make_request("holder", num_tokens=64, max_tokens=1)  # 4 blocks
     big = make_request("big", num_tokens=80)  # 5 blocks; a first chunk of 32 tokens would fit in 2
     small = make_request("small", num_tokens=10)
@@ -310,7 +311,8 @@ def test_priority_admission_respects_max_num_seqs() -> None:
 
 
 def test_fcfs_preempts_the_latest_admitted() -> None:
-    scheduler = make_scheduler(num_blocks=7, enable_prefix_caching=False)
+    # max_bypass_steps=0: d may not overtake c below (tests/core/test_pressure.py: it may).
+    scheduler = make_scheduler(num_blocks=7, enable_prefix_caching=False, max_bypass_steps=0)
     a = make_request("a", num_tokens=32, max_tokens=3, hash_blocks=False)  # 2 blocks
     b = make_request("b", num_tokens=32, max_tokens=3, hash_blocks=False)  # 2 blocks
     c = make_request("c", num_tokens=48, hash_blocks=False)  # 3 blocks
