@@ -583,9 +583,9 @@ class Scheduler:
             return 0  # not scheduled in this step
         computed, num_new = entries[k + 3], entries[k + 4]
         del entries[k : k + _ENTRY]
-        victim.num_computed_tokens = computed  # its tokens of this step are not computed
         if victim.samples_in_flight:
             victim.num_output_placeholders -= 1  # the token it was to sample in this step
+        victim.num_computed_tokens = computed  # its tokens of this step are not computed
         # The blocks it registered for this step's tokens will not be computed.
         self.kv.uncache_uncomputed(victim, computed)
         return num_new
