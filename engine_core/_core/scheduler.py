@@ -133,6 +133,9 @@ class Scheduler:
         self._num_prefills = 0
         self._num_long_prefills = 0
         """This step's prefilling requests so far, and the long ones (with the limits on)."""
+        self._promised = 0
+        """Blocks that the prefills under way still need: admission leaves them free (a prompt
+        admitted on blocks another one's next chunks need would preempt it)."""
         self._refused: list[FinishedRequest] = []
         """Requests ended in schedule() because they can never fit, until taken."""
         self.num_constrained = 0
@@ -273,6 +276,7 @@ class Scheduler:
         limits = self._prefill_limits
         if limits:
             self._num_prefills = self._num_long_prefills = 0
+        promised = 0
         # Mutation testing: None is an equivalent start (only its truth is read).
         any_preempted = False  # pragma: no mutate
         # NOTE: preemption rebinds self.running to a new list instead of editing it, so this
@@ -331,11 +335,14 @@ class Scheduler:
                     new_block_ids = [b.block_id for b in blocks[num_blocks_before:]]
                 entries += (request, request.request_id, new_block_ids, computed, num_new)
                 request.num_computed_tokens = computed + num_new
+                if computed + num_new < num_tokens:  # its prefill goes on: blocks it will need
+                    promised += kv.blocks_to_finish(request, num_tokens)
                 if self._async and computed + num_new == num_tokens:
                     request.num_output_placeholders = placeholders + 1
                 if spec is not None and computed + num_new >= num_tokens:
                     spec.sampling(request)
                 budget -= num_new
+        self._promised = promised
         return budget, any_preempted
 
     def _draft_cap(self, request: Request, budget: int) -> int:
@@ -395,7 +402,9 @@ class Scheduler:
                 if not config.enable_chunked_prefill:
                     break  # the prompt must go in whole; nobody overtakes it
                 num_new = budget
-            if not kv.allocate_slots(request, num_new, hits, full_sequence_must_fit=True):
+            if not kv.allocate_slots(
+                request, num_new, hits, full_sequence_must_fit=True, keep_free=self._promised
+            ):
                 if self._refuse_if_never_fits(request):
                     continue
                 if not self._may_bypass(request, blocked, len(admitted)):
@@ -404,6 +413,8 @@ class Scheduler:
                 continue
             waiting.pop()
             self._admit(request, num_hit_tokens, num_new, admitted, new_reqs)
+            if request.num_computed_tokens < len(request.all_token_ids):
+                self._promised += kv.blocks_to_finish(request, len(request.all_token_ids))
             budget -= num_new
         for request, num_admitted_before in blocked:
             if len(admitted) > num_admitted_before:
