@@ -42,13 +42,13 @@ LATENCY = {"step_s": 0.010, "per_token_s": 25e-6}
 BLOCK_SIZE = 16
 VOCAB = (3, 250)
 
-NEW_RULES_OFF = {"max_bypass_steps": 0}
-"""This tree's engine scheduling as today's (the victim policy and partial limits' defaults)."""
+NEW_RULES_OFF = {"max_bypass_steps": 0, "preemption_victim": "last_admitted"}
+"""This tree's engine scheduling as today's (no partial-prefill limits is the default)."""
 
 CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
     "mixed": {
         "last_admitted": {"preemption_victim": "last_admitted"},
-        "least_progress": {"preemption_victim": "least_progress"},
+        "least_progress (default)": {},
         "least_progress+partial": {
             "preemption_victim": "least_progress",
             "max_num_partial_prefills": 4,
@@ -57,8 +57,8 @@ CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
         },
     },
     "hol": {
-        "bypass (default)": {},
-        "bypass+least_progress": {"preemption_victim": "least_progress"},
+        "bypass+last_admitted": {"preemption_victim": "last_admitted"},
+        "bypass+least_progress (default)": {},
     },
 }
 
@@ -257,7 +257,8 @@ def report(scenario: str, today: dict[str, Any], rows: dict[str, dict[str, Any]]
         )
     lines.append("targets:")
     if scenario == "mixed":
-        la, lp, part = rows["last_admitted"], rows["least_progress"], rows["least_progress+partial"]
+        la, lp = rows["last_admitted"], rows["least_progress (default)"]
+        part = rows["least_progress+partial"]
         rec = (lp["num_recomputed_tokens"] or 0) / max(la["num_recomputed_tokens"] or 0, 1)
         ttft = part["short_ttft_p99"] / lp["short_ttft_p99"]
         best = max(rows.values(), key=lambda r: r["tok_s"])

@@ -196,7 +196,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     (as vLLM does)."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of prompt prefixes already computed."""
-    preemption_victim: str = "last_admitted"
+    preemption_victim: str = "least_progress"
     """Whom recompute preemption evicts when the KV cache runs out: ``"last_admitted"`` (the
     latest admitted running request; under ``priority`` the worst priority, then the latest
     arrival: vLLM's choice), ``"least_progress"`` (the fewest computed tokens, the least work

@@ -30,7 +30,7 @@ def test_defaults() -> None:
             "max_num_partial_prefills": 0,
             "max_long_partial_prefills": 0,
             "enable_prefix_caching": True,
-            "preemption_victim": "last_admitted",
+            "preemption_victim": "least_progress",
             "max_bypass_steps": 64,
             "stall_timeout_s": 60.0,
             "scheduling_policy": "fcfs",

@@ -69,7 +69,7 @@ class SchedulerConfig:
     max_long_partial_prefills: int = 0
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
-    preemption_victim: str = "last_admitted"
+    preemption_victim: str = "least_progress"
     max_bypass_steps: int = 64
     async_scheduling: bool | None = False
     """Schedule while the previous step is in flight (placeholders for its sampled tokens)."""

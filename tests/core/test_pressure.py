@@ -220,7 +220,9 @@ def test_least_progress_preempts_a_request_ahead_of_the_one_in_need() -> None:
 
 
 def test_recomputed_tokens_count_what_a_preempted_request_computes_again() -> None:
-    scheduler = make_scheduler(num_blocks=7, enable_prefix_caching=False)
+    scheduler = make_scheduler(
+        num_blocks=7, enable_prefix_caching=False, preemption_victim="last_admitted"
+    )
     a = make_request("a", num_tokens=32, max_tokens=3, hash_blocks=False)
     b = make_request("b", num_tokens=32, max_tokens=3, hash_blocks=False)
     c = make_request("c", num_tokens=48, hash_blocks=False)

@@ -312,7 +312,12 @@ def test_priority_admission_respects_max_num_seqs() -> None:
 
 def test_fcfs_preempts_the_latest_admitted() -> None:
     # max_bypass_steps=0: d may not overtake c below (tests/core/test_pressure.py: it may).
-    scheduler = make_scheduler(num_blocks=7, enable_prefix_caching=False, max_bypass_steps=0)
+    scheduler = make_scheduler(
+        num_blocks=7,
+        enable_prefix_caching=False,
+        max_bypass_steps=0,
+        preemption_victim="last_admitted",
+    )
     a = make_request("a", num_tokens=32, max_tokens=3, hash_blocks=False)  # 2 blocks
     b = make_request("b", num_tokens=32, max_tokens=3, hash_blocks=False)  # 2 blocks
     c = make_request("c", num_tokens=48, hash_blocks=False)  # 3 blocks
@@ -419,7 +424,12 @@ def test_priority_preempts_the_worst_priority() -> None:
 
 def _three_running(policy: str) -> tuple[Scheduler, Request, Request, Request]:
     """Running in admission order [y, x, z]; x arrived first but was admitted after y."""
-    scheduler = make_scheduler(num_blocks=8, scheduling_policy=policy, enable_prefix_caching=False)
+    scheduler = make_scheduler(
+        num_blocks=8,
+        scheduling_policy=policy,
+        enable_prefix_caching=False,
+        preemption_victim="last_admitted",
+    )
     y = make_request("y", num_tokens=32, priority=1, arrival_time=2.0, hash_blocks=False)
     x = make_request("x", num_tokens=32, priority=1, arrival_time=1.0, hash_blocks=False)
     z = make_request("z", num_tokens=32, priority=0, arrival_time=3.0, hash_blocks=False)

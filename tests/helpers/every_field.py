@@ -42,7 +42,7 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "long_prefill_token_threshold": 64,
         "max_num_partial_prefills": 4,
         "max_long_partial_prefills": 2,
-        "preemption_victim": "least_progress",
+        "preemption_victim": "last_admitted",
         "max_bypass_steps": 8,
         "stall_timeout_s": 5.0,
         "enable_prefix_caching": False,
