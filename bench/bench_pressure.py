@@ -75,11 +75,13 @@ def mixed_trace(scale: float, seed: int = 0) -> tuple[dict[str, Any], list[dict[
     num_blocks = 1536  # 24,576 tokens
     n = max(20, int(120 * scale))
     reqs = []
-    for i in range(n):
+    for _ in range(n):
         if rng.random() < 0.2:
             reqs.append({"kind": "long", "prompt": rng.randint(6000, 12000), "out": 32})
         else:
-            reqs.append({"kind": "short", "prompt": rng.randint(200, 800), "out": rng.randint(32, 96)})
+            reqs.append(
+                {"kind": "short", "prompt": rng.randint(200, 800), "out": rng.randint(32, 96)}
+            )
     # Token-seconds a request holds at no contention: its tokens x its lifetime.
     step = LATENCY["step_s"] + 64 * LATENCY["per_token_s"]
     demand = statistics.fmean(
@@ -99,10 +101,10 @@ def hol_trace(scale: float, seed: int = 1) -> tuple[dict[str, Any], list[dict[st
     rng = random.Random(seed)
     num_blocks = 2560  # 40,960 tokens
     reqs = []
-    for i in range(24):  # 24 x ~1,100 tokens: two thirds of the cache, for ~150 steps
+    for _ in range(24):  # 24 x ~1,100 tokens: two thirds of the cache, for ~150 steps
         reqs.append({"kind": "filler", "prompt": 1000, "out": 150, "at": 0.0})
     reqs.append({"kind": "long", "prompt": 30000, "out": 16, "at": 1.0})
-    for i in range(max(20, int(200 * scale))):
+    for _ in range(max(20, int(200 * scale))):
         reqs.append({"kind": "short", "prompt": rng.randint(100, 200), "out": 32, "at": 1.05})
     for i, r in enumerate(reqs):
         r.update(id=f"h{i}", tokens=_prompt(rng, r["prompt"]))

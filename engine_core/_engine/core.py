@@ -193,9 +193,7 @@ class EngineCore:
         params = request.sampling_params
         resumed = len(request.resume_output_token_ids)
         owed = must_generate(params, params.max_tokens or 1 << 62) - resumed
-        return refusal(
-            self.scheduler.kv, len(prompt) + resumed, max(owed, 1), self.max_model_len
-        )
+        return refusal(self.scheduler.kv, len(prompt) + resumed, max(owed, 1), self.max_model_len)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue ``request``. A request this engine cannot serve ends at the next step with

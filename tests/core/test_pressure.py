@@ -16,8 +16,12 @@ from engine_core._core.preemption import VictimPolicyError, make_victim_policy
 from engine_core._core.request import Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
 from engine_core._core.scheduler_output import SchedulerOutput
-from engine_core.abc import FullAttentionSpec, ModelRunnerOutput, PreemptionVictimPolicy
-from engine_core.abc import SlidingWindowSpec
+from engine_core.abc import (
+    FullAttentionSpec,
+    ModelRunnerOutput,
+    PreemptionVictimPolicy,
+    SlidingWindowSpec,
+)
 from engine_core.config import EngineConfig
 
 EOS = 2

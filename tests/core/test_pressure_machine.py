@@ -108,7 +108,9 @@ class PressureMachine(RuleBasedStateMachine):
         priority=st.integers(0, 2),
         ignore_eos=st.booleans(),
     )
-    def add(self, length: int, prefix: int, max_tokens: int, priority: int, ignore_eos: bool) -> None:
+    def add(
+        self, length: int, prefix: int, max_tokens: int, priority: int, ignore_eos: bool
+    ) -> None:
         serial = len(self.added)
         shared = [20 + prefix * 5 + i % 5 for i in range(32)]
         prompt = (shared + [100 + serial * 100 + i for i in range(length)])[:length]
@@ -241,7 +243,9 @@ class PressureMachine(RuleBasedStateMachine):
         assert not scheduler.requests, self._state()
         assert self.ended == set(self.added)
         event(f"preempted: {bool(scheduler.num_preemptions)}")
-        event(f"refused: {any(r.status is RequestStatus.FINISHED_ERROR for r in self.added.values())}")
+        event(
+            f"refused: {any(r.status is RequestStatus.FINISHED_ERROR for r in self.added.values())}"
+        )
         event(f"bypassed: {self.bypassed}")
         assert all(r.status.is_finished for r in self.added.values())
         scheduler.kv.release_reserved_blocks()

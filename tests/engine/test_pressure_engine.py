@@ -75,7 +75,9 @@ def test_no_progress_for_stall_timeout_s_fails_the_health_check_and_logs_once(
     with caplog.at_level(logging.ERROR):
         core.step()
         core.step()
-        with pytest.raises(EngineStalledError, match="no token computed for 61 s .stall_timeout_s 60"):
+        with pytest.raises(
+            EngineStalledError, match="no token computed for 61 s .stall_timeout_s 60"
+        ):
             core.check_health()
     logged = [r.getMessage() for r in caplog.records if "stalled" in r.getMessage()]
     assert len(logged) == 1
@@ -142,7 +144,6 @@ async def test_a_custom_victim_policy_that_raises_ends_the_engine_with_that_caus
         max_model_len=128,
         preemption_victim="broken_victims:Broken",
     ) as engine:
-
         errors: list[EngineDeadError] = []
 
         async def run(prompt: str) -> None:

@@ -82,7 +82,9 @@ async def test_a_stalled_engine_is_unhealthy_with_the_reason_and_recovers(
     # A scheduler that schedules nothing though a request is queued: a stall.
     real = core.scheduler.schedule
     monkeypatch.setattr(
-        core.scheduler, "schedule", lambda: SchedulerOutput([], CachedRequestData([], [], [], []), 0)
+        core.scheduler,
+        "schedule",
+        lambda: SchedulerOutput([], CachedRequestData([], [], [], []), 0),
     )
     async with anyio.create_task_group() as task_group:
         done: list[httpx.Response] = []
