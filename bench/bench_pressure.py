@@ -11,8 +11,9 @@ Scenarios:
   (arrival rate x mean token-seconds per request = 1.2 x the cache's tokens). Targets:
   recomputed tokens with ``least_progress`` <= 1/2 of ``last_admitted``; the short requests'
   TTFT p99 with the partial-prefill limits <= 0.5x without; output tok/s >= 0.97x today's.
-- ``hol``: a cache two thirds full of running requests, then a 30k-token request that does not
-  fit, then 200 short requests behind it. Targets: the short requests' TTFT p50 <= 0.2x
+- ``hol``: a cache two thirds full of running requests (32 x 1,100-token prompts, 250 output
+  tokens), then a 30k-token request that does not fit, then 200 short requests (50-100 prompt
+  tokens, 16 output tokens; together they fit in the free blocks) behind it. Targets: the short requests' TTFT p50 <= 0.2x
   today's, and the big request still completes.
 
 "today" is the engine of the ``main`` checkout when ``--today-python`` names its interpreter
@@ -99,13 +100,13 @@ def mixed_trace(scale: float, seed: int = 0) -> tuple[dict[str, Any], list[dict[
 
 def hol_trace(scale: float, seed: int = 1) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     rng = random.Random(seed)
-    num_blocks = 2560  # 40,960 tokens
+    num_blocks = 4096  # 65,536 tokens
     reqs = []
-    for _ in range(24):  # 24 x ~1,100 tokens: two thirds of the cache, for ~150 steps
-        reqs.append({"kind": "filler", "prompt": 1000, "out": 150, "at": 0.0})
-    reqs.append({"kind": "long", "prompt": 30000, "out": 16, "at": 1.0})
+    for _ in range(32):  # 32 x 1,350 tokens at their end: two thirds of the cache, ~250 steps
+        reqs.append({"kind": "filler", "prompt": 1100, "out": 250, "at": 0.0})
+    reqs.append({"kind": "long", "prompt": 30000, "out": 16, "at": 1.3})  # does not fit
     for _ in range(max(20, int(200 * scale))):
-        reqs.append({"kind": "short", "prompt": rng.randint(100, 200), "out": 32, "at": 1.05})
+        reqs.append({"kind": "short", "prompt": rng.randint(50, 100), "out": 16, "at": 1.35})
     for i, r in enumerate(reqs):
         r.update(id=f"h{i}", tokens=_prompt(rng, r["prompt"]))
     config = {"num_kv_blocks": num_blocks, "max_model_len": 32768, "max_num_seqs": 256}
@@ -241,7 +242,7 @@ def report(scenario: str, today: dict[str, Any], rows: dict[str, dict[str, Any]]
     lines = [f"\n== {scenario} (today: {today.get('source')}) =="]
     cols = ["today", *rows]
     everything = {"today": today, **rows}
-    lines.append(f"{'metric':<26}" + "".join(f"{c:>24}" for c in cols))
+    lines.append(f"{'metric':<26}" + "".join(f"{c:>32}" for c in cols))
     for key, unit in [
         ("completed", ""),
         ("errors", ""),
@@ -255,7 +256,7 @@ def report(scenario: str, today: dict[str, Any], rows: dict[str, dict[str, Any]]
         ("num_recomputed_tokens", ""),
     ]:
         lines.append(
-            f"{key:<26}" + "".join(f"{_f(everything[c].get(key), unit):>24}" for c in cols)
+            f"{key:<26}" + "".join(f"{_f(everything[c].get(key), unit):>32}" for c in cols)
         )
     lines.append("targets:")
     if scenario == "mixed":
