@@ -4,7 +4,8 @@ One idea: each step every request tries to make ``num_computed_tokens`` catch up
 ``num_tokens`` within one budget of tokens per step. Prefill chunks, decodes, prefix-cache hits
 and resumed preemptions are all the same computation. Running requests are served first (in
 admission order), then waiting ones are admitted while the budget, the sequence cap and the free
-blocks allow. With speculative decoding a decoding request may also verify drafts, which count in
+blocks allow. Under KV pressure the rules of ``admission`` (refusals, bypass, partial prefills)
+and the victim policies of ``preemption`` apply. With speculative decoding a decoding request may also verify drafts, which count in
 the budget and are rolled back when rejected (``drafts``: where they come from and how
 many).
 
@@ -245,9 +246,13 @@ class Scheduler:
         in this step like a known one; one that surely ends with it (its length cap) is left out.
 
         1. Running requests catch up, in admission order (:meth:`_schedule_running`); one whose
-           blocks do not fit preempts others, or itself, until they do.
+           blocks do not fit preempts the victim policy's choice, or itself, until they do (or
+           ends with an error when it can never fit); with the partial-prefill limits a prefill
+           past them waits a step.
         2. Waiting requests are admitted while the budget, ``max_num_seqs`` and the free blocks
-           allow (:meth:`_schedule_waiting`), unless step 1 preempted.
+           allow (:meth:`_schedule_waiting`), unless step 1 preempted: in queue order, those
+           behind one whose blocks are not free going first for at most ``max_bypass_steps``
+           steps; one that can never fit is refused (:meth:`take_refused`).
         3. The output is built once, in batch order: running requests, then admitted ones.
 
         NOTE: nothing is admitted in a step that preempted, even a waiting request that would
