@@ -197,12 +197,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of prompt prefixes already computed."""
     preemption_victim: str = "least_progress"
-    """Whom recompute preemption evicts when the KV cache runs out: ``"last_admitted"`` (the
-    latest admitted running request; under ``priority`` the worst priority, then the latest
-    arrival: vLLM's choice), ``"least_progress"`` (the fewest computed tokens, the least work
-    to recompute; under ``priority`` the worst priority first), or ``"module:attribute"``, a
-    :class:`~engine_core.abc.PreemptionVictimPolicy` subclass (or factory) imported in the
-    engine process."""
+    """Whom recompute preemption evicts when the KV cache runs out: ``"least_progress"`` (the
+    default: the running request with the fewest computed tokens, the least work to recompute;
+    under ``priority`` the worst priority first), ``"last_admitted"`` (the latest admitted;
+    under ``priority`` the worst priority, then the latest arrival: vLLM's choice), or
+    ``"module:attribute"``, a :class:`~engine_core.abc.PreemptionVictimPolicy` subclass (or
+    factory) imported in the engine process."""
     max_bypass_steps: int = 64
     """Steps in which requests behind a waiting request whose KV blocks are not free may be
     admitted before it (no head-of-line blocking); after that many, nothing overtakes it until
