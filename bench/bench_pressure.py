@@ -16,13 +16,13 @@ Scenarios:
   tokens, 16 output tokens; together they fit in the free blocks) behind it. Targets: the short requests' TTFT p50 <= 0.2x
   today's, and the big request still completes.
 
-"today" is the engine of the ``main`` checkout when ``--today-python`` names its interpreter
-(default ``/work/main/.venv/bin/python`` where it exists), else this tree with the new rules
-off (``max_bypass_steps=0``, ``last_admitted``, no partial-prefill limits), which is the same
-scheduling. The never-fits and stuck-at-``max_num_seqs`` cases are tests
+"today" is the engine of a checkout of ``main`` when ``--today-python`` names its interpreter
+(its ``.venv/bin/python``), else this tree with the new rules off (``max_bypass_steps=0``,
+``last_admitted``, no partial-prefill limits), which schedules the same way. The never-fits and stuck-at-``max_num_seqs`` cases are tests
 (``tests/core/test_pressure.py``, ``tests/engine/test_pressure_engine.py``).
 
-Usage: ``python bench/bench_pressure.py [--scenario mixed|hol|all] [--scale 1.0] [--json PATH]``.
+Usage: ``python bench/bench_pressure.py [--scenario mixed|hol|all] [--scale 1.0]
+[--today-python MAIN_CHECKOUT/.venv/bin/python] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -293,11 +293,11 @@ def main() -> None:
     parser.add_argument("--scenario", default="all", choices=["mixed", "hol", "all"])
     parser.add_argument("--scale", type=float, default=1.0, help="trace length factor")
     parser.add_argument("--json", default=None)
-    default_today = "/work/main/.venv/bin/python"
     parser.add_argument(
         "--today-python",
-        default=default_today if os.path.exists(default_today) else None,
-        help="the interpreter of a checkout of today's engine (none: this tree, rules off)",
+        default=None,
+        help="the interpreter of a checkout of today's engine, e.g. main's .venv/bin/python "
+        "(none: this tree with the new rules off)",
     )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
