@@ -188,6 +188,8 @@ class ConnectorCore:
         request: Request,
         hits: Any,
         num_hit_tokens: int,
+        *,
+        keep_free: int = 0,
     ) -> int | None:
         """Ask the connector for tokens beyond the device hit (``request`` is the head of the
         queue). PARKED: it parked (the caller takes it out of the queue); ENDED: the connector
@@ -233,7 +235,9 @@ class ConnectorCore:
         # Past it the queue waits for the parked loads (they end soon, or are cancelled).
         if self.parked and self.parked_blocks + num_blocks > self.max_parked_blocks:
             return NO_ROOM if self._tell_alloc(request, [], 0) else ENDED
-        if not kv.allocate_slots(request, num_external, hits, full_sequence_must_fit=True):
+        if not kv.allocate_slots(
+            request, num_external, hits, full_sequence_must_fit=True, keep_free=keep_free
+        ):
             return NO_ROOM if self._tell_alloc(request, [], 0) else ENDED
         # No other request may hit a block still loading: registered once it is reported.
         kv.uncache_uncomputed(request, num_hit_tokens)

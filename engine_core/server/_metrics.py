@@ -11,7 +11,10 @@ Engine state, read from :meth:`AsyncLLM.get_stats` at each scrape:
   empty for full attention)
 - ``engine_core_prefix_cache_hit_rate`` (gauge, 0..1), ``engine_core_prefix_cache_queries_total``
   and ``engine_core_prefix_cache_hits_total`` (counters, tokens)
-- ``engine_core_num_preemptions_total`` (counter)
+- ``engine_core_num_preemptions_total`` (counter) and ``engine_core_num_recomputed_tokens_total``
+  (counter): tokens computed again after a preemption (what preemption cost)
+- ``engine_core_seconds_since_progress`` (gauge): seconds since a step last computed a token
+  while requests were queued (0 while idle); past ``stall_timeout_s`` ``/health`` answers 503
 - ``engine_core_malformed_messages_total`` (counter): messages the engine could not decode
   (answered with an error when their request id was readable, else dropped)
 - ``engine_core_device_busy_seconds_total`` (counter): seconds during which the backend had a
@@ -23,8 +26,7 @@ Engine state, read from :meth:`AsyncLLM.get_stats` at each scrape:
   ``engine_core_kv_offload_load_seconds_total``, ``engine_core_kv_offload_store_seconds_total``,
   ``engine_core_kv_offload_failed_blocks_total``, ``engine_core_kv_loads_cancelled_total``
   (counters), ``engine_core_kv_offload_resident_blocks`` and ``engine_core_kv_parked_requests``
-  (gauges); ``engine_core_num_recomputed_tokens_total`` (counter): tokens computed again after
-  preemptions
+  (gauges)
 
 With speculative decoding on (vLLM's counters, so its PromQL for the acceptance rate, the mean
 acceptance length and the per-position rate carries over):
@@ -207,6 +209,11 @@ _ENGINE_SERIES = (
      "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     (CounterMetricFamily, "engine_core_num_preemptions",
      "Requests preempted to free KV-cache blocks.", "num_preemptions"),
+    (CounterMetricFamily, "engine_core_num_recomputed_tokens",
+     "Tokens computed again after a preemption.", "num_recomputed_tokens"),
+    (GaugeMetricFamily, "engine_core_seconds_since_progress",
+     "Seconds since a step last computed a token while requests were queued.",
+     "seconds_since_progress"),
     (CounterMetricFamily, "engine_core_malformed_messages",
      "Messages the engine could not decode.", "num_malformed_messages"),
     (CounterMetricFamily, "engine_core_device_busy_seconds",
@@ -230,8 +237,6 @@ _ENGINE_SERIES = (
      "Requests waiting for their KV load (WAITING_FOR_REMOTE_KVS).", "kv_parked_requests"),
     (CounterMetricFamily, "engine_core_kv_loads_cancelled",
      "KV loads given up on (their requests recomputed).", "kv_loads_cancelled"),
-    (CounterMetricFamily, "engine_core_num_recomputed_tokens",
-     "Tokens computed again by requests resumed after a preemption.", "num_recomputed_tokens"),
 )  # fmt: skip
 
 
