@@ -267,11 +267,17 @@ class KVConnectorScheduler(abc.ABC):
         (``FinishedRequest.kv_transfer_params``). Default: ``(False, None)``."""
         return False, None
 
-    def request_preempted(self, request: ConnectorRequest, block_ids: list[list[int]]) -> None:  # noqa: B027
+    def request_preempted(
+        self, request: ConnectorRequest, block_ids: list[list[int]]
+    ) -> tuple[str, list[list[int]]] | None:
         """``request`` is being preempted: its computed blocks are about to be freed. A
         connector that stores blocks saves what it has not stored yet in the next
-        :meth:`build_metadata` (the core keeps those blocks out of reuse until the save is
-        reported), so that resuming the request is a load."""
+        :meth:`build_metadata`, so that resuming the request is a load: it returns that save's
+        transfer id and the blocks (per group) it will read, which the core keeps out of reuse
+        until the save is reported (or ``kv_lease_s``). None (the default): nothing to keep.
+        Blocks kept here are not free for the request that preempted this one, so keep few
+        (those not stored yet)."""
+        return None
 
     def load_cancelled(self, request: ConnectorRequest) -> None:  # noqa: B027
         """The core gave up on ``request``'s load (it held blocks the queue needed, its lease

@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 __all__ = ["HostTierProvider", "HostTierScheduler", "num_host_slots"]
 
 
+PREEMPT_SAVE_BLOCKS = 4
+"""The most not-yet-stored blocks (per group) a preempted request keeps for its save."""
+
+
 def _first_live(kind: str, span: int, block_size: int) -> Callable[[int], int]:
     """The first block a window (chunked) group's queries from ``n`` computed tokens see."""
     if kind == "chunked_attention":
@@ -357,6 +361,31 @@ class HostTierScheduler(KVConnectorScheduler):
                 return True, None
         return False, None
 
+    def request_preempted(
+        self, request: ConnectorRequest, block_ids: list[list[int]]
+    ) -> tuple[str, list[list[int]]] | None:
+        """Save the computed blocks not planned yet (those of its last step), so that resuming
+        it is a load; the core keeps just those until the save is reported."""
+        if not block_ids or not block_ids[0]:
+            return None
+        req_id = request.request_id
+        num_full = min(
+            request.num_computed_tokens // self.block_size,
+            len(request.block_keys),
+            len(block_ids[0]),
+        )
+        start = self._planned.get(req_id, 0)
+        # Kept blocks are not free for the request that preempted this one: at most a few
+        # (the rest of a long chunk is recomputed rather than preempting more requests).
+        num_full = min(num_full, start + PREEMPT_SAVE_BLOCKS)
+        if num_full <= start:
+            return None
+        self._num_saves += 1
+        transfer_id = f"p{self._num_saves}"
+        self._finish_saves[transfer_id] = block_ids
+        self._finished_requests[transfer_id] = (request, num_full)
+        return transfer_id, [ids[start:num_full] for ids in block_ids]
+
     def build_metadata(self, step: ConnectorStep) -> KVConnectorMetadata | None:
         saves: list[KVTransfer] = []
         block_size = self.block_size
@@ -374,14 +403,14 @@ class HostTierScheduler(KVConnectorScheduler):
             self._num_saves += 1
             self._plan_save(f"s{self._num_saves}", request, table, num_full, saves)
         if self._finish_saves:
-            for req_id, table in self._finish_saves.items():
-                request, num_full = self._finished_requests.pop(req_id)
+            for transfer_id, table in self._finish_saves.items():
+                request, num_full = self._finished_requests.pop(transfer_id)
                 before = len(saves)
-                self._plan_save(req_id, request, table, num_full, saves)
+                self._plan_save(transfer_id, request, table, num_full, saves)
                 if len(saves) == before:
                     # Nothing to save after all (stored meanwhile, or no room): a save of no
                     # block releases the held blocks at once.
-                    saves.append(KVTransfer(req_id, req_id, [[] for _ in table]))
+                    saves.append(KVTransfer(transfer_id, request.request_id, [[] for _ in table]))
             self._finish_saves.clear()
         loads: list[KVTransfer] = []
         if self._loads:

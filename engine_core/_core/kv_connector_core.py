@@ -524,8 +524,19 @@ class ConnectorCore:
         return params if isinstance(params, dict) else None
 
     def request_preempted(self, request: Request) -> None:
+        """Before a preempted request's blocks are freed: keep those the connector will save."""
         tables = self.tables(request)
-        self._guard("request_preempted", lambda: self.connector.request_preempted(request, tables))
+        ok, result = self._guard(
+            "request_preempted", lambda: self.connector.request_preempted(request, tables)
+        )
+        if not ok or result is None:
+            return
+        try:
+            transfer_id, block_ids = result
+        except (TypeError, ValueError):
+            return
+        if isinstance(transfer_id, str) and isinstance(block_ids, list):
+            self._pin_ids(transfer_id, block_ids)
 
     def reset(self) -> None:
         self._guard("reset", self.connector.reset)
