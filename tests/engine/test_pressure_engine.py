@@ -143,6 +143,9 @@ async def test_a_custom_victim_policy_that_raises_ends_the_engine_with_that_caus
         num_kv_blocks=8,
         max_model_len=128,
         preemption_victim="broken_victims:Broken",
+        # Steps slow enough that the second prompt is admitted before the first outgrows its
+        # share of the cache (four steps): both are running when the cache runs out.
+        backend_options={"latency": {"step_s": 0.05}},
     ) as engine:
         errors: list[EngineDeadError] = []
 
