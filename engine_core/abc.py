@@ -116,6 +116,7 @@ import msgspec
 
 from engine_core._core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core._core.tokenizer import Tokenizer, load_tokenizer
+from engine_core.kv_connector import KVConnectorLayout, KVConnectorReport
 
 if TYPE_CHECKING:
     from engine_core._core.request import Request
@@ -128,6 +129,8 @@ __all__ = [
     "CachedRequestData",
     "ChunkedLocalSpec",
     "FullAttentionSpec",
+    "KVConnectorLayout",
+    "KVConnectorReport",
     "KVCacheSpec",
     "LayerSpec",
     "ModelRunnerOutput",
@@ -223,6 +226,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     empty list for a request not drafted (it sampled nothing, or ``draft_req_ids`` left it
     out). At most ``SchedulerOutput.num_draft_tokens`` each; the engine may verify fewer.
     None: no drafts (always so without a backend proposer)."""
+    kv_connector_report: KVConnectorReport | None = None
+    """The KV connector worker half's report of transfers that ended (``engine_core.
+    kv_connector``; None: no connector, or nothing to report). Under tensor parallelism, the
+    merge of every rank's (:meth:`KVConnectorReport.merge`)."""
 
 
 class StepCostModel(msgspec.Struct, frozen=True, kw_only=True):
@@ -367,6 +374,20 @@ class Backend(abc.ABC):
         verify drafts, and the engine refuses ``speculative_config`` for it. Called once, after
         the backend is constructed; see "Speculative decoding" in this module's docs."""
         return None
+
+    def init_kv_connector(self, name: str, layout: KVConnectorLayout) -> None:
+        """Set up the worker half of KV connector ``name`` on every tensor-parallel rank
+        (called once, after :meth:`initialize_kv_cache`, when ``EngineConfig.kv_connector_name``
+        is set). The backend builds it (``engine_core.kv_connector``: the plugin's
+        ``KVConnectorProvider.worker``, or its own implementation of a built-in connector such
+        as ``"host"``), registers its KV cache with it, and from then on, each step, calls
+        ``start_step(scheduler_output.kv_connector_metadata)`` before the forward pass,
+        ``after_forward()`` after it, and returns ``get_finished()`` (merged over the ranks) in
+        ``ModelRunnerOutput.kv_connector_report``. The default raises
+        ``NotImplementedError``: the engine then refuses the connector at startup. A
+        ``ValueError`` here (e.g. more host memory asked for than can be pinned) is a startup
+        error shown to the user as it is."""
+        raise NotImplementedError(f"{type(self).__name__} does not support KV connectors")
 
     def resolved_settings(self) -> dict[str, str | int | float | bool]:
         """What the backend decided for itself that the user may not have said (its device,

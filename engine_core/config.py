@@ -8,7 +8,13 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["COMMAND_LINE_ENV", "EngineConfig", "SpeculativeConfig", "backend_options_hint"]
+__all__ = [
+    "COMMAND_LINE_ENV",
+    "EngineConfig",
+    "SpeculativeConfig",
+    "backend_options_hint",
+    "parse_size",
+]
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -38,6 +44,49 @@ def _positive(
 SPEC_METHODS_IN_CORE = frozenset({"ngram"})
 """Speculative methods whose drafts the engine core proposes itself (from token ids alone); any
 other method names a proposer of the backend (``SpecSupport.proposers``)."""
+
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def parse_size(name: str, value: Any) -> int:
+    """Bytes from an int or a size such as ``"8GiB"``, ``"512MB"``, ``"1.5g"`` (decimal units:
+    k, M, G, T; binary: KiB, MiB, GiB, TiB). ``ValueError`` naming ``name`` for a negative
+    value or one that is not a size."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a size in bytes (e.g. 8GiB), got {value!r}")
+    if isinstance(value, int):
+        number: float = value
+    elif isinstance(value, str):
+        text = value.strip().replace("_", "")
+        digits = text.rstrip("bBkKmMgGtTiI ")
+        unit = text[len(digits) :].strip().lower()
+        try:
+            number = float(digits) * _SIZE_UNITS[unit]
+        except (ValueError, KeyError):
+            raise ValueError(
+                f"{name} must be a size in bytes (e.g. 8GiB, 512MB, 0), got {value!r}"
+            ) from None
+    else:
+        raise ValueError(f"{name} must be a size in bytes (e.g. 8GiB), got {value!r}")
+    if not number >= 0 or number != number:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return int(number)
 
 
 VICTIM_POLICIES = ("last_admitted", "least_progress")
@@ -315,6 +364,24 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (None: off); a dict is converted. The engine then schedules
     synchronously: ``async_scheduling`` None resolves to off, True is an error."""
+    kv_offload_bytes: int | str = 0
+    """Host-memory KV tier (CPU offload): bytes of host memory for offloaded KV blocks, an int
+    or a size such as ``"8GiB"`` (converted to an int); 0: off. Turns on the built-in ``"host"``
+    KV connector (``docs/kv_connector.md``) unless ``kv_connector`` names another."""
+    kv_connector: str | None = None
+    """A KV connector by name (built-in ``"host"``, or one of the ``engine_core.kv_connectors``
+    entry points); None: ``"host"`` when ``kv_offload_bytes`` > 0, else none."""
+    kv_connector_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Options passed to the KV connector's halves."""
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    """What a request whose KV load failed does once its computed tokens are cut back to the
+    first failed block: compute the rest locally, or end with finish_reason "error"."""
+    kv_lease_s: float = 30.0
+    """The longest the engine keeps blocks for a connector: a parked load not reported by then
+    is cancelled (the request recomputes), a held finished request's blocks are freed."""
+    kv_max_parked_fraction: float = 0.5
+    """The most of the KV cache that requests waiting for their KV load may hold (0..1]; past
+    it a request computes instead of loading."""
 
     @property
     def router_policy(self) -> str:
@@ -460,6 +527,35 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
                 )
         if not isinstance(self.backend_options, dict):
             raise TypeError(f"backend_options must be a dict, got {type(self.backend_options)}")
+        self.kv_offload_bytes = parse_size("kv_offload_bytes", self.kv_offload_bytes)
+        if self.kv_connector is not None and (
+            not isinstance(self.kv_connector, str) or not self.kv_connector
+        ):
+            raise ValueError(f"kv_connector must be a non-empty name, got {self.kv_connector!r}")
+        if not isinstance(self.kv_connector_options, dict):
+            raise TypeError(
+                f"kv_connector_options must be a dict, got {type(self.kv_connector_options)}"
+            )
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError(
+                "kv_load_failure_policy must be 'recompute' or 'fail', "
+                f"got {self.kv_load_failure_policy!r}"
+            )
+        _positive("kv_lease_s", self.kv_lease_s, allow_none=False)
+        if not isinstance(self.kv_max_parked_fraction, (int, float)) or not (
+            0.0 < self.kv_max_parked_fraction <= 1.0
+        ):
+            raise ValueError(
+                f"kv_max_parked_fraction must be in (0, 1], got {self.kv_max_parked_fraction!r}"
+            )
+
+    @property
+    def kv_connector_name(self) -> str | None:
+        """The KV connector in use: ``kv_connector``, else ``"host"`` when
+        ``kv_offload_bytes`` > 0, else None."""
+        if self.kv_connector is not None:
+            return self.kv_connector
+        return "host" if self.kv_offload_bytes else None
 
     @property
     def gpus_per_engine(self) -> int:

@@ -65,6 +65,12 @@ def test_defaults() -> None:
             "ray_driver_host": None,
             "placement_timeout_s": 300.0,
             "speculative_config": None,
+            "kv_offload_bytes": 0,
+            "kv_connector": None,
+            "kv_connector_options": {},
+            "kv_load_failure_policy": "recompute",
+            "kv_lease_s": 30.0,
+            "kv_max_parked_fraction": 0.5,
         },
     )
     assert c.router_policy == "prefix"

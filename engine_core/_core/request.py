@@ -35,11 +35,14 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     WAITING_FOR_GRAMMAR = 1
     RUNNING = 2
-    PREEMPTED = 3
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH_CAPPED = 5
-    FINISHED_ABORTED = 6
-    FINISHED_ERROR = 7
+    WAITING_FOR_REMOTE_KVS = 3
+    """Parked with its blocks allocated while a KV connector loads its external tokens; its
+    computed-token count is provisional until the load is reported (``docs/kv_connector.md``)."""
+    PREEMPTED = 4
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH_CAPPED = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
 
     @property
     def is_finished(self) -> bool:
@@ -63,12 +66,16 @@ _LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 _FINISHED = frozenset(s for s in RequestStatus if s.is_finished)
 # The one table of allowed transitions; Request.set_status is the one place that enforces it.
 ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
-    _S.WAITING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED, _S.FINISHED_ERROR}),
+    _S.WAITING: frozenset(
+        {_S.RUNNING, _S.WAITING_FOR_REMOTE_KVS, _S.FINISHED_ABORTED, _S.FINISHED_ERROR}
+    ),
+    # A parked load ends (reported, failed or cancelled): back to the queue, or an error.
+    _S.WAITING_FOR_REMOTE_KVS: frozenset({_S.WAITING, _S.FINISHED_ABORTED, _S.FINISHED_ERROR}),
     _S.WAITING_FOR_GRAMMAR: frozenset({_S.WAITING, _S.FINISHED_ABORTED, _S.FINISHED_ERROR}),
     _S.RUNNING: frozenset({_S.PREEMPTED}) | _FINISHED,
     # A preempted request ends with a stop or the length cap on a token of a step that was in
     # flight when it was preempted (async scheduling).
-    _S.PREEMPTED: frozenset({_S.RUNNING}) | _FINISHED,
+    _S.PREEMPTED: frozenset({_S.RUNNING, _S.WAITING_FOR_REMOTE_KVS}) | _FINISHED,
     **{s: frozenset() for s in _FINISHED},
 }
 

@@ -14,14 +14,16 @@ Pure, synchronous logic: no event loop, sockets or tensors.
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from engine_core._core import admission
 from engine_core._core.engine_io import EngineCoreOutputs, FinishedRequest
 from engine_core._core.kv_cache_manager import GroupedKVCacheManager, KVCacheManager
+from engine_core._core.kv_connector_core import ENDED, NO_ROOM, ConnectorCore
 from engine_core._core.preemption import make_victim_policy
 from engine_core._core.request import FINISH_REASONS, GrammarMatcher, Request, RequestStatus
 from engine_core._core.request_queue import make_queue
@@ -32,12 +34,14 @@ if TYPE_CHECKING:
     from engine_core._core.drafts import DraftPlanner
     from engine_core._core.kv_groups import KVLayout
     from engine_core.config import EngineConfig
+    from engine_core.kv_connector import KVConnectorScheduler
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
 _PREEMPTED = RequestStatus.PREEMPTED
 _RUNNING = RequestStatus.RUNNING
 _WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_GRAMMAR
+_PARKED = RequestStatus.WAITING_FOR_REMOTE_KVS
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _ERROR = RequestStatus.FINISHED_ERROR
 
@@ -74,6 +78,10 @@ class SchedulerConfig:
     max_bypass_steps: int = 64
     async_scheduling: bool | None = False
     """Schedule while the previous step is in flight (placeholders for its sampled tokens)."""
+    kv_load_failure_policy: str = "recompute"
+    """A KV connector's failed load: ``"recompute"`` or ``"fail"`` (``docs/kv_connector.md``)."""
+    kv_lease_s: float = 30.0
+    kv_max_parked_fraction: float = 0.5
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
@@ -98,6 +106,10 @@ class Scheduler:
         num_blocks: int,
         spec: DraftPlanner | None = None,
         kv_layout: KVLayout | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
+        *,
+        connector_name: str = "connector",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.draft_planner = spec
@@ -151,6 +163,19 @@ class Scheduler:
         # Reported to the backend with the next schedule().
         self._finished_req_ids: list[str] = []
         self._preempted_req_ids: list[str] = []
+        self.connector: ConnectorCore | None = None
+        """The KV connector's hooks (None: no connector; nothing of it runs)."""
+        if kv_connector is not None:
+            self.connector = ConnectorCore(
+                kv_connector,
+                self.kv,
+                block_size=config.block_size,
+                failure_policy=config.kv_load_failure_policy,
+                lease_s=config.kv_lease_s,
+                max_parked_fraction=config.kv_max_parked_fraction,
+                clock=clock,
+                name=connector_name,
+            )
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -193,10 +218,11 @@ class Scheduler:
                 if request is None:
                     continue
                 was_running = request.status == _RUNNING
+                was_parked = request.status is _PARKED
                 request.set_status(status)  # first: an invalid transition changes nothing
                 if was_running:
                     any_running = True
-                else:
+                elif not was_parked:  # a parked request is in no queue
                     # Mutation testing: the queues count discarded requests without reading
                     # them (the finished status marks them), so the argument is not pinned.
                     self.waiting.discard(request)  # pragma: no mutate
@@ -207,7 +233,13 @@ class Scheduler:
                 self.running = [r for r in self.running if r.status is _RUNNING]
         return ended
 
-    def _free(self, request: Request) -> None:
+    def _free(self, request: Request) -> dict[str, Any] | None:
+        """Release a finished request (its blocks, its grammar); returns the KV connector's
+        transfer parameters for it, if any."""
+        params = None
+        if self.connector is not None:
+            # First: the connector may hold (pin) its blocks while it saves them.
+            params = self.connector.request_finished(request)
         self.kv.free(request)
         if request.recompute_until and request.num_computed_tokens:
             # Admitted since its preemption (a queued request has computed nothing): it ended
@@ -218,6 +250,28 @@ class Scheduler:
         if request.use_structured_output:
             self.num_constrained -= 1
             request.grammar = None
+        return params
+
+    def _end_by_connector(self, request: Request) -> None:
+        """End a request the KV connector failed (its error is already reported): it is in
+        no queue and holds no parked load."""
+        request.set_status(_ERROR)
+        self._free(request)
+
+    @property
+    def connector_needs_step(self) -> bool:
+        """Whether the KV connector needs a step to run even with no tokens (transfers in
+        flight, cancellations to send)."""
+        connector = self.connector
+        return connector is not None and connector.needs_step
+
+    def take_connector_ended(self) -> list[FinishedRequest]:
+        """Requests the KV connector ended since the last call (to report)."""
+        connector = self.connector
+        if connector is None or not connector.ended:
+            return []
+        ended, connector.ended = connector.ended, []
+        return ended
 
     @property
     def scheduled(self) -> list[Request]:
@@ -231,7 +285,9 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Queued requests, with those parked for a KV load."""
+        connector = self.connector
+        return len(self.waiting) + (len(connector.parked) if connector is not None else 0)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -260,6 +316,8 @@ class Scheduler:
         the queue.
         """
         max_tokens = self.config.max_num_batched_tokens
+        if self.connector is not None and (self.connector.parked or self.connector.pins):
+            self.connector.expire(self.waiting)
         entries: list[Any] = []
         budget, any_preempted = self._schedule_running(max_tokens, entries)
         new_reqs: list[NewRequestData] = []
@@ -390,7 +448,32 @@ class Scheduler:
                 # before it resumes.
                 skipped.append(waiting.pop())
                 continue
-            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            connector = self.connector
+            hits: Any
+            if connector is not None and request.request_id in connector.loaded:
+                # Its load was reported: it holds its blocks and its computed tokens.
+                hits, num_hit_tokens = [], request.num_computed_tokens
+            else:
+                hits, num_hit_tokens = kv.get_computed_blocks(request)
+                if connector is not None:
+                    outcome = connector.try_park(
+                        request, hits, num_hit_tokens, keep_free=self._promised
+                    )
+                    if outcome == NO_ROOM:
+                        if self._refuse_if_never_fits(request):
+                            continue
+                        if not running and connector.release_for(request, waiting):
+                            continue
+                        if not self._may_bypass(request, blocked, len(admitted)):
+                            break
+                        skipped.append(waiting.pop())
+                        continue
+                    if outcome is not None:
+                        waiting.pop()
+                        if outcome == ENDED:
+                            request.set_status(_ERROR)
+                            self._free(request)
+                        continue  # PARKED: it waits for its load, out of the queue
             num_new = len(request.all_token_ids) - num_hit_tokens
             if limits:
                 why = self._prefill_blocked(num_new)
@@ -412,11 +495,19 @@ class Scheduler:
             ):
                 if self._refuse_if_never_fits(request):
                     continue
+                if (
+                    connector is not None
+                    and not running
+                    and connector.release_for(request, waiting)
+                ):
+                    continue  # a stuck parked load gave its blocks back: try again
                 if not self._may_bypass(request, blocked, len(admitted)):
                     break
                 skipped.append(waiting.pop())
                 continue
             waiting.pop()
+            if connector is not None:
+                connector.admitted(request)
             self._admit(request, num_hit_tokens, num_new, admitted, new_reqs)
             if request.num_computed_tokens < len(request.all_token_ids):
                 self._promised += kv.blocks_to_finish(request, len(request.all_token_ids))
@@ -544,6 +635,19 @@ class Scheduler:
         self._scheduled = running + admitted
         spec = self.draft_planner
         drafts = spec.finish_plan(self._scheduled, running) if spec is not None else None
+        meta = None
+        connector = self.connector
+        if connector is not None:
+            meta = connector.build(
+                self._scheduled,
+                entries[3::_ENTRY] + [r.num_computed_tokens for r in new_reqs],
+                self._end_by_connector,
+            )
+            if total == 0 and (meta is not None or connector.needs_step):
+                # No tokens, but transfers to start or to hear of: a step of the connector only.
+                if self._async:
+                    self._unapplied.append(self._scheduled)
+                return SchedulerOutput(new_reqs, cached, 0, kv_connector_metadata=meta)
         if self._async and total:
             self._unapplied.append(self._scheduled)
         if total == 0:
@@ -564,7 +668,19 @@ class Scheduler:
                     preempted_ids,
                     drafts.num_draft_tokens,
                     drafts.draft_req_ids,
+                    meta,
                 )
+        if meta is not None:
+            return SchedulerOutput(
+                new_reqs,
+                cached,
+                total,
+                finished_ids,
+                preempted_ids,
+                drafts.num_draft_tokens if drafts is not None else 0,
+                None,
+                meta,
+            )
         return SchedulerOutput(new_reqs, cached, total, finished_ids, preempted_ids)
 
     def _pick_victim(self, requester: Request) -> Request:
@@ -609,7 +725,10 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV, go back to the waiting queue at its place
         (ahead of later arrivals; by priority, then arrival). What it had computed is owed as
-        recomputed tokens, counted when it is admitted again."""
+        recomputed tokens, counted when it is admitted again. With a KV connector that stores
+        blocks, resuming is then a load."""
+        if self.connector is not None:
+            self.connector.request_preempted(request)
         self.kv.free(request)
         if self.draft_planner is not None:
             self.draft_planner.unscheduled(request)
@@ -650,6 +769,10 @@ class Scheduler:
         """
         sampled = runner_output.sampled_token_ids
         scheduled = self._batch_to_apply(len(sampled))
+        if self.connector is not None:
+            self.connector.apply_report(
+                runner_output.kv_connector_report, self.waiting, self._end_by_connector
+            )
         out = EngineCoreOutputs()
         out_ids, out_tokens = out.req_ids, out.new_token_ids
         logprobs = runner_output.logprobs
@@ -732,7 +855,7 @@ class Scheduler:
         if request.status is _PREEMPTED:
             self.waiting.discard(request)
         request.set_status(status)
-        self._free(request)
+        params = self._free(request)
         spec = request.drafting
         out.finished.append(
             FinishedRequest(
@@ -740,6 +863,7 @@ class Scheduler:
                 FINISH_REASONS[status],
                 request.stop_reason,
                 request.error,
+                kv_transfer_params=params,
             )
             if spec is None
             else FinishedRequest(
@@ -751,6 +875,7 @@ class Scheduler:
                 spec.num_drafts,
                 spec.num_draft_tokens,
                 spec.num_accepted_tokens,
+                kv_transfer_params=params,
             )
         )
 
@@ -847,4 +972,6 @@ class Scheduler:
                 self._preempt(request)
             self._preempted_req_ids.extend(r.request_id for r in self.running)
             self.running = []
+        if self.connector is not None:
+            self.connector.reset()
         return self.kv.reset_prefix_cache()

@@ -13,6 +13,7 @@ from typing import Protocol, TypeVar
 
 import msgspec
 
+from engine_core.kv_connector import KVConnectorMetadata
 from engine_core.sampling_params import SamplingParams
 
 __all__ = ["CachedRequestData", "ComputedState", "NewRequestData", "SchedulerOutput"]
@@ -124,6 +125,12 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """The requests to draft for (None: every request that samples a token this step), when
     the engine drafts only some of them (per-request gating, probes while speculation is
     off)."""
+    kv_connector_metadata: KVConnectorMetadata | None = None
+    """The KV connector's loads, saves and cancellations for this step (None: no connector, or
+    nothing for it); the backend hands it to its connector worker half
+    (``engine_core.kv_connector``). With a connector a step may schedule no tokens
+    (``total_num_scheduled_tokens == 0``) while transfers are in flight: the backend then runs
+    no forward pass, only its connector's calls, and returns an empty output with the report."""
 
     @property
     def num_reqs(self) -> int:

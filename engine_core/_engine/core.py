@@ -40,6 +40,7 @@ from engine_core._core.engine_io import (
     EngineLoad,
     EngineStats,
     FinishedRequest,
+    KVEvents,
     KVGroupStats,
     PauseMode,
 )
@@ -50,6 +51,7 @@ from engine_core._engine.startup import (
     kv_layout_of,
     resolve_async_scheduling,
     resolve_spec_support,
+    setup_kv_connector,
     size_kv_cache,
 )
 from engine_core._plugins import load_backend, resolve_config
@@ -70,6 +72,11 @@ logger = logging.getLogger(__name__)
 
 StepResults: TypeAlias = tuple[SchedulerOutput, ModelRunnerOutput]
 """A step that ran, with its results: what :meth:`EngineCore.complete_step` applies."""
+
+
+_CONNECTOR_POLL_S = 0.001
+"""How long a step of the KV connector only (no tokens) that heard of nothing waits before the
+next one."""
 
 
 class _InFlight:
@@ -124,6 +131,7 @@ class EngineCore:
                 )
             else:
                 backend.initialize_kv_cache(self.num_kv_blocks)
+            connector = setup_kv_connector(config, backend, self.kv_layout, self.num_kv_blocks)
         except BaseException:
             backend.close()
             raise
@@ -137,7 +145,13 @@ class EngineCore:
         if config.speculative_config is not None and self.spec_support is not None:
             spec = DraftPlanner(config.speculative_config, self.spec_support)
         self.scheduler = Scheduler(
-            SchedulerConfig.from_engine_config(config), self.num_kv_blocks, spec, self.kv_layout
+            SchedulerConfig.from_engine_config(config),
+            self.num_kv_blocks,
+            spec,
+            self.kv_layout,
+            connector,
+            connector_name=config.kv_connector_name or "connector",
+            clock=clock,
         )
         self.num_steps = 0
         self._in_flight: deque[_InFlight] = deque()
@@ -163,9 +177,15 @@ class EngineCore:
         self._stall_logged = False
         """Whether the stall going on now was logged (once per stall)."""
         self._kv_events: KVEventLog | None = None
+        self._host_events: KVEventLog | None = None
         if config.data_parallel_size > 1:
             # The front end routes by what each engine caches: report it with every step.
             self._kv_events = self.scheduler.kv.pool.events = KVEventLog()
+            connector_half = self.scheduler.connector
+            if connector_half is not None and hasattr(connector_half.connector, "events"):
+                # The host tier's residency too: the router counts it as a cheaper hit.
+                self._host_events = KVEventLog()
+                connector_half.connector.events = self._host_events
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -317,6 +337,7 @@ class EngineCore:
             self.scheduler.has_unfinished_requests()
             or bool(self._ended_outside_steps)
             or bool(self._in_flight)
+            or self.scheduler.connector_needs_step
         )
 
     @property
@@ -330,19 +351,30 @@ class EngineCore:
         or ended requests to report."""
         if self._ended_outside_steps or self._in_flight:
             return True
-        return self.pause_mode is not PauseMode.KEEP and self.scheduler.has_unfinished_requests()
+        scheduler = self.scheduler
+        if scheduler.connector is not None and (
+            scheduler.connector.ended or scheduler.connector_needs_step
+        ):
+            return True
+        return self.pause_mode is not PauseMode.KEEP and scheduler.has_unfinished_requests()
 
     # -- stepping -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput | None:
         """First part of a step; None when there is nothing to run."""
-        if not self.scheduler.requests or self.pause_mode is PauseMode.KEEP:
+        if self.pause_mode is PauseMode.KEEP or not (
+            self.scheduler.requests or self.scheduler.connector_needs_step
+        ):
             return None
         structured = self._structured
         if structured is not None and structured.num_pending:
             self._update_grammars(structured)
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens == 0:
+        if (
+            scheduler_output.total_num_scheduled_tokens == 0
+            and scheduler_output.kv_connector_metadata is None
+            and not self.scheduler.connector_needs_step
+        ):
             self._note_no_progress()
             return None
         self._progress_at = self.clock()
@@ -355,10 +387,24 @@ class EngineCore:
         given) and return the step launched before it with its results, or None while no older
         step is in flight; without a new step it waits for the oldest one (draining)."""
         if self.async_scheduling:
-            return self._execute_async(scheduler_output)
+            done = self._execute_async(scheduler_output)
+            if (
+                done is not None
+                and done[0].total_num_scheduled_tokens == 0
+                and done[1].kv_connector_report is None
+            ):
+                time.sleep(_CONNECTOR_POLL_S)  # as below: a connector-only step heard nothing
+            return done
         if scheduler_output is None:
             return None
-        return scheduler_output, self._execute(scheduler_output)
+        runner_output = self._execute(scheduler_output)
+        if (
+            scheduler_output.total_num_scheduled_tokens == 0
+            and runner_output.kv_connector_report is None
+        ):
+            # A step of the KV connector only, and nothing arrived: do not spin on it.
+            time.sleep(_CONNECTOR_POLL_S)
+        return scheduler_output, runner_output
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Forward pass, grammar bitmask, sampling (sync scheduling). The bitmask
@@ -372,7 +418,7 @@ class EngineCore:
             elapsed = self.clock() - start
             self._device_busy_s += elapsed
             spec = self.scheduler.draft_planner
-            if spec is not None:
+            if spec is not None and scheduler_output.total_num_scheduled_tokens:
                 spec.observe_step(scheduler_output.total_num_scheduled_tokens, elapsed)
 
     def _run_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -482,6 +528,8 @@ class EngineCore:
         if self._ended_outside_steps:
             outputs.finished.extend(self._ended_outside_steps)
             self._ended_outside_steps = []
+        if self.scheduler.connector is not None:
+            outputs.finished.extend(self.scheduler.take_connector_ended())
         outputs.timestamp = self.clock()
         if self._kv_events is not None:
             # Data parallelism: the step's prefix-cache changes and the load after it.
@@ -493,10 +541,22 @@ class EngineCore:
                 outputs.prompt_logprobs,
                 outputs.num_cached_tokens,
                 outputs.timestamp,
-                self._kv_events.drain(),
+                self._drain_events(),
                 self._load(),
             )
         return outputs
+
+    def _drain_events(self) -> KVEvents | None:
+        assert self._kv_events is not None
+        events = self._kv_events.drain()
+        host = self._host_events.drain() if self._host_events is not None else None
+        if host is None or not (host.stored or host.removed):
+            return events
+        if events is None:
+            return KVEvents(host_stored=host.stored, host_removed=host.removed)
+        events.host_stored = host.stored
+        events.host_removed = host.removed
+        return events
 
     def _load(self) -> EngineLoad:
         scheduler = self.scheduler
@@ -565,7 +625,28 @@ class EngineCore:
                 for kind, span, used in kv.group_usage()
             ],
             **self._spec_stats(),
+            **self._connector_stats(),
         )
+
+    def _connector_stats(self) -> dict[str, Any]:
+        connector = self.scheduler.connector
+        if connector is None:
+            return {}
+        counters = connector.counters
+        own = connector.stats()
+        return {
+            "kv_offload_hit_tokens": counters.external_tokens,
+            "kv_offload_bytes_loaded": counters.bytes_loaded,
+            "kv_offload_bytes_stored": counters.bytes_stored,
+            "kv_offload_load_s": counters.load_s,
+            "kv_offload_store_s": counters.store_s,
+            "kv_offload_failed_blocks": counters.failed_blocks,
+            "kv_offload_resident_blocks": int(own.get("resident_blocks", 0)),
+            "kv_offload_capacity_blocks": int(own.get("capacity_blocks", 0)),
+            "kv_offload_free_blocks": int(own.get("free_blocks", 0)),
+            "kv_parked_requests": len(connector.parked),
+            "kv_loads_cancelled": counters.loads_cancelled,
+        }
 
     def _spec_stats(self) -> dict[str, Any]:
         spec = self.scheduler.draft_planner

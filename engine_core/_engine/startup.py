@@ -21,6 +21,7 @@ from engine_core._core.kv_groups import KVLayout, plan_kv_layout
 from engine_core.abc import Backend, SpecSupport
 from engine_core.config import EngineConfig
 from engine_core.errors import BackendError
+from engine_core.kv_connector import KVConnectorLayout, KVConnectorScheduler, load_kv_connector
 
 __all__ = ["kv_layout_of", "resolve_async_scheduling", "resolve_spec_support", "size_kv_cache"]
 
@@ -131,3 +132,37 @@ def size_kv_cache(
             f"{capacity} or below, or give the KV cache more blocks"
         )
     return num_blocks, resolved
+
+
+def setup_kv_connector(
+    config: EngineConfig, backend: Backend, kv_layout: KVLayout, num_blocks: int
+) -> KVConnectorScheduler | None:
+    """The KV connector's scheduler half, once the backend set up its worker half (None: no
+    connector). ``ValueError`` naming the setting for a connector that cannot run here."""
+    name = config.kv_connector_name
+    if name is None:
+        return None
+    if not config.enable_prefix_caching:
+        raise ValueError(
+            f"KV connector {name!r} (kv_connector, kv_offload_bytes) needs "
+            "enable_prefix_caching: its index is keyed by the prefix cache's block keys"
+        )
+    layout = KVConnectorLayout(
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        kv_groups=kv_layout.kv_groups,
+        group_kinds=[g.kind for g in kv_layout.groups],
+        group_spans=[g.span for g in kv_layout.groups],
+        page_size_bytes=kv_layout.page_size_bytes,
+    )
+    provider = load_kv_connector(name)
+    try:
+        backend.init_kv_connector(name, layout)
+    except NotImplementedError as exc:
+        raise ValueError(
+            f"backend {config.backend!r} does not support KV connectors, so kv_connector "
+            f"{name!r} cannot run on it ({exc})"
+        ) from None
+    scheduler = provider.scheduler(config, layout)
+    logger.info("KV connector %r: %s", name, scheduler.stats() or "ready")
+    return scheduler

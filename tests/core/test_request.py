@@ -35,6 +35,11 @@ EXPECTED_TRANSITIONS = {
     (S.RUNNING, S.FINISHED_ABORTED),
     (S.RUNNING, S.FINISHED_ERROR),
     (S.PREEMPTED, S.RUNNING),
+    (S.WAITING, S.WAITING_FOR_REMOTE_KVS),
+    (S.PREEMPTED, S.WAITING_FOR_REMOTE_KVS),
+    (S.WAITING_FOR_REMOTE_KVS, S.WAITING),
+    (S.WAITING_FOR_REMOTE_KVS, S.FINISHED_ABORTED),
+    (S.WAITING_FOR_REMOTE_KVS, S.FINISHED_ERROR),
     (S.PREEMPTED, S.FINISHED_STOPPED),
     (S.PREEMPTED, S.FINISHED_LENGTH_CAPPED),
     (S.PREEMPTED, S.FINISHED_ABORTED),
@@ -50,6 +55,7 @@ def test_status_order_puts_finished_states_after_preempted() -> None:
         "WAITING",
         "WAITING_FOR_GRAMMAR",
         "RUNNING",
+        "WAITING_FOR_REMOTE_KVS",
         "PREEMPTED",
         "FINISHED_STOPPED",
         "FINISHED_LENGTH_CAPPED",
@@ -73,7 +79,13 @@ def test_finish_reason_map() -> None:
         S.FINISHED_ABORTED: "abort",
         S.FINISHED_ERROR: "error",
     }
-    for status in (S.WAITING, S.WAITING_FOR_GRAMMAR, S.RUNNING, S.PREEMPTED):
+    for status in (
+        S.WAITING,
+        S.WAITING_FOR_GRAMMAR,
+        S.RUNNING,
+        S.WAITING_FOR_REMOTE_KVS,
+        S.PREEMPTED,
+    ):
         assert status.finish_reason is None
     assert S.FINISHED_STOPPED.finish_reason == "stop"
     assert S.FINISHED_LENGTH_CAPPED.finish_reason == "length"

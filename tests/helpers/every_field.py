@@ -77,6 +77,12 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "dp_restart_wait_s": 20.0,
         "quantization": "fp8",
         "kv_cache_dtype": "fp8",
+        "kv_offload_bytes": 1 << 30,
+        "kv_connector": "host",
+        "kv_connector_options": {"x": 1},
+        "kv_load_failure_policy": "fail",
+        "kv_lease_s": 5.0,
+        "kv_max_parked_fraction": 0.25,
     },
     SpeculativeConfig: {
         "method": "draft_model",

@@ -42,7 +42,14 @@ from engine_core.abc import (
     TokenLogprobs,
 )
 from engine_core.config import EngineConfig
+from engine_core.kv_connector import (
+    KVConnectorLayout,
+    KVConnectorReport,
+    KVConnectorWorker,
+    load_kv_connector,
+)
 from engine_core_mock._blocks import BlockLedger
+from engine_core_mock._kv_link import MockHostWorker
 from engine_core_mock._layout import group_kinds, layer_spec
 from engine_core_mock._options import Fault, parse_options
 from engine_core_mock._replies import Replies
@@ -101,6 +108,9 @@ class MockBackend(Backend):
         )
         self._replies = Replies(options.replies, config.tokenizer_name) if options.replies else None
         self._copy = options.copy
+        self._kv_link = options.kv_link
+        self._connector: KVConnectorWorker | None = None
+        """The KV connector's worker half (``init_kv_connector``; None: no connector)."""
         # Without a latency model or a fault a step is a few microseconds of Python holding the
         # GIL: a worker thread would add its hand-off and no concurrency.
         self.step_in_thread = self.latency is not None or self.fault is not None
@@ -198,6 +208,23 @@ class MockBackend(Backend):
         self._blocks = BlockLedger(num_blocks, self._block_size, self._holders, groups)
         self._windowed = any(g.span is not None for g in groups)
 
+    def init_kv_connector(self, name: str, layout: KVConnectorLayout) -> None:
+        """The ``"host"`` tier's worker half is the mock's modelled link and host pool
+        (``backend_options["kv_link"]``); another connector brings its own worker half
+        (``KVConnectorProvider.worker``), registered with the block ledger. Under pretend
+        tensor parallelism the connector runs on rank 0 only (the workers model no KV)."""
+        if self._blocks is None:
+            raise RuntimeError("init_kv_connector called before initialize_kv_cache()")
+        worker: KVConnectorWorker | None
+        if name == "host":
+            worker = MockHostWorker(self.config, layout, self._kv_link, self._clock)
+        else:
+            worker = load_kv_connector(name).worker(self.config, layout, "mock", 0)
+            if worker is None:
+                raise NotImplementedError(f"the mock has no worker half for KV connector {name!r}")
+        worker.register_kv_caches(self._blocks)
+        self._connector = worker
+
     def vocab_size(self) -> int:
         return self._vocab_size
 
@@ -252,6 +279,10 @@ class MockBackend(Backend):
             self._drop(req_id)
         for req_id in scheduler_output.preempted_req_ids:
             self._drop(req_id)
+        connector = self._connector
+        if connector is not None:
+            # Cancelled loads, saves, loads: before this step's forward pass writes any block.
+            connector.start_step(scheduler_output.kv_connector_metadata)
         batch: list[RequestState] = []
         total = self._apply_cached(scheduler_output.cached, batch, blocks)
         total += self._add_new(scheduler_output.new_reqs, batch, blocks)
@@ -264,7 +295,7 @@ class MockBackend(Backend):
         self._draft_req_ids = (
             None if scheduler_output.draft_req_ids is None else set(scheduler_output.draft_req_ids)
         )
-        if self.latency is not None:
+        if self.latency is not None and total:
             context = sum(r.num_computed_tokens for r in batch)
             start = max(self._clock(), self._device_free_at)
             self._duration = self.latency.duration(total, context)
@@ -273,8 +304,14 @@ class MockBackend(Backend):
                     self._num_draft_tokens, batch, self._draft_req_ids
                 )
             self._deadline = self._device_free_at = start + self._duration
+        elif self.latency is not None:
+            # A step of the connector only (no tokens): no forward pass.
+            self._duration = 0.0
+            self._deadline = None
         self._batch = batch
         self._batch_ids = scheduler_output.req_ids
+        if connector is not None:
+            connector.after_forward()
 
     def _inject(self, fault: Fault) -> None:
         if fault.kind == "raise":
@@ -496,7 +533,30 @@ class MockBackend(Backend):
             if self._num_draft_tokens
             else None
         )
+        report = self._connector_report(bool(batch))
+        if report is not None:
+            return ModelRunnerOutput(
+                self._batch_ids, sampled, logprobs, prompt_logprobs, drafts, report
+            )
         return ModelRunnerOutput(self._batch_ids, sampled, logprobs, prompt_logprobs, drafts)
+
+    def _connector_report(self, any_tokens: bool) -> KVConnectorReport | None:
+        """The connector's transfers that end by this step's end. A step of the connector
+        only (no tokens) waits for the next one to end (at most 5 ms), as a device wait on
+        its copy events would, so the engine does not spin."""
+        connector = self._connector
+        if connector is None:
+            return None
+        if isinstance(connector, MockHostWorker):
+            at = self._deadline if any_tokens and self._deadline is not None else self._clock()
+            if not any_tokens:
+                next_end = connector.next_end()
+                if next_end is not None and next_end > at:
+                    wait = min(next_end - at, 0.005)
+                    self._sleep(wait)
+                    at = self._clock()
+            return connector.finished_by(at)
+        return connector.get_finished()
 
     def _add_prompt_logprobs(
         self,
@@ -551,6 +611,9 @@ class MockBackend(Backend):
 
     def close(self) -> None:
         self.is_closed = True
+        if self._connector is not None:
+            self._connector.close()
+            self._connector = None
         if self.workers is not None:
             self.workers.close()
         self._requests.clear()

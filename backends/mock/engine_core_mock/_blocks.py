@@ -246,3 +246,20 @@ class BlockLedger:
         return (
             f"{where}, but it holds the KV of a different token prefix or group (held by {holders})"
         )
+
+    # -- the host tier (engine_core_mock._kv_link) ------------------------------------------------
+
+    def content(self, block_id: int) -> int:
+        """The fingerprint of the KV block ``block_id`` holds (what a save copies out)."""
+        return self._contents[block_id]
+
+    def set_content(self, block_id: int, value: int | None) -> None:
+        """A load wrote ``value`` into ``block_id`` (None: a failed load left it unwritten)."""
+        self._contents[block_id] = _UNWRITTEN if value is None else value
+
+    def hold(self, block_id: int) -> None:
+        """A transfer reads or writes ``block_id``: no request may be handed it to write."""
+        self._refs[block_id] += 1
+
+    def unhold(self, block_id: int) -> None:
+        self._refs[block_id] -= 1

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from engine_core.config import EngineConfig
 from engine_core_mock._copy import CopyRule, parse_copy
 from engine_core_mock._drafter import SpecOptions, parse_spec
+from engine_core_mock._kv_link import KVLinkOptions, parse_kv_link
 from engine_core_mock._layout import LAYER_TYPES
 from engine_core_mock._replies import Reply, parse_replies
 
@@ -36,6 +37,7 @@ OPTION_NAMES = frozenset(
         "layer_types",
         "sliding_window",
         "attention_chunk_size",
+        "kv_link",
     }
 )
 _LATENCY_KEYS = ("step_s", "per_token_s", "per_context_token_s")
@@ -133,6 +135,8 @@ class MockOptions:
     """The drafter and its latency (``engine_core_mock._drafter``); None: no drafts."""
     copy: CopyRule | None = None
     """Outputs that copy spans of the prompt (``engine_core_mock._copy``)."""
+    kv_link: KVLinkOptions | None = None
+    """The host KV tier's modelled link and host pool (``engine_core_mock._kv_link``)."""
 
 
 def _int_option(name: str, value: Any, *, minimum: int) -> int:
@@ -377,4 +381,5 @@ def parse_options(config: EngineConfig) -> MockOptions:
         memory,
         parse_spec(options.get("spec")),
         parse_copy(options.get("copy_prompt")),
+        parse_kv_link(options.get("kv_link")),
     )
