@@ -145,6 +145,7 @@ class ConnectorCore:
         self.counters = ConnectorCounters()
         self._failed: set[str] = set()
         """Requests the connector's errors ended: it is not called for them again."""
+        self._closed = False
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -321,6 +322,14 @@ class ConnectorCore:
                 request = entry.request
                 self.cancel(request, reason=f"not reported within kv_lease_s ({self.lease_s} s)")
                 waiting.add_front(request)
+        renewals = getattr(self.connector, "lease_renewals", None)
+        if renewals is not None and self.pins:
+            # A connector whose reader is still at work renews the lease (disaggregation).
+            ok, renewed = self._guard("lease_renewals", renewals)
+            for transfer_id, at in (renewed if ok and isinstance(renewed, dict) else {}).items():
+                held = self.pins.get(transfer_id)
+                if held:
+                    self.pins[transfer_id] = [(blocks, max(t, at)) for blocks, t in held]
         for transfer_id, pins in list(self.pins.items()):
             if pins[0][1] < limit:
                 self.counters.lease_expired += 1
@@ -516,6 +525,12 @@ class ConnectorCore:
 
     def reset(self) -> None:
         self._guard("reset", self.connector.reset)
+
+    def close(self) -> None:
+        """Shutdown: the connector's scheduler half releases what it holds (once)."""
+        if not self._closed:
+            self._closed = True
+            self._guard("close", self.connector.close)
 
     def stats(self) -> dict[str, int | float]:
         ok, result = self._guard("stats", self.connector.stats)

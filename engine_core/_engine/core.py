@@ -233,6 +233,8 @@ class EngineCore:
         if resumed:
             # Another engine generated these: they count as output, and are not sent again.
             new.num_prompt_tokens = len(prompt)
+        if request.kv_transfer_params is not None:
+            new.kv_transfer_params = request.kv_transfer_params
         self.scheduler.add_request(new)
         if new.use_structured_output:
             error = self.structured_output.add(new)
@@ -567,7 +569,21 @@ class EngineCore:
                 for kind, span, used in kv.group_usage()
             ],
             **self._spec_stats(),
+            **self._transfer_stats(),
         )
+
+    def _transfer_stats(self) -> dict[str, Any]:
+        """Disaggregation: the engine's role and its ``"pd"`` connector's counters."""
+        if self.config.engine_roles is None:
+            return {}
+        connector = self.scheduler.connector
+        counters: dict[str, float] = {}
+        if connector is not None and self.config.kv_connector_name == "pd":
+            counters = {k: float(v) for k, v in connector.stats().items()}
+            counters["pd_lease_expired"] = (
+                counters.get("pd_lease_expired", 0.0) + connector.counters.lease_expired
+            )
+        return {"engine_role": self.config.engine_role, "kv_transfer": counters}
 
     def _spec_stats(self) -> dict[str, Any]:
         spec = self.scheduler.draft_planner
@@ -658,3 +674,6 @@ class EngineCore:
         if self._structured is not None:
             self._structured.close()
         self.backend.close()
+        connector = self.scheduler.connector
+        if connector is not None:
+            connector.close()

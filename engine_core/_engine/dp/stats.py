@@ -74,7 +74,17 @@ def aggregate_stats(per_engine: dict[int, EngineStats], num_engines: int) -> Eng
         engines=stats,
         engine_ranks=ranks,
         kv_groups=_sum_kv_groups(stats),
+        engine_role="",
+        kv_transfer=_sum_dicts([s.kv_transfer for s in stats]),
     )
+
+
+def _sum_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for counters in dicts:
+        for name, value in counters.items():
+            total[name] = total.get(name, 0.0) + value
+    return total
 
 
 class RouterMetrics:
