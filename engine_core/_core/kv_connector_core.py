@@ -316,20 +316,25 @@ class ConnectorCore:
         """Cancel parked loads and drop pins older than the lease."""
         now = self.clock()
         limit = now - self.lease_s
+        renewals = getattr(self.connector, "lease_renewals", None)
+        renewed: dict[str, float] = {}
+        if renewals is not None:
+            # A connector whose transfer is still under way renews its lease (disaggregation).
+            ok, result = self._guard("lease_renewals", renewals)
+            renewed = result if ok and isinstance(result, dict) else {}
+        for req_id, at in renewed.items():
+            parked = self.parked.get(req_id)
+            if parked is not None:
+                parked.since = max(parked.since, at)
+            held = self.pins.get(req_id)
+            if held:
+                self.pins[req_id] = [(blocks, max(t, at)) for blocks, t in held]
         for entry in list(self.parked.values()):
             if entry.since < limit:
                 self.counters.lease_expired += 1
                 request = entry.request
                 self.cancel(request, reason=f"not reported within kv_lease_s ({self.lease_s} s)")
                 waiting.add_front(request)
-        renewals = getattr(self.connector, "lease_renewals", None)
-        if renewals is not None and self.pins:
-            # A connector whose reader is still at work renews the lease (disaggregation).
-            ok, renewed = self._guard("lease_renewals", renewals)
-            for transfer_id, at in (renewed if ok and isinstance(renewed, dict) else {}).items():
-                held = self.pins.get(transfer_id)
-                if held:
-                    self.pins[transfer_id] = [(blocks, max(t, at)) for blocks, t in held]
         for transfer_id, pins in list(self.pins.items()):
             if pins[0][1] < limit:
                 self.counters.lease_expired += 1

@@ -33,6 +33,7 @@ client releases a rejected request's export itself (:func:`release`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import os
@@ -94,7 +95,8 @@ class HandoffSegment:
                 stale.close()
                 stale.unlink()
                 self._shm = shared_memory.SharedMemory(name, create=True, size=size)
-            head = self._shm.buf[: 8 * _HEADER]
+            fresh: Any = self._shm.buf
+            head = fresh[: 8 * _HEADER]
             words = head.cast("q")  # a new segment reads as zeros
             words[0], words[1], words[2] = _MAGIC, os.getpid(), num_blocks
             words.release()
@@ -102,14 +104,12 @@ class HandoffSegment:
         else:
             self._shm = shared_memory.SharedMemory(name)
             # Python < 3.13 registers attached segments too and would unlink them at exit.
-            try:
+            with contextlib.suppress(Exception):  # best effort
                 resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
-            except Exception:  # noqa: BLE001 - best effort
-                pass
-        buf = self._shm.buf
-        self._views: list[memoryview] = []
+        buf: Any = self._shm.buf
+        self._views: list[Any] = []
 
-        def view(start: int, count: int, fmt: str) -> memoryview:
+        def view(start: int, count: int, fmt: str) -> Any:
             raw = buf[8 * start : 8 * (start + count)]
             typed = raw.cast(fmt)
             self._views += [typed, raw]
@@ -149,15 +149,12 @@ class HandoffSegment:
         if _attached.get(self.name) is self:
             del _attached[self.name]
         self._release_views()
-        try:
+        # A view still exported somewhere: the mapping goes with the process.
+        with contextlib.suppress(BufferError):
             self._shm.close()
-        except BufferError:  # a view still exported somewhere: the mapping goes with the process
-            pass
         if self.owner:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self._shm.unlink()
-            except FileNotFoundError:
-                pass
 
 
 _attached: dict[str, HandoffSegment] = {}
@@ -234,6 +231,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
         """Exports to publish at the next step (saves of the worker half)."""
         self._held: dict[str, int] = {}
         """Exports in flight: request id -> slot."""
+        self._free_slots = list(range(layout.num_blocks - 1, -1, -1))
+        """Export slots (``ready``/``done``/``renew`` entries) not in use: one per export in
+        flight, so exports sharing blocks (``n`` siblings, one prefix) never collide."""
         self._loads: dict[str, _Load] = {}
         """Decode side: requests whose KV comes from a prefill engine."""
         self.counters: dict[str, int | float] = {
@@ -338,10 +338,14 @@ class PDConnectorScheduler(KVConnectorScheduler):
         counters["pd_bytes"] += report.bytes_loaded
         counters["pd_transfer_s"] += report.load_s
         for req_id in report.finished_saves:
-            if self._held.pop(req_id, None) is not None:
+            slot = self._held.pop(req_id, None)
+            if slot is not None:
+                self._free_slots.append(slot)
                 counters["pd_exports_confirmed"] += 1
         for req_id in report.failed_saves:
-            if self._held.pop(req_id, None) is not None:
+            slot = self._held.pop(req_id, None)
+            if slot is not None:
+                self._free_slots.append(slot)
                 counters["pd_lease_expired"] += 1
 
     def load_cancelled(self, request: ConnectorRequest) -> None:
@@ -365,10 +369,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
         num_full = request.num_computed_tokens // self.block_size
         num_full = min(num_full, request.num_prompt_tokens // self.block_size)
         tables = [list(t[:num_full]) for t in block_ids]
-        if num_full == 0 or any(b < 0 for t in tables for b in t):
+        if num_full == 0 or any(b < 0 for t in tables for b in t) or not self._free_slots:
             return False, {"engine": self.rank, "num_tokens": 0}
         epoch = next(self._epochs)
-        slot = tables[0][0]
+        slot = self._free_slots.pop()
         out = {
             "engine": self.rank,
             "segment": self.segment.name,
@@ -393,10 +397,17 @@ class PDConnectorScheduler(KVConnectorScheduler):
         return True, out
 
     def lease_renewals(self) -> dict[str, float]:
-        """Exports whose reader said it is still copying, and when (the core's lease runs from
-        there)."""
+        """Transfers still under way, and when their reader last said so (the core's lease
+        runs from there): exports of this engine, and loads this engine is pulling."""
         renew_at = self.segment.renew
-        return {req_id: renew_at[slot] for req_id, slot in self._held.items() if renew_at[slot]}
+        out = {req_id: renew_at[slot] for req_id, slot in self._held.items() if renew_at[slot]}
+        for req_id, load in self._loads.items():
+            if load.sent:
+                segment = attach(str(load.params.get("segment", "")))
+                slot = int(load.params.get("slot", -1))
+                if segment is not None and 0 <= slot < segment.num_blocks and segment.renew[slot]:
+                    out[req_id] = segment.renew[slot]
+        return out
 
     def stats(self) -> dict[str, int | float]:
         return dict(self.counters)

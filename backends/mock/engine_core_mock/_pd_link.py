@@ -98,6 +98,8 @@ class MockPDWorker(KVConnectorWorker):
         self._exports: dict[str, _Export] = {}
         self._loads: dict[str, _Load] = {}
         self._link_free_at = 0.0
+        self._holds = [0] * layout.num_blocks
+        """Exports holding each block (siblings share their prompt's blocks)."""
         self._renew = bool(config.kv_connector_options.get("renew", True))
         fault = options.fault
         self._rng = random.Random(fault.seed) if fault is not None else None
@@ -135,13 +137,13 @@ class MockPDWorker(KVConnectorWorker):
         for save in metadata.saves:
             self._export(save, ledger)
         now = self._clock()
-        for load in metadata.loads:
-            if load.transfer_id in self._loads:
-                raise RuntimeError(f"KV load {load.transfer_id!r} started twice")
-            for ids in load.block_ids:
+        for transfer in metadata.loads:
+            if transfer.transfer_id in self._loads:
+                raise RuntimeError(f"KV load {transfer.transfer_id!r} started twice")
+            for ids in transfer.block_ids:
                 for block_id in ids:
                     ledger.hold(block_id)
-            self._loads[load.transfer_id] = _Load(load, now, self._draw())
+            self._loads[transfer.transfer_id] = _Load(transfer, now, self._draw())
 
     def _draw(self) -> str | None:
         fault = self.options.fault
@@ -153,11 +155,13 @@ class MockPDWorker(KVConnectorWorker):
         segment = self._own_segment()
         blocks = [b for ids in save.block_ids for b in ids]
         export = _Export(save, blocks, float((save.params or {}).get("lease_s", 30.0)))
-        tags, contents = segment.tags, segment.contents
+        tags, contents, holds = segment.tags, segment.contents, self._holds
         for block_id in blocks:
             ledger.hold(block_id)
-            contents[block_id] = ledger.content(block_id) & _MASK
-            tags[block_id] = export.epoch
+            if not holds[block_id]:
+                contents[block_id] = ledger.content(block_id) & _MASK
+                tags[block_id] = export.epoch
+            holds[block_id] += 1
         segment.done[export.slot] = 0
         segment.renew[export.slot] = 0.0
         segment.ready[export.slot] = export.epoch  # last: the export is published
@@ -197,13 +201,14 @@ class MockPDWorker(KVConnectorWorker):
                 renewed = max(export.since, segment.renew[slot])
                 if wall - renewed <= export.lease_s * _WORKER_LEASE:
                     continue
-            # Tags first: a reader that checks them after this never uses the blocks.
-            tags = segment.tags
+            # Unpublished first: a reader that checks after this never uses the blocks.
+            segment.ready[slot] = 0
+            tags, holds = segment.tags, self._holds
             for block_id in export.blocks:
-                if tags[block_id] == epoch:
+                holds[block_id] -= 1
+                if not holds[block_id]:
                     tags[block_id] = 0
                 ledger.unhold(block_id)
-            segment.ready[slot] = 0
             del self._exports[transfer_id]
             (report.finished_saves if confirmed else report.failed_saves).append(transfer_id)
 
@@ -226,10 +231,10 @@ class MockPDWorker(KVConnectorWorker):
                     if load.fault == "late" and options.fault is not None:
                         load.end += options.fault.late_s
                     self._link_free_at = load.end
-                elif now - load.since <= options.deadline_s and segment.tags[slot] in (0, epoch):
+                elif now - load.since <= max(options.deadline_s, 1.0):
                     continue  # not published yet
                 else:
-                    gone = True  # never published (or the slot went to another export)
+                    gone = True  # never published
             timed_out = False
             if not gone and load.start is not None:
                 if self._renew:
@@ -254,14 +259,14 @@ class MockPDWorker(KVConnectorWorker):
                         and load.fault != "drop"
                         and segment is not None
                         and 0 <= source < segment.num_blocks
-                        and segment.tags[source] == epoch
                     )
                     if valid:
                         assert segment is not None
                         value = segment.contents[source]
+                        # After the read: still published (so held the whole time).
                         if (
                             value >= _SPECIAL
-                            or segment.tags[source] != epoch
+                            or segment.ready[slot] != epoch
                             or not segment.owner_alive()
                         ):
                             valid = False  # freed while it was read (or never written)

@@ -154,6 +154,8 @@ class DPClient(EngineCoreClient):
         self._deployment: RayDeployment | None = None
         self._disagg = Disaggregation(config.roles) if config.disaggregated else None
         """Prefill/decode disaggregation (None: every engine takes whole requests)."""
+        if self._disagg is not None:
+            self.metrics.disagg = self._disagg.metrics
 
     def _open_deployment(self) -> None:
         """With the Ray backend: join the cluster and place every engine (blocking)."""
@@ -222,6 +224,7 @@ class DPClient(EngineCoreClient):
                 "rank": e,
                 "alive": self._alive[e],
                 "pid": self._clients[e].pid,
+                "role": self.config.roles[e],
             }
             if self._deployment is not None:
                 entry["node"] = self._deployment.node_of(e)

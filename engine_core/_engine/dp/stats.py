@@ -3,8 +3,13 @@ what the router did (:class:`RouterMetrics`)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine_core._core.engine_io import EngineStats, KVGroupStats
 from engine_core._core.router import REASONS
+
+if TYPE_CHECKING:
+    from engine_core._engine.dp.disagg import DisaggMetrics
 
 __all__ = ["RouterMetrics", "aggregate_stats"]
 
@@ -98,3 +103,5 @@ class RouterMetrics:
         self.actual_hit_tokens = [0] * num_engines
         """Cached tokens the engines reported for the requests they started."""
         self.engine_restarts = [0] * num_engines
+        self.disagg: DisaggMetrics | None = None
+        """Prefill/decode disaggregation's counters (None: off)."""
