@@ -373,6 +373,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return False, {"engine": self.rank, "num_tokens": 0}
         epoch = next(self._epochs)
         slot = self._free_slots.pop()
+        self.segment.renew[slot] = 0.0  # before the parameters leave: a release may come first
+        self.segment.done[slot] = 0
         out = {
             "engine": self.rank,
             "segment": self.segment.name,

@@ -162,8 +162,8 @@ class MockPDWorker(KVConnectorWorker):
                 contents[block_id] = ledger.content(block_id) & _MASK
                 tags[block_id] = export.epoch
             holds[block_id] += 1
-        segment.done[export.slot] = 0
-        segment.renew[export.slot] = 0.0
+        # ``done`` and ``renew`` were reset when the slot was given out (a release may come
+        # before this publication: it stands).
         segment.ready[export.slot] = export.epoch  # last: the export is published
         self._exports[save.transfer_id] = export
 
