@@ -63,8 +63,10 @@ class KVTransfer(msgspec.Struct, array_like=True, omit_defaults=True):
 
     ``block_ids[g]`` are device block ids of group ``g``; ``remote[g]``, parallel to it, are
     the connector's own addresses for them (host slots, offsets, remote block ids: the scheduler
-    half's choice, opaque to the core). Every group lists the same number of blocks unless the
-    connector says otherwise in ``params``.
+    half's choice, opaque to the core). Every group lists the same number of entries, one per
+    table position from ``first_block`` on; an entry ``-1`` (in ``block_ids[g]`` and
+    ``remote[g]``) moves nothing for that group there (a window group needs only the blocks its
+    window sees; a block already stored in one group but not another).
     """
 
     transfer_id: str

@@ -62,6 +62,11 @@ class KVEvents(msgspec.Struct, array_like=True, omit_defaults=True):
     stored: list[bytes] = []
     removed: list[bytes] = []
     cleared: bool = False
+    host_stored: list[bytes] = []
+    """Digests of blocks that entered the engine's host KV tier (a cheaper hit: they are loaded,
+    not computed)."""
+    host_removed: list[bytes] = []
+    """Digests of blocks that left it."""
 
 
 class EngineLoad(msgspec.Struct, array_like=True):
@@ -196,6 +201,28 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     the token sampled after them, and those of requests probed while not drafted."""
     spec_shadow_accepted: int = 0
     """Of those, the right ones."""
+    kv_offload_hit_tokens: int = 0
+    """KV connector (host tier): prompt tokens whose KV was loaded instead of computed."""
+    kv_offload_bytes_loaded: int = 0
+    kv_offload_bytes_stored: int = 0
+    kv_offload_load_s: float = 0.0
+    """Seconds the finished loads took, summed."""
+    kv_offload_store_s: float = 0.0
+    kv_offload_failed_blocks: int = 0
+    """Blocks whose load failed (dropped, corrupt, late): recomputed, or their request failed."""
+    kv_offload_resident_blocks: int = 0
+    """Blocks stored in the host tier now (all groups)."""
+    kv_offload_capacity_blocks: int = 0
+    """Blocks the host tier holds at most (0: no host tier)."""
+    kv_offload_free_blocks: int = 0
+    """Host blocks neither stored nor being written (idle: capacity - resident; any other
+    difference is a leak)."""
+    kv_parked_requests: int = 0
+    """Requests waiting for their KV load now (``WAITING_FOR_REMOTE_KVS``)."""
+    kv_loads_cancelled: int = 0
+    """Parked loads given up on (the queue needed their blocks, the lease ran out, an abort)."""
+    num_recomputed_tokens: int = 0
+    """Tokens computed again by requests resumed after a preemption."""
     engine_role: str = "both"
     """Prefill/decode disaggregation: the engine's role (``EngineConfig.engine_roles``)."""
     kv_transfer: dict[str, float] = {}

@@ -20,9 +20,10 @@ Pure logic (no torch): the worker halves (mock, CUDA) move the bytes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from engine_core._core.kv_events import KVEventLog
 from engine_core.kv_connector import (
     ConnectorRequest,
     ConnectorStep,
@@ -38,6 +39,13 @@ if TYPE_CHECKING:
     from engine_core.config import EngineConfig
 
 __all__ = ["HostTierProvider", "HostTierScheduler", "num_host_slots"]
+
+
+def _first_live(kind: str, span: int, block_size: int) -> Callable[[int], int]:
+    """The first block a window (chunked) group's queries from ``n`` computed tokens see."""
+    if kind == "chunked_attention":
+        return lambda n: n // span * span // block_size
+    return lambda n: max(0, n - span + 1) // block_size
 
 
 def num_host_slots(config: EngineConfig, layout: KVConnectorLayout) -> int:
@@ -91,6 +99,12 @@ class HostTierScheduler(KVConnectorScheduler):
                 f"(page) is {layout.page_size_bytes} bytes"
             )
         self._suffixes = [b"" if g == 0 else b"/g%d" % g for g in range(self.num_groups)]
+        self._window_of: list[Callable[[int], int] | None] = [
+            None if span is None else _first_live(kind, span, layout.block_size)
+            for kind, span in zip(layout.group_kinds, layout.group_spans, strict=True)
+        ]
+        self._full = [g for g, w in enumerate(self._window_of) if w is None]
+        self._windowed = [(g, w) for g, w in enumerate(self._window_of) if w is not None]
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
         """Key -> entry, least recently used first."""
         self._free_slots = list(range(self.capacity - 1, -1, -1))
@@ -103,6 +117,8 @@ class HostTierScheduler(KVConnectorScheduler):
         """Finished requests whose last blocks to save (block tables), by request id."""
         self._offers: dict[str, tuple[list[list[bytes]], list[list[int]]]] = {}
         self._finished_requests: dict[str, tuple[ConnectorRequest, int]] = {}
+        self._planned: dict[str, int] = {}
+        """Per live request, the blocks whose saves were planned already."""
         self._num_saves = 0
         self.hit_tokens = 0
         self.loaded_tokens = 0
@@ -110,6 +126,9 @@ class HostTierScheduler(KVConnectorScheduler):
         self.num_stores = 0
         self.failed_blocks = 0
         self.evictions = 0
+        self.events: KVEventLog | None = None
+        """Where blocks entering and leaving the tier are recorded (group 0's keys; the
+        data-parallel router counts them as cheaper hits); None records nothing."""
 
     # -- lookups --------------------------------------------------------------------------------
 
@@ -117,31 +136,69 @@ class HostTierScheduler(KVConnectorScheduler):
         key = request.block_keys[index]
         return [key + suffix for suffix in self._suffixes]
 
+    def _committed(self, key: bytes) -> bool:
+        entry = self._index.get(key)
+        return entry is not None and entry.committed
+
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        """The longest hit past the device's: every full group needs each block, a window
+        group only those its window sees from the hit's end (as the device cache's rule)."""
         block_size = self.block_size
         first = num_computed_tokens // block_size
         keys = request.block_keys
         end = min((len(request.all_token_ids) - 1) // block_size, len(keys))
-        index = self._index
-        found_keys: list[list[bytes]] = [[] for _ in range(self.num_groups)]
-        found_slots: list[list[int]] = [[] for _ in range(self.num_groups)]
-        i = first
-        while i < end:
-            group_keys = self._keys(request, i)
-            entries = [index.get(k) for k in group_keys]
-            if any(e is None or not e.committed for e in entries):
-                break
-            for g, (k, e) in enumerate(zip(group_keys, entries, strict=True)):
-                assert e is not None
-                found_keys[g].append(k)
-                found_slots[g].append(e.slot)
-            i += 1
-        if i == first:
+        if end <= first:
             return 0, False
-        self._offers[request.request_id] = (found_keys, found_slots)
-        return (i - first) * block_size, True
+        committed = self._committed
+        suffixes = self._suffixes
+        if not committed(keys[first] + suffixes[0]) and 0 in self._full:
+            return 0, False  # the miss path: one dict probe
+        length = end
+        for g in self._full:
+            suffix = suffixes[g]
+            n = first
+            while n < length and committed(keys[n] + suffix):
+                n += 1
+            length = n
+        changed = True
+        while changed and length > first:
+            changed = False
+            for g, span_first in self._windowed:
+                suffix = suffixes[g]
+                live = max(first, min(span_first(length * block_size), length - 1))
+                for i in range(length - 1, live - 1, -1):
+                    if not committed(keys[i] + suffix):
+                        length = i
+                        changed = True
+                        break
+                if changed:
+                    break
+        if length <= first:
+            return 0, False
+        slots: list[list[int]] = []
+        offer_keys: list[list[bytes]] = []
+        for g in range(self.num_groups):
+            suffix = suffixes[g]
+            live = first
+            window = self._window_of[g]
+            if window is not None:
+                live = max(first, min(window(length * block_size), length - 1))
+            group_slots = []
+            group_keys = []
+            for i in range(first, length):
+                if i < live:
+                    group_slots.append(-1)
+                    group_keys.append(b"")
+                else:
+                    key = keys[i] + suffix
+                    group_slots.append(self._index[key].slot)
+                    group_keys.append(key)
+            slots.append(group_slots)
+            offer_keys.append(group_keys)
+        self._offers[request.request_id] = (offer_keys, slots)
+        return (length - first) * block_size, True
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[list[int]], num_external_tokens: int
@@ -156,14 +213,19 @@ class HostTierScheduler(KVConnectorScheduler):
         index = self._index
         for group_keys in keys:
             for key in group_keys:
-                entry = index[key]
-                entry.loading += 1
-                index.move_to_end(key)
+                if key:
+                    entry = index[key]
+                    entry.loading += 1
+                    index.move_to_end(key)
         first = request.num_computed_tokens // self.block_size - n
+        device = [
+            [b if s >= 0 else -1 for b, s in zip(ids[:n], group_slots, strict=True)]
+            for ids, group_slots in zip(block_ids, slots, strict=True)
+        ]
         self._loads[request.request_id] = _Load(
             request.request_id,
             keys,
-            [list(b[:n]) for b in block_ids],
+            device,
             slots,
             first,
             num_external_tokens,
@@ -176,7 +238,7 @@ class HostTierScheduler(KVConnectorScheduler):
         index = self._index
         for group_keys in load.keys:
             for key in group_keys:
-                entry = index.get(key)
+                entry = index.get(key) if key else None
                 if entry is not None and entry.loading:
                     entry.loading -= 1
         return load
@@ -195,6 +257,8 @@ class HostTierScheduler(KVConnectorScheduler):
             if entry.committed and not entry.loading:
                 del index[key]
                 self.evictions += 1
+                if self.events is not None and entry.group == 0:
+                    self.events.removed(key)
                 return entry.slot
         return None
 
@@ -206,47 +270,50 @@ class HostTierScheduler(KVConnectorScheduler):
         num_full: int,
         saves: list[KVTransfer],
     ) -> None:
-        """Save the blocks ``0 .. num_full`` of ``request`` that the index lacks."""
+        """Save the blocks ``0 .. num_full`` of ``request`` that the index lacks, in every
+        group that still holds them (an entry -1: nothing to move for that group)."""
         index = self._index
-        block_ids: list[list[int]] = [[] for _ in range(self.num_groups)]
-        slots: list[list[int]] = [[] for _ in range(self.num_groups)]
-        keys: list[bytes] = []
-        first = -1
-        for i in range(num_full):
-            group_keys = self._keys(request, i)
-            if any(k in index for k in group_keys):
-                if keys:
-                    break  # a contiguous run per transfer
-                continue
-            if any(table[g][i] < 0 for g in range(self.num_groups)):
-                continue  # released (window groups): nothing to save
-            taken = []
-            for _ in range(self.num_groups):
+        num_groups = self.num_groups
+        rows: list[tuple[int, list[int], list[int], list[bytes]]] = []
+        start = self._planned.get(request.request_id, 0)
+        self._planned[request.request_id] = num_full
+        for i in range(start, num_full):
+            ids = [-1] * num_groups
+            slots = [-1] * num_groups
+            new_keys = []
+            for g, key in enumerate(self._keys(request, i)):
+                block_id = table[g][i]
+                if block_id < 0 or key in index:
+                    continue
                 slot = self._take_slot()
                 if slot is None:
                     break
-                taken.append(slot)
-            if len(taken) < self.num_groups:
-                self._free_slots.extend(taken)
-                break
-            if first < 0:
-                first = i
-            for g, key in enumerate(group_keys):
-                index[key] = _Entry(taken[g], g)
-                keys.append(key)
-                block_ids[g].append(table[g][i])
-                slots[g].append(taken[g])
-        if not keys:
+                index[key] = _Entry(slot, g)
+                ids[g] = block_id
+                slots[g] = slot
+                new_keys.append(key)
+            if new_keys:
+                rows.append((i, ids, slots, new_keys))
+        if not rows:
             return
+        first, last = rows[0][0], rows[-1][0]
+        block_ids = [[-1] * (last - first + 1) for _ in range(num_groups)]
+        remote = [[-1] * (last - first + 1) for _ in range(num_groups)]
+        keys: list[bytes] = []
+        for i, ids, slots, new_keys in rows:
+            for g in range(num_groups):
+                block_ids[g][i - first] = ids[g]
+                remote[g][i - first] = slots[g]
+            keys += new_keys
         self._saving[transfer_id] = keys
         saves.append(
             KVTransfer(
                 transfer_id,
                 request.request_id,
                 block_ids,
-                slots,
+                remote,
                 first,
-                len(block_ids[0]) * self.block_size,
+                (last - first + 1) * self.block_size,
             )
         )
 
@@ -255,13 +322,17 @@ class HostTierScheduler(KVConnectorScheduler):
     ) -> tuple[bool, dict[str, Any] | None]:
         self._offers.pop(request.request_id, None)
         self._end_load(request.request_id)
+        self._planned.pop(request.request_id, None)
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_keys))
         index = self._index
         if not block_ids or not block_ids[0]:
             return False, None
         num_full = min(num_full, len(block_ids[0]))
         for i in range(num_full):
-            if not all(k in index for k in self._keys(request, i)):
+            if any(
+                block_ids[g][i] >= 0 and k not in index
+                for g, k in enumerate(self._keys(request, i))
+            ):
                 self._finish_saves[request.request_id] = block_ids
                 # Keep what is needed to save it: the request object outlives this call.
                 self._finished_requests[request.request_id] = (request, num_full)
@@ -329,12 +400,14 @@ class HostTierScheduler(KVConnectorScheduler):
                 # Forget the host copies of failed blocks (they may be bad), and count them.
                 for g, ids in enumerate(load.block_ids):
                     for j, block_id in enumerate(ids):
-                        if block_id in failed:
+                        if block_id >= 0 and block_id in failed:
                             good = min(good, j * self.block_size)
                             self.failed_blocks += 1
                             entry = index.pop(load.keys[g][j], None)
                             if entry is not None and not entry.loading:
                                 self._free_slots.append(entry.slot)
+                            if entry is not None and g == 0 and self.events is not None:
+                                self.events.removed(load.keys[g][j])
             self.hit_tokens += good
             self.loaded_tokens += load.num_tokens
         for transfer_id in report.finished_saves:
@@ -346,6 +419,8 @@ class HostTierScheduler(KVConnectorScheduler):
                 entry = index.get(key)
                 if entry is not None:
                     entry.committed = True
+                    if entry.group == 0 and self.events is not None:
+                        self.events.stored(key)
         for transfer_id in report.failed_saves:
             keys = self._saving.pop(transfer_id, None)
             for key in keys or ():
@@ -373,6 +448,7 @@ class HostTierScheduler(KVConnectorScheduler):
             "hit_tokens": self.hit_tokens,
             "resident_blocks": self.num_resident_blocks,
             "capacity_blocks": self.capacity,
+            "free_blocks": len(self._free_slots),
             "loads": self.num_loads,
             "stores": self.num_stores,
             "failed_blocks": self.failed_blocks,
@@ -384,6 +460,8 @@ class HostTierScheduler(KVConnectorScheduler):
         for key, entry in list(self._index.items()):
             if key not in busy:
                 self._free_slots.append(entry.slot)
+                if entry.group == 0 and self.events is not None:
+                    self.events.removed(key)
         self._index = OrderedDict(busy)
 
 

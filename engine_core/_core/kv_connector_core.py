@@ -229,8 +229,11 @@ class ConnectorCore:
             return None
         kv = self.kv
         num_blocks = -(-(num_hit_tokens + num_external) // self.block_size) * kv.num_groups
-        if self.parked_blocks + num_blocks > self.max_parked_blocks:
-            return None if self._tell_alloc(request, [], 0) else ENDED
+        # The bound holds whenever another load is parked (one load alone may take what its
+        # request could hold anyway).
+        # Past it the queue waits for the parked loads (they end soon, or are cancelled).
+        if self.parked and self.parked_blocks + num_blocks > self.max_parked_blocks:
+            return NO_ROOM if self._tell_alloc(request, [], 0) else ENDED
         if not kv.allocate_slots(request, num_external, hits, full_sequence_must_fit=True):
             return NO_ROOM if self._tell_alloc(request, [], 0) else ENDED
         # No other request may hit a block still loading: registered once it is reported.

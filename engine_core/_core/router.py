@@ -12,6 +12,10 @@ prefill tokens pending, then a stable hash). A prompt cached nowhere (a cold pre
 rendezvous hash of its first block says among the least loaded (within one request), so
 identical cold prompts meet while unrelated ones spread. ``"least_loaded"`` and ``"round_robin"`` ignore prefixes.
 A request may pin an engine.
+
+Engines with a host KV tier also report the blocks it holds (``KVEvents.host_stored``): a block
+in an engine's host tier continues that engine's prefix past its device hit, counted as a cheaper
+hit (:data:`HOST_HIT_WEIGHT` of a device block: it is loaded, not computed, but not free).
 """
 
 from __future__ import annotations
@@ -20,12 +24,15 @@ from typing import NamedTuple
 
 from xxhash import xxh3_64_intdigest
 
-from engine_core._core.block_hash import iter_block_digests
+from engine_core._core.block_hash import block_digests, iter_block_digests
 from engine_core._core.engine_io import EngineLoad, KVEvents
 
 __all__ = ["POLICIES", "REASONS", "RouteDecision", "Router"]
 
 POLICIES = ("prefix", "least_loaded", "round_robin")
+HOST_HIT_WEIGHT = 0.5
+"""What a block in an engine's host tier is worth to the prefix policy, against one in its
+device cache (1) and a miss (0)."""
 REASONS = ("affinity", "balance", "cold", "explicit", "failover", "single", "policy", "handoff")
 """Why a request went where it went: the engine held its longest prefix (``affinity``); another
 engine held a longer one but was too loaded or too full (``balance``); none held any
@@ -80,6 +87,8 @@ class Router:
         """From each engine's latest load report (None before the first)."""
         self.index: dict[bytes, int] = {}
         """Block digest -> bitmask of the engines that cache it (from their events)."""
+        self.host_index: dict[bytes, int] = {}
+        """Block digest -> bitmask of the engines whose host KV tier holds it."""
         self._pending_mask: dict[bytes, int] = {}
         self._pending_counts: list[dict[bytes, int]] = [{} for _ in range(num_engines)]
         self._routed: dict[str, _Routed] = {}
@@ -145,6 +154,11 @@ class Router:
             engine = min(alive, key=lambda e: (inflight[e], -self._free_estimate(e)))
             return self._commit(request_id, engine, "policy", 0, [], len(prompt), blocks)
         depth, digests = self._walk(prompt, cache_salt, alive)
+        score: list[float] = list(depth)
+        host = [0] * self.num_engines
+        if self.host_index:
+            host = self._host_extension(prompt, cache_salt, alive, depth)
+            score = [d + HOST_HIT_WEIGHT * h for d, h in zip(depth, host, strict=True)]
         lo = min(inflight[e] for e in alive)
         limit = max(lo + self.balance_abs, lo * self.balance_rel)
         window = [e for e in alive if inflight[e] <= limit]
@@ -155,13 +169,13 @@ class Router:
         best = max(
             candidates,
             key=lambda e: (
-                depth[e],
+                score[e],
                 -inflight[e],
                 -self.pending_prefill_tokens[e],
                 xxh3_64_intdigest(stable, seed=e),
             ),
         )
-        if depth[best] == 0:
+        if score[best] == 0:
             # Cold everywhere: a stable place for this prefix among the least loaded (within
             # one request), so that identical prompts meet even without provisional entries
             # (another front end, a restart) while cold traffic stays balanced.
@@ -170,9 +184,9 @@ class Router:
                 (e for e in candidates if inflight[e] <= least + 1),
                 key=lambda e: xxh3_64_intdigest(stable, seed=e),
             )
-        deepest = max(depth[e] for e in alive)
-        reason = "balance" if depth[best] < deepest else "affinity" if deepest else "cold"
-        hit = depth[best] * bs
+        deepest = max(score[e] for e in alive)
+        reason = "balance" if score[best] < deepest else "affinity" if deepest else "cold"
+        hit = (depth[best] + host[best]) * bs
         return self._commit(request_id, best, reason, hit, digests, len(prompt) - hit, blocks)
 
     def _round_robin(self, alive: list[int]) -> int:
@@ -219,6 +233,26 @@ class Router:
             if live >> e & 1:
                 depth[e] = len(digests)
         return depth, digests
+
+    def _host_extension(
+        self, prompt: list[int], cache_salt: str | None, engines: list[int], depth: list[int]
+    ) -> list[int]:
+        """For each engine, the blocks after its device prefix that its host tier (or its
+        device) holds, in a row."""
+        extra = [0] * self.num_engines
+        digests = block_digests(
+            prompt, self.block_size, (len(prompt) - 1) // self.block_size, cache_salt
+        )
+        index, host = self.index, self.host_index
+        for e in engines:
+            bit = 1 << e
+            i = depth[e]
+            while i < len(digests) and (
+                host.get(digests[i], 0) & bit or index.get(digests[i], 0) & bit
+            ):
+                i += 1
+            extra[e] = i - depth[e]
+        return extra
 
     def depths(self, digests: list[bytes], engines: list[int]) -> list[int]:
         """For each engine (by rank; 0 for those not in ``engines``), how many leading blocks
@@ -330,6 +364,18 @@ class Router:
                     del index[digest]
         for digest in events.stored:
             index[digest] = index.get(digest, 0) | bit
+        if events.host_stored or events.host_removed:
+            host = self.host_index
+            for digest in events.host_removed:
+                held = host.get(digest)
+                if held is not None:
+                    held &= ~bit
+                    if held:
+                        host[digest] = held
+                    else:
+                        del host[digest]
+            for digest in events.host_stored:
+                host[digest] = host.get(digest, 0) | bit
 
     def update_load(self, engine: int, load: EngineLoad) -> None:
         self.free_blocks[engine] = load.num_free_blocks
@@ -359,10 +405,10 @@ class Router:
         self.free_blocks[engine] = None
 
     def _drop_bit(self, bit: int) -> None:
-        index = self.index
-        for digest in [d for d, held in index.items() if held & bit]:
-            left = index[digest] & ~bit
-            if left:
-                index[digest] = left
-            else:
-                del index[digest]
+        for index in (self.index, self.host_index):
+            for digest in [d for d, held in index.items() if held & bit]:
+                left = index[digest] & ~bit
+                if left:
+                    index[digest] = left
+                else:
+                    del index[digest]

@@ -39,6 +39,7 @@ from engine_core._core.engine_io import (
     EngineLoad,
     EngineStats,
     FinishedRequest,
+    KVEvents,
     KVGroupStats,
     PauseMode,
 )
@@ -69,6 +70,11 @@ logger = logging.getLogger(__name__)
 
 StepResults: TypeAlias = tuple[SchedulerOutput, ModelRunnerOutput]
 """A step that ran, with its results: what :meth:`EngineCore.complete_step` applies."""
+
+
+_CONNECTOR_POLL_S = 0.001
+"""How long a step of the KV connector only (no tokens) that heard of nothing waits before the
+next one."""
 
 
 class _InFlight:
@@ -165,9 +171,15 @@ class EngineCore:
         self.pause_mode: PauseMode | None = None
         """None while generating; else the mode of the last :meth:`pause_generation`."""
         self._kv_events: KVEventLog | None = None
+        self._host_events: KVEventLog | None = None
         if config.data_parallel_size > 1:
             # The front end routes by what each engine caches: report it with every step.
             self._kv_events = self.scheduler.kv.pool.events = KVEventLog()
+            connector_half = self.scheduler.connector
+            if connector_half is not None and hasattr(connector_half.connector, "events"):
+                # The host tier's residency too: the router counts it as a cheaper hit.
+                self._host_events = KVEventLog()
+                connector_half.connector.events = self._host_events
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -365,7 +377,14 @@ class EngineCore:
             return self._execute_async(scheduler_output)
         if scheduler_output is None:
             return None
-        return scheduler_output, self._execute(scheduler_output)
+        runner_output = self._execute(scheduler_output)
+        if (
+            scheduler_output.total_num_scheduled_tokens == 0
+            and runner_output.kv_connector_report is None
+        ):
+            # A step of the KV connector only, and nothing arrived: do not spin on it.
+            time.sleep(_CONNECTOR_POLL_S)
+        return scheduler_output, runner_output
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Forward pass, grammar bitmask, sampling (sync scheduling). The bitmask
@@ -379,7 +398,7 @@ class EngineCore:
             elapsed = self.clock() - start
             self._device_busy_s += elapsed
             spec = self.scheduler.draft_planner
-            if spec is not None:
+            if spec is not None and scheduler_output.total_num_scheduled_tokens:
                 spec.observe_step(scheduler_output.total_num_scheduled_tokens, elapsed)
 
     def _run_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -499,10 +518,22 @@ class EngineCore:
                 outputs.prompt_logprobs,
                 outputs.num_cached_tokens,
                 outputs.timestamp,
-                self._kv_events.drain(),
+                self._drain_events(),
                 self._load(),
             )
         return outputs
+
+    def _drain_events(self) -> KVEvents | None:
+        assert self._kv_events is not None
+        events = self._kv_events.drain()
+        host = self._host_events.drain() if self._host_events is not None else None
+        if host is None or not (host.stored or host.removed):
+            return events
+        if events is None:
+            return KVEvents(host_stored=host.stored, host_removed=host.removed)
+        events.host_stored = host.stored
+        events.host_removed = host.removed
+        return events
 
     def _load(self) -> EngineLoad:
         scheduler = self.scheduler
@@ -568,9 +599,31 @@ class EngineCore:
                 KVGroupStats(kind=kind, window=span, blocks_in_use=used)
                 for kind, span, used in kv.group_usage()
             ],
+            num_recomputed_tokens=scheduler.num_recomputed_tokens,
             **self._spec_stats(),
+            **self._connector_stats(),
             **self._transfer_stats(),
         )
+
+    def _connector_stats(self) -> dict[str, Any]:
+        connector = self.scheduler.connector
+        if connector is None:
+            return {}
+        counters = connector.counters
+        own = connector.stats()
+        return {
+            "kv_offload_hit_tokens": counters.external_tokens,
+            "kv_offload_bytes_loaded": counters.bytes_loaded,
+            "kv_offload_bytes_stored": counters.bytes_stored,
+            "kv_offload_load_s": counters.load_s,
+            "kv_offload_store_s": counters.store_s,
+            "kv_offload_failed_blocks": counters.failed_blocks,
+            "kv_offload_resident_blocks": int(own.get("resident_blocks", 0)),
+            "kv_offload_capacity_blocks": int(own.get("capacity_blocks", 0)),
+            "kv_offload_free_blocks": int(own.get("free_blocks", 0)),
+            "kv_parked_requests": len(connector.parked),
+            "kv_loads_cancelled": counters.loads_cancelled,
+        }
 
     def _transfer_stats(self) -> dict[str, Any]:
         """Disaggregation: the engine's role and its ``"pd"`` connector's counters."""

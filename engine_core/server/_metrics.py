@@ -18,6 +18,13 @@ Engine state, read from :meth:`AsyncLLM.get_stats` at each scrape:
   step in flight (under async scheduling, the device time the steps report where the backend
   measures it); its rate against wall time is the fraction of time the host kept the device
   fed (1.0: never idle while there was work)
+- the host KV tier (KV connector; 0 while off): ``engine_core_kv_offload_hit_tokens_total``,
+  ``engine_core_kv_offload_loaded_bytes_total``, ``engine_core_kv_offload_stored_bytes_total``,
+  ``engine_core_kv_offload_load_seconds_total``, ``engine_core_kv_offload_store_seconds_total``,
+  ``engine_core_kv_offload_failed_blocks_total``, ``engine_core_kv_loads_cancelled_total``
+  (counters), ``engine_core_kv_offload_resident_blocks`` and ``engine_core_kv_parked_requests``
+  (gauges); ``engine_core_num_recomputed_tokens_total`` (counter): tokens computed again after
+  preemptions
 
 With speculative decoding on (vLLM's counters, so its PromQL for the acceptance rate, the mean
 acceptance length and the per-position rate carries over):
@@ -206,6 +213,27 @@ _ENGINE_SERIES = (
      "Messages the engine could not decode.", "num_malformed_messages"),
     (CounterMetricFamily, "engine_core_device_busy_seconds",
      "Seconds during which the backend had a step in flight.", "device_busy_s"),
+    (CounterMetricFamily, "engine_core_kv_offload_hit_tokens",
+     "Prompt tokens whose KV the host tier (KV connector) loaded instead of computing.",
+     "kv_offload_hit_tokens"),
+    (CounterMetricFamily, "engine_core_kv_offload_loaded_bytes",
+     "Bytes the KV connector loaded into the device cache.", "kv_offload_bytes_loaded"),
+    (CounterMetricFamily, "engine_core_kv_offload_stored_bytes",
+     "Bytes the KV connector stored from the device cache.", "kv_offload_bytes_stored"),
+    (CounterMetricFamily, "engine_core_kv_offload_load_seconds",
+     "Seconds the KV connector's finished loads took, summed.", "kv_offload_load_s"),
+    (CounterMetricFamily, "engine_core_kv_offload_store_seconds",
+     "Seconds the KV connector's finished saves took, summed.", "kv_offload_store_s"),
+    (CounterMetricFamily, "engine_core_kv_offload_failed_blocks",
+     "Blocks whose KV load failed (dropped, corrupt, late).", "kv_offload_failed_blocks"),
+    (GaugeMetricFamily, "engine_core_kv_offload_resident_blocks",
+     "Blocks stored in the host tier.", "kv_offload_resident_blocks"),
+    (GaugeMetricFamily, "engine_core_kv_parked_requests",
+     "Requests waiting for their KV load (WAITING_FOR_REMOTE_KVS).", "kv_parked_requests"),
+    (CounterMetricFamily, "engine_core_kv_loads_cancelled",
+     "KV loads given up on (their requests recomputed).", "kv_loads_cancelled"),
+    (CounterMetricFamily, "engine_core_num_recomputed_tokens",
+     "Tokens computed again by requests resumed after a preemption.", "num_recomputed_tokens"),
 )  # fmt: skip
 
 

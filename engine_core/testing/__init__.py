@@ -41,6 +41,15 @@ from engine_core.testing.conformance import check_prefill_chunks as check_prefil
 from engine_core.testing.conformance import check_prefix_caching as check_prefix_caching
 from engine_core.testing.conformance import check_spec_decode as check_spec_decode
 from engine_core.testing.conformance import check_startup as check_startup
+from engine_core.testing.kv_connector import (
+    check_kv_connector_scheduler as check_kv_connector_scheduler,
+)
+from engine_core.testing.kv_connector import check_kv_connector_worker as check_kv_connector_worker
 from engine_core.testing.tp import check_worker_death as check_worker_death
 
-__all__ = [*_conformance.__all__, "check_worker_death"]
+__all__ = [
+    *_conformance.__all__,
+    "check_kv_connector_scheduler",
+    "check_kv_connector_worker",
+    "check_worker_death",
+]

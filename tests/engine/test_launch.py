@@ -34,13 +34,18 @@ _EXPECTED = ["LLM defgh", "AsyncLLM defgh", "runs 1"]
 _TIMEOUT_S = 60
 
 
-def _run(args: list[str], cwd: Path, stdin: str | None = None) -> list[str]:
+def _run(
+    args: list[str], cwd: Path, stdin: str | None = None, env: dict[str, str] | None = None
+) -> list[str]:
+    """The lines ``python ARGS`` prints (prompts of the REPL removed); ``env``: the whole
+    environment (None: this one)."""
     done = subprocess.run(
         [sys.executable, *args],
         input=stdin,
         capture_output=True,
         text=True,
         cwd=cwd,
+        env=env,
         timeout=_TIMEOUT_S,
     )
     assert done.returncode == 0, done.stderr
@@ -85,16 +90,7 @@ def test_the_engine_sees_the_callers_sys_path(tmp_path: Path) -> None:
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     mock = str(Path(__file__).parents[2] / "backends" / "mock")
     program = program.replace("import anyio\n", f"sys.path.insert(0, {mock!r})\nimport anyio\n", 1)
-    done = subprocess.run(
-        [sys.executable, "-c", program],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=_TIMEOUT_S,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == _EXPECTED
+    assert _run(["-c", program], tmp_path, env=env) == _EXPECTED
 
 
 def test_entry_point_refuses_a_bad_command_line() -> None:

@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 import anyio
 import openai
 
-from engine_core import AsyncLLM
-from engine_core.server import ServerSettings, serve
+from engine_core.server import ServerSettings
+from helpers.serving import served
 
 T = TypeVar("T")
 MODEL = "mock-model"
@@ -151,32 +151,22 @@ class ToolServers:
 @contextlib.asynccontextmanager
 async def tool_servers() -> AsyncIterator[ToolServers]:
     """Every server of :data:`SERVERS` on a free loopback port, over one engine."""
-    stop = anyio.Event()
-    async with (
-        AsyncLLM(
-            backend="mock",
-            tokenizer="byte",
-            multiprocess=False,
-            max_model_len=2048,
-            backend_options={"replies": REPLIES},
-        ) as engine,
-        anyio.create_task_group() as task_group,
-    ):
-        urls = {}
-        for name, options in SERVERS.items():
-            settings = ServerSettings(
-                port=0, served_model_names=(MODEL,), chat_template=TEMPLATE, **options
-            )
-            urls[name] = await task_group.start(
-                functools.partial(serve, engine, settings, shutdown_trigger=stop.wait)
-            )
-        servers = ToolServers(urls)
+    settings = [
+        ServerSettings(port=0, served_model_names=(MODEL,), chat_template=TEMPLATE, **options)
+        for options in SERVERS.values()
+    ]
+    async with served(
+        settings,
+        multiprocess=False,
+        max_model_len=2048,
+        backend_options={"replies": REPLIES},
+    ) as (urls, _):
+        servers = ToolServers(dict(zip(SERVERS, urls, strict=True)))
         try:
             yield servers
         finally:
             for client in servers.clients:
                 client.close()
-            stop.set()
 
 
 async def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

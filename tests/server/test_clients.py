@@ -22,10 +22,10 @@ import anyio
 import openai
 import pydantic
 import pytest
+from helpers.serving import served
 from helpers.tool_servers import TEMPLATE
 
-from engine_core import AsyncLLM
-from engine_core.server import ServerSettings, serve
+from engine_core.server import ServerSettings
 
 agents = pytest.importorskip("agents")
 instructor = pytest.importorskip("instructor")
@@ -62,7 +62,6 @@ class Person(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 async def base_url(anyio_backend: str) -> AsyncIterator[str]:
-    stop = anyio.Event()
     settings = ServerSettings(
         port=0,
         served_model_names=(MODEL,),
@@ -70,21 +69,13 @@ async def base_url(anyio_backend: str) -> AsyncIterator[str]:
         tool_call_parser="hermes",
         enable_auto_tool_choice=True,
     )
-    async with (
-        AsyncLLM(
-            backend="mock",
-            tokenizer="byte",
-            multiprocess=False,
-            max_model_len=4096,
-            backend_options={"replies": REPLIES},
-        ) as engine,
-        anyio.create_task_group() as task_group,
-    ):
-        url = await task_group.start(
-            functools.partial(serve, engine, settings, shutdown_trigger=stop.wait)
-        )
+    async with served(
+        [settings],
+        multiprocess=False,
+        max_model_len=4096,
+        backend_options={"replies": REPLIES},
+    ) as ([url], _):
         yield f"{url}/v1"
-        stop.set()
 
 
 async def in_thread(fn: Callable[..., T], *args: Any) -> T:

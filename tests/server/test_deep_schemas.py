@@ -12,8 +12,8 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from helpers.serving import fuzz_server
 from helpers.tool_servers import tool_servers
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 pytestmark = pytest.mark.anyio
@@ -113,34 +113,27 @@ SURFACES = [
 def fuzz(url: str, name: str) -> set[int]:
     """The statuses of fuzzed requests on surface ``name``."""
     seen: set[int] = set()
-    with httpx.Client(base_url=url, timeout=30.0) as client:
 
-        @settings(
-            max_examples=MAX_EXAMPLES,
-            deadline=None,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-        )
-        @given(schema=deep_schemas(), stream=st.booleans())
-        def post(schema: dict[str, Any], stream: bool) -> None:
-            path, body, param = surface(name, schema, stream)
-            with client.stream("POST", path, json=body) as response:
-                data = response.read()
-            context = (name, nesting(schema), response.status_code, data[:300])
-            allowed = LIMIT - (CALL_LIST_DEPTH if name.endswith("required") else 0)
-            if nesting(schema) > allowed:
-                assert response.status_code == 400, context
-            assert response.status_code in (200, 400), context
-            if response.status_code == 400:
-                error = json.loads(data)["error"]
-                assert (error["type"], error["param"]) == ("invalid_request_error", param), context
-                assert "deep" in error["message"], context
-            elif stream:
-                assert data.endswith(b"data: [DONE]\n\n") or b"response.completed" in data, context
-                assert b'"server_error"' not in data, context
-            seen.add(response.status_code)
+    def post(client: httpx.Client, example: tuple[dict[str, Any], bool]) -> None:
+        schema, stream = example
+        path, body, param = surface(name, schema, stream)
+        with client.stream("POST", path, json=body) as response:
+            data = response.read()
+        context = (name, nesting(schema), response.status_code, data[:300])
+        allowed = LIMIT - (CALL_LIST_DEPTH if name.endswith("required") else 0)
+        if nesting(schema) > allowed:
+            assert response.status_code == 400, context
+        assert response.status_code in (200, 400), context
+        if response.status_code == 400:
+            error = json.loads(data)["error"]
+            assert (error["type"], error["param"]) == ("invalid_request_error", param), context
+            assert "deep" in error["message"], context
+        elif stream:
+            assert data.endswith(b"data: [DONE]\n\n") or b"response.completed" in data, context
+            assert b'"server_error"' not in data, context
+        seen.add(response.status_code)
 
-        post()
+    fuzz_server(url, st.tuples(deep_schemas(), st.booleans()), post, MAX_EXAMPLES, timeout_s=30.0)
     return seen
 
 

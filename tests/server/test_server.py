@@ -9,7 +9,6 @@ With the byte tokenizer, greedy decoding counts up from the last prompt byte: "a
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
@@ -21,6 +20,7 @@ import anyio
 import httpx
 import openai
 import pytest
+from helpers.serving import served
 from helpers.tool_servers import in_thread
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import engine_core
 from engine_core import AsyncLLM
-from engine_core.server import ServerSettings, serve
+from engine_core.server import ServerSettings
 
 pytestmark = pytest.mark.anyio
 
@@ -69,27 +69,18 @@ async def server(stack: tuple[str, str]) -> AsyncIterator[Server]:
         max_request_body_bytes=4096,
         http_server=stack[1],  # type: ignore[arg-type]
     )
-    stop = anyio.Event()
-    async with (
-        AsyncLLM(
-            backend="mock",
-            tokenizer="byte",
-            multiprocess=False,
-            max_model_len=1024,
-            backend_options={"latency": {"step_s": 0.001}},
-        ) as engine,
-        anyio.create_task_group() as task_group,
-    ):
-        url = await task_group.start(
-            functools.partial(serve, engine, settings, shutdown_trigger=stop.wait)
-        )
+    async with served(
+        [settings],
+        multiprocess=False,
+        max_model_len=1024,
+        backend_options={"latency": {"step_s": 0.001}},
+    ) as ([url], engine):
         server = Server(url, engine)
         try:
             yield server
         finally:
             for client in server.clients:
                 client.close()
-            stop.set()
 
 
 async def complete(server: Server, **kwargs: Any) -> Completion:

@@ -19,8 +19,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from helpers.serving import serving
-from hypothesis import HealthCheck, given, settings
+from helpers.serving import fuzz_server, serving
 from hypothesis import strategies as st
 
 pytestmark = pytest.mark.anyio
@@ -217,26 +216,14 @@ def check_response(path: str, raw: bytes, status: int, data: bytes) -> None:
 
 def fuzz(url: str, path: str) -> int:
     """Post fuzzed bodies to ``path`` (from a worker thread); returns how many."""
-    count = 0
-    with httpx.Client(base_url=url, timeout=10.0) as client:
 
-        @settings(
-            max_examples=MAX_EXAMPLES,
-            deadline=None,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-        )
-        @given(raw=bodies(path))
-        def post(raw: bytes) -> None:
-            nonlocal count
-            count += 1
-            headers = {"content-type": "application/json"}
-            with client.stream("POST", path, content=raw, headers=headers) as response:
-                data = response.read()
-            check_response(path, raw, response.status_code, data)
+    def post(client: httpx.Client, raw: bytes) -> None:
+        headers = {"content-type": "application/json"}
+        with client.stream("POST", path, content=raw, headers=headers) as response:
+            data = response.read()
+        check_response(path, raw, response.status_code, data)
 
-        post()
-    return count
+    return fuzz_server(url, bodies(path), post, MAX_EXAMPLES)
 
 
 async def test_fuzzed_bodies_get_no_5xx_and_leave_the_server_healthy() -> None:

@@ -135,26 +135,40 @@ def raw_post(path: str, body: bytes, content_length: int | None = None) -> bytes
 HEALTH = b"GET /health HTTP/1.1\r\nhost: test\r\n\r\n"
 
 
-# -- slow and idle connections -------------------------------------------------------------------
+async def health(stream: anyio.abc.ByteStream) -> int:
+    """The status of a ``GET /health`` sent on ``stream`` (one read: the answer is small)."""
+    await stream.send(HEALTH)
+    return status_and_body(await stream.receive())[0]
 
 
-async def test_idle_connections_are_closed(stack: tuple[str, str]) -> None:
-    settings = {"keep_alive_timeout_s": 0.5, "header_timeout_s": 5.0}
+@contextlib.asynccontextmanager
+async def silent_and_kept_alive(
+    stack: tuple[str, str], settings: dict[str, Any]
+) -> AsyncIterator[tuple[anyio.abc.SocketStream, anyio.abc.SocketStream]]:
+    """Two connections to a server with ``settings``, within 10 s: one for a client that never
+    sends, one for a client that keeps its connection alive between requests."""
     async with running(stack, settings, multiprocess=False) as (run, _):
         with anyio.fail_after(10):
             async with (
                 await anyio.connect_tcp(*run.address) as silent,
                 await anyio.connect_tcp(*run.address) as kept_alive,
             ):
-                start = anyio.current_time()
-                await kept_alive.send(HEALTH)
-                response = await kept_alive.receive()
-                assert status_and_body(response)[0] == 200
-                after_response = anyio.current_time()
-                assert await is_closed(silent, within=5)
-                assert 0.4 <= anyio.current_time() - start < 3
-                assert await is_closed(kept_alive, within=5)
-                assert 0.4 <= anyio.current_time() - after_response < 3
+                yield silent, kept_alive
+
+
+# -- slow and idle connections -------------------------------------------------------------------
+
+
+async def test_idle_connections_are_closed(stack: tuple[str, str]) -> None:
+    settings = {"keep_alive_timeout_s": 0.5, "header_timeout_s": 5.0}
+    async with silent_and_kept_alive(stack, settings) as (silent, kept_alive):
+        start = anyio.current_time()
+        assert await health(kept_alive) == 200
+        after_response = anyio.current_time()
+        assert await is_closed(silent, within=5)
+        assert 0.4 <= anyio.current_time() - start < 3
+        assert await is_closed(kept_alive, within=5)
+        assert 0.4 <= anyio.current_time() - after_response < 3
 
 
 async def test_a_connection_waits_for_its_first_request_no_longer_than_the_header_timeout(
@@ -163,20 +177,13 @@ async def test_a_connection_waits_for_its_first_request_no_longer_than_the_heade
     # The keep-alive (long, so that clients end idle connections first) is for the wait
     # between two requests; a connection that never sends is cut at the header timeout.
     settings = {"keep_alive_timeout_s": 30.0, "header_timeout_s": 0.5}
-    async with running(stack, settings, multiprocess=False) as (run, _):
-        with anyio.fail_after(10):
-            async with (
-                await anyio.connect_tcp(*run.address) as silent,
-                await anyio.connect_tcp(*run.address) as kept_alive,
-            ):
-                start = anyio.current_time()
-                await kept_alive.send(HEALTH)
-                assert status_and_body(await kept_alive.receive())[0] == 200
-                assert await is_closed(silent, within=5)
-                assert 0.4 <= anyio.current_time() - start < 3
-                assert not await is_closed(kept_alive, within=0.5)
-                await kept_alive.send(HEALTH)
-                assert status_and_body(await kept_alive.receive())[0] == 200
+    async with silent_and_kept_alive(stack, settings) as (silent, kept_alive):
+        start = anyio.current_time()
+        assert await health(kept_alive) == 200
+        assert await is_closed(silent, within=5)
+        assert 0.4 <= anyio.current_time() - start < 3
+        assert not await is_closed(kept_alive, within=0.5)
+        assert await health(kept_alive) == 200
 
 
 async def test_a_connection_the_client_closed_is_released_at_once(
@@ -196,8 +203,7 @@ async def test_a_connection_the_client_closed_is_released_at_once(
     async with running(stack, settings, multiprocess=False) as (run, _):
         with anyio.fail_after(10):
             async with await anyio.connect_tcp(*run.address) as client:
-                await client.send(HEALTH)
-                assert status_and_body(await client.receive())[0] == 200
+                assert await health(client) == 200
             closed = time.monotonic()
             while not released:
                 await anyio.sleep(0.01)
@@ -224,8 +230,7 @@ async def test_a_request_at_the_keep_alive_deadline_is_answered(stack: tuple[str
             answered = attempts = 0
             while answered < 3 and attempts < 10:
                 async with await anyio.connect_tcp(*run.address) as client:
-                    await client.send(HEALTH)
-                    assert status_and_body(await client.receive())[0] == 200
+                    assert await health(client) == 200
                     while answered < 3 and attempts < 10:
                         attempts += 1
                         await anyio.sleep(keep_alive - 0.1)
@@ -341,8 +346,7 @@ async def test_past_max_connections_the_longest_idle_connection_makes_room(
                     connection = await stack_.enter_async_context(
                         await anyio.connect_tcp(*run.address)
                     )
-                    await connection.send(HEALTH)
-                    assert status_and_body(await connection.receive())[0] == 200
+                    assert await health(connection) == 200
                     idle.append(connection)
                 async with httpx.AsyncClient(base_url=run.url) as client:
                     assert (await client.get("/health")).status_code == 200

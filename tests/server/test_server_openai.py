@@ -22,11 +22,10 @@ import httpx
 import openai
 import pydantic
 import pytest
-from helpers.serving import serving
+from helpers.serving import served, serving
 from openai.types.chat import ChatCompletionMessageParam
 
-from engine_core import AsyncLLM
-from engine_core.server import ServerSettings, serve
+from engine_core.server import ServerSettings
 
 pytestmark = pytest.mark.anyio
 
@@ -70,14 +69,7 @@ async def server(stack: tuple[str, str]) -> AsyncIterator[Server]:
         served_model_names=(MODEL, "second"),
         http_server=stack[1],  # type: ignore[arg-type]
     )
-    stop = anyio.Event()
-    async with (
-        AsyncLLM(backend="mock", tokenizer="byte", multiprocess=False, max_model_len=256) as engine,
-        anyio.create_task_group() as task_group,
-    ):
-        url = await task_group.start(
-            functools.partial(serve, engine, settings, shutdown_trigger=stop.wait)
-        )
+    async with served([settings], multiprocess=False, max_model_len=256) as ([url], _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=10)
         http = httpx.Client(
             base_url=url, headers={"authorization": f"Bearer {API_KEY}"}, timeout=10
@@ -87,7 +79,6 @@ async def server(stack: tuple[str, str]) -> AsyncIterator[Server]:
         finally:
             client.close()
             http.close()
-            stop.set()
 
 
 def error_of(info: pytest.ExceptionInfo[openai.APIStatusError]) -> dict[str, Any]:

@@ -183,6 +183,22 @@ def test_recorder_counts_unfinished_completions_as_aborted() -> None:
     assert s["engine_core_request_success_total|finished_reason=abort"] == 2
 
 
+def _stats(**fields: Any) -> EngineStats:
+    """An engine's stats: one request running, 25 of 100 blocks in use after 9 steps, but for
+    ``fields``."""
+    defaults: dict[str, Any] = {
+        "num_running": 1,
+        "num_waiting": 0,
+        "kv_cache_usage": 0.0,
+        "prefix_cache_hit_rate": 0.0,
+        "num_preemptions": 0,
+        "num_steps": 9,
+        "num_kv_blocks": 100,
+        "num_free_kv_blocks": 75,
+    }
+    return EngineStats(**(defaults | fields))
+
+
 def test_engine_state_comes_from_the_stats() -> None:
     # (metric, the EngineStats field it shows, a value)
     shown: list[tuple[str, str, float]] = [
@@ -197,7 +213,7 @@ def test_engine_state_comes_from_the_stats() -> None:
         ("engine_core_device_busy_seconds_total", "device_busy_s", 1.5),
     ]
     fields: dict[str, Any] = {field: value for _, field, value in shown}
-    stats = EngineStats(num_steps=9, num_kv_blocks=100, num_free_kv_blocks=75, **fields)
+    stats = _stats(**fields)
     _expect(_samples(ServerMetrics(), stats), {metric: value for metric, _, value in shown})
 
 
@@ -206,17 +222,7 @@ def test_kv_group_blocks_are_a_series_per_group() -> None:
         KVGroupStats(kind="full_attention", window=None, blocks_in_use=30),
         KVGroupStats(kind="sliding_attention", window=128, blocks_in_use=4),
     ]
-    stats = EngineStats(
-        num_running=1,
-        num_waiting=0,
-        kv_cache_usage=0.34,
-        prefix_cache_hit_rate=0.0,
-        num_preemptions=0,
-        num_steps=9,
-        num_kv_blocks=100,
-        num_free_kv_blocks=66,
-        kv_groups=groups,
-    )
+    stats = _stats(kv_cache_usage=0.34, num_free_kv_blocks=66, kv_groups=groups)
     s = _samples(ServerMetrics(), stats)
     name = "engine_core_kv_group_blocks_in_use"
     assert s[f"{name}|group=0|kind=full_attention|window="] == 30
@@ -224,15 +230,7 @@ def test_kv_group_blocks_are_a_series_per_group() -> None:
 
 
 def test_speculative_decoding_series_use_vllms_names() -> None:
-    stats = EngineStats(
-        num_running=1,
-        num_waiting=0,
-        kv_cache_usage=0.0,
-        prefix_cache_hit_rate=0.0,
-        num_preemptions=0,
-        num_steps=9,
-        num_kv_blocks=100,
-        num_free_kv_blocks=75,
+    stats = _stats(
         spec_num_speculative_tokens=2,
         spec_num_drafts=5,
         spec_num_draft_tokens=9,

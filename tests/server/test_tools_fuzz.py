@@ -9,8 +9,8 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from helpers.serving import fuzz_server
 from helpers.tool_servers import TOOLS, WEATHER_SCHEMA, tool_servers
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 pytestmark = pytest.mark.anyio
@@ -133,31 +133,18 @@ def responses_bodies(draw: st.DrawFn) -> dict[str, Any]:
 
 
 def fuzz(url: str, path: str, strategy: st.SearchStrategy[dict[str, Any]]) -> int:
-    count = 0
-    with httpx.Client(base_url=url, timeout=10.0) as client:
+    def post(client: httpx.Client, body: dict[str, Any]) -> None:
+        with client.stream("POST", path, json=body) as response:
+            data = response.read()
+        context = (path, json.dumps(body)[:400], response.status_code, data[:300])
+        assert response.status_code in (200, 400), context
+        if response.status_code == 400:
+            assert json.loads(data)["error"]["type"] == "invalid_request_error", context
+        elif data.startswith((b"data: ", b"event: ")):
+            assert data.endswith(b"data: [DONE]\n\n"), context
+            assert b'"server_error"' not in data, context
 
-        @settings(
-            max_examples=MAX_EXAMPLES,
-            deadline=None,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-        )
-        @given(body=strategy)
-        def post(body: dict[str, Any]) -> None:
-            nonlocal count
-            count += 1
-            with client.stream("POST", path, json=body) as response:
-                data = response.read()
-            context = (path, json.dumps(body)[:400], response.status_code, data[:300])
-            assert response.status_code in (200, 400), context
-            if response.status_code == 400:
-                assert json.loads(data)["error"]["type"] == "invalid_request_error", context
-            elif data.startswith((b"data: ", b"event: ")):
-                assert data.endswith(b"data: [DONE]\n\n"), context
-                assert b'"server_error"' not in data, context
-
-        post()
-    return count
+    return fuzz_server(url, strategy, post, MAX_EXAMPLES)
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

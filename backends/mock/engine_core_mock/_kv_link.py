@@ -3,17 +3,19 @@
 ``backend_options={"kv_link": {...}}``:
 
 - ``bytes_per_s`` (default 50e9) and ``latency_s`` (10e-6): each transfer takes
-  ``latency_s + bytes / bytes_per_s`` on one link (transfers queue behind each other, like one
-  copy stream), off the device's timeline;
+  ``latency_s + bytes / bytes_per_s`` on the link, off the device's timeline; transfers one
+  way queue behind each other (one copy stream each way: loads and saves do not wait on each
+  other, as on a full-duplex PCIe link);
 - ``host_memory_bytes``: the host memory the mock pretends it can pin (default: what this
   machine has available); a larger ``kv_offload_bytes`` is a startup error;
 - ``fault``: ``{"kind": "drop" | "corrupt" | "late", "probability": p, "seed": s}`` injected
-  per transfer (per load, and per save for drop and corrupt). ``drop``: the load delivers
+  per transfer, on loads (``"on": "loads"``, the default), saves (``"saves"``) or both. ``drop``: the load delivers
   nothing, reported failed; ``corrupt``: the bytes are wrong and the checksum catches it
   (reported failed; with ``"detect": False`` it does not, and the block ledger then raises when
   the block is read as computed: a wrong block never passes silently); ``late``: the transfer
   ends ``late_s`` (default 1.0) later, past the worker's ``deadline_s`` (default 0.25), so it
-  is reported failed at its deadline and its data never lands.
+  is reported failed at its deadline and its data never lands; ``raise``: the worker half
+  raises (a backend error: the engine dies with it as the cause).
 - ``deadline_s``: the longest a load may take before it is reported failed.
 
 Bookkeeping only: the pool allocates no memory for the blocks. Each host slot keeps the block
@@ -42,7 +44,7 @@ from engine_core_mock._blocks import BlockLedger
 
 __all__ = ["KVLinkOptions", "LinkFault", "MockHostWorker", "parse_kv_link"]
 
-_FAULT_KINDS = ("drop", "corrupt", "late")
+_FAULT_KINDS = ("drop", "corrupt", "late", "raise")
 _EMPTY = -3
 """Content of a host slot nothing was saved into."""
 _CORRUPT = 0x5A5A5A5A5A5A5A5A
@@ -55,6 +57,8 @@ class LinkFault:
     seed: int = 0
     detect: bool = True
     late_s: float = 1.0
+    on: str = "loads"
+    """Which transfers it hits: ``"loads"``, ``"saves"`` or ``"both"``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +105,7 @@ def parse_kv_link(value: Any) -> KVLinkOptions | None:
                 "backend_options['kv_link']['fault'] must be a dict with 'kind' "
                 f"({', '.join(_FAULT_KINDS)}), 'probability' and 'seed', got {raw!r}"
             )
-        extra = sorted(set(raw) - {"kind", "probability", "seed", "detect", "late_s"})
+        extra = sorted(set(raw) - {"kind", "probability", "seed", "detect", "late_s", "on"})
         if extra:
             raise ValueError(f"backend_options['kv_link']['fault'] has unknown key(s) {extra}")
         if raw["kind"] not in _FAULT_KINDS:
@@ -120,12 +124,19 @@ def parse_kv_link(value: Any) -> KVLinkOptions | None:
             raise ValueError(
                 f"backend_options['kv_link']['fault']['seed'] must be an int, got {seed!r}"
             )
+        on = raw.get("on", "loads")
+        if on not in ("loads", "saves", "both"):
+            raise ValueError(
+                "backend_options['kv_link']['fault']['on'] must be 'loads', 'saves' or 'both', "
+                f"got {on!r}"
+            )
         fault = LinkFault(
             raw["kind"],
             probability,
             seed,
             bool(raw.get("detect", True)),
             _number("fault.late_s", raw.get("late_s", 1.0)),
+            on,
         )
     memory = value.get("host_memory_bytes")
     if memory is not None and (
@@ -183,7 +194,9 @@ class MockHostWorker(KVConnectorWorker):
         self._checksums = [_EMPTY] * self.num_slots
         self._page = layout.page_size_bytes
         self._clock = clock
-        self._link_free_at = 0.0
+        self._link_free_at = [0.0, 0.0]
+        """When each direction of the link is free: host to device (loads), device to host
+        (saves). A PCIe link is full duplex, and a GPU copies each way on its own engine."""
         self._pending: dict[str, _Transfer] = {}
         self._ledger: BlockLedger | None = None
         fault = options.fault
@@ -203,19 +216,22 @@ class MockHostWorker(KVConnectorWorker):
         fault = self.options.fault
         if fault is None or self._rng is None:
             return None
-        if not is_load and fault.kind == "late":
+        if (not is_load and fault.kind == "late") or fault.on == ("saves" if is_load else "loads"):
             return None
         if self._rng.random() < fault.probability:
             self.num_faults += 1
             return fault.kind
         return None
 
-    def _schedule(self, transfer: KVTransfer, now: float, fault: str | None) -> tuple[float, float]:
+    def _schedule(
+        self, transfer: KVTransfer, now: float, fault: str | None, *, is_load: bool
+    ) -> tuple[float, float]:
         options = self.options
-        num_blocks = sum(len(ids) for ids in transfer.block_ids)
-        start = max(now, self._link_free_at)
+        num_blocks = sum(1 for ids in transfer.block_ids for b in ids if b >= 0)
+        way = 0 if is_load else 1
+        start = max(now, self._link_free_at[way])
         end = start + options.latency_s + num_blocks * self._page / options.bytes_per_s
-        self._link_free_at = end
+        self._link_free_at[way] = end
         if fault == "late":
             end += options.fault.late_s if options.fault is not None else 0.0
         return start, end
@@ -232,24 +248,36 @@ class MockHostWorker(KVConnectorWorker):
             if pending is not None and pending.is_load:
                 for ids in pending.transfer.block_ids:
                     for block_id in ids:
-                        ledger.unhold(block_id)
+                        if block_id >= 0:
+                            ledger.unhold(block_id)
         for save in metadata.saves:
             self._check(save)
-            values = [[ledger.content(b) for b in ids] for ids in save.block_ids]
+            values = [
+                [ledger.content(b) if b >= 0 else _EMPTY for b in ids] for ids in save.block_ids
+            ]
             for ids in save.block_ids:
                 for block_id in ids:
-                    ledger.hold(block_id)
+                    if block_id >= 0:
+                        ledger.hold(block_id)
             fault = self._draw(is_load=False)
-            start, end = self._schedule(save, now, fault)
+            self._raise_if(fault)
+            start, end = self._schedule(save, now, fault, is_load=False)
             self._add(save, _Transfer(save, start, end, fault, values, False))
         for load in metadata.loads:
             self._check(load)
             for ids in load.block_ids:
                 for block_id in ids:
-                    ledger.hold(block_id)
+                    if block_id >= 0:
+                        ledger.hold(block_id)
             fault = self._draw(is_load=True)
-            start, end = self._schedule(load, now, fault)
+            self._raise_if(fault)
+            start, end = self._schedule(load, now, fault, is_load=True)
             self._add(load, _Transfer(load, start, end, fault, None, True))
+
+    @staticmethod
+    def _raise_if(fault: str | None) -> None:
+        if fault == "raise":
+            raise RuntimeError("mock kv_link fault injected: the host tier's worker half raised")
 
     def _add(self, transfer: KVTransfer, pending: _Transfer) -> None:
         if transfer.transfer_id in self._pending:
@@ -265,9 +293,11 @@ class MockHostWorker(KVConnectorWorker):
             raise RuntimeError(
                 f"KV transfer {transfer.transfer_id!r}: host slots and block ids differ in shape"
             )
-        for slots in transfer.remote:
-            for slot in slots:
-                if not 0 <= slot < self.num_slots:
+        for slots, ids in zip(transfer.remote, transfer.block_ids, strict=True):
+            for slot, block_id in zip(slots, ids, strict=True):
+                if block_id < 0 and slot < 0:
+                    continue  # nothing to move for this group here
+                if not 0 <= slot < self.num_slots or block_id < 0:
                     raise RuntimeError(
                         f"KV transfer {transfer.transfer_id!r}: host slot {slot} is outside the "
                         f"host pool ({self.num_slots} slots)"
@@ -303,7 +333,7 @@ class MockHostWorker(KVConnectorWorker):
             if ends_at > now:
                 continue
             del self._pending[transfer_id]
-            nbytes = sum(len(ids) for ids in transfer.block_ids) * self._page
+            nbytes = sum(1 for ids in transfer.block_ids for b in ids if b >= 0) * self._page
             if not pending.is_load:
                 self.num_saves += 1
                 values = pending.values
@@ -312,6 +342,8 @@ class MockHostWorker(KVConnectorWorker):
                     zip(transfer.block_ids, transfer.remote, strict=True)
                 ):
                     for block_id, slot, value in zip(ids, slots, values[g], strict=True):
+                        if block_id < 0:
+                            continue
                         ledger.unhold(block_id)
                         if pending.fault == "drop":
                             continue
@@ -329,6 +361,8 @@ class MockHostWorker(KVConnectorWorker):
             report.load_s += ends_at - pending.start
             for g, (ids, slots) in enumerate(zip(transfer.block_ids, transfer.remote, strict=True)):
                 for block_id, slot in zip(ids, slots, strict=True):
+                    if block_id < 0:
+                        continue
                     ledger.unhold(block_id)
                     value = self._host[slot]
                     if pending.fault == "corrupt":

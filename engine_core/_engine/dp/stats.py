@@ -29,6 +29,18 @@ _SUMMED = (
     "spec_num_accepted_tokens",
     "spec_shadow_drafts",
     "spec_shadow_accepted",
+    "kv_offload_hit_tokens",
+    "kv_offload_bytes_loaded",
+    "kv_offload_bytes_stored",
+    "kv_offload_load_s",
+    "kv_offload_store_s",
+    "kv_offload_failed_blocks",
+    "kv_offload_resident_blocks",
+    "kv_offload_capacity_blocks",
+    "kv_offload_free_blocks",
+    "kv_parked_requests",
+    "kv_loads_cancelled",
+    "num_recomputed_tokens",
 )
 
 

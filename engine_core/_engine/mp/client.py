@@ -306,9 +306,6 @@ class MPClient(EngineCoreClient):
 
     # -- outputs --------------------------------------------------------------------------------
 
-    def _has_output(self) -> bool:
-        return bool(self._inbox.outputs)
-
     def _must_read_output(self) -> bool:
         """Whether ``get_output`` has to read (none is queued); raises once the client closed."""
         if self._inbox.outputs:
@@ -327,14 +324,14 @@ class MPClient(EngineCoreClient):
         """The next step's outputs, blocking until they arrive. Raises
         :class:`EngineDeadError` once the engine died (after the outputs it sent before)."""
         if self._must_read_output():
-            self._inbox.read_until_sync(self._has_output)
+            self._inbox.read_until_sync(self._inbox.has_output)
         return self._next_output()
 
     async def get_output_async(self) -> EngineCoreOutputs:
         """Like :meth:`get_output`, waiting in the event loop. Returns without yielding when an
         output is already there, so a loop around it should checkpoint."""
         if self._must_read_output():
-            await self._inbox.read_until(self._has_output)
+            await self._inbox.read_until(self._inbox.has_output)
         return self._next_output()
 
     # -- for a client of several engines (data parallelism) -------------------------------------
@@ -359,7 +356,7 @@ class MPClient(EngineCoreClient):
 
     async def wait_for_output(self) -> None:
         """Until outputs are queued or the engine is gone (cancellable)."""
-        await self._inbox.read_until(self._has_output)
+        await self._inbox.read_until(self._inbox.has_output)
 
     @property
     def output_pollable(self) -> zmq.Socket[bytes] | int:

@@ -148,6 +148,10 @@ class EngineInbox:
         the client declared it frozen."""
         return self.notice is not None or self.exit_code is not None or self.silent_s is not None
 
+    def has_output(self) -> bool:
+        """Whether a step's outputs are queued (what ``get_output`` reads until)."""
+        return bool(self.outputs)
+
     # -- silence --------------------------------------------------------------------------------
 
     @property

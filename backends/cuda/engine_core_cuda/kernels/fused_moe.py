@@ -58,41 +58,71 @@ _ACT_CODES = {"silu": 0, "gelu_pytorch_tanh": 1, "swigluoai": 2}
 
 
 @triton.jit
+def _row_block(expert_ptr, sorted_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """This program's row block: its expert (-1: a block past the last segment, skipped), its
+    pairs (sorted by expert) and which of them are real (the rest pad the expert's segment)."""
+    pid_m = tl.program_id(0)
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return expert, pair, pair < num_pairs
+
+
+@triton.jit
+def _block_cols(N, BLOCK_N: tl.constexpr):
+    """The output columns of this program's column block and which of them are in range."""
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_n, offs_n < N
+
+
+@triton.jit
+def _load_rows(ptr, rows, stride, offs_k, valid, k_valid):
+    """A ``[rows, k]`` tile of the activations (zeros past the real rows and past ``K``)."""
+    return tl.load(ptr + rows[:, None] * stride + offs_k[None, :],
+                   mask=valid[:, None] & k_valid[None, :], other=0.0)  # fmt: skip
+
+
+@triton.jit
+def _mma(acc, a, b, IEEE: tl.constexpr):
+    """``acc + a @ b`` (in IEEE precision with ``IEEE``, else the device's fast one)."""
+    if IEEE:
+        acc += tl.dot(a, b, input_precision="ieee")
+    else:
+        acc += tl.dot(a, b)
+    return acc
+
+
+@triton.jit
+def _store_rows(out_ptr, pair, stride_om, offs_n, value, valid, n_valid):
+    """Write ``value`` as the rows of ``pair`` (real rows, columns in range only)."""
+    tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :], value,
+             mask=valid[:, None] & n_valid[None, :])  # fmt: skip
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sorted_ptr, expert_ptr,
                     num_pairs, N, K, stride_xm, stride_we, stride_wn, stride_wk, stride_se,
                     stride_be, stride_om, alpha, limit, TOP_K: tl.constexpr,
                     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    expert, pair, valid = _row_block(expert_ptr, sorted_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m).to(tl.int64)
-    valid = pair < num_pairs
     token = tl.where(valid, pair // TOP_K, 0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < N
+    offs_n, n_valid = _block_cols(N, BLOCK_N)
     w_base = w_ptr + expert * stride_we
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_valid = offs_k < K
-        a = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :],
-                    mask=valid[:, None] & k_valid[None, :], other=0.0)  # fmt: skip
+        a = _load_rows(x_ptr, token, stride_xm, offs_k, valid, k_valid)
         b_mask = k_valid[:, None] & n_valid[None, :]
         b_offsets = offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
         gate = tl.load(w_base + b_offsets, mask=b_mask, other=0.0).to(a.dtype)
         up = tl.load(w_base + N * stride_wn + b_offsets, mask=b_mask, other=0.0).to(a.dtype)
-        if IEEE:
-            acc_gate += tl.dot(a, gate, input_precision="ieee")
-            acc_up += tl.dot(a, up, input_precision="ieee")
-        else:
-            acc_gate += tl.dot(a, gate)
-            acc_up += tl.dot(a, up)
+        acc_gate = _mma(acc_gate, a, gate, IEEE)
+        acc_up = _mma(acc_up, a, up, IEEE)
     if HAS_SCALE:
         s_base = scale_ptr + expert * stride_se
         acc_gate *= tl.load(s_base + offs_n, mask=n_valid, other=0.0)[None, :]
@@ -117,8 +147,7 @@ def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sorted_ptr, expe
     else:  # silu
         activated = g / (1.0 + tl.exp(-g))
         h = activated.to(dtype) * acc_up.to(dtype)
-    tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :], h.to(dtype),
-             mask=valid[:, None] & n_valid[None, :])  # fmt: skip
+    _store_rows(out_ptr, pair, stride_om, offs_n, h.to(dtype), valid, n_valid)
 
 
 @triton.jit
@@ -127,30 +156,20 @@ def _down_kernel(h_ptr, w_ptr, scale_ptr, bias_ptr, weight_ptr, out_ptr, sorted_
                  stride_be, stride_om, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    expert, pair, valid = _row_block(expert_ptr, sorted_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m).to(tl.int64)
-    valid = pair < num_pairs
     row = tl.where(valid, pair, 0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < N
+    offs_n, n_valid = _block_cols(N, BLOCK_N)
     w_base = w_ptr + expert * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_valid = offs_k < K
-        a = tl.load(h_ptr + row[:, None] * stride_hm + offs_k[None, :],
-                    mask=valid[:, None] & k_valid[None, :], other=0.0)  # fmt: skip
+        a = _load_rows(h_ptr, row, stride_hm, offs_k, valid, k_valid)
         b = tl.load(w_base + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
                     mask=k_valid[:, None] & n_valid[None, :], other=0.0).to(a.dtype)  # fmt: skip
-        if IEEE:
-            acc += tl.dot(a, b, input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
+        acc = _mma(acc, a, b, IEEE)
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_valid, other=0.0)[None, :]
     if HAS_BIAS:
@@ -159,8 +178,7 @@ def _down_kernel(h_ptr, w_ptr, scale_ptr, bias_ptr, weight_ptr, out_ptr, sorted_
     dtype = out_ptr.dtype.element_ty
     routing = tl.load(weight_ptr + row, mask=valid, other=0.0).to(dtype)
     out = acc.to(dtype) * routing[:, None]
-    tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :], out.to(dtype),
-             mask=valid[:, None] & n_valid[None, :])  # fmt: skip
+    _store_rows(out_ptr, pair, stride_om, offs_n, out.to(dtype), valid, n_valid)
 
 
 def align_by_expert(

@@ -1,0 +1,61 @@
+"""``bench/trace_hops.py``, the count of a plain request's hops between the project's files,
+keeps working: the trip it traces reaches the mock backend and comes back, and its figures
+follow from the calls it recorded."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "trace_hops.py"
+
+
+def load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("trace_hops", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_collapsing_and_counting() -> None:
+    script = load_script()
+    Call = script.Call
+    calls = [
+        Call("a.py", "f:1", None),
+        Call("a.py", "g:5", "a.py"),
+        Call("b.py", "h:1", "a.py"),
+        Call("a.py", "f:1", None),
+        Call("b.py", "h:1", "a.py"),
+    ]
+    figures = script.count(calls)
+    assert figures["sequence"] == ["a.py", "b.py", "a.py", "b.py"]
+    assert figures["hops"] == 3
+    assert figures["revisited"] == {"a.py": 2, "b.py": 2}
+    assert figures["first_call_hops"] == 1  # a.py (f, g), b.py (h)
+    assert figures["file_edges"] == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.anyio
+async def test_the_traced_trip_reaches_the_mock_and_comes_back() -> None:
+    script = load_script()
+    calls, text = await script.trace(2)
+    assert text == "pq"  # the mock counts up from the prompt's last byte ("Hello")
+    figures = script.count(calls)
+    sequence = figures["sequence"]
+    assert sequence[0] == sequence[-1] == "engine_core/_frontend/async_llm.py"
+    for room in (
+        "engine_core/_engine/mp/client.py",
+        "engine_core/_engine/wire.py",
+        "engine_core/_engine/proc.py",
+        "engine_core/_engine/core.py",
+        "engine_core/_core/scheduler.py",
+        "backends/mock/engine_core_mock/_backend.py",
+        "engine_core/_frontend/output_processor.py",
+    ):
+        assert room in sequence
+    assert figures["hops"] == len(sequence) - 1 > figures["first_call_hops"]
