@@ -30,7 +30,6 @@ import argparse
 import os
 import random
 import signal
-import statistics
 import time
 from typing import Any
 
