@@ -74,7 +74,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def stream(
-    llm: AsyncLLM, rid: str, tokens: list[int], max_tokens: int
+    llm: AsyncLLM, rid: str, tokens: list[int], max_tokens: int, first: anyio.Event | None = None
 ) -> tuple[list[int], list[float], float, str | None]:
     """Output tokens, arrival times of each delta, TTFT, finish reason (or the error)."""
     params = SamplingParams(
@@ -89,6 +89,8 @@ async def stream(
             now = time.perf_counter()
             c = out.outputs[0]
             if c.token_ids:
+                if first is not None:
+                    first.set()
                 out_tokens.extend(c.token_ids)
                 times.extend([now] * len(c.token_ids))
             reason = c.finish_reason or reason
@@ -179,16 +181,16 @@ async def drill(
         first = anyio.Event()
 
         async def one(rid: str) -> None:
-            results[rid] = await stream(llm, rid, requests[rid], 32)
+            results[rid] = await stream(llm, rid, requests[rid], 32, first)
 
         async def killer() -> None:
             if kill is None:
                 return
-            await anyio.sleep(0.02 if kill == 0 else 0.3)  # mid-transfer / mid-stream
+            await first.wait()  # a first token: its decode leg is on its way (or decoding)
+            await anyio.sleep(0.05 if kill == 0 else 0.2)  # mid-transfer / mid-stream
             pid = client.pids[kill]
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
-            first.set()
 
         with anyio.fail_after(120):
             async with anyio.create_task_group() as tg:
