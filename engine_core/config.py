@@ -494,6 +494,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             )
         _positive("kv_lease_s", self.kv_lease_s, allow_none=False)
         _check_engine_roles(self.engine_roles, self.data_parallel_size)
+        if self.disaggregated and self.kv_connector not in (None, "pd"):
+            raise ValueError(
+                f"engine_roles {self.engine_roles} disaggregate prefill and decode through the "
+                f"'pd' KV connector; kv_connector {self.kv_connector!r} cannot serve with it"
+            )
+        if self.disaggregated and self.kv_offload_bytes:
+            raise ValueError(
+                "kv_offload_bytes (the host KV tier) and disaggregating engine_roles do not run "
+                "together yet: give one of them"
+            )
         if not isinstance(self.kv_max_parked_fraction, (int, float)) or not (
             0.0 < self.kv_max_parked_fraction <= 1.0
         ):

@@ -236,6 +236,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
         flight, so exports sharing blocks (``n`` siblings, one prefix) never collide."""
         self._loads: dict[str, _Load] = {}
         """Decode side: requests whose KV comes from a prefill engine."""
+        self._consumed: set[str] = set()
+        """Decode side: requests whose export was read or released (a preempted one that
+        comes back computes, or hits its own prefix cache)."""
         self.counters: dict[str, int | float] = {
             "pd_exports": 0,
             "pd_exports_confirmed": 0,
@@ -254,6 +257,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
         load = self._loads.get(req_id)
         if load is not None:
             return load
+        if req_id in self._consumed:
+            return None
         params = getattr(request, "kv_transfer_params", None)
         if not params or "segment" not in params:
             return None
@@ -264,6 +269,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         load = self._loads.pop(req_id, None)
         if load is None or load.released:
             return
+        self._consumed.add(req_id)
         load.released = True
         release(load.params)
         if unread:
@@ -360,6 +366,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         if req_id in self._loads:
             # Ended before its load was reported (aborted, rejected, failed): nobody reads it.
             self._release(req_id, unread=True)
+        self._consumed.discard(req_id)
         params = getattr(request, "kv_transfer_params", None)
         if not params or not params.get(REMOTE_DECODE):
             return False, None

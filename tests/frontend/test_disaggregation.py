@@ -300,3 +300,10 @@ async def _generate_pinned(engine: AsyncLLM, rank: int) -> list[str]:
     async for out in engine.generate(PROMPTS[0], GREEDY, data_parallel_rank=rank):
         texts += out.outputs[0].text
     return [texts]
+
+
+def test_disaggregation_names_what_it_cannot_run_with() -> None:
+    with pytest.raises(ValueError, match="kv_offload_bytes"):
+        EngineConfig(data_parallel_size=2, engine_roles=ROLES, kv_offload_bytes="1GiB")
+    with pytest.raises(ValueError, match="kv_connector 'host'"):
+        EngineConfig(data_parallel_size=2, engine_roles=ROLES, kv_connector="host")
