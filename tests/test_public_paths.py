@@ -21,10 +21,18 @@ def test_spec_is_an_alias_of_ngram() -> None:
 
 def test_testing_exports_every_check_of_the_conformance_suite() -> None:
     conformance = engine_core.testing.conformance
-    assert engine_core.testing.__all__ == [*conformance.__all__, "check_worker_death"]
+    assert engine_core.testing.__all__ == [
+        *conformance.__all__,
+        "check_kv_connector_scheduler",
+        "check_kv_connector_worker",
+        "check_worker_death",
+    ]
     for name in conformance.__all__:
         assert getattr(engine_core.testing, name) is getattr(conformance, name), name
     assert engine_core.testing.check_worker_death is engine_core.testing.tp.check_worker_death
+    connector_checks = engine_core.testing.kv_connector
+    for name in connector_checks.__all__:
+        assert getattr(engine_core.testing, name) is getattr(connector_checks, name), name
     assert {c.__name__ for c in engine_core.testing.BACKEND_CHECKS} <= set(conformance.__all__)
 
 
