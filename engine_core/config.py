@@ -499,6 +499,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
                 f"engine_roles {self.engine_roles} disaggregate prefill and decode through the "
                 f"'pd' KV connector; kv_connector {self.kv_connector!r} cannot serve with it"
             )
+        if self.disaggregated and not self.enable_prefix_caching:
+            raise ValueError(
+                f"engine_roles {self.engine_roles} need enable_prefix_caching: the decode "
+                "engines take the prefill engines' blocks through the prefix cache's hooks"
+            )
         if self.disaggregated and self.kv_offload_bytes:
             raise ValueError(
                 "kv_offload_bytes (the host KV tier) and disaggregating engine_roles do not run "

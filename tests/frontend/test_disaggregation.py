@@ -307,3 +307,5 @@ def test_disaggregation_names_what_it_cannot_run_with() -> None:
         EngineConfig(data_parallel_size=2, engine_roles=ROLES, kv_offload_bytes="1GiB")
     with pytest.raises(ValueError, match="kv_connector 'host'"):
         EngineConfig(data_parallel_size=2, engine_roles=ROLES, kv_connector="host")
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineConfig(data_parallel_size=2, engine_roles=ROLES, enable_prefix_caching=False)

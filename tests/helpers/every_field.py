@@ -78,7 +78,7 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "kv_load_failure_policy": "fail",
         "kv_lease_s": 5.0,
         "kv_max_parked_fraction": 0.25,
-        "engine_roles": ["prefill", "decode", "both"],
+        "engine_roles": ["both", "decode", "both"],  # not disaggregated: a host tier beside
     },
     SpeculativeConfig: {
         "method": "draft_model",

@@ -143,7 +143,10 @@ class MockPDWorker(KVConnectorWorker):
             for ids in transfer.block_ids:
                 for block_id in ids:
                     ledger.hold(block_id)
-            self._loads[transfer.transfer_id] = _Load(transfer, now, self._draw())
+            load = self._loads[transfer.transfer_id] = _Load(transfer, now, self._draw())
+            segment = attach(str(load.params.get("segment", "")))
+            if segment is not None:
+                self._try_start(load, segment, now)  # published already: the copy starts now
 
     def _draw(self) -> str | None:
         fault = self.options.fault
@@ -212,6 +215,21 @@ class MockPDWorker(KVConnectorWorker):
             del self._exports[transfer_id]
             (report.finished_saves if confirmed else report.failed_saves).append(transfer_id)
 
+    def _try_start(self, load: _Load, segment: HandoffSegment, now: float) -> bool:
+        """Start the modelled copy of ``load`` once its export is published."""
+        params = load.params
+        slot = int(params.get("slot", -1))
+        if not 0 <= slot < segment.num_blocks or segment.ready[slot] != int(params.get("epoch", 0)):
+            return False
+        options = self.options
+        blocks = sum(len(ids) for ids in load.transfer.block_ids)
+        load.start = start = max(now, self._link_free_at)
+        load.end = start + options.latency_s + blocks * self._page / options.bytes_per_s
+        if load.fault == "late" and options.fault is not None:
+            load.end += options.fault.late_s
+        self._link_free_at = load.end
+        return True
+
     def _finish_loads(self, report: KVConnectorReport, now: float) -> None:
         ledger = self._ledger
         assert ledger is not None
@@ -224,13 +242,8 @@ class MockPDWorker(KVConnectorWorker):
             gone = segment is None or not segment.owner_alive()
             if not gone and load.start is None:
                 assert segment is not None
-                if segment.ready[slot] == epoch:
-                    blocks = sum(len(ids) for ids in transfer.block_ids)
-                    load.start = start = max(now, self._link_free_at)
-                    load.end = start + options.latency_s + blocks * self._page / options.bytes_per_s
-                    if load.fault == "late" and options.fault is not None:
-                        load.end += options.fault.late_s
-                    self._link_free_at = load.end
+                if self._try_start(load, segment, now):
+                    pass
                 elif now - load.since <= max(options.deadline_s, 1.0):
                     continue  # not published yet
                 else:
