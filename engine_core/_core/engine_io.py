@@ -228,8 +228,8 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     kv_transfer: dict[str, float] = {}
     """The ``"pd"`` connector's counters (``docs/disaggregation.md``): ``pd_exports``,
     ``pd_exports_confirmed``, ``pd_lease_expired``, ``pd_transfers``, ``pd_transfer_failed``
-    (the decode side recomputed), ``pd_released_unread``, ``pd_bytes``, ``pd_transfer_s``;
-    summed over the engines of a deployment. Empty without it."""
+    (the decode side recomputed), ``pd_released_unread``, ``pd_other_host``, ``pd_bytes``,
+    ``pd_transfer_s``; summed over the engines of a deployment. Empty without it."""
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):

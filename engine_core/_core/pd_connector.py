@@ -37,6 +37,7 @@ import contextlib
 import itertools
 import logging
 import os
+import socket
 import time
 from multiprocessing import resource_tracker, shared_memory
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,18 @@ _ARRAYS = ("tags", "contents", "ready", "done", "renew")
 
 REMOTE_DECODE = "do_remote_decode"
 """``kv_transfer_params`` key the client sets on a request sent to a prefill engine."""
+
+
+def _host_id() -> str:
+    """This machine (its boot id where there is one): a segment is readable only here."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+HOST_ID = _host_id()
 
 
 def segment_name(pid: int, rank: int) -> str:
@@ -172,6 +185,8 @@ def attach(name: str) -> HandoffSegment | None:
     segment = _attached.get(name)
     if segment is not None:
         return segment
+    if not name:
+        return None
     try:
         segment = HandoffSegment(name)
     except (FileNotFoundError, ValueError):
@@ -184,7 +199,7 @@ def release(params: dict[str, Any] | None) -> bool:
     """Tell the prefill engine of ``params`` (the transfer parameters it returned) that
     nobody will read its export: it frees the blocks at its next step. Returns whether the
     segment was found."""
-    if not params or "segment" not in params:
+    if not params or "segment" not in params or params.get("host") != HOST_ID:
         return False
     segment = attach(params["segment"])
     if segment is None:
@@ -246,6 +261,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             "pd_transfers": 0,
             "pd_transfer_failed": 0,
             "pd_released_unread": 0,
+            "pd_other_host": 0,
             "pd_bytes": 0,
             "pd_transfer_s": 0.0,
         }
@@ -261,6 +277,12 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return None
         params = getattr(request, "kv_transfer_params", None)
         if not params or "segment" not in params:
+            return None
+        if params.get("host") != HOST_ID:
+            # Another machine's export: no transport between hosts yet, so this engine
+            # computes the prompt (the prefill side's lease frees the blocks).
+            self._consumed.add(req_id)
+            self.counters["pd_other_host"] += 1
             return None
         load = self._loads[req_id] = _Load(params)
         return load
@@ -384,6 +406,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self.segment.done[slot] = 0
         out = {
             "engine": self.rank,
+            "host": HOST_ID,
             "segment": self.segment.name,
             "block_ids": tables,
             "num_tokens": num_full * self.block_size,

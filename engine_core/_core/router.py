@@ -37,7 +37,9 @@ REASONS = ("affinity", "balance", "cold", "explicit", "failover", "single", "pol
 """Why a request went where it went: the engine held its longest prefix (``affinity``); another
 engine held a longer one but was too loaded or too full (``balance``); none held any
 (``cold``); the request pinned it (``explicit``); its engine died (``failover``, set by the
-caller); only one engine was alive (``single``); a policy that ignores prefixes (``policy``)."""
+caller); only one engine was alive (``single``); a policy that ignores prefixes (``policy``);
+a prefill engine handed the request to a decode engine (``handoff``, set by the caller:
+disaggregation)."""
 
 
 class RouteDecision(NamedTuple):

@@ -78,3 +78,46 @@ def test_a_decode_leg_that_fails_over_drops_its_parameters() -> None:
     moved, engines, least = disagg.plan(decode, "failover", [True, False, True])
     assert moved.kv_transfer_params is None and engines == [2] and least
     assert disagg.metrics.failovers == 1
+
+
+def test_an_export_of_another_machine_is_computed_here() -> None:
+    from engine_core._core.pd_connector import HOST_ID, PDConnectorScheduler
+    from engine_core.config import EngineConfig
+    from engine_core.kv_connector import KVConnectorLayout
+
+    layout = KVConnectorLayout(
+        num_blocks=8,
+        block_size=4,
+        kv_groups=[[0]],
+        group_kinds=["full_attention"],
+        group_spans=[None],
+        page_size_bytes=64,
+    )
+    connector = PDConnectorScheduler(EngineConfig(data_parallel_rank=0), layout)
+    try:
+
+        class _Request:
+            request_id = "r"
+            all_token_ids = list(range(13))
+            num_prompt_tokens = 12
+            num_computed_tokens = 0
+            block_keys: list[bytes] = []
+            cache_salt = None
+            num_preemptions = 0
+            kv_transfer_params = {
+                "host": "elsewhere",
+                "segment": connector.segment.name,
+                "slot": 0,
+                "epoch": 1,
+                "block_ids": [[0, 1, 2]],
+                "num_tokens": 12,
+            }
+
+        assert HOST_ID != "elsewhere"
+        assert connector.get_num_new_matched_tokens(_Request(), 0) == (0, False)
+        assert connector.stats()["pd_other_host"] == 1
+        _Request.kv_transfer_params["host"] = HOST_ID
+        _Request.request_id = "s"
+        assert connector.get_num_new_matched_tokens(_Request(), 0) == (12, True)
+    finally:
+        connector.close()
