@@ -121,3 +121,22 @@ def test_an_export_of_another_machine_is_computed_here() -> None:
         assert connector.get_num_new_matched_tokens(_Request(), 0) == (12, True)
     finally:
         connector.close()
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_every_launcher_gets_each_engine_its_role(backend: str) -> None:
+    """Local processes and Ray actors start from the same per-engine config."""
+    from engine_core._engine.dp.client import DPClient
+    from engine_core.config import EngineConfig
+
+    config = EngineConfig(
+        data_parallel_size=3,
+        engine_roles=ROLES,
+        data_parallel_backend=backend,  # type: ignore[arg-type]
+    )
+    client = DPClient.__new__(DPClient)
+    client._setup(config)
+    configs = [client._engine_config(rank) for rank in range(3)]
+    assert [c.engine_role for c in configs] == ROLES
+    assert all(c.kv_connector_name == "pd" for c in configs)
+    assert client._disagg is not None and client.metrics.disagg is client._disagg.metrics
