@@ -309,3 +309,13 @@ def test_disaggregation_names_what_it_cannot_run_with() -> None:
         EngineConfig(data_parallel_size=2, engine_roles=ROLES, kv_connector="host")
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineConfig(data_parallel_size=2, engine_roles=ROLES, enable_prefix_caching=False)
+
+
+async def test_async_scheduling_keeps_the_handoff_exact() -> None:
+    expected = _colocated(PROMPTS[:3], GREEDY)
+    steps = {"latency": {"step_s": 0.002}}
+    async with _engine(async_scheduling=True, backend_options=steps) as engine:
+        assert await _run_all(engine, PROMPTS[:3], GREEDY) == expected
+        roles = _by_role(await _no_block_held(engine))
+        assert roles["decode"]["pd_transfers"] == 3
+        assert roles["decode"]["pd_transfer_failed"] == 0
