@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import time
 
-from engine_core._core.pd_connector import PDConnectorScheduler
-from engine_core.config import EngineConfig
-from engine_core.kv_connector import KVConnectorLayout, KVConnectorMetadata, KVTransfer
 from engine_core_mock._blocks import BlockLedger
 from engine_core_mock._kv_link import KVLinkOptions
 from engine_core_mock._pd_link import MockPDWorker
+
+from engine_core._core.pd_connector import PDConnectorScheduler
+from engine_core.config import EngineConfig
+from engine_core.kv_connector import KVConnectorLayout, KVConnectorMetadata, KVTransfer
 
 LAYOUT = KVConnectorLayout(
     num_blocks=8,
