@@ -178,6 +178,7 @@ async def drill(
     name: str, expected: dict[str, list[int]], requests: dict[str, list[int]], **kwargs: Any
 ) -> dict[str, Any]:
     kill: int | None = kwargs.pop("kill", None)
+    kill_after: float = kwargs.pop("kill_after", 0.05)
     async with engine(["prefill", "decode"], **kwargs) as llm:
         client = llm._client
         assert isinstance(client, DPClient)
@@ -191,7 +192,7 @@ async def drill(
             if kill is None:
                 return
             await first.wait()  # a first token: its decode leg is on its way (or decoding)
-            await anyio.sleep(0.05 if kill == 0 else 0.2)  # mid-transfer / mid-stream
+            await anyio.sleep(kill_after)  # mid-transfer, or mid-stream
             pid = client.pids[kill]
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
@@ -240,10 +241,14 @@ async def drills(args: argparse.Namespace) -> list[dict[str, Any]]:
             kv_connector_options={"renew": False},
         ),
         await drill(
+            "decode engine killed mid-transfer (retry)", expected, requests, link=slow, kill=1
+        ),
+        await drill(
             "decode engine killed mid-stream (resume)",
             expected,
             requests,
             kill=1,
+            kill_after=0.2,
             dp_failover="resume",
         ),
     ]
