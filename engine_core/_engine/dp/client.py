@@ -350,6 +350,8 @@ class DPClient(EngineCoreClient):
                 self._send(tracked, tracked.request, tracked.reason)
             except ValueError as exc:  # pinned to an engine that is not back
                 del self._tracked[request_id]
+                if self._disagg is not None:
+                    self._disagg.gone(request_id)
                 self._ended.append(
                     FinishedRequest(request_id, "error", None, str(exc), retryable=True)
                 )
@@ -362,6 +364,8 @@ class DPClient(EngineCoreClient):
                 break  # the rest came later
             del self._waiting[request_id]
             if self._tracked.pop(request_id, None) is not None:
+                if self._disagg is not None:
+                    self._disagg.gone(request_id)
                 self._ended.append(restart_wait_ending(request_id, self.config.dp_restart_wait_s))
 
     def _next_wait_s(self) -> float | None:
