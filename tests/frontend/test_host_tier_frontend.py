@@ -8,6 +8,7 @@ import pytest
 
 from engine_core import AsyncLLM, EngineDeadError, SamplingParams
 from engine_core._core.engine_io import EngineStats
+from engine_core.errors import InvalidRequestError
 from engine_core.server._metrics import _engine_state
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
@@ -126,3 +127,57 @@ def test_metrics_name_the_host_tier_counters() -> None:
         "engine_core_num_recomputed_tokens",
     ):
         assert name in values
+
+
+class _Raising:
+    """A connector plugin whose scheduler half raises for prompts that start with token 7."""
+
+    name = "raising"
+
+    def scheduler(self, config: Any, layout: Any) -> Any:
+        from engine_core._core.host_tier import HostTierScheduler
+
+        class Half(HostTierScheduler):
+            def get_num_new_matched_tokens(self, request: Any, num: int) -> tuple[int, bool]:
+                if request.all_token_ids[0] == 7:
+                    raise RuntimeError("the index is unreachable")
+                return super().get_num_new_matched_tokens(request, num)
+
+        return Half(config, layout)
+
+    def worker(self, config: Any, layout: Any, backend: str, rank: int) -> Any:
+        from engine_core_mock._kv_link import MockHostWorker
+
+        return MockHostWorker(config, layout, None, __import__("time").monotonic)
+
+
+async def test_a_scheduler_half_that_raises_ends_only_its_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import engine_core_mock._backend as mock_backend
+
+    import engine_core._engine.startup as startup
+
+    monkeypatch.setattr(startup, "load_kv_connector", lambda name: _Raising())
+    monkeypatch.setattr(mock_backend, "load_kv_connector", lambda name: _Raising())
+    async with AsyncLLM(
+        backend="mock",
+        tokenizer="byte",
+        multiprocess=False,
+        num_kv_blocks=64,
+        kv_offload_bytes="1MiB",
+        kv_connector="raising",
+        backend_options={"num_layers": 2, "num_kv_heads": 1, "head_size": 8},
+    ) as engine:
+        with pytest.raises(InvalidRequestError, match="KV connector 'raising'.*unreachable"):
+            async for _ in engine.generate(
+                {"prompt_token_ids": [7, 8, 9]}, PARAMS, request_id="bad"
+            ):
+                pass
+        good = None
+        async for out in engine.generate(
+            {"prompt_token_ids": [1, 2, 3]}, PARAMS, request_id="good"
+        ):
+            good = out
+        assert good is not None and good.outputs[0].token_ids == [4, 5, 6, 7]
+        await engine.check_health()
