@@ -5,7 +5,7 @@ A prefill engine computes a prompt and its first token; when the request finishe
 with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": True}``) its full prompt
 blocks are **exported**: held under a lease (the core's late free) and published in the
 engine's **handoff segment**, a shared-memory segment of this host; the transfer parameters
-(segment, block ids, epoch) go back to the client with the first token. The client sends the
+(machine, segment, block ids, epoch, export slot) go back to the client with the first token. The client sends the
 request, the parameters and the first token to a decode engine, whose connector offers those
 blocks at admission, parks the request while its worker half pulls them, and confirms: the
 prefill engine's worker half sees the confirmation and the core frees the blocks.
@@ -13,16 +13,16 @@ prefill engine's worker half sees the confirmation and the core frees the blocks
 The handoff segment (one per engine, named by :func:`segment_name`), arrays of ``num_blocks``
 64-bit words each:
 
-- ``tags[b]``: the epoch of the export block ``b`` belongs to (0: none). The prefill side
-  clears it *before* the core may reuse the block (confirmation, lease expiry), so a reader
-  that finds every tag still equal to its epoch at the end of its copy read blocks that were
-  held the whole time; otherwise its load failed and it recomputes (it never uses freed
-  blocks);
+- ``tags[b]``: the epoch of the first export still holding block ``b`` (0: none; exports of
+  ``n`` siblings share their prompt's blocks);
 - ``contents[b]``: what the block holds, for a backend that moves bookkeeping (the mock's block
   fingerprints); a device backend would publish handles to its memory instead;
-- ``ready[s]``, ``done[s]`` (``s``: the export's first block): the epoch once the export is
-  published; the epoch once the reader is finished with it (copied, failed, cancelled,
-  rejected or aborted: the prefill side may free);
+- ``ready[s]``, ``done[s]`` (``s``: the export's slot, one per export in flight, given out by
+  the scheduler half): the epoch once the export is published, cleared by the prefill side
+  *before* the core may free the blocks (confirmation, lease expiry), so a reader that still
+  finds its epoch there after its copy read blocks held the whole time, and otherwise fails
+  its load and recomputes (it never uses freed blocks); the epoch once the reader is finished
+  with it (copied, failed, cancelled, rejected or aborted: the prefill side may free);
 - ``renew[s]``: when (``time.monotonic()``, one clock per host) the reader last said it is
   still copying: the lease runs from there.
 

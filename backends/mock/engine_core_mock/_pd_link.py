@@ -11,13 +11,14 @@ its export to be published before it fails).
 
 Prefill side (saves): each export's blocks are held in the ledger (no request may be handed
 one to write) until the reader's ``done`` word carries the export's epoch, or the lease ran out
-since the reader's last renewal; then the tags are cleared first and the save is reported
+since the reader's last renewal; then ``ready`` is cleared first and the save is reported
 (``finished_saves`` / ``failed_saves``): only then does the core free the blocks.
 
 Decode side (loads): a load waits for the export to be published, renews the lease while it
-copies (every step), and at the end of the modelled copy checks that the prefill engine is
-alive and every tag still carries the epoch: a block whose tag changed was (or may have been)
-freed, and is reported failed (the core cuts the request back to it and recomputes).
+copies (every step), and at the end of the modelled copy reads the contents, then checks that
+the prefill engine is alive and its export still published (``ready``): otherwise the blocks
+were (or may have been) freed and are reported failed (the core cuts the request back and it
+recomputes).
 """
 
 from __future__ import annotations
