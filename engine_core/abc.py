@@ -119,6 +119,7 @@ from engine_core._core.tokenizer import Tokenizer, load_tokenizer
 from engine_core.kv_connector import KVConnectorLayout, KVConnectorReport
 
 if TYPE_CHECKING:
+    from engine_core._core.request import Request
     from engine_core.config import EngineConfig
 
 __all__ = [
@@ -134,6 +135,7 @@ __all__ = [
     "LayerSpec",
     "ModelRunnerOutput",
     "NewRequestData",
+    "PreemptionVictimPolicy",
     "SchedulerOutput",
     "SlidingWindowSpec",
     "SpecSupport",
@@ -431,3 +433,25 @@ class BackendProvider(Protocol):
     def load(self) -> type[Backend]:
         """Import and return the backend class."""
         ...
+
+
+class PreemptionVictimPolicy(abc.ABC):
+    """Whom recompute preemption evicts when the KV cache runs out: a custom policy, named in
+    ``EngineConfig.preemption_victim`` as ``"module:attribute"`` (this class's subclass, or a
+    callable that returns an instance; it is called with no argument in the engine process).
+
+    The scheduler calls :meth:`pick` whenever the running request it is serving cannot get its
+    blocks; the victim's blocks are freed and it goes back to the waiting queue, keeping its
+    place there (priority, arrival). A request may read of each running request its
+    ``request_id``, ``priority``, ``arrival_time``, ``num_computed_tokens``, ``num_tokens``,
+    ``num_prompt_tokens`` and ``num_preemptions``, and must change nothing.
+
+    A policy that raises or returns a request that is not in ``running`` is a bug: the engine
+    stops with :class:`~engine_core.errors.EngineDeadError`, that error as its cause.
+    """
+
+    @abc.abstractmethod
+    def pick(self, running: Sequence[Request], requester: Request) -> Request:
+        """One of ``running`` (admission order; never empty) to preempt so that ``requester``
+        (one of them) gets its blocks. Returning ``requester`` itself gives up on it for this
+        step: it is preempted and nothing else is."""

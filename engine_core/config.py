@@ -89,6 +89,23 @@ def parse_size(name: str, value: Any) -> int:
     return int(number)
 
 
+VICTIM_POLICIES = ("last_admitted", "least_progress")
+"""The built-in values of ``EngineConfig.preemption_victim``."""
+
+
+def check_victim_policy_name(value: Any) -> None:
+    """``ValueError`` naming ``preemption_victim`` unless ``value`` is a built-in policy or a
+    ``"module:attribute"`` path."""
+    if isinstance(value, str) and (
+        value in VICTIM_POLICIES or (value.count(":") == 1 and all(value.split(":")))
+    ):
+        return
+    raise ValueError(
+        "preemption_victim must be 'last_admitted', 'least_progress' or 'module:attribute' "
+        f"(a PreemptionVictimPolicy), got {value!r}"
+    )
+
+
 def _non_negative_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -217,8 +234,32 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Split a long prompt's prefill over several steps, beside other requests' decodes."""
     long_prefill_token_threshold: int = 0
     """Most prompt tokens one request prefills in a step (0: no limit but the budget)."""
+    max_num_partial_prefills: int = 0
+    """Most requests that prefill in one step (a prompt's chunk, or a preempted request's
+    recomputation); those beyond it wait for a later step (vLLM's name). 0: no limit."""
+    max_long_partial_prefills: int = 0
+    """Of those, most whose remaining prompt is longer than ``long_prefill_token_threshold``,
+    so that a few long prompts cannot take every prefill slot: a long prompt past it waits and
+    shorter ones behind it are admitted (vLLM's name). 0: no limit of its own. Set with
+    ``long_prefill_token_threshold`` 0, the threshold becomes 4 % of ``max_model_len``
+    (as vLLM does)."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of prompt prefixes already computed."""
+    preemption_victim: str = "least_progress"
+    """Whom recompute preemption evicts when the KV cache runs out: ``"least_progress"`` (the
+    default: the running request with the fewest computed tokens, the least work to recompute;
+    under ``priority`` the worst priority first), ``"last_admitted"`` (the latest admitted;
+    under ``priority`` the worst priority, then the latest arrival: vLLM's choice), or
+    ``"module:attribute"``, a :class:`~engine_core.abc.PreemptionVictimPolicy` subclass (or
+    factory) imported in the engine process."""
+    max_bypass_steps: int = 64
+    """Steps in which requests behind a waiting request whose KV blocks are not free may be
+    admitted before it (no head-of-line blocking); after that many, nothing overtakes it until
+    its blocks are free. 0: nobody overtakes (a request that does not fit holds up the queue)."""
+    stall_timeout_s: float | None = 60.0
+    """With requests queued and no token computed for this long, the engine reports itself
+    unhealthy (``check_health`` raises, ``/health`` answers 503 with the reason) and logs its
+    queue state once. None: no check."""
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """Order of the waiting requests: first come first served, or by request priority
     (lower first)."""
@@ -456,6 +497,19 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}"
             )
+        _non_negative_int("max_num_partial_prefills", self.max_num_partial_prefills)
+        _non_negative_int("max_long_partial_prefills", self.max_long_partial_prefills)
+        _non_negative_int("max_bypass_steps", self.max_bypass_steps)
+        if (
+            self.max_num_partial_prefills
+            and self.max_long_partial_prefills > self.max_num_partial_prefills
+        ):
+            raise ValueError(
+                f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be <= "
+                f"max_num_partial_prefills ({self.max_num_partial_prefills})"
+            )
+        _positive("stall_timeout_s", self.stall_timeout_s)
+        check_victim_policy_name(self.preemption_victim)
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 "long_prefill_token_threshold must be >= 0, "
@@ -572,8 +626,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             batched = max(8192, self.max_num_seqs)
             if not self.enable_chunked_prefill:
                 batched = max(batched, max_model_len)
+        threshold = self.long_prefill_token_threshold
+        if threshold == 0 and self.max_long_partial_prefills:
+            threshold = max(1, int(max_model_len * 0.04))  # vLLM's default with the limits
         return msgspec.structs.replace(
-            self, max_model_len=max_model_len, max_num_batched_tokens=batched
+            self,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=batched,
+            long_prefill_token_threshold=threshold,
         )
 
     @classmethod

@@ -6,6 +6,7 @@
     ├── EngineError                  base of everything the engine raises on its own account
     │   ├── EngineDeadError          the engine core stopped (crash, exit, hang); nothing more runs
     │   ├── EngineClosedError        the engine was closed by its owner and is used afterwards
+    │   ├── EngineStalledError       work queued and no token computed for stall_timeout_s
     │   ├── BackendError             a backend could not be found, loaded or started
     │   └── RequestError             one request failed; the engine and other requests are fine
     │       ├── InvalidRequestError  (also a ValueError) bad prompt or parameters for this engine
@@ -20,6 +21,7 @@ __all__ = [
     "EngineClosedError",
     "EngineDeadError",
     "EngineError",
+    "EngineStalledError",
     "InvalidRequestError",
     "RequestError",
     "RetryableRequestError",
@@ -41,6 +43,12 @@ class EngineDeadError(EngineError):
 
 class EngineClosedError(EngineError):
     """The engine was closed by its owner and then used. Not raised when it died on its own."""
+
+
+class EngineStalledError(EngineError):
+    """The engine has requests queued and computed no token for ``stall_timeout_s``: its health
+    check fails with this (``/health`` answers 503 with the reason). It is alive and may recover
+    (a stall is a bug; the engine logs its queue state once)."""
 
 
 class BackendError(EngineError, LookupError):

@@ -158,6 +158,11 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Hit tokens / queried tokens over all admitted requests."""
     num_preemptions: int
     num_steps: int
+    num_recomputed_tokens: int = 0
+    """Tokens computed again after a preemption (recompute preemption's cost)."""
+    seconds_since_progress: float = 0.0
+    """Seconds since a step last computed a token while requests were queued (0 while idle):
+    past ``EngineConfig.stall_timeout_s`` the engine reports itself unhealthy."""
     num_kv_blocks: int
     num_free_kv_blocks: int
     prefix_cache_queries: int = 0
@@ -221,8 +226,6 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Requests waiting for their KV load now (``WAITING_FOR_REMOTE_KVS``)."""
     kv_loads_cancelled: int = 0
     """Parked loads given up on (the queue needed their blocks, the lease ran out, an abort)."""
-    num_recomputed_tokens: int = 0
-    """Tokens computed again by requests resumed after a preemption."""
     engine_role: str = "both"
     """Prefill/decode disaggregation: the engine's role (``EngineConfig.engine_roles``)."""
     kv_transfer: dict[str, float] = {}

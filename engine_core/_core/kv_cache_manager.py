@@ -96,11 +96,13 @@ class KVCacheManager:
         new_computed_blocks: Sequence[Any] = (),
         *,
         full_sequence_must_fit: bool = False,
+        keep_free: int = 0,
     ) -> bool:
         """Give ``request`` blocks for ``num_new_tokens`` more tokens after its computed ones and
         its ``new_computed_blocks`` (prefix hits). Returns False, changing nothing, when the pool
         cannot provide them. With ``full_sequence_must_fit``, also fails unless blocks for the
-        whole current sequence would fit."""
+        whole current sequence would fit with ``keep_free`` blocks to spare (those that
+        prefills under way still need)."""
         block_size = self.block_size
         blocks = request.blocks
         num_hits = len(new_computed_blocks)
@@ -117,7 +119,7 @@ class KVCacheManager:
                 # Mutation testing: `/` for `//` is equivalent: for an integer ``free``,
                 # ceil(x) > free exactly when x > free.
                 whole = -(-len(request.all_token_ids) // block_size) - len(blocks) - num_hits
-                required = max(required, whole)
+                required = max(required, whole + keep_free)
             if required > free:
                 return False
             if num_hits:
@@ -179,6 +181,48 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
+    # -- capacity: what one request can ever get (admission refuses what never fits) -----------
+
+    num_reserved_blocks = 0
+    """Blocks held outside requests (pinned, parked for a transfer, taken from a cache that
+    shrank): no request can get them."""
+    _reserved: list[KVCacheBlock] | None = None
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """The most blocks one request can ever hold: the pool less the reserved blocks."""
+        return self.pool.num_blocks - self.num_reserved_blocks
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks of the pool one request of ``num_tokens`` tokens needs at its peak."""
+        return -(-num_tokens // self.block_size)
+
+    def describe_need(self, num_tokens: int) -> str:
+        """The need of :meth:`blocks_for_tokens` per KV-cache group ("" with one group)."""
+        return ""
+
+    def blocks_to_finish(self, request: Request, num_tokens: int) -> int:
+        """The blocks ``request`` still needs to hold ``num_tokens`` tokens (a prefill under
+        way: those admission must leave free for it)."""
+        return max(0, -(-num_tokens // self.block_size) - len(request.blocks))
+
+    def reserve_blocks(self, num_blocks: int) -> int:
+        """Take up to ``num_blocks`` free blocks out of use (a cache that shrinks, blocks
+        pinned or parked); returns how many were taken. :meth:`release_reserved_blocks` gives
+        them back."""
+        taken = self.pool.allocate(min(num_blocks, self.pool.num_free_blocks))
+        if self._reserved is None:
+            self._reserved = []
+        self._reserved += taken
+        self.num_reserved_blocks = len(self._reserved)
+        return len(taken)
+
+    def release_reserved_blocks(self) -> None:
+        if self._reserved:
+            self.pool.free(self._reserved)
+        self._reserved = []
+        self.num_reserved_blocks = 0
+
 
 class GroupedKVCacheManager(KVCacheManager):
     """Block tables per KV-cache group, all groups in one pool (``KVLayout``).
@@ -215,6 +259,23 @@ class GroupedKVCacheManager(KVCacheManager):
             (g, group) for g, group in enumerate(self.groups) if group.span is not None
         ]
         self.blocks_in_use = [0] * self.num_groups
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return self.layout.blocks_needed(num_tokens, self.tokens_per_step, self.block_size)
+
+    def blocks_to_finish(self, request: Request, num_tokens: int) -> int:
+        released = request.released_blocks
+        current = len(request.blocks)
+        held = sum(current - r for r in released) if released is not None else 0
+        return max(0, self.blocks_for_tokens(num_tokens) - held)
+
+    def describe_need(self, num_tokens: int) -> str:
+        parts = []
+        for group in self.groups:
+            what = group.kind if group.span is None else f"{group.kind}({group.span})"
+            need = group.max_live_blocks(num_tokens, self.tokens_per_step, self.block_size)
+            parts.append(f"{what}: {need}")
+        return ", ".join(parts)
 
     def group_usage(self) -> list[tuple[str, int | None, int]]:
         return [
@@ -352,6 +413,7 @@ class GroupedKVCacheManager(KVCacheManager):
         new_computed_blocks: Sequence[Any] = (),
         *,
         full_sequence_must_fit: bool = False,
+        keep_free: int = 0,
     ) -> bool:
         """As :meth:`KVCacheManager.allocate_slots`, per group; ``new_computed_blocks`` is the
         per-group hit of :meth:`get_computed_blocks`. Window groups first release what their
@@ -381,7 +443,7 @@ class GroupedKVCacheManager(KVCacheManager):
             whole = self.layout.blocks_needed(
                 len(request.all_token_ids), self.tokens_per_step, block_size
             )
-            required = max(required, whole - held)
+            required = max(required, whole - held + keep_free)
         if required > free:
             return False
         if num_hits:

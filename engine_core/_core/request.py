@@ -139,6 +139,8 @@ class Request:
         "num_cached_blocks",
         "num_cached_tokens",
         "num_preemptions",
+        "recompute_until",
+        "num_bypassed_steps",
         "num_prompt_logprobs_sent",
         "use_structured_output",
         "grammar",
@@ -205,6 +207,12 @@ class Request:
         self.num_cached_blocks = 0
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        self.recompute_until = 0
+        """After a preemption: the tokens it had computed, counted as recomputed when it is
+        admitted again (``Scheduler.num_recomputed_tokens``; 0: none owed)."""
+        self.num_bypassed_steps = 0
+        """Steps in which requests behind it in the queue were admitted while its blocks were
+        not free (``EngineConfig.max_bypass_steps`` bounds them)."""
         self.num_prompt_logprobs_sent = 0
         self._block_size = block_size
         self._hash_blocks = hash_blocks

@@ -28,6 +28,11 @@ class RequestQueue:
         """Re-queue a preempted request ahead of the others (as far as the policy allows)."""
         raise NotImplementedError
 
+    def requeue(self, request: Request) -> None:
+        """Re-queue a preempted request at its place: ahead of every request that arrived after
+        it (fcfs), or by priority and arrival."""
+        raise NotImplementedError
+
     def peek(self) -> Request | None:
         raise NotImplementedError
 
@@ -56,6 +61,18 @@ class FCFSQueue(RequestQueue):
 
     def add_front(self, request: Request) -> None:
         self._queue.appendleft(request)
+
+    def requeue(self, request: Request) -> None:
+        queue = self._queue
+        arrival = request.arrival_time
+        if not queue or queue[0].arrival_time >= arrival:
+            queue.appendleft(request)  # the usual case: it came before everything queued
+            return
+        for i, queued in enumerate(queue):
+            if queued.arrival_time > arrival:
+                queue.insert(i, request)
+                return
+        queue.append(request)
 
     def peek(self) -> Request | None:
         queue = self._queue
@@ -93,6 +110,7 @@ class PriorityQueue(RequestQueue):
         )
 
     add_front = add  # a preempted request keeps its place by priority and arrival
+    requeue = add
 
     def peek(self) -> Request | None:
         heap = self._heap

@@ -4,7 +4,8 @@ One idea: each step every request tries to make ``num_computed_tokens`` catch up
 ``num_tokens`` within one budget of tokens per step. Prefill chunks, decodes, prefix-cache hits
 and resumed preemptions are all the same computation. Running requests are served first (in
 admission order), then waiting ones are admitted while the budget, the sequence cap and the free
-blocks allow. With speculative decoding a decoding request may also verify drafts, which count in
+blocks allow. Under KV pressure the rules of ``admission`` (refusals, bypass, partial prefills)
+and the victim policies of ``preemption`` apply. With speculative decoding a decoding request may also verify drafts, which count in
 the budget and are rolled back when rejected (``drafts``: where they come from and how
 many).
 
@@ -19,9 +20,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from engine_core._core import admission
 from engine_core._core.engine_io import EngineCoreOutputs, FinishedRequest
 from engine_core._core.kv_cache_manager import GroupedKVCacheManager, KVCacheManager
 from engine_core._core.kv_connector_core import ENDED, NO_ROOM, ConnectorCore
+from engine_core._core.preemption import make_victim_policy
 from engine_core._core.request import FINISH_REASONS, GrammarMatcher, Request, RequestStatus
 from engine_core._core.request_queue import make_queue
 from engine_core._core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -67,8 +70,12 @@ class SchedulerConfig:
     block_size: int = 16
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 0
+    max_long_partial_prefills: int = 0
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    preemption_victim: str = "least_progress"
+    max_bypass_steps: int = 64
     async_scheduling: bool | None = False
     """Schedule while the previous step is in flight (placeholders for its sampled tokens)."""
     kv_load_failure_policy: str = "recompute"
@@ -128,6 +135,22 @@ class Scheduler:
         self.waiting = make_queue(config.scheduling_policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+        """Tokens computed again after a preemption (what preemption cost)."""
+        self.victim_policy = make_victim_policy(
+            config.preemption_victim, priority=config.scheduling_policy == "priority"
+        )
+        self._prefill_limits = bool(
+            config.max_num_partial_prefills or config.max_long_partial_prefills
+        )
+        self._num_prefills = 0
+        self._num_long_prefills = 0
+        """This step's prefilling requests so far, and the long ones (with the limits on)."""
+        self._promised = 0
+        """Blocks that the prefills under way still need: admission leaves them free (a prompt
+        admitted on blocks another one's next chunks need would preempt it)."""
+        self._refused: list[FinishedRequest] = []
+        """Requests ended in schedule() because they can never fit, until taken."""
         self.num_constrained = 0
         """Live requests with structured outputs (0: no step needs a grammar bitmask)."""
         self._priority = config.scheduling_policy == "priority"
@@ -140,8 +163,6 @@ class Scheduler:
         # Reported to the backend with the next schedule().
         self._finished_req_ids: list[str] = []
         self._preempted_req_ids: list[str] = []
-        self.num_recomputed_tokens = 0
-        """Tokens computed again by requests resumed after a preemption (beyond their hits)."""
         self.connector: ConnectorCore | None = None
         """The KV connector's hooks (None: no connector; nothing of it runs)."""
         if kv_connector is not None:
@@ -220,6 +241,10 @@ class Scheduler:
             # First: the connector may hold (pin) its blocks while it saves them.
             params = self.connector.request_finished(request)
         self.kv.free(request)
+        if request.recompute_until and request.num_computed_tokens:
+            # Admitted since its preemption (a queued request has computed nothing): it ended
+            # before it had computed again all that its admission counted.
+            self._forgive_recompute(request)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
         if request.use_structured_output:
@@ -277,9 +302,13 @@ class Scheduler:
         in this step like a known one; one that surely ends with it (its length cap) is left out.
 
         1. Running requests catch up, in admission order (:meth:`_schedule_running`); one whose
-           blocks do not fit preempts others, or itself, until they do.
+           blocks do not fit preempts the victim policy's choice, or itself, until they do (or
+           ends with an error when it can never fit); with the partial-prefill limits a prefill
+           past them waits a step.
         2. Waiting requests are admitted while the budget, ``max_num_seqs`` and the free blocks
-           allow (:meth:`_schedule_waiting`), unless step 1 preempted.
+           allow (:meth:`_schedule_waiting`), unless step 1 preempted: in queue order, those
+           behind one whose blocks are not free going first for at most ``max_bypass_steps``
+           steps; one that can never fit is refused (:meth:`take_refused`).
         3. The output is built once, in batch order: running requests, then admitted ones.
 
         NOTE: nothing is admitted in a step that preempted, even a waiting request that would
@@ -307,6 +336,10 @@ class Scheduler:
         spec = self.draft_planner
         if spec is not None:
             spec.plan(self.running, budget)
+        limits = self._prefill_limits
+        if limits:
+            self._num_prefills = self._num_long_prefills = 0
+        promised = 0
         # Mutation testing: None is an equivalent start (only its truth is read).
         any_preempted = False  # pragma: no mutate
         # NOTE: preemption rebinds self.running to a new list instead of editing it, so this
@@ -330,6 +363,10 @@ class Scheduler:
                 ):
                     continue  # its step in flight ends it
             num_new = num_tokens - computed
+            if limits and num_new > 1:
+                if self._prefill_blocked(num_new):
+                    continue  # the step's prefill slots are taken
+                self._count_prefill(num_new)
             if threshold and num_new > threshold:
                 num_new = threshold
             if num_new > budget:
@@ -344,7 +381,9 @@ class Scheduler:
             # NOTE: while/else: the else runs once the blocks fit, not after the break (the
             # request preempted itself: nothing fits; with priority, a later request may).
             while not allocate_slots(request, num_slots):
-                victim = self._pick_victim()
+                if self._refuse_if_never_fits(request):
+                    break  # it outgrew the cache: preempting others would not help
+                victim = self._pick_victim(request)
                 budget += self._preempt_running(victim, entries)
                 any_preempted = True
                 if victim is request:
@@ -359,11 +398,14 @@ class Scheduler:
                     new_block_ids = [b.block_id for b in blocks[num_blocks_before:]]
                 entries += (request, request.request_id, new_block_ids, computed, num_new)
                 request.num_computed_tokens = computed + num_new
+                if computed + num_new < num_tokens:  # its prefill goes on: blocks it will need
+                    promised += kv.blocks_to_finish(request, num_tokens)
                 if self._async and computed + num_new == num_tokens:
                     request.num_output_placeholders = placeholders + 1
                 if spec is not None and computed + num_new >= num_tokens:
                     spec.sampling(request)
                 budget -= num_new
+        self._promised = promised
         return budget, any_preempted
 
     def _draft_cap(self, request: Request, budget: int) -> int:
@@ -385,13 +427,17 @@ class Scheduler:
         self, budget: int, new_reqs: list[NewRequestData], admitted: list[Request]
     ) -> int:
         """Admit waiting requests in queue order while the budget, ``max_num_seqs`` and the
-        free blocks allow; returns the budget left."""
+        free blocks allow; returns the budget left. One whose blocks are not free is set aside
+        and those behind it may go first (:meth:`_may_bypass`); one that can never fit is
+        refused; with the partial-prefill limits a long prompt past them waits."""
         config = self.config
         threshold = config.long_prefill_token_threshold
+        limits = self._prefill_limits
         kv = self.kv
         waiting = self.waiting
         running = self.running
         skipped: list[Request] = []
+        blocked: list[tuple[Request, int]] = []
         while budget > 0 and len(running) < config.max_num_seqs:
             request = waiting.peek()
             if request is None:
@@ -422,6 +468,13 @@ class Scheduler:
                             self._free(request)
                         continue  # PARKED: it waits for its load, out of the queue
             num_new = len(request.all_token_ids) - num_hit_tokens
+            if limits:
+                why = self._prefill_blocked(num_new)
+                if why == "all":
+                    break
+                if why == "long":
+                    skipped.append(waiting.pop())  # shorter prompts behind it may go
+                    continue
             # Mutation testing: `>=` in this test and the next is equivalent (capping at an
             # equal value).
             if threshold and num_new > threshold:
@@ -430,48 +483,134 @@ class Scheduler:
                 if not config.enable_chunked_prefill:
                     break  # the prompt must go in whole; nobody overtakes it
                 num_new = budget
-            if not kv.allocate_slots(request, num_new, hits, full_sequence_must_fit=True):
+            if not kv.allocate_slots(
+                request, num_new, hits, full_sequence_must_fit=True, keep_free=self._promised
+            ):
                 if (
                     connector is not None
                     and not running
                     and connector.release_for(request, waiting)
                 ):
                     continue  # a stuck parked load gave its blocks back: try again
-                break
+                if self._refuse_if_never_fits(request):
+                    continue
+                if not self._may_bypass(request, blocked, len(admitted)):
+                    break
+                skipped.append(waiting.pop())
+                continue
             waiting.pop()
             if connector is not None:
                 connector.admitted(request)
-            if request.num_preemptions:
-                self.num_recomputed_tokens += len(request.all_token_ids) - num_hit_tokens
-            request.set_status(_RUNNING)
-            running.append(request)
-            admitted.append(request)
-            request.num_computed_tokens = num_hit_tokens + num_new
-            if self._async and request.num_computed_tokens == len(request.all_token_ids):
-                request.num_output_placeholders = 1
-            if self.draft_planner is not None and request.num_computed_tokens == len(
-                request.all_token_ids
-            ):
-                self.draft_planner.sampling(request)
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-            kv.record_admission(request, num_hit_tokens)
-            new_reqs.append(
-                NewRequestData(
-                    request.request_id,
-                    request.prompt_token_ids,
-                    request.sampling_params,
-                    kv.table_ids(request),
-                    num_hit_tokens,
-                    num_new,
-                    request.output_token_ids,  # after a preemption or a resume elsewhere
-                    list(request.eos_token_ids),
-                )
-            )
+            self._admit(request, num_hit_tokens, num_new, admitted, new_reqs)
+            if request.num_computed_tokens < len(request.all_token_ids):
+                self._promised += kv.blocks_to_finish(request, len(request.all_token_ids))
             budget -= num_new
+        for request, num_admitted_before in blocked:
+            if len(admitted) > num_admitted_before:
+                request.num_bypassed_steps += 1
         for request in reversed(skipped):
             waiting.add_front(request)
         return budget
+
+    def _admit(
+        self,
+        request: Request,
+        num_hit_tokens: int,
+        num_new: int,
+        admitted: list[Request],
+        new_reqs: list[NewRequestData],
+    ) -> None:
+        """Move a waiting request whose blocks were allocated into the running batch."""
+        kv = self.kv
+        request.set_status(_RUNNING)
+        self.running.append(request)
+        admitted.append(request)
+        request.num_computed_tokens = num_hit_tokens + num_new
+        request.num_bypassed_steps = 0
+        if request.recompute_until > num_hit_tokens:  # after a preemption: computed again
+            self.num_recomputed_tokens += request.recompute_until - num_hit_tokens
+        if self._prefill_limits:
+            self._count_prefill(len(request.all_token_ids) - num_hit_tokens)
+        if self._async and request.num_computed_tokens == len(request.all_token_ids):
+            request.num_output_placeholders = 1
+        if self.draft_planner is not None and request.num_computed_tokens == len(
+            request.all_token_ids
+        ):
+            self.draft_planner.sampling(request)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        kv.record_admission(request, num_hit_tokens)
+        new_reqs.append(
+            NewRequestData(
+                request.request_id,
+                request.prompt_token_ids,
+                request.sampling_params,
+                kv.table_ids(request),
+                num_hit_tokens,
+                num_new,
+                request.output_token_ids,  # after a preemption or a resume elsewhere
+                list(request.eos_token_ids),
+            )
+        )
+
+    # -- admission rules (see engine_core._core.admission) --------------------------------------
+
+    def _may_bypass(
+        self, request: Request, blocked: list[tuple[Request, int]], num_admitted: int
+    ) -> bool:
+        """Whether requests behind ``request``, whose blocks are not free, may be admitted
+        before it in this step: not once it was overtaken in ``max_bypass_steps`` steps (it
+        then goes first as soon as its blocks are free), nor past a few such requests per
+        step, nor with no block free. Records it in ``blocked`` when they may."""
+        limit = self.config.max_bypass_steps
+        if (
+            request.num_bypassed_steps >= limit
+            or len(blocked) >= admission.MAX_BLOCKED_PER_STEP
+            or self.kv.num_free_blocks == 0
+        ):
+            return False
+        blocked.append((request, num_admitted))
+        return True
+
+    def _refuse_if_never_fits(self, request: Request) -> bool:
+        """End ``request`` with finish_reason "error" if its tokens can never fit in the cache
+        (it outgrew a cache that shrank, or never fitted); reported by :meth:`take_refused`."""
+        problem = admission.never_fits(self.kv, request, self.config.max_model_len)
+        if problem is None:
+            return False
+        if request.status is _RUNNING:
+            self.running = [r for r in self.running if r is not request]
+        else:
+            self.waiting.discard(request)  # it stays in the queue, finished: skipped there
+        request.error = problem
+        request.set_status(_ERROR)
+        self._free(request)
+        self._refused.append(FinishedRequest(request.request_id, "error", None, problem))
+        return True
+
+    def take_refused(self) -> list[FinishedRequest]:
+        """The requests :meth:`schedule` refused since the last call (they can never fit)."""
+        refused, self._refused = self._refused, []
+        return refused
+
+    def _prefill_blocked(self, num_remaining: int) -> str | None:
+        """Whether a request with ``num_remaining`` tokens to prefill must wait for a later
+        step: ``"all"`` (``max_num_partial_prefills`` are prefilling), ``"long"`` (it is long
+        and ``max_long_partial_prefills`` long ones are), or None."""
+        config = self.config
+        if 0 < config.max_num_partial_prefills <= self._num_prefills:
+            return "all"
+        if (
+            0 < config.max_long_partial_prefills <= self._num_long_prefills
+            and num_remaining > config.long_prefill_token_threshold
+        ):
+            return "long"
+        return None
+
+    def _count_prefill(self, num_remaining: int) -> None:
+        self._num_prefills += 1
+        if num_remaining > self.config.long_prefill_token_threshold:
+            self._num_long_prefills += 1
 
     def _make_output(
         self,
@@ -537,11 +676,10 @@ class Scheduler:
             )
         return SchedulerOutput(new_reqs, cached, total, finished_ids, preempted_ids)
 
-    def _pick_victim(self) -> Request:
-        if self._priority:
-            # Worst priority, then latest arrival, then latest admitted.
-            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]  # the latest admitted
+    def _pick_victim(self, requester: Request) -> Request:
+        """The running request to preempt for ``requester`` (``EngineConfig.preemption_victim``,
+        see ``engine_core._core.preemption``)."""
+        return self.victim_policy.pick(self.running, requester)
 
     def _preempt_running(self, victim: Request, entries: list[Any]) -> int:
         """Preempt a running request for the one :meth:`_schedule_running` is at, taking back
@@ -572,23 +710,35 @@ class Scheduler:
         del entries[k : k + _ENTRY]
         if victim.samples_in_flight:
             victim.num_output_placeholders -= 1  # the token it was to sample in this step
+        victim.num_computed_tokens = computed  # its tokens of this step are not computed
         # The blocks it registered for this step's tokens will not be computed.
         self.kv.uncache_uncomputed(victim, computed)
         return num_new
 
     def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop the KV, go back to the front of the waiting queue (with a
-        KV connector that stores blocks, resuming is then a load)."""
+        """Recompute preemption: drop the KV, go back to the waiting queue at its place
+        (ahead of later arrivals; by priority, then arrival). What it had computed is owed as
+        recomputed tokens, counted when it is admitted again."""
         if self.connector is not None:
+            # With a KV connector that stores blocks, resuming is then a load.
             self.connector.request_preempted(request)
         self.kv.free(request)
         if self.draft_planner is not None:
             self.draft_planner.unscheduled(request)
         request.set_status(_PREEMPTED)
+        self._forgive_recompute(request)
+        request.recompute_until = max(request.recompute_until, request.num_computed_tokens)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.add_front(request)
+        self.waiting.requeue(request)
+
+    def _forgive_recompute(self, request: Request) -> None:
+        """Take back the recomputed tokens counted at its admission that it did not compute
+        (preempted again, or ended, before it caught up)."""
+        owed = request.recompute_until - request.num_computed_tokens
+        if owed > 0:
+            self.num_recomputed_tokens -= owed
 
     # -- applying a step's results --------------------------------------------------------------
 

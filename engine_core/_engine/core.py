@@ -30,6 +30,7 @@ from typing import Any, TypeAlias
 
 import msgspec
 
+from engine_core._core.admission import must_generate, refusal
 from engine_core._core.drafts import DraftPlanner
 from engine_core._core.engine_io import (
     DPEngineCoreOutputs,
@@ -62,6 +63,7 @@ from engine_core.abc import (
     SchedulerOutput,
 )
 from engine_core.config import EngineConfig
+from engine_core.errors import EngineStalledError
 
 __all__ = ["EngineCore"]
 
@@ -170,6 +172,10 @@ class EngineCore:
         self._closed = False
         self.pause_mode: PauseMode | None = None
         """None while generating; else the mode of the last :meth:`pause_generation`."""
+        self._progress_at = clock()
+        """When a step last computed a token, or the engine last had nothing to do."""
+        self._stall_logged = False
+        """Whether the stall going on now was logged (once per stall)."""
         self._kv_events: KVEventLog | None = None
         self._host_events: KVEventLog | None = None
         if config.data_parallel_size > 1:
@@ -203,7 +209,11 @@ class EngineCore:
         bad_bias = [t for t in request.sampling_params.logit_bias or () if t >= vocab]
         if bad_bias:
             return f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary (size {vocab})"
-        return None
+        # What the cache can hold now (it may have shrunk since the engine started).
+        params = request.sampling_params
+        resumed = len(request.resume_output_token_ids)
+        owed = must_generate(params, params.max_tokens or 1 << 62) - resumed
+        return refusal(self.scheduler.kv, len(prompt) + resumed, max(owed, 1), self.max_model_len)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue ``request``. A request this engine cannot serve ends at the next step with
@@ -229,6 +239,8 @@ class EngineCore:
                 FinishedRequest(request.request_id, "error", None, problem)
             )
             return
+        if not self.scheduler.requests:
+            self._progress_at = self.clock()  # idle until now: no stall before it
         prompt = request.prompt_token_ids
         resumed = request.resume_output_token_ids
         new = Request(
@@ -365,7 +377,10 @@ class EngineCore:
             and scheduler_output.kv_connector_metadata is None
             and not self.scheduler.connector_needs_step
         ):
+            self._note_no_progress()
             return None
+        self._progress_at = self.clock()
+        self._stall_logged = False
         return scheduler_output
 
     def launch_step(self, scheduler_output: SchedulerOutput | None) -> StepResults | None:
@@ -502,6 +517,9 @@ class EngineCore:
         else:
             outputs = self.scheduler.update_from_output(*done)
             self.num_steps += 1
+            self._progress_at = self.clock()  # a long step is no stall
+        if self.scheduler._refused:  # requests that can never fit, refused by schedule()
+            outputs.finished.extend(self.scheduler.take_refused())
         if self._ended_outside_steps:
             outputs.finished.extend(self._ended_outside_steps)
             self._ended_outside_steps = []
@@ -589,6 +607,8 @@ class EngineCore:
             prefix_cache_hit_rate=kv.stats.hit_rate,
             num_preemptions=scheduler.num_preemptions,
             num_steps=self.num_steps,
+            num_recomputed_tokens=scheduler.num_recomputed_tokens,
+            seconds_since_progress=self.seconds_since_progress,
             num_kv_blocks=kv.num_blocks,
             num_free_kv_blocks=kv.num_free_blocks,
             prefix_cache_queries=kv.stats.queries,
@@ -599,7 +619,6 @@ class EngineCore:
                 KVGroupStats(kind=kind, window=span, blocks_in_use=used)
                 for kind, span, used in kv.group_usage()
             ],
-            num_recomputed_tokens=scheduler.num_recomputed_tokens,
             **self._spec_stats(),
             **self._connector_stats(),
             **self._transfer_stats(),
@@ -672,8 +691,77 @@ class EngineCore:
         a router that starts with an empty index."""
         return snapshot(self.scheduler.kv.pool.cached)
 
+    # -- stalls --------------------------------------------------------------------------------
+
+    @property
+    def seconds_since_progress(self) -> float:
+        """Seconds since a step last computed a token while requests were queued (0 while
+        there are none, or while a "keep" pause freezes them)."""
+        if not self.scheduler.requests or self.pause_mode is PauseMode.KEEP:
+            return 0.0
+        return max(0.0, self.clock() - self._progress_at)
+
+    def stall_reason(self) -> str | None:
+        """Why the engine is stalled (requests queued, no token computed for
+        ``stall_timeout_s``), or None."""
+        timeout = self.config.stall_timeout_s
+        if timeout is None:
+            return None
+        idle = self.seconds_since_progress
+        if idle < timeout:
+            return None
+        scheduler = self.scheduler
+        return (
+            f"no token computed for {idle:.0f} s (stall_timeout_s {timeout:g}) with "
+            f"{scheduler.num_waiting} requests waiting and {scheduler.num_running} running; "
+            f"{scheduler.kv.num_free_blocks} of {scheduler.kv.num_blocks} KV blocks free"
+        )
+
+    def stall_wait_s(self) -> float | None:
+        """How long an engine that cannot run anything may sleep before its stall is due to be
+        logged (None: no stall to come, or it was logged)."""
+        timeout = self.config.stall_timeout_s
+        if timeout is None or self._stall_logged or not self.scheduler.requests:
+            return None
+        return max(0.0, timeout - self.seconds_since_progress)
+
+    def _note_no_progress(self) -> None:
+        """A schedule that computes nothing: log the queue state once when it is a stall."""
+        if self._stall_logged:
+            return
+        reason = self.stall_reason()
+        if reason is None:
+            return
+        self._stall_logged = True
+        logger.error("the engine is stalled: %s; queue: %s", reason, self._queue_state())
+
+    def _queue_state(self) -> str:
+        """The waiting and running requests, briefly (the first few of each)."""
+
+        def brief(requests: Iterable[Request]) -> str:
+            shown = []
+            for i, r in enumerate(requests):
+                if i == 8:
+                    shown.append("...")
+                    break
+                shown.append(
+                    f"{r.request_id}({r.status.name.lower()}, {len(r.all_token_ids)} tokens, "
+                    f"{r.num_computed_tokens} computed, {r.num_bypassed_steps} bypassed)"
+                )
+            return ", ".join(shown) or "none"
+
+        scheduler = self.scheduler
+        return f"waiting: {brief(scheduler.waiting)}; running: {brief(scheduler.running)}"
+
     def check_health(self) -> None:
-        """Answering at all is the health check: a dead engine core cannot."""
+        """Answering at all is the health check (a dead engine core cannot); a stalled one
+        raises :class:`EngineStalledError` with the reason."""
+        reason = self.stall_reason()
+        if reason is not None:
+            if not self._stall_logged:
+                self._stall_logged = True
+                logger.error("the engine is stalled: %s; queue: %s", reason, self._queue_state())
+            raise EngineStalledError(f"the engine is stalled: {reason}")
 
     def pause_generation(self, mode: PauseMode | str = PauseMode.ABORT) -> None:
         """Stop generating. ``"abort"``: in-flight requests end as aborted; ``"wait"``: they run

@@ -261,6 +261,9 @@ class EngineCoreProc:
         # waiting for its grammar ends at its deadline if no compilation wakes the loop first.
         self._wake = wake = anyio.Event()
         deadline = self.core.grammar_wait_s()
+        stall = self.core.stall_wait_s()  # woken once at a stall's deadline, to log it
+        if stall is not None and (deadline is None or stall < deadline):
+            deadline = stall
         if deadline is None:
             await wake.wait()
             return

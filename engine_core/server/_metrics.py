@@ -11,7 +11,10 @@ Engine state, read from :meth:`AsyncLLM.get_stats` at each scrape:
   empty for full attention)
 - ``engine_core_prefix_cache_hit_rate`` (gauge, 0..1), ``engine_core_prefix_cache_queries_total``
   and ``engine_core_prefix_cache_hits_total`` (counters, tokens)
-- ``engine_core_num_preemptions_total`` (counter)
+- ``engine_core_num_preemptions_total`` (counter) and ``engine_core_num_recomputed_tokens_total``
+  (counter): tokens computed again after a preemption (what preemption cost)
+- ``engine_core_seconds_since_progress`` (gauge): seconds since a step last computed a token
+  while requests were queued (0 while idle); past ``stall_timeout_s`` ``/health`` answers 503
 - ``engine_core_malformed_messages_total`` (counter): messages the engine could not decode
   (answered with an error when their request id was readable, else dropped)
 - ``engine_core_device_busy_seconds_total`` (counter): seconds during which the backend had a
@@ -209,6 +212,11 @@ _ENGINE_SERIES = (
      "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     (CounterMetricFamily, "engine_core_num_preemptions",
      "Requests preempted to free KV-cache blocks.", "num_preemptions"),
+    (CounterMetricFamily, "engine_core_num_recomputed_tokens",
+     "Tokens computed again after a preemption.", "num_recomputed_tokens"),
+    (GaugeMetricFamily, "engine_core_seconds_since_progress",
+     "Seconds since a step last computed a token while requests were queued.",
+     "seconds_since_progress"),
     (CounterMetricFamily, "engine_core_malformed_messages",
      "Messages the engine could not decode.", "num_malformed_messages"),
     (CounterMetricFamily, "engine_core_device_busy_seconds",

@@ -178,7 +178,8 @@ def test_chunked_prefill_order(chunked: bool) -> None:
 
 
 def test_admission_needs_the_whole_prompt_in_free_blocks() -> None:
-    scheduler = make_scheduler(num_blocks=8, max_num_batched_tokens=96)
+    # max_bypass_steps=0: nobody overtakes a request whose blocks are not free.
+    scheduler = make_scheduler(num_blocks=8, max_num_batched_tokens=96, max_bypass_steps=0)
     holder = make_request("holder", num_tokens=64, max_tokens=1)  # 4 blocks
     big = make_request("big", num_tokens=80)  # 5 blocks; a first chunk of 32 tokens would fit in 2
     small = make_request("small", num_tokens=10)
@@ -310,7 +311,13 @@ def test_priority_admission_respects_max_num_seqs() -> None:
 
 
 def test_fcfs_preempts_the_latest_admitted() -> None:
-    scheduler = make_scheduler(num_blocks=7, enable_prefix_caching=False)
+    # max_bypass_steps=0: d may not overtake c below (tests/core/test_pressure.py: it may).
+    scheduler = make_scheduler(
+        num_blocks=7,
+        enable_prefix_caching=False,
+        max_bypass_steps=0,
+        preemption_victim="last_admitted",
+    )
     a = make_request("a", num_tokens=32, max_tokens=3, hash_blocks=False)  # 2 blocks
     b = make_request("b", num_tokens=32, max_tokens=3, hash_blocks=False)  # 2 blocks
     c = make_request("c", num_tokens=48, hash_blocks=False)  # 3 blocks
@@ -417,7 +424,12 @@ def test_priority_preempts_the_worst_priority() -> None:
 
 def _three_running(policy: str) -> tuple[Scheduler, Request, Request, Request]:
     """Running in admission order [y, x, z]; x arrived first but was admitted after y."""
-    scheduler = make_scheduler(num_blocks=8, scheduling_policy=policy, enable_prefix_caching=False)
+    scheduler = make_scheduler(
+        num_blocks=8,
+        scheduling_policy=policy,
+        enable_prefix_caching=False,
+        preemption_victim="last_admitted",
+    )
     y = make_request("y", num_tokens=32, priority=1, arrival_time=2.0, hash_blocks=False)
     x = make_request("x", num_tokens=32, priority=1, arrival_time=1.0, hash_blocks=False)
     z = make_request("z", num_tokens=32, priority=0, arrival_time=3.0, hash_blocks=False)

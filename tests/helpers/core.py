@@ -69,8 +69,10 @@ def make_scheduler(
     long_prefill_token_threshold: int = 0,
     enable_prefix_caching: bool = True,
     scheduling_policy: str = "fcfs",
+    **knobs: object,
 ) -> Scheduler:
-    """A scheduler of ``num_blocks`` KV blocks (with ``draft_planner``: speculative)."""
+    """A scheduler of ``num_blocks`` KV blocks (with ``draft_planner``: speculative); ``knobs``
+    are further ``SchedulerConfig`` fields."""
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -80,5 +82,6 @@ def make_scheduler(
         long_prefill_token_threshold=long_prefill_token_threshold,
         enable_prefix_caching=enable_prefix_caching,
         scheduling_policy=scheduling_policy,
+        **knobs,  # type: ignore[arg-type]
     )
     return Scheduler(config, num_blocks, draft_planner)

@@ -560,7 +560,12 @@ def test_with_step_latency_the_step_lasts_the_longer_of_forward_and_bitmask() ->
 
 def test_preempted_constrained_requests_resume_in_their_grammar() -> None:
     config = EngineConfig(
-        backend="mock", tokenizer="byte", async_scheduling=False, num_kv_blocks=8, block_size=16
+        backend="mock",
+        tokenizer="byte",
+        async_scheduling=False,
+        num_kv_blocks=8,
+        block_size=16,
+        preemption_victim="last_admitted",  # the victims below
     )
     core = EngineCore(config)
     for i in range(4):

@@ -17,6 +17,7 @@ _SUMMED = (
     "num_running",
     "num_waiting",
     "num_preemptions",
+    "num_recomputed_tokens",
     "num_steps",
     "num_kv_blocks",
     "num_free_kv_blocks",
@@ -40,7 +41,6 @@ _SUMMED = (
     "kv_offload_free_blocks",
     "kv_parked_requests",
     "kv_loads_cancelled",
-    "num_recomputed_tokens",
 )
 
 
@@ -83,6 +83,7 @@ def aggregate_stats(per_engine: dict[int, EngineStats], num_engines: int) -> Eng
         spec_accepted_per_pos=_sum_lists([s.spec_accepted_per_pos for s in stats]),
         spec_drafted_per_pos=_sum_lists([s.spec_drafted_per_pos for s in stats]),
         spec_current_k=max((s.spec_current_k for s in stats), default=0),
+        seconds_since_progress=max((s.seconds_since_progress for s in stats), default=0.0),
         spec_steps_by_k=steps_by_k,
         kv_cache_usage=1.0 - free / blocks if blocks else 0.0,
         prefix_cache_hit_rate=hits / queries if queries else 0.0,

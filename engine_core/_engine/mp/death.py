@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 
 from engine_core._engine.wire import EngineDead
-from engine_core.errors import BackendError, EngineDeadError, EngineError
+from engine_core.errors import BackendError, EngineDeadError, EngineError, EngineStalledError
 
 __all__ = [
     "REMOTE_ERRORS",
@@ -22,6 +22,7 @@ REMOTE_ERRORS: dict[str, type[Exception]] = {
     "TypeError": TypeError,
     "NotImplementedError": NotImplementedError,
     "BackendError": BackendError,
+    "EngineStalledError": EngineStalledError,
 }
 
 

@@ -1,0 +1,71 @@
+"""The admission rules of the scheduler under KV pressure (pure functions of a request and the
+cache; ``Scheduler._schedule_waiting`` applies them):
+
+- **never fits**: a request whose tokens need more blocks than one request can ever hold (the
+  pool less its reserved blocks, per KV-cache group) is refused with an error naming both
+  figures, at arrival and whenever it cannot be allocated (the cache may have shrunk), never
+  queued forever;
+- **bypass**: when the request at the head of the queue cannot get its blocks, requests behind
+  it that fit are admitted, for at most ``max_bypass_steps`` steps; then nothing overtakes it
+  until its blocks are free;
+- **partial prefills**: at most ``max_num_partial_prefills`` requests prefill in a step, at most
+  ``max_long_partial_prefills`` of them with more than ``long_prefill_token_threshold`` tokens
+  left to prefill; a long request past that waits and shorter ones behind it are admitted.
+"""
+
+from __future__ import annotations
+
+from engine_core._core.kv_cache_manager import KVCacheManager
+from engine_core._core.request import Request
+from engine_core.sampling_params import SamplingParams
+
+__all__ = ["MAX_BLOCKED_PER_STEP", "must_generate", "never_fits", "refusal"]
+
+MAX_BLOCKED_PER_STEP = 8
+"""Requests that cannot get their blocks a step sets aside before it stops looking further
+down the queue (a full cache must not cost a scan of the whole queue every step)."""
+
+
+def must_generate(params: SamplingParams, max_tokens: int) -> int:
+    """The fewest tokens a request must generate before it can end: ``min_tokens`` (at least
+    one), or all ``max_tokens`` when nothing but the length cap can stop it."""
+    if (
+        params.ignore_eos
+        and not params.stop_token_ids
+        and not params.stop
+        and params.structured_outputs is None
+    ):
+        return max(1, max_tokens)
+    return max(1, params.min_tokens)
+
+
+def refusal(
+    kv: KVCacheManager, num_tokens: int, num_to_generate: int, max_model_len: int
+) -> str | None:
+    """Why a request of ``num_tokens`` tokens (its prompt, and any output so far) that must
+    generate ``num_to_generate`` more can never fit in the cache (both figures named), or None.
+    Its KV holds every position but that of the last token it generates."""
+    num_positions = min(num_tokens + num_to_generate - 1, max_model_len)
+    need = kv.blocks_for_tokens(num_positions)
+    usable = kv.num_usable_blocks
+    if need <= usable:
+        return None
+    per_group = kv.describe_need(num_positions)
+    reserved = kv.num_reserved_blocks
+    return (
+        f"the request needs {need} KV-cache blocks of {kv.block_size} tokens"
+        + (f" ({per_group})" if per_group else "")
+        + f" for its {num_tokens} tokens and the {num_to_generate} it must generate, but one "
+        f"request can hold at most {usable} blocks (the cache has {kv.num_blocks}"
+        + (f", {reserved} of them pinned or parked" if reserved else "")
+        + ")"
+    )
+
+
+def never_fits(kv: KVCacheManager, request: Request, max_model_len: int) -> str | None:
+    """:func:`refusal` for a queued or running request: its tokens so far, and those it must
+    still generate (at least one)."""
+    generated = request.num_output_tokens
+    owed = must_generate(request.sampling_params, request.max_tokens) - generated
+    num_tokens = len(request.all_token_ids) + request.num_output_placeholders
+    return refusal(kv, num_tokens, max(owed, 1), max_model_len)
