@@ -88,10 +88,10 @@ class KVConnectorMetadata(msgspec.Struct, array_like=True, omit_defaults=True):
 
     Ordering rules the worker half keeps, in :meth:`KVConnectorWorker.start_step`:
 
-    1. ``cancelled`` first: a cancelled load's blocks are handed to other requests in this
-       very step, so no copy into them may land after this step's forward pass starts (on a
-       device: the compute stream waits on the cancelled copies' events). Cancelled loads are
-       not reported as finished.
+    1. ``cancelled`` first: a cancelled transfer's blocks are handed to other requests in this
+       very step, so no copy into (or out of) them may run after this step's forward pass
+       starts (on a device: the compute stream waits on the cancelled copies' events).
+       Cancelled transfers are not reported as finished.
     2. ``saves``: the blocks hold final KV (computed in earlier steps). The core keeps them out
        of reuse until the save is reported in ``finished_saves`` (or ``failed_saves``), so
        they may be copied at leisure, off the step's critical path.
@@ -102,7 +102,9 @@ class KVConnectorMetadata(msgspec.Struct, array_like=True, omit_defaults=True):
     loads: list[KVTransfer] = []
     saves: list[KVTransfer] = []
     cancelled: list[str] = []
-    """Transfer ids of loads the core gave up on (their requests recompute)."""
+    """Transfer ids of loads the core gave up on (their requests recompute), and of saves not
+    reported within ``kv_lease_s`` (their blocks go back to the pool: the worker half must not
+    read them after this step's forward pass starts)."""
     extra: bytes = b""
     """Connector-specific payload (e.g. msgspec-encoded), opaque to the core."""
 

@@ -140,6 +140,19 @@ class HostTierScheduler(KVConnectorScheduler):
         entry = self._index.get(key)
         return entry is not None and entry.committed
 
+    def _needed(
+        self, first_live: Callable[[int], int], first: int, length: int, prompt_end: int
+    ) -> Callable[[int], bool]:
+        """Which entries of a window group a load of blocks ``first .. length`` must fill:
+        those the window sees from the hit's end, and those of the prompt's own window (the
+        device keeps them while the request runs)."""
+        block_size = self.block_size
+        live = max(first, min(first_live(length * block_size), length - 1))
+        keep_from = (
+            min(first_live(prompt_end * block_size), prompt_end - 1) if prompt_end > 0 else 0
+        )
+        return lambda i: i >= live or keep_from <= i < prompt_end
+
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int, bool]:
@@ -162,14 +175,17 @@ class HostTierScheduler(KVConnectorScheduler):
             while n < length and committed(keys[n] + suffix):
                 n += 1
             length = n
+        # The device keeps a window group's blocks that a hit of the prompt needs (the window
+        # before the prompt's end) as well as those its window sees: both must be loaded.
+        prompt_end = min((request.num_prompt_tokens - 1) // block_size, len(keys))
         changed = True
         while changed and length > first:
             changed = False
             for g, span_first in self._windowed:
                 suffix = suffixes[g]
-                live = max(first, min(span_first(length * block_size), length - 1))
-                for i in range(length - 1, live - 1, -1):
-                    if not committed(keys[i] + suffix):
+                needed = self._needed(span_first, first, length, prompt_end)
+                for i in range(length - 1, first - 1, -1):
+                    if needed(i) and not committed(keys[i] + suffix):
                         length = i
                         changed = True
                         break
@@ -181,14 +197,16 @@ class HostTierScheduler(KVConnectorScheduler):
         offer_keys: list[list[bytes]] = []
         for g in range(self.num_groups):
             suffix = suffixes[g]
-            live = first
             window = self._window_of[g]
-            if window is not None:
-                live = max(first, min(window(length * block_size), length - 1))
+            needed = (
+                (lambda i: True)
+                if window is None
+                else self._needed(window, first, length, prompt_end)
+            )
             group_slots = []
             group_keys = []
             for i in range(first, length):
-                if i < live:
+                if not needed(i):
                     group_slots.append(-1)
                     group_keys.append(b"")
                 else:

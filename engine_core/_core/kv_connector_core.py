@@ -189,6 +189,8 @@ class ConnectorCore:
         request: Request,
         hits: Any,
         num_hit_tokens: int,
+        *,
+        keep_free: int = 0,
     ) -> int | None:
         """Ask the connector for tokens beyond the device hit (``request`` is the head of the
         queue). PARKED: it parked (the caller takes it out of the queue); ENDED: the connector
@@ -234,7 +236,9 @@ class ConnectorCore:
         # Past it the queue waits for the parked loads (they end soon, or are cancelled).
         if self.parked and self.parked_blocks + num_blocks > self.max_parked_blocks:
             return NO_ROOM if self._tell_alloc(request, [], 0) else ENDED
-        if not kv.allocate_slots(request, num_external, hits, full_sequence_must_fit=True):
+        if not kv.allocate_slots(
+            request, num_external, hits, full_sequence_must_fit=True, keep_free=keep_free
+        ):
             return NO_ROOM if self._tell_alloc(request, [], 0) else ENDED
         # No other request may hit a block still loading: registered once it is reported.
         kv.uncache_uncomputed(request, num_hit_tokens)
@@ -338,14 +342,20 @@ class ConnectorCore:
                 request = entry.request
                 self.cancel(request, reason=f"not reported within kv_lease_s ({self.lease_s} s)")
                 waiting.add_front(request)
-        for transfer_id, pins in list(self.pins.items()):
-            if pins[0][1] < limit:
-                self.counters.lease_expired += 1
-                logger.warning(
-                    "KV transfer %r not reported within kv_lease_s: its blocks are freed",
-                    transfer_id,
-                )
-                self._unpin(transfer_id)
+        expired = [t for t, pins in self.pins.items() if pins[0][1] < limit]
+        for transfer_id in expired:
+            self.counters.lease_expired += 1
+            logger.warning(
+                "KV transfer %r not reported within kv_lease_s: cancelled, its blocks freed",
+                transfer_id,
+            )
+            # The worker half drops it before the next forward pass (the blocks may be reused
+            # in that step); the scheduler half hears of it as a failed save.
+            self._unpin(transfer_id)
+            self.cancelled.append(transfer_id)
+        if expired:
+            report = KVConnectorReport(failed_saves=expired)
+            self._guard("on_report", lambda: self.connector.on_report(report))
 
     # -- pins ---------------------------------------------------------------------------------------
 

@@ -456,12 +456,19 @@ class Scheduler:
             else:
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
                 if connector is not None:
-                    outcome = connector.try_park(request, hits, num_hit_tokens)
-                    if outcome is not None:
-                        if outcome == NO_ROOM:
-                            if not running and connector.release_for(request, waiting):
-                                continue
+                    outcome = connector.try_park(
+                        request, hits, num_hit_tokens, keep_free=self._promised
+                    )
+                    if outcome == NO_ROOM:
+                        if self._refuse_if_never_fits(request):
+                            continue
+                        if not running and connector.release_for(request, waiting):
+                            continue
+                        if not self._may_bypass(request, blocked, len(admitted)):
                             break
+                        skipped.append(waiting.pop())
+                        continue
+                    if outcome is not None:
                         waiting.pop()
                         if outcome == ENDED:
                             request.set_status(_ERROR)
@@ -486,14 +493,14 @@ class Scheduler:
             if not kv.allocate_slots(
                 request, num_new, hits, full_sequence_must_fit=True, keep_free=self._promised
             ):
+                if self._refuse_if_never_fits(request):
+                    continue
                 if (
                     connector is not None
                     and not running
                     and connector.release_for(request, waiting)
                 ):
                     continue  # a stuck parked load gave its blocks back: try again
-                if self._refuse_if_never_fits(request):
-                    continue
                 if not self._may_bypass(request, blocked, len(admitted)):
                     break
                 skipped.append(waiting.pop())
@@ -718,9 +725,9 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV, go back to the waiting queue at its place
         (ahead of later arrivals; by priority, then arrival). What it had computed is owed as
-        recomputed tokens, counted when it is admitted again."""
+        recomputed tokens, counted when it is admitted again. With a KV connector that stores
+        blocks, resuming is then a load."""
         if self.connector is not None:
-            # With a KV connector that stores blocks, resuming is then a load.
             self.connector.request_preempted(request)
         self.kv.free(request)
         if self.draft_planner is not None:

@@ -389,7 +389,14 @@ class EngineCore:
         given) and return the step launched before it with its results, or None while no older
         step is in flight; without a new step it waits for the oldest one (draining)."""
         if self.async_scheduling:
-            return self._execute_async(scheduler_output)
+            done = self._execute_async(scheduler_output)
+            if (
+                done is not None
+                and done[0].total_num_scheduled_tokens == 0
+                and done[1].kv_connector_report is None
+            ):
+                time.sleep(_CONNECTOR_POLL_S)  # as below: a connector-only step heard nothing
+            return done
         if scheduler_output is None:
             return None
         runner_output = self._execute(scheduler_output)

@@ -26,8 +26,7 @@ Engine state, read from :meth:`AsyncLLM.get_stats` at each scrape:
   ``engine_core_kv_offload_load_seconds_total``, ``engine_core_kv_offload_store_seconds_total``,
   ``engine_core_kv_offload_failed_blocks_total``, ``engine_core_kv_loads_cancelled_total``
   (counters), ``engine_core_kv_offload_resident_blocks`` and ``engine_core_kv_parked_requests``
-  (gauges); ``engine_core_num_recomputed_tokens_total`` (counter): tokens computed again after
-  preemptions
+  (gauges)
 
 With speculative decoding on (vLLM's counters, so its PromQL for the acceptance rate, the mean
 acceptance length and the per-position rate carries over):
@@ -240,8 +239,6 @@ _ENGINE_SERIES = (
      "Requests waiting for their KV load (WAITING_FOR_REMOTE_KVS).", "kv_parked_requests"),
     (CounterMetricFamily, "engine_core_kv_loads_cancelled",
      "KV loads given up on (their requests recomputed).", "kv_loads_cancelled"),
-    (CounterMetricFamily, "engine_core_num_recomputed_tokens",
-     "Tokens computed again by requests resumed after a preemption.", "num_recomputed_tokens"),
 )  # fmt: skip
 
 

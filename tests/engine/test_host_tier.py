@@ -260,6 +260,30 @@ def test_failed_loads_with_several_kv_cache_groups() -> None:
     assert_no_leaks(core)
 
 
+def test_saves_past_their_lease_are_cancelled_and_nothing_leaks() -> None:
+    core = make_core(link={"bytes_per_s": 1e3}, kv_lease_s=0.2)  # a save takes seconds
+    batch = rounds(1)[0]
+    tokens, _ = run(core, batch)
+    assert tokens == reference(batch)
+    connector = core.scheduler.connector
+    assert connector is not None and connector.counters.lease_expired > 0
+    assert core.get_stats().kv_offload_resident_blocks == 0  # no save was committed
+    assert_no_leaks(core)
+
+
+def test_the_host_tier_evicts_least_recently_used_blocks() -> None:
+    core = make_core(host_blocks=24)  # two prompts' worth of blocks
+    for batch in rounds(2):
+        tokens, _ = run(core, batch)
+        assert tokens == reference(batch)
+    connector = core.scheduler.connector
+    assert connector is not None
+    host = connector.connector
+    assert host.stats()["evictions"] > 0
+    assert core.get_stats().kv_offload_resident_blocks <= 24
+    assert_no_leaks(core)
+
+
 def test_failure_policy_fail_ends_the_request_with_an_error() -> None:
     link = {"fault": {"kind": "drop", "probability": 1.0, "seed": 0}}
     core = make_core(link=link, kv_load_failure_policy="fail")
@@ -368,10 +392,13 @@ def _never_core(**kwargs: Any) -> EngineCore:
 
 
 @pytest.mark.usefixtures("never_connector")
-def test_parked_loads_holding_the_heads_blocks_are_cancelled_not_stalled() -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_parked_loads_holding_the_heads_blocks_are_cancelled_not_stalled(
+    async_scheduling: bool,
+) -> None:
     # Two parked loads hold 20 of the 24 blocks; the head needs 10: nothing runs, and the
     # loads never arrive. The scheduler cancels them (they recompute) instead of stalling.
-    core = _never_core(kv_max_parked_fraction=1.0)
+    core = _never_core(kv_max_parked_fraction=1.0, async_scheduling=async_scheduling)
     batch = [("a", prompt(1, 150)), ("b", prompt(2, 150)), ("head", prompt(3, 150))]
     tokens, finished = run(core, batch)
     assert tokens == reference(batch)

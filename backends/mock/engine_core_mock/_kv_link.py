@@ -245,7 +245,7 @@ class MockHostWorker(KVConnectorWorker):
         now = self._clock()
         for transfer_id in metadata.cancelled:
             pending = self._pending.pop(transfer_id, None)
-            if pending is not None and pending.is_load:
+            if pending is not None:  # a load, or a save past its lease
                 for ids in pending.transfer.block_ids:
                     for block_id in ids:
                         if block_id >= 0:
