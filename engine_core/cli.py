@@ -60,7 +60,14 @@ def _flag_type(annotation: Any) -> tuple[Any, dict[str, Any]]:
         return json.loads, {"metavar": "JSON"}
     if isinstance(base, type) and issubclass(base, msgspec.Struct):
         return json.loads, {"metavar": "JSON"}  # a dict: EngineConfig converts it
+    if typing.get_origin(base) is list:
+        return _or_none(_comma_list), {"metavar": "A,B,..."}
     return str, {}
+
+
+def _comma_list(text: str) -> list[str]:
+    """``prefill,decode,decode`` -> ``["prefill", "decode", "decode"]``."""
+    return [part.strip() for part in text.split(",")]
 
 
 def _field_docs() -> dict[str, str]:

@@ -382,6 +382,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     kv_max_parked_fraction: float = 0.5
     """The most of the KV cache that requests waiting for their KV load may hold (0..1]; past
     it a request computes instead of loading."""
+    engine_roles: list[str] | None = None
+    """Prefill/decode disaggregation (``docs/disaggregation.md``): each engine's role,
+    ``"prefill"``, ``"decode"`` or ``"both"``, one per engine (``data_parallel_size`` of them);
+    None: every engine ``"both"`` (no disaggregation). With at least one prefill and one decode
+    engine, prompts are computed on prefill engines and their KV handed to decode engines."""
 
     @property
     def router_policy(self) -> str:
@@ -542,6 +547,22 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
                 f"got {self.kv_load_failure_policy!r}"
             )
         _positive("kv_lease_s", self.kv_lease_s, allow_none=False)
+        _check_engine_roles(self.engine_roles, self.data_parallel_size)
+        if self.disaggregated and self.kv_connector not in (None, "pd"):
+            raise ValueError(
+                f"engine_roles {self.engine_roles} disaggregate prefill and decode through the "
+                f"'pd' KV connector; kv_connector {self.kv_connector!r} cannot serve with it"
+            )
+        if self.disaggregated and not self.enable_prefix_caching:
+            raise ValueError(
+                f"engine_roles {self.engine_roles} need enable_prefix_caching: the decode "
+                "engines take the prefill engines' blocks through the prefix cache's hooks"
+            )
+        if self.disaggregated and self.kv_offload_bytes:
+            raise ValueError(
+                "kv_offload_bytes (the host KV tier) and disaggregating engine_roles do not run "
+                "together yet: give one of them"
+            )
         if not isinstance(self.kv_max_parked_fraction, (int, float)) or not (
             0.0 < self.kv_max_parked_fraction <= 1.0
         ):
@@ -551,11 +572,35 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def kv_connector_name(self) -> str | None:
-        """The KV connector in use: ``kv_connector``, else ``"host"`` when
+        """The KV connector in use: ``kv_connector``, else ``"pd"`` for an engine of a
+        disaggregated deployment (:attr:`disaggregated`), else ``"host"`` when
         ``kv_offload_bytes`` > 0, else None."""
         if self.kv_connector is not None:
             return self.kv_connector
+        if self.disaggregated:
+            return "pd"
         return "host" if self.kv_offload_bytes else None
+
+    @property
+    def roles(self) -> list[str]:
+        """Each engine's role (``engine_roles``, or ``"both"`` for every engine)."""
+        if self.engine_roles is None:
+            return ["both"] * self.data_parallel_size
+        return list(self.engine_roles)
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether prefill and decode run on different engines (a prefill and a decode
+        engine among ``engine_roles``)."""
+        roles = self.engine_roles
+        return roles is not None and "prefill" in roles and "decode" in roles
+
+    @property
+    def engine_role(self) -> str:
+        """This engine's role (``engine_roles[data_parallel_rank]``)."""
+        roles = self.roles
+        rank = self.data_parallel_rank
+        return roles[rank] if 0 <= rank < len(roles) else "both"
 
     @property
     def gpus_per_engine(self) -> int:
@@ -598,3 +643,32 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
         if unknown:
             raise TypeError(f"unknown EngineConfig field(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+
+ENGINE_ROLES = ("prefill", "decode", "both")
+"""The roles an engine may have (``EngineConfig.engine_roles``)."""
+
+
+def _check_engine_roles(roles: Any, num_engines: int) -> None:
+    """``ValueError`` naming ``engine_roles`` for a list that is not one known role per engine,
+    or that has prefill engines without a decode engine (or the reverse)."""
+    if roles is None:
+        return
+    if not isinstance(roles, list) or not all(isinstance(r, str) for r in roles):
+        raise ValueError(f"engine_roles must be a list of role names, got {roles!r}")
+    unknown = sorted({r for r in roles if r not in ENGINE_ROLES})
+    if unknown:
+        raise ValueError(
+            f"engine_roles has unknown role(s) {unknown}: each is one of {', '.join(ENGINE_ROLES)}"
+        )
+    if len(roles) != num_engines:
+        raise ValueError(
+            f"engine_roles lists {len(roles)} role(s) but data_parallel_size is {num_engines}: "
+            "give one role per engine"
+        )
+    takes_prefill = any(r in ("prefill", "both") for r in roles)
+    takes_decode = any(r in ("decode", "both") for r in roles)
+    if not takes_prefill:
+        raise ValueError(f"engine_roles {roles} has no engine that computes prompts (prefill)")
+    if not takes_decode:
+        raise ValueError(f"engine_roles {roles} has no engine that decodes (decode)")

@@ -386,7 +386,10 @@ class KVConnectorProvider(Protocol):
         ...
 
 
-BUILTIN_CONNECTORS = {"host": "engine_core._core.host_tier:HostTierProvider"}
+BUILTIN_CONNECTORS = {
+    "host": "engine_core._core.host_tier:HostTierProvider",
+    "pd": "engine_core._core.pd_connector:PDProvider",
+}
 """Connectors that ship with the engine, by name (``module:attribute`` of their provider)."""
 
 

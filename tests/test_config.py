@@ -71,6 +71,7 @@ def test_defaults() -> None:
             "kv_load_failure_policy": "recompute",
             "kv_lease_s": 30.0,
             "kv_max_parked_fraction": 0.5,
+            "engine_roles": None,
         },
     )
     assert c.router_policy == "prefix"

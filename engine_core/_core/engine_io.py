@@ -48,6 +48,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag
     """Tokens an engine that died already generated for this request: the engine continues after
     them, counting them as output (``max_tokens``, stop rules, penalties) without emitting them
     again."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """For the KV connector (prefill/decode disaggregation, ``docs/disaggregation.md``): where
+    the request's KV comes from, or that a remote engine decodes it. Engines without a
+    connector ignore it."""
 
 
 class KVEvents(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -222,6 +226,13 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Requests waiting for their KV load now (``WAITING_FOR_REMOTE_KVS``)."""
     kv_loads_cancelled: int = 0
     """Parked loads given up on (the queue needed their blocks, the lease ran out, an abort)."""
+    engine_role: str = "both"
+    """Prefill/decode disaggregation: the engine's role (``EngineConfig.engine_roles``)."""
+    kv_transfer: dict[str, float] = {}
+    """The ``"pd"`` connector's counters (``docs/disaggregation.md``): ``pd_exports``,
+    ``pd_exports_confirmed``, ``pd_lease_expired``, ``pd_transfers``, ``pd_transfer_failed``
+    (the decode side recomputed), ``pd_released_unread``, ``pd_other_host``, ``pd_bytes``,
+    ``pd_transfer_s``; summed over the engines of a deployment. Empty without it."""
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -145,6 +145,7 @@ class ConnectorCore:
         self.counters = ConnectorCounters()
         self._failed: set[str] = set()
         """Requests the connector's errors ended: it is not called for them again."""
+        self._closed = False
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -322,6 +323,19 @@ class ConnectorCore:
         """Cancel parked loads and drop pins older than the lease."""
         now = self.clock()
         limit = now - self.lease_s
+        renewals = getattr(self.connector, "lease_renewals", None)
+        renewed: dict[str, float] = {}
+        if renewals is not None:
+            # A connector whose transfer is still under way renews its lease (disaggregation).
+            ok, result = self._guard("lease_renewals", renewals)
+            renewed = result if ok and isinstance(result, dict) else {}
+        for req_id, at in renewed.items():
+            parked = self.parked.get(req_id)
+            if parked is not None:
+                parked.since = max(parked.since, at)
+            held = self.pins.get(req_id)
+            if held:
+                self.pins[req_id] = [(blocks, max(t, at)) for blocks, t in held]
         for entry in list(self.parked.values()):
             if entry.since < limit:
                 self.counters.lease_expired += 1
@@ -540,6 +554,12 @@ class ConnectorCore:
 
     def reset(self) -> None:
         self._guard("reset", self.connector.reset)
+
+    def close(self) -> None:
+        """Shutdown: the connector's scheduler half releases what it holds (once)."""
+        if not self._closed:
+            self._closed = True
+            self._guard("close", self.connector.close)
 
     def stats(self) -> dict[str, int | float]:
         ok, result = self._guard("stats", self.connector.stats)

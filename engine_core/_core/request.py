@@ -17,7 +17,7 @@ Glossary:
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine_core._core.block_hash import block_keys, extra_key_bytes
 
@@ -145,6 +145,7 @@ class Request:
         "use_structured_output",
         "grammar",
         "drafting",
+        "kv_transfer_params",
         "_first_block_extra",
         "_block_size",
         "_hash_blocks",
@@ -187,6 +188,8 @@ class Request:
         """The matcher of a constrained request, once its grammar is compiled."""
         self.drafting: DraftState | None = None
         """Speculative decoding: its drafts and acceptance (None: never considered)."""
+        self.kv_transfer_params: dict[str, Any] | None = None
+        """The KV connector's parameters from the client (``EngineCoreRequest``)."""
         limit = sampling_params.max_tokens if max_tokens is None else max_tokens
         self.max_tokens = limit if limit is not None else 1 << 62
         self.min_tokens = sampling_params.min_tokens

@@ -33,11 +33,13 @@ POLICIES = ("prefix", "least_loaded", "round_robin")
 HOST_HIT_WEIGHT = 0.5
 """What a block in an engine's host tier is worth to the prefix policy, against one in its
 device cache (1) and a miss (0)."""
-REASONS = ("affinity", "balance", "cold", "explicit", "failover", "single", "policy")
+REASONS = ("affinity", "balance", "cold", "explicit", "failover", "single", "policy", "handoff")
 """Why a request went where it went: the engine held its longest prefix (``affinity``); another
 engine held a longer one but was too loaded or too full (``balance``); none held any
 (``cold``); the request pinned it (``explicit``); its engine died (``failover``, set by the
-caller); only one engine was alive (``single``); a policy that ignores prefixes (``policy``)."""
+caller); only one engine was alive (``single``); a policy that ignores prefixes (``policy``);
+a prefill engine handed the request to a decode engine (``handoff``, set by the caller:
+disaggregation)."""
 
 
 class RouteDecision(NamedTuple):
@@ -106,15 +108,25 @@ class Router:
         *,
         cache_salt: str | None = None,
         rank: int | None = None,
+        engines: list[int] | None = None,
+        least_loaded: bool = False,
     ) -> RouteDecision:
-        """Choose the engine of a new request and count it in flight there. Raises
-        ``ValueError`` for a pinned engine that does not exist or is dead, ``LookupError`` when
-        no engine is alive."""
+        """Choose the engine of a new request and count it in flight there: among ``engines``
+        (None: every engine; disaggregation routes among the engines of one role), by the
+        policy, or the least loaded with ``least_loaded``. Raises ``ValueError`` for a pinned
+        engine that does not exist or is dead, ``LookupError`` when no engine is alive."""
         if request_id in self._routed:
             raise ValueError(f"request {request_id!r} is routed already")
         alive = self.live_engines()
+        if engines is not None and rank is None:
+            alive = [e for e in alive if e in engines]
         if not alive:
             raise LookupError("no engine is alive")
+        if least_loaded and rank is None and len(alive) > 1:
+            inflight = self.inflight
+            engine = min(alive, key=lambda e: (inflight[e], -self._free_estimate(e)))
+            blocks = -(-(len(prompt_token_ids) + 1) // self.block_size)
+            return self._commit(request_id, engine, "policy", 0, [], len(prompt_token_ids), blocks)
         return self._decide(request_id, prompt_token_ids, cache_salt, rank, alive)
 
     def _decide(

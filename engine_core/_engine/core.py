@@ -257,6 +257,8 @@ class EngineCore:
         if resumed:
             # Another engine generated these: they count as output, and are not sent again.
             new.num_prompt_tokens = len(prompt)
+        if request.kv_transfer_params is not None:
+            new.kv_transfer_params = request.kv_transfer_params
         self.scheduler.add_request(new)
         if new.use_structured_output:
             error = self.structured_output.add(new)
@@ -626,6 +628,7 @@ class EngineCore:
             ],
             **self._spec_stats(),
             **self._connector_stats(),
+            **self._transfer_stats(),
         )
 
     def _connector_stats(self) -> dict[str, Any]:
@@ -647,6 +650,19 @@ class EngineCore:
             "kv_parked_requests": len(connector.parked),
             "kv_loads_cancelled": counters.loads_cancelled,
         }
+
+    def _transfer_stats(self) -> dict[str, Any]:
+        """Disaggregation: the engine's role and its ``"pd"`` connector's counters."""
+        if self.config.engine_roles is None:
+            return {}
+        connector = self.scheduler.connector
+        counters: dict[str, float] = {}
+        if connector is not None and self.config.kv_connector_name == "pd":
+            counters = {k: float(v) for k, v in connector.stats().items()}
+            counters["pd_lease_expired"] = (
+                counters.get("pd_lease_expired", 0.0) + connector.counters.lease_expired
+            )
+        return {"engine_role": self.config.engine_role, "kv_transfer": counters}
 
     def _spec_stats(self) -> dict[str, Any]:
         spec = self.scheduler.draft_planner
@@ -806,3 +822,6 @@ class EngineCore:
         if self._structured is not None:
             self._structured.close()
         self.backend.close()
+        connector = self.scheduler.connector
+        if connector is not None:
+            connector.close()

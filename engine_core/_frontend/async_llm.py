@@ -230,6 +230,15 @@ class AsyncLLM:
                 f"data_parallel_rank must be an int in [0, {self.config.data_parallel_size}), "
                 f"got {data_parallel_rank!r}"
             )
+        if (
+            data_parallel_rank is not None
+            and self.config.disaggregated
+            and self.config.roles[data_parallel_rank] == "prefill"
+        ):
+            raise ValueError(
+                f"data_parallel_rank {data_parallel_rank} is a prefill-only engine (engine_roles "
+                f"{self.config.roles}): pin a decode engine or leave it out"
+            )
         text, token_ids = parse_prompt(prompt, self.tokenizer)
         external_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         self._admit(params.n, external_id)

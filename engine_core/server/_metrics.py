@@ -165,6 +165,8 @@ class _Collector(Collector):
             yield from _kv_group_state(m.stats)
             if m.stats.spec_num_speculative_tokens:
                 yield from _spec_state(m.stats)
+            if m.stats.kv_transfer or any(s.kv_transfer for s in m.stats.engines):
+                yield from _transfer_state(m.stats)
         if m.router is not None:
             yield from _router_state(m.router, m.stats)
         yield CounterMetricFamily(
@@ -276,6 +278,36 @@ def _kv_group_state(stats: EngineStats) -> Iterator[Metric]:
     yield metric
 
 
+_TRANSFER_SERIES = (
+    ("pd_exports", "pd_exports", "Prompts whose KV a prefill engine exported for a decode engine."),
+    ("pd_transfers", "pd_transfers", "KV transfers a decode engine pulled whole."),
+    ("pd_bytes", "pd_transfer_bytes", "Bytes of KV decode engines pulled."),
+    ("pd_transfer_s", "pd_transfer_seconds", "Seconds KV transfers took, summed."),
+    ("pd_lease_expired", "pd_lease_expired", "Exports or parked loads whose lease expired."),
+    (
+        "pd_transfer_failed",
+        "pd_recomputes",
+        "Transfers that failed (prefill gone, lease expired, dropped): the decode side recomputed.",
+    ),
+)
+
+
+def _transfer_state(stats: EngineStats) -> Iterator[Metric]:
+    """Prefill/decode disaggregation, per engine (``engine``, ``role``)."""
+    engines = (
+        list(zip([str(r) for r in stats.engine_ranks], stats.engines, strict=True))
+        if stats.engines
+        else [(None, stats)]
+    )
+    base = ["engine", "role"] if stats.engines else ["role"]
+    for key, name, doc in _TRANSFER_SERIES:
+        metric = CounterMetricFamily(f"engine_core_{name}", doc, labels=base)
+        for rank, s in engines:
+            labels = [rank, s.engine_role] if rank is not None else [s.engine_role]
+            metric.add_metric(labels, s.kv_transfer.get(key, 0.0))
+        yield metric
+
+
 def _spec_state(stats: EngineStats) -> Iterator[Metric]:
     """The speculative decoding series, per live engine (``engine``) with data parallelism."""
     engines = (
@@ -347,6 +379,26 @@ def _router_state(router: RouterMetrics, stats: EngineStats | None) -> Iterator[
     for (e, reason), count in sorted(router.requests.items()):
         requests.add_metric([str(e), reason], count)
     yield from (restarts, predicted, actual, requests)
+    disagg = router.disagg
+    if disagg is not None:
+        yield CounterMetricFamily(
+            "engine_core_disagg_handoffs",
+            "Requests handed from a prefill engine to a decode engine.",
+            value=disagg.handoffs,
+        )
+        degraded = CounterMetricFamily(
+            "engine_core_disagg_degraded_requests",
+            "Whole requests sent to one role because no engine of the other was alive.",
+            labels=["missing"],
+        )
+        degraded.add_metric(["prefill"], disagg.degraded_no_prefill)
+        degraded.add_metric(["decode"], disagg.degraded_no_decode)
+        yield degraded
+        yield CounterMetricFamily(
+            "engine_core_disagg_released_exports",
+            "Exports the front end released itself (decode side rejected, aborted, died).",
+            value=disagg.released,
+        )
 
 
 class RequestRecorder:

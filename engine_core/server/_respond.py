@@ -260,6 +260,15 @@ def pinned_rank(request: Request, state: ServerState) -> int | None:
             f"{RANK_HEADER} must be an engine rank in [0, {size}), got {shown}",
             param=RANK_HEADER,
         )
+    roles = state.engine.config.roles
+    if rank < len(roles) and roles[rank] == "prefill" and state.engine.config.disaggregated:
+        raise APIError(
+            400,
+            f"{RANK_HEADER} {rank} names a prefill-only engine (engine_roles {roles}): it "
+            "computes prompts for the decode engines and takes no whole request; pin a "
+            "decode engine or leave the header out",
+            param=RANK_HEADER,
+        )
     dead = _dead_pin(state, rank)
     if dead is not None:
         raise dead

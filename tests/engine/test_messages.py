@@ -124,6 +124,7 @@ def test_hot_messages_are_positional() -> None:
         None,
         None,
         [],
+        None,
     ]
     assert encode(AbortRequests(["r1"])) == encode(["abort", ["r1"]])
 

@@ -83,6 +83,7 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "kv_load_failure_policy": "fail",
         "kv_lease_s": 5.0,
         "kv_max_parked_fraction": 0.25,
+        "engine_roles": ["both", "decode", "both"],  # not disaggregated: a host tier beside
     },
     SpeculativeConfig: {
         "method": "draft_model",
@@ -128,6 +129,8 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "spec_drafted_per_pos": [103, 104],
         "spec_steps_by_k": {0: 105, 4: 106},
         "kv_groups": [KVGroupStats(kind="sliding_attention", window=107, blocks_in_use=108)],
+        "engine_role": "decode",
+        "kv_transfer": {"pd_transfers": 109.0},
     },
 }
 """Per struct, keyword arguments that set every field away from its default."""

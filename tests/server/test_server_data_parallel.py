@@ -92,3 +92,32 @@ async def test_a_pin_to_a_dead_engine_is_a_retryable_503_naming_the_header() -> 
             assert (error["param"], error["code"]) == ("X-Data-Parallel-Rank", "retry_later")
             assert "pins engine 1, which is not alive (alive: 0)" in error["message"]
             assert (await client.post(path, json=body)).status_code == 200  # unpinned: fine
+
+
+async def test_disaggregated_health_lists_roles_and_a_pin_to_a_prefill_engine_is_a_400() -> None:
+    roles = {"engine_roles": ["prefill", "decode"], "block_size": 4}
+    async with serving(data_parallel_size=2, **roles) as (client, _engine):
+        health = await client.get("/health")
+        assert health.status_code == 200
+        assert [e["role"] for e in health.json()["engines"]] == ["prefill", "decode"]
+        pinned = await client.post(
+            "/v1/completions", json=BODY, headers={"X-Data-Parallel-Rank": "0"}
+        )
+        assert pinned.status_code == 400
+        error = pinned.json()["error"]
+        assert error["param"] == "X-Data-Parallel-Rank"
+        assert "prefill-only engine" in error["message"]
+        plain = await client.post("/v1/completions", json=BODY)  # prefill, then decode
+        assert plain.status_code == 200, plain.text
+        decode = await client.post(
+            "/v1/completions", json=BODY, headers={"X-Data-Parallel-Rank": "1"}
+        )
+        assert decode.status_code == 200, decode.text
+        assert plain.json()["choices"][0]["text"] == decode.json()["choices"][0]["text"]
+        samples = _samples((await client.get("/metrics")).text)
+    assert samples["engine_core_disagg_handoffs_total", ()] == 1
+    assert samples["engine_core_pd_exports_total", (("engine", "0"), ("role", "prefill"))] == 1
+    assert samples["engine_core_pd_transfers_total", (("engine", "1"), ("role", "decode"))] == 1
+    assert ("engine_core_pd_transfer_bytes_total", (("engine", "1"), ("role", "decode"))) in samples
+    assert ("engine_core_pd_recomputes_total", (("engine", "1"), ("role", "decode"))) in samples
+    assert ("engine_core_pd_lease_expired_total", (("engine", "0"), ("role", "prefill"))) in samples

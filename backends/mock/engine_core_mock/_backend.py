@@ -52,6 +52,7 @@ from engine_core_mock._blocks import BlockLedger
 from engine_core_mock._kv_link import MockHostWorker
 from engine_core_mock._layout import group_kinds, layer_spec
 from engine_core_mock._options import Fault, parse_options
+from engine_core_mock._pd_link import MockPDWorker
 from engine_core_mock._replies import Replies
 from engine_core_mock._rule import TokenRule, grammar_rows
 from engine_core_mock._sampling import synthetic_logprobs
@@ -218,6 +219,8 @@ class MockBackend(Backend):
         worker: KVConnectorWorker | None
         if name == "host":
             worker = MockHostWorker(self.config, layout, self._kv_link, self._clock)
+        elif name == "pd":
+            worker = MockPDWorker(self.config, layout, self._kv_link, self._clock)
         else:
             worker = load_kv_connector(name).worker(self.config, layout, "mock", 0)
             if worker is None:
@@ -547,7 +550,7 @@ class MockBackend(Backend):
         connector = self._connector
         if connector is None:
             return None
-        if isinstance(connector, MockHostWorker):
+        if isinstance(connector, (MockHostWorker, MockPDWorker)):
             at = self._deadline if any_tokens and self._deadline is not None else self._clock()
             if not any_tokens:
                 next_end = connector.next_end()

@@ -51,6 +51,7 @@ from engine_core._core.engine_io import (
 )
 from engine_core._core.router import Router
 from engine_core._engine.client import EngineCoreClient
+from engine_core._engine.dp.disagg import Disaggregation
 from engine_core._engine.dp.failover import (
     Tracked,
     lost_request_ending,
@@ -151,6 +152,10 @@ class DPClient(EngineCoreClient):
         self.metrics = RouterMetrics(self.num_engines)
         self._keep_tokens = config.dp_failover == "resume"
         self._deployment: RayDeployment | None = None
+        self._disagg = Disaggregation(config.roles) if config.disaggregated else None
+        """Prefill/decode disaggregation (None: every engine takes whole requests)."""
+        if self._disagg is not None:
+            self.metrics.disagg = self._disagg.metrics
 
     def _open_deployment(self) -> None:
         """With the Ray backend: join the cluster and place every engine (blocking)."""
@@ -219,6 +224,7 @@ class DPClient(EngineCoreClient):
                 "rank": e,
                 "alive": self._alive[e],
                 "pid": self._clients[e].pid,
+                "role": self.config.roles[e],
             }
             if self._deployment is not None:
                 entry["node"] = self._deployment.node_of(e)
@@ -284,6 +290,8 @@ class DPClient(EngineCoreClient):
                 self._send(tracked, moved, "failover")
                 continue
             del self._tracked[request_id]
+            if self._disagg is not None:
+                self._disagg.gone(request_id)
             self._ended.append(lost_request_ending(request_id, engine, cause))
         if self._wakeup is not None:
             self._wakeup.set()
@@ -295,11 +303,17 @@ class DPClient(EngineCoreClient):
             if not any(self._alive):
                 self._wait_for_engine(tracked, request, reason)
                 return
+            engines: list[int] | None = None
+            least_loaded = False
+            if self._disagg is not None:
+                request, engines, least_loaded = self._disagg.plan(request, reason, self._alive)
             decision = self.router.route(
                 request.request_id,
                 request.prompt_token_ids,
                 cache_salt=request.cache_salt,
                 rank=request.data_parallel_rank,
+                engines=engines,
+                least_loaded=least_loaded,
             )
             engine = decision.engine
             self.metrics.requests[engine, reason or decision.reason] += 1
@@ -336,6 +350,8 @@ class DPClient(EngineCoreClient):
                 self._send(tracked, tracked.request, tracked.reason)
             except ValueError as exc:  # pinned to an engine that is not back
                 del self._tracked[request_id]
+                if self._disagg is not None:
+                    self._disagg.gone(request_id)
                 self._ended.append(
                     FinishedRequest(request_id, "error", None, str(exc), retryable=True)
                 )
@@ -348,6 +364,8 @@ class DPClient(EngineCoreClient):
                 break  # the rest came later
             del self._waiting[request_id]
             if self._tracked.pop(request_id, None) is not None:
+                if self._disagg is not None:
+                    self._disagg.gone(request_id)
                 self._ended.append(restart_wait_ending(request_id, self.config.dp_restart_wait_s))
 
     def _next_wait_s(self) -> float | None:
@@ -430,6 +448,8 @@ class DPClient(EngineCoreClient):
         by_engine: dict[int, list[str]] = {}
         for request_id in request_ids:
             tracked = self._tracked.pop(request_id, None)
+            if self._disagg is not None:
+                self._disagg.aborted(request_id)
             if tracked is None:
                 continue
             if tracked.engine < 0:  # waiting for an engine: nowhere to abort
@@ -490,10 +510,38 @@ class DPClient(EngineCoreClient):
             entry.num_tokens += len(tokens)
             if self._keep_tokens:
                 entry.tokens.extend(tokens)
+            if self._disagg is not None:
+                self._disagg.record_tokens(request_id, tokens)
+        if self._disagg is not None and outputs.finished:
+            outputs.finished = self._hand_off(engine, outputs.finished)
         for finished in outputs.finished:
             if tracked.pop(finished.req_id, None) is not None:
                 router.finished(finished.req_id)
         return outputs
+
+    def _hand_off(self, engine: int, finished: list[FinishedRequest]) -> list[FinishedRequest]:
+        """Disaggregation: a prefill leg's ending becomes its decode leg, sent to a decode
+        engine (the caller sees no ending); the other endings stand."""
+        disagg = self._disagg
+        assert disagg is not None
+        kept: list[FinishedRequest] = []
+        for ending in finished:
+            tracked = self._tracked.get(ending.req_id)
+            if tracked is not None and tracked.engine != engine:
+                kept.append(ending)
+                continue
+            decode = disagg.on_finished(ending)
+            if decode is None or tracked is None:
+                kept.append(ending)
+                continue
+            self.router.finished(ending.req_id)
+            try:
+                self._send(tracked, decode, "handoff")
+            except (ValueError, LookupError) as exc:
+                del self._tracked[ending.req_id]
+                disagg.gone(ending.req_id)
+                kept.append(FinishedRequest(ending.req_id, "error", None, str(exc), retryable=True))
+        return kept
 
     def get_output(self) -> EngineCoreOutputs:
         """The next outputs of any engine, blocking until there are some."""

@@ -3,8 +3,13 @@ what the router did (:class:`RouterMetrics`)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine_core._core.engine_io import EngineStats, KVGroupStats
 from engine_core._core.router import REASONS
+
+if TYPE_CHECKING:
+    from engine_core._engine.dp.disagg import DisaggMetrics
 
 __all__ = ["RouterMetrics", "aggregate_stats"]
 
@@ -87,7 +92,17 @@ def aggregate_stats(per_engine: dict[int, EngineStats], num_engines: int) -> Eng
         engines=stats,
         engine_ranks=ranks,
         kv_groups=_sum_kv_groups(stats),
+        engine_role="",
+        kv_transfer=_sum_dicts([s.kv_transfer for s in stats]),
     )
+
+
+def _sum_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for counters in dicts:
+        for name, value in counters.items():
+            total[name] = total.get(name, 0.0) + value
+    return total
 
 
 class RouterMetrics:
@@ -101,3 +116,5 @@ class RouterMetrics:
         self.actual_hit_tokens = [0] * num_engines
         """Cached tokens the engines reported for the requests they started."""
         self.engine_restarts = [0] * num_engines
+        self.disagg: DisaggMetrics | None = None
+        """Prefill/decode disaggregation's counters (None: off)."""
