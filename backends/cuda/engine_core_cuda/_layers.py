@@ -108,7 +108,9 @@ def pack_cpu_linears(modules: list[nn.Module], batch_size: int) -> int:
     round differently from ``F.linear`` (float32 sums in another order). ``batch_size`` is the
     row count the layout is chosen for; any row count runs. A packed copy is kept beside the
     weight (which stays for everything else that reads it). Returns how many were packed; none
-    when oneDNN is unavailable or ``ENGINE_CORE_CPU_LINEAR=torch``."""
+    when oneDNN is unavailable or ``ENGINE_CORE_CPU_LINEAR=torch``. bfloat16 weights are packed
+    only where oneDNN has a bfloat16 path on this CPU (AVX512-BW/VL/DQ or AVX-NE-CONVERT): on an
+    AVX2-only CPU the reorder raises, so those stay on ``F.linear``."""
     import os
 
     if (
@@ -116,6 +118,7 @@ def pack_cpu_linears(modules: list[nn.Module], batch_size: int) -> int:
         or not torch.backends.mkldnn.is_available()
     ):
         return 0
+    dtypes = (torch.float32, torch.bfloat16) if cpu_bf16_packing() else (torch.float32,)
     packed = 0
     for root in modules:
         for module in root.modules():
@@ -125,11 +128,16 @@ def pack_cpu_linears(modules: list[nn.Module], batch_size: int) -> int:
                 and module.weight_scale is None
                 and w is not None
                 and w.device.type == "cpu"
-                and w.dtype in (torch.float32, torch.bfloat16)
+                and w.dtype in dtypes
             ):
                 module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_size)
                 packed += 1
     return packed
+
+
+def cpu_bf16_packing() -> bool:
+    """Whether oneDNN can reorder and multiply bfloat16 weights on this CPU."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def unpack_cpu_linears(modules: list[nn.Module]) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_core_cuda._layers import Linear, pack_cpu_linears
+from engine_core_cuda._layers import Linear, cpu_bf16_packing, pack_cpu_linears
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
@@ -59,13 +59,25 @@ def test_packed_row_parallel_adds_bias_once() -> None:
 def test_bfloat16_packs_and_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
     layer = _linear(False, torch.bfloat16)
     x = torch.randn(4, 96, dtype=torch.bfloat16)
-    assert pack_cpu_linears([layer], 4) == 1
+    assert pack_cpu_linears([layer], 4) == int(cpu_bf16_packing())
     torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight).float(),
                                rtol=2e-2, atol=2e-2)  # fmt: skip
     monkeypatch.setenv("ENGINE_CORE_CPU_LINEAR", "torch")
     other = _linear(False)
     assert pack_cpu_linears([other], 4) == 0
     assert other.packed is None
+
+
+def test_bfloat16_stays_unpacked_without_a_bf16_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AVX2-only CPU has no oneDNN bfloat16 reorder: its bf16 weights stay on F.linear
+    (packing them would raise) while float32 weights are still packed."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert not cpu_bf16_packing()
+    half, full = _linear(False, torch.bfloat16), _linear(False)
+    assert pack_cpu_linears([half, full], 4) == 1
+    assert half.packed is None and full.packed is not None
+    x = torch.randn(4, 96, dtype=torch.bfloat16)
+    torch.testing.assert_close(half(x), F.linear(x, half.weight))
 
 
 def test_runner_packs_after_loading_and_close_drops(tiny) -> None:
