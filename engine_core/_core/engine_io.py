@@ -310,6 +310,10 @@ UTILITY_METHODS = frozenset(
         "resume_generation",
         "is_paused",
         "kv_cache_snapshot",
+        "add_lora",
+        "remove_lora",
+        "list_loras",
+        "pin_lora",
     }
 )
 """The control calls a client forwards to the engine core by name (methods of ``EngineCore``)."""
