@@ -610,6 +610,8 @@ class EngineCore:
             outputs = self.scheduler.update_from_output(*done)
             self.num_steps += 1
             self._progress_at = self.clock()  # a long step is no stall
+        if self.lora is not None and self.lora.removing:
+            self.poll_lora()  # adapters removed while in use: gone once their requests end
         if self.scheduler._refused:  # requests that can never fit, refused by schedule()
             outputs.finished.extend(self.scheduler.take_refused())
         if self._ended_outside_steps:

@@ -5,8 +5,9 @@ steps run in theirs; ``docs/lora.md``). Everything else here runs in the engine'
 finished load becomes visible to the scheduler (:attr:`LoRAManager.loaded`, the scheduler's
 ``lora_ready``) only when :meth:`LoRAManager.poll` sees it, between steps.
 
-At most ``EngineConfig.max_cpu_loras`` adapters are loaded or loading; to make room the least
-recently used one that no live request uses and that is not pinned is removed. An adapter
+At most ``EngineConfig.max_cpu_loras`` adapters are kept; to make room the least recently used
+one that no live request uses and that is not pinned is removed, once the new one has loaded
+(so a load that fails costs no adapter; meanwhile one more may be in host memory). An adapter
 asked for while every kept one is in use waits until one is free.
 """
 
@@ -105,6 +106,7 @@ class LoRAManager:
                 if error is None:
                     self.loaded[lora_id] = lora
                     self.num_loads += 1
+                    self._trim()
                 else:
                     if not isinstance(error, LoRAError):
                         error = LoRAError(lora.lora_name, f"{type(error).__name__}: {error}")
@@ -173,9 +175,19 @@ class LoRAManager:
     # -- internals ------------------------------------------------------------------------------
 
     def _has_room(self) -> bool:
-        if len(self.loaded) + len(self.loading) < self.capacity:
+        """Whether one more adapter may start loading: the kept ones are evicted only once a
+        load succeeded (:meth:`_trim`), so a failed load costs no adapter."""
+        over = len(self.loaded) + len(self.loading) - self.capacity
+        if over < 0:
             return True
-        return self._evict_one()
+        free = sum(1 for i in self.loaded if i not in self.pinned and not self.users.get(i))
+        return free > over
+
+    def _trim(self) -> None:
+        """Evict least recently used free adapters while more than ``capacity`` are kept or
+        loading."""
+        while len(self.loaded) + len(self.loading) > self.capacity and self._evict_one():
+            pass
 
     def _no_room_reason(self) -> str:
         if len(self.pinned) >= self.capacity:
