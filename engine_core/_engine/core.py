@@ -721,9 +721,28 @@ class EngineCore:
                 for kind, span, used in kv.group_usage()
             ],
             **self._spec_stats(),
+            **self._lora_stats(),
             **self._connector_stats(),
             **self._transfer_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        lora = self.lora
+        if lora is None:
+            return {}
+        scheduler = self.scheduler
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for lora_id, users in scheduler.lora_users.items():
+            name = lora.name_of(lora_id)
+            num_running = scheduler.lora_running.get(lora_id, 0)
+            running[name] = num_running
+            waiting[name] = users - num_running
+        return {
+            "lora_running": running,
+            "lora_waiting": waiting,
+            "lora_loaded": sorted(lora.loaded[i].lora_name for i in lora.list()),
+        }
 
     def _connector_stats(self) -> dict[str, Any]:
         connector = self.scheduler.connector

@@ -70,6 +70,13 @@ class LoRAManager:
         """Whether a load runs or waits for room (the engine then has something to wait for)."""
         return bool(self.loading or self.wanted)
 
+    def name_of(self, lora_id: int) -> str:
+        """The name of a known adapter (else its id as text)."""
+        known = self.loaded.get(lora_id) or self.wanted.get(lora_id)
+        if known is None and lora_id in self.loading:
+            known = self.loading[lora_id][0]
+        return known.lora_name if known is not None else str(lora_id)
+
     def identity_conflict(self, lora: LoRARequest) -> str | None:
         """Why ``lora`` cannot run under its id (another adapter is known by it), or None."""
         known = self.loaded.get(lora.lora_int_id)
