@@ -51,9 +51,9 @@ from engine_core.testing.lora import check_lora as check_lora
 from engine_core.testing.tp import check_worker_death as check_worker_death
 
 __all__ = [
-    "check_lora",
     *_conformance.__all__,
     "check_kv_connector_scheduler",
     "check_kv_connector_worker",
+    "check_lora",
     "check_worker_death",
 ]

@@ -396,3 +396,24 @@ def test_mock_reads_mock_json_and_rejects_a_bad_one(tmp_path: Path) -> None:
     with pytest.raises(LoRAError, match="offset must be an int"):
         backend.add_lora(lora)
     backend.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the data-parallel path; one runtime
+async def test_data_parallel_engines_serve_adapters(adapters: dict[str, LoRARequest]) -> None:
+    async with AsyncLLM(
+        backend="mock", tokenizer="byte", enable_lora=True, max_loras=2, data_parallel_size=2
+    ) as engine:
+        assert await engine.add_lora(adapters["a1"])
+        assert await engine.list_loras() == {1}
+        results = {}
+        for name, lora in [("a1", adapters["a1"]), ("a2", adapters["a2"]), ("base", None)]:
+            async for out in engine.generate(
+                {"prompt_token_ids": PROMPT}, GREEDY, request_id=name, lora_request=lora
+            ):
+                results[name] = list(out.outputs[0].token_ids)
+        assert results == {"a1": expected(1), "a2": expected(2), "base": expected(0)}
+        assert await engine.pin_lora(1)
+        assert await engine.remove_lora(1)
+        stats = await engine.get_stats()
+        assert "a1" not in stats.lora_loaded

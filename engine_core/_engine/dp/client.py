@@ -602,8 +602,12 @@ class DPClient(EngineCoreClient):
     def _combine(self, method: str, results: dict[int, Any]) -> Any:
         if method == "get_stats":
             return aggregate_stats(results, self.num_engines)
-        if method in ("is_paused", "reset_prefix_cache"):
+        if method in ("is_paused", "reset_prefix_cache", "add_lora", "pin_lora"):
             return all(results.values())
+        if method == "remove_lora":
+            return any(results.values())
+        if method == "list_loras":  # loaded anywhere (each engine loads on first use)
+            return sorted({i for ids in results.values() for i in ids})
         if method == "kv_cache_snapshot":
             return [results.get(e) for e in range(self.num_engines)]
         return None
