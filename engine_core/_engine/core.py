@@ -45,9 +45,9 @@ from engine_core._core.engine_io import (
     PauseMode,
 )
 from engine_core._core.kv_events import KVEventLog, snapshot
+from engine_core._core.lora_manager import LoRAManager
 from engine_core._core.request import Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
-from engine_core._engine.lora_manager import LoRAManager
 from engine_core._engine.startup import (
     kv_layout_of,
     resolve_async_scheduling,

@@ -135,6 +135,9 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "kv_groups": [KVGroupStats(kind="sliding_attention", window=107, blocks_in_use=108)],
         "engine_role": "decode",
         "kv_transfer": {"pd_transfers": 109.0},
+        "lora_running": {"sql": 110},
+        "lora_waiting": {"sql": 111},
+        "lora_loaded": ["sql"],
     },
 }
 """Per struct, keyword arguments that set every field away from its default."""
