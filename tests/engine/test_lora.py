@@ -83,6 +83,8 @@ def test_mock_offsets_tell_adapters_apart_in_one_mixed_batch(
 ) -> None:
     reset(llm)
     a1, a2 = adapters["a1"], adapters["a2"]
+    llm.add_lora(a1)
+    llm.add_lora(a2)  # both loaded: the five requests run in one batch
     outs = llm.generate(
         [{"prompt_token_ids": PROMPT}] * 5,
         GREEDY,
@@ -138,7 +140,7 @@ def test_the_cap_holds_in_the_engine_and_no_request_is_dropped(
     )
     assert tokens(outs) == [expected(loras[i % 3].lora_int_id, 6) for i in range(n)]
     core = llm._client.engine_core  # type: ignore[attr-defined]
-    assert core.backend.max_loras_in_step == 2
+    assert core.backend.max_loras_in_step <= 2  # three adapters wanted, never more than two
 
 
 def test_lru_of_max_cpu_loras_and_pin_lora(llm: LLM, adapters: dict[str, LoRARequest]) -> None:
