@@ -26,6 +26,8 @@ Usage: ``python bench/bench_lora.py [--part throughput|churn|step_cpu|all] [--ro
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import random
@@ -99,6 +101,7 @@ async def run_load(
                     failed += 1
                 tokens += len(out.outputs[0].token_ids)
 
+    gc.collect()  # each run starts from the same heap (four engines share this process)
     start = time.perf_counter()
     async with anyio.create_task_group() as tg:
         for i in range(NUM_STREAMS):
@@ -120,9 +123,9 @@ async def throughput(rounds: int, root: Path) -> dict[str, Any]:
     }
     engines = {name: engine_for(m) for name, m in configs.items()}
     results: dict[str, list[float]] = {name: [] for name in configs}
-    for engine in engines.values():
-        await engine.__aenter__()
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        for engine in engines.values():
+            await stack.enter_async_context(engine)
         for name, engine in engines.items():  # warm up (adapters loaded, caches filled)
             await run_load(engine, adapters if configs[name] else None, seed=-1)
         for r in range(rounds):
@@ -141,9 +144,6 @@ async def throughput(rounds: int, root: Path) -> dict[str, Any]:
         }
         for name, most in per_step.items():
             assert most <= configs[name], f"{name}: a step had {most} adapters"
-    finally:
-        for engine in engines.values():
-            await engine.__aexit__(None, None, None)
     base = statistics.median(results["lora off"])
     rows = {
         name: {

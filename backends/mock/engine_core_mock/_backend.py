@@ -565,9 +565,9 @@ class MockBackend(Backend):
                 sampled.append([])
                 continue
             if state.plain:  # the hot path: greedy, nothing else asked
-                centre = tokens[-1] + 1
-                if centre == vocab_size:
-                    centre = 0
+                centre = tokens[-1] + state.greedy_step
+                if centre >= vocab_size:
+                    centre %= vocab_size
                 tokens.append(centre)
                 sampled.append([centre])
                 continue

@@ -56,6 +56,7 @@ class RequestState:
         "draft_key",
         "lora_int_id",
         "lora_offset",
+        "greedy_step",
     )
 
     def __init__(
@@ -98,10 +99,11 @@ class RequestState:
             and self.logit_bias is None
             and reply is None
             and copy is None
-            and not lora_offset
         )
         self.lora_int_id = new.lora_int_id
         self.lora_offset = lora_offset
+        self.greedy_step = 1 + lora_offset
+        """What greedy decoding adds to the last token (1, or 1 + a LoRA adapter's offset)."""
         """A LoRA adapter's shift of the greedy rule (``mock.json``'s offset; 0: none)."""
         self.step_start = new.num_computed_tokens
         self.hasher = None if self.greedy else xxh3_64(seed=seed)
