@@ -165,7 +165,15 @@ class DPClient(EngineCoreClient):
         self._keep_tokens = config.dp_failover == "resume"
         self._deployment: RayDeployment | None = None
         self._pd_keys = _transfer_keys(config)
-        self._disagg = Disaggregation(config.roles, self._pd_keys) if config.disaggregated else None
+        self._disagg = (
+            Disaggregation(
+                config.roles,
+                self._pd_keys,
+                force_zmq=config.kv_connector_options.get("pd_transport") == "zmq",
+            )
+            if config.disaggregated
+            else None
+        )
         """Prefill/decode disaggregation (None: every engine takes whole requests)."""
         if self._disagg is not None:
             self.metrics.disagg = self._disagg.metrics

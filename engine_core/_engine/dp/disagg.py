@@ -75,8 +75,12 @@ class Disaggregation:
     """The client's part of disaggregation (see the module): which leg each request is in,
     where each leg may go."""
 
-    def __init__(self, roles: list[str], keys: DeploymentKeys | None = None) -> None:
+    def __init__(
+        self, roles: list[str], keys: DeploymentKeys | None = None, *, force_zmq: bool = False
+    ) -> None:
         self.roles = roles
+        self.force_zmq = force_zmq
+        """``kv_connector_options["pd_transport"] == "zmq"``: releases go over ZMQ too."""
         self.keys = keys
         """The deployment's transfer keys (``pd_transport``): releases of exports on other
         hosts go over ZMQ."""
@@ -219,7 +223,10 @@ class Disaggregation:
 
     def _release(self, params: dict[str, Any]) -> None:
         """Free an export nobody will read: through its segment on this host, else over ZMQ."""
-        if release(params) or self.keys is None or not params.get("address"):
+        if self.keys is None or not params.get("address"):
+            release(params)
+            return
+        if not self.force_zmq and release(params):
             return
         if self._pd_client is None:
             self._pd_client = PDClient(self.keys)
