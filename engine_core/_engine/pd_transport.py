@@ -207,7 +207,8 @@ class _Peer:
         self.sock = sock
         self.monitor = monitor
         self.state = "connecting"
-        """``connecting``, ``ok``, ``refused`` (handshake failed: bad keys), ``gone``."""
+        """``connecting``, ``ok`` (a handshake completed), ``refused`` (the handshake failed:
+        other keys), ``gone`` (the connection dropped after a handshake: the engine died)."""
 
 
 class PDClient:
@@ -274,7 +275,12 @@ class PDClient:
                     peer.state = "refused"
                     self.auth_refused += 1
                 elif kind & _GONE_EVENTS:
-                    if peer.state != "refused":
+                    if peer.state == "connecting":
+                        # Dropped before a handshake completed: the server could not
+                        # authenticate this side (other server keys).
+                        peer.state = "refused"
+                        self.auth_refused += 1
+                    elif peer.state != "refused":
                         peer.state = "gone"
                 elif kind & zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     peer.state = "ok"
