@@ -302,6 +302,16 @@ class PDClient:
         with self._lock:
             return self._replies.pop(rid, None)
 
+    def wait(self, rid: int, timeout_s: float) -> tuple[bool, list[int], bytes] | None:
+        """The answer to request ``rid``, waiting up to ``timeout_s`` for it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            answer = self.take(rid)
+            left = deadline - time.monotonic()
+            if answer is not None or left <= 0:
+                return answer
+            self.poll(timeout_ms=max(1, int(left * 1e3)))
+
     def state(self, address: str) -> str:
         peer = self._peers.get(address)
         return "connecting" if peer is None else peer.state

@@ -372,8 +372,9 @@ class MockPDWorker(KVConnectorWorker):
                 return None
             load.rid = client.send(address, READ, slot, epoch, load.transfer.remote)
             load.read_at = time.monotonic()
-            client.poll(timeout_ms=20)  # the answer is usually there within a millisecond
-        answer = client.take(load.rid)
+            answer = client.wait(load.rid, timeout_s=0.02)  # usually there in a millisecond
+        else:
+            answer = client.take(load.rid)
         if answer is None:
             if time.monotonic() - load.read_at > remote.timeout_s:
                 return None  # no answer: the prefill engine is gone or unreachable
