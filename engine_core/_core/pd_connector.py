@@ -18,8 +18,9 @@ The handoff segment (one per engine, named by :func:`segment_name`), arrays of `
 - ``contents[b]``: what the block holds, for a backend that moves bookkeeping (the mock's block
   fingerprints); a device backend would publish handles to its memory instead;
 - ``ready[s]``, ``done[s]`` (``s``: the export's slot, one per export in flight, given out by
-  the scheduler half): the epoch once the export is published, cleared by the prefill side
-  *before* the core may free the blocks (confirmation, lease expiry), so a reader that still
+  the scheduler half): the epoch once the export is published, withdrawn (the epoch negated)
+  by the prefill side *before* the core may free the blocks (confirmation, lease expiry), so a
+  reader that still
   finds its epoch there after its copy read blocks held the whole time, and otherwise fails
   its load and recomputes (it never uses freed blocks); the epoch once the reader is finished
   with it (copied, failed, cancelled, rejected or aborted: the prefill side may free);

@@ -68,6 +68,9 @@ KEYS_OPTION = "pd_keys"
 """``kv_connector_options`` key of the deployment's transfer keys (set by the data-parallel
 client for each engine; never user-facing)."""
 READ, RENEW, DONE = "read", "renew", "done"
+OK, NOT_YET, REFUSED = 0, 1, 2
+"""A read's answer: done; the export is not published yet (ask again); refused (given up,
+freed, or never an export of this engine: recompute)."""
 _POLL_MS = 100
 """How often the server thread looks whether it should stop."""
 _GONE_EVENTS = zmq.EVENT_DISCONNECTED
@@ -75,7 +78,7 @@ _REFUSED_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_P
 
 _encode = msgspec.msgpack.encode
 _decode_request = msgspec.msgpack.Decoder(tuple[int, str, int, int, list[list[int]]]).decode
-_decode_reply = msgspec.msgpack.Decoder(tuple[int, bool, list[int]]).decode
+_decode_reply = msgspec.msgpack.Decoder(tuple[int, int, list[int]]).decode
 
 PayloadReader = Callable[[list[list[int]]], bytes]
 """A backend's reader of block bytes (per KV-cache group, device block ids; -1: none)."""
@@ -161,14 +164,14 @@ class PDServer:
 
     def _handle(
         self, op: str, slot: int, epoch: int, blocks: list[list[int]]
-    ) -> tuple[bool, list[int], bytes] | None:
+    ) -> tuple[int, list[int], bytes] | None:
         segment = self._segment
         if segment is None:
             segment = self._segment = attach(self.segment_name)
             if segment is None:
-                return (False, [], b"") if op == READ else None
+                return (REFUSED, [], b"") if op == READ else None
         if not 0 <= slot < segment.num_blocks:
-            return (False, [], b"") if op == READ else None
+            return (REFUSED, [], b"") if op == READ else None
         if op == DONE:
             segment.done[slot] = epoch
             return None
@@ -179,18 +182,21 @@ class PDServer:
         if op != READ:
             return None
         n = segment.num_blocks
-        if segment.ready[slot] != epoch or any(not -1 <= b < n for ids in blocks for b in ids):
+        ready = segment.ready[slot]
+        if ready not in (epoch, -epoch) and segment.done[slot] != epoch:
+            return NOT_YET, [], b""  # its engine publishes it at its next step
+        if ready != epoch or any(not -1 <= b < n for ids in blocks for b in ids):
             self.refused_reads += 1
-            return False, [], b""
+            return REFUSED, [], b""
         segment.renew[slot] = time.monotonic()
         contents = [int(segment.contents[b]) if b >= 0 else 0 for ids in blocks for b in ids]
         payload = self.payload(blocks) if self.payload is not None else b""
         # After the read: still published, so the blocks were held the whole time.
         if segment.ready[slot] != epoch:
             self.refused_reads += 1
-            return False, [], b""
+            return REFUSED, [], b""
         self.reads += 1
-        return True, contents, payload
+        return OK, contents, payload
 
     def close(self) -> None:
         self._stop.set()
@@ -219,7 +225,7 @@ class PDClient:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._peers: dict[str, _Peer] = {}
         self._ids = itertools.count(1)
-        self._replies: dict[int, tuple[bool, list[int], bytes]] = {}
+        self._replies: dict[int, tuple[int, list[int], bytes]] = {}
         self.auth_refused = 0
         """Handshakes a server refused (each counted once per connection attempt)."""
         self.renewed: dict[tuple[str, int, int], float] = {}
@@ -297,12 +303,12 @@ class PDClient:
                     continue
                 self._replies[rid] = (ok, contents, frames[1])
 
-    def take(self, rid: int) -> tuple[bool, list[int], bytes] | None:
+    def take(self, rid: int) -> tuple[int, list[int], bytes] | None:
         """The answer to request ``rid`` once it arrived (after :meth:`poll`)."""
         with self._lock:
             return self._replies.pop(rid, None)
 
-    def wait(self, rid: int, timeout_s: float) -> tuple[bool, list[int], bytes] | None:
+    def wait(self, rid: int, timeout_s: float) -> tuple[int, list[int], bytes] | None:
         """The answer to request ``rid``, waiting up to ``timeout_s`` for it."""
         deadline = time.monotonic() + timeout_s
         while True:

@@ -45,7 +45,7 @@ from engine_core._core.pd_connector import (
     renew,
     segment_name,
 )
-from engine_core._engine.pd_transport import READ, RENEW, PDRemote
+from engine_core._engine.pd_transport import NOT_YET, OK, READ, RENEW, PDRemote
 from engine_core.config import EngineConfig
 from engine_core.kv_connector import (
     KVConnectorLayout,
@@ -245,8 +245,8 @@ class MockPDWorker(KVConnectorWorker):
                 renewed = max(export.since, segment.renew[slot])
                 if wall - renewed <= export.lease_s * _WORKER_LEASE:
                     continue
-            # Unpublished first: a reader that checks after this never uses the blocks.
-            segment.ready[slot] = 0
+            # Withdrawn first: a reader that checks after this never uses the blocks.
+            segment.ready[slot] = -epoch
             tags, holds = segment.tags, self._holds
             for block_id in export.blocks:
                 holds[block_id] -= 1
@@ -379,8 +379,12 @@ class MockPDWorker(KVConnectorWorker):
             if time.monotonic() - load.read_at > remote.timeout_s:
                 return None  # no answer: the prefill engine is gone or unreachable
             return False
-        ok, contents, _payload = answer
-        return contents if ok else None
+        status, contents, _payload = answer
+        if status == NOT_YET and now - load.since <= max(self.options.deadline_s, 1.0):
+            load.rid = None  # published at the prefill engine's next step: ask again
+            load.end = now
+            return False
+        return contents if status == OK else None
 
     def _finish_remote(
         self,
