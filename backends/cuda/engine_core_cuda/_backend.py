@@ -35,6 +35,7 @@ from engine_core.abc import (
     SpecSupport,
 )
 from engine_core.config import EngineConfig
+from engine_core.kv_connector import KVConnectorLayout, KVConnectorWorker
 from engine_core_cuda._cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine_core_cuda._hf_config import load_model_config
 from engine_core_cuda._kv_layout import KVLayout
@@ -116,6 +117,8 @@ class CudaBackend(Backend):
         self._sleep_level = 0
         self._param_shapes: list[torch.Size] = []
         self._closed = False
+        self._pd: KVConnectorWorker | None = None
+        """The ``"pd"`` connector's worker half (``_pd_transfer``; None: not disaggregated)."""
 
     @property
     def device(self) -> torch.device:
@@ -235,6 +238,16 @@ class CudaBackend(Backend):
             runner.drafter.graphs = draft_graphs
         logger.info("CUDA graphs captured in %.1f s", time.perf_counter() - started)
 
+    def init_kv_connector(self, name: str, layout: KVConnectorLayout) -> None:
+        """The ``"pd"`` connector (prefill/decode disaggregation): :mod:`._pd_transfer`."""
+        if name != "pd":
+            raise NotImplementedError(f"the cuda backend has no worker half for {name!r}")
+        from engine_core_cuda._pd_transfer import CudaPDWorker
+
+        worker = CudaPDWorker(self.config, layout)
+        worker.register_kv_caches(lambda: self.runner._kv_tensor)
+        self._pd = worker
+
     def spec_support(self) -> SpecSupport | None:
         """Verification of drafts, exact (seeded sampling gives the tokens it gives without
         speculation); not under tensor parallelism, whose workers take one sampled id per
@@ -261,6 +274,8 @@ class CudaBackend(Backend):
             raise RuntimeError("execute_model called after close()")
         if self.is_sleeping:
             raise RuntimeError("execute_model called while the backend sleeps (call wake_up())")
+        if self._pd is not None:
+            self._pd.start_step(scheduler_output.kv_connector_metadata)
         if self.tp is None:
             with torch.inference_mode():
                 self.runner.execute_model(scheduler_output)
@@ -284,6 +299,8 @@ class CudaBackend(Backend):
             raise
         if self.tp is not None:
             self.tp.sampled()
+        if self._pd is not None:
+            output.kv_connector_report = self._pd.get_finished()
         return output
 
     def sample_tokens_async(self, grammar_bitmask: Any | None) -> AsyncModelRunnerOutput:
@@ -294,6 +311,10 @@ class CudaBackend(Backend):
             if self.tp is not None:
                 self.tp.blame(exc)
             raise
+        if self._pd is not None:
+            from engine_core_cuda._pd_transfer import with_report
+
+            return with_report(handle, self._pd)  # one rank: the pd worker refuses more
         if self.tp is None:
             return handle
         self.tp.sampled()
@@ -394,6 +415,8 @@ class CudaBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        if self._pd is not None:
+            self._pd.close()
         if self.tp is not None:
             self.tp.close()
         elif self.runner.parallel is not None:

@@ -1,0 +1,383 @@
+"""The CUDA backend's worker half of the ``"pd"`` connector (``docs/disaggregation.md``): the
+KV blocks of a prompt, computed on a prefill engine, copied into a decode engine's blocks.
+
+The KV cache is one tensor ``[slots, 2, blocks, block_size, kv_heads, head_size]``
+(``ModelRunner.kv_cache_shape``); a block's page is ``kv[:, :, b]``, every layer of the group
+that owns the page. A transfer names, per KV-cache group, the decode side's blocks and the
+prefill side's (``-1``: nothing in that group there); pages are copied whole.
+
+Paths, chosen per load:
+
+- **same host, on a GPU: CUDA IPC.** The prefill engine exports its KV tensor once with torch's
+  CUDA IPC reduction (``torch.multiprocessing.reductions.reduce_tensor``) into a file beside its
+  handoff segment (``/dev/shm/<segment>.ipc``, mode 0600, removed at close); the decode engine
+  opens it once per prefill engine and copies the pages device to device (``index_select`` /
+  ``index_copy_``), then checks, after the copy finished, that the export is still published and
+  its engine alive: otherwise the blocks were (or may have been) freed and the load fails.
+- **another host, or on the CPU: the authenticated ZMQ transport**
+  (``engine_core._engine.pd_transport``): the prefill engine's server reads the pages (this
+  module's :meth:`CudaPDWorker.read_pages`, in the server's thread) between its two checks of
+  the publication, the decode side writes them into its blocks.
+
+Exports (the prefill side) are published at the step that starts them (``ready``) and given up,
+withdrawn first, when the reader confirmed (``done``) or 0.8 × ``kv_lease_s`` after the reader's
+last renewal; only then are they reported, and the core frees the blocks.
+
+One tensor-parallel rank (``tensor_parallel_size`` 1) and no draft model: both are refused at
+startup, naming the setting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine_core._core.pd_connector import (
+    ZMQ,
+    HandoffSegment,
+    attach,
+    register_link,
+    renew,
+    segment_name,
+)
+from engine_core._engine.pd_transport import NOT_YET, OK, READ, RENEW, PDRemote
+from engine_core.abc import AsyncModelRunnerOutput, ModelRunnerOutput
+from engine_core.config import EngineConfig
+from engine_core.kv_connector import (
+    KVConnectorLayout,
+    KVConnectorMetadata,
+    KVConnectorReport,
+    KVConnectorWorker,
+    KVTransfer,
+)
+
+__all__ = ["CudaPDWorker", "copy_pages", "ipc_path", "with_report"]
+
+_WORKER_LEASE = 0.8
+"""An export is given up at this fraction of ``kv_lease_s`` after the reader's last renewal:
+before the core's own lease, so it is withdrawn before its blocks are freed."""
+_DEADLINE_S = 5.0
+"""The longest a load waits for its export to be published."""
+_RENEW_S = 0.01
+
+
+def ipc_path(segment: str) -> str:
+    """Where the prefill engine of handoff segment ``segment`` keeps its CUDA IPC handle."""
+    return f"/dev/shm/{segment}.ipc"
+
+
+def copy_pages(
+    dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int]
+) -> None:
+    """Copy pages ``src[:, :, src_ids]`` into ``dst[:, :, dst_ids]`` (one device, or the source
+    on another; the copy is ordered on the current stream)."""
+    if not dst_ids:
+        return
+    index = torch.tensor(src_ids, dtype=torch.long, device=src.device)
+    pages = src.index_select(2, index)
+    if pages.device != dst.device:
+        pages = pages.to(dst.device, non_blocking=False)
+    dst.index_copy_(2, torch.tensor(dst_ids, dtype=torch.long, device=dst.device), pages)
+
+
+class _Export:
+    __slots__ = ("slot", "epoch", "since", "lease_s")
+
+    def __init__(self, transfer: KVTransfer) -> None:
+        params = transfer.params or {}
+        self.slot = int(params["slot"])
+        self.epoch = int(params["epoch"])
+        self.since = time.monotonic()
+        self.lease_s = float(params.get("lease_s", 30.0))
+
+
+class _Load:
+    __slots__ = ("transfer", "params", "since", "rid", "read_at", "renewed", "dst", "src")
+
+    def __init__(self, transfer: KVTransfer) -> None:
+        self.transfer = transfer
+        self.params: dict[str, Any] = transfer.params or {}
+        self.since = time.monotonic()
+        self.rid: int | None = None
+        self.read_at = 0.0
+        self.renewed = 0.0
+        pairs = [
+            (d, s)
+            for ids, remote in zip(transfer.block_ids, transfer.remote, strict=True)
+            for d, s in zip(ids, remote, strict=True)
+            if d >= 0 and s >= 0
+        ]
+        self.dst = [d for d, _ in pairs]
+        self.src = [s for _, s in pairs]
+
+
+class CudaPDWorker(KVConnectorWorker):
+    """See the module."""
+
+    def __init__(self, config: EngineConfig, layout: KVConnectorLayout) -> None:
+        super().__init__(config, layout, 0)
+        if config.tensor_parallel_size > 1:
+            raise ValueError(
+                "kv_connector 'pd' on the cuda backend runs at tensor_parallel_size 1 "
+                f"(got {config.tensor_parallel_size})"
+            )
+        if config.speculative_config is not None:
+            raise ValueError(
+                "kv_connector 'pd' on the cuda backend does not carry a draft model's KV: "
+                "speculative_config and disaggregating engine_roles do not run together"
+            )
+        self.rank = config.data_parallel_rank
+        self.segment_name = segment_name(os.getpid(), self.rank)
+        self._segment: HandoffSegment | None = None
+        self._kv_of: Callable[[], torch.Tensor | None] = lambda: None
+        self._exports: dict[str, _Export] = {}
+        self._loads: dict[str, _Load] = {}
+        self._report = KVConnectorReport()
+        self._ipc_file: str | None = None
+        self._peers: dict[str, torch.Tensor] = {}
+        """Decode side, on a GPU: the prefill engines' KV tensors opened over CUDA IPC."""
+        self._renew = bool(config.kv_connector_options.get("renew", True))
+        self._lock = threading.Lock()
+        """With async scheduling a step's report is taken in a worker thread while the next
+        step starts: one at a time."""
+        self._remote = PDRemote.from_config(config, self.segment_name, payload=self.read_pages)
+        if self._remote is not None:
+            register_link(self.rank, self._remote)
+
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        """``kv_caches``: a callable returning the runner's one KV tensor (it is reallocated
+        after a sleep)."""
+        if not callable(kv_caches):
+            raise TypeError("the cuda backend's pd connector registers a getter of the KV tensor")
+        self._kv_of = kv_caches
+        kv = kv_caches()
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 6:
+            raise TypeError("the cuda backend's pd connector needs the allocated KV tensor")
+        if kv.device.type == "cuda":
+            self._export_ipc(kv)
+
+    @property
+    def _kv(self) -> torch.Tensor | None:
+        return self._kv_of()
+
+    def _export_ipc(self, kv: torch.Tensor) -> None:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        handle = pickle.dumps(reduce_tensor(kv))
+        path = ipc_path(self.segment_name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(handle)
+        self._ipc_file = path
+
+    def _own_segment(self) -> HandoffSegment:
+        if self._segment is None:
+            segment = attach(self.segment_name)  # created by the scheduler half, this process
+            if segment is None:
+                raise RuntimeError("the pd connector's handoff segment is missing")
+            self._segment = segment
+        return self._segment
+
+    # -- the prefill side -------------------------------------------------------------------------
+
+    def read_pages(self, blocks: list[list[int]]) -> bytes:
+        """The pages of ``blocks`` (per group; ``-1`` skipped), as bytes: what the transfer
+        server sends (from its thread; the blocks are held, nothing writes them)."""
+        kv = self._kv
+        ids = [b for group in blocks for b in group if b >= 0]
+        if kv is None or not ids:
+            return b""
+        pages = kv.index_select(2, torch.tensor(ids, dtype=torch.long, device=kv.device))
+        return pages.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+    def _publish(self, save: KVTransfer) -> None:
+        export = _Export(save)
+        self._own_segment().ready[export.slot] = export.epoch  # ``done``/``renew`` were reset
+        self._exports[save.transfer_id] = export
+
+    def _finish_exports(self, report: KVConnectorReport) -> None:
+        segment = self._own_segment()
+        wall = time.monotonic()
+        for transfer_id, export in list(self._exports.items()):
+            confirmed = segment.done[export.slot] == export.epoch
+            if not confirmed:
+                renewed = max(export.since, segment.renew[export.slot])
+                if wall - renewed <= export.lease_s * _WORKER_LEASE:
+                    continue
+            segment.ready[export.slot] = -export.epoch  # withdrawn before the blocks are freed
+            del self._exports[transfer_id]
+            (report.finished_saves if confirmed else report.failed_saves).append(transfer_id)
+
+    # -- the decode side --------------------------------------------------------------------------
+
+    def start_step(self, metadata: KVConnectorMetadata | None) -> None:
+        if metadata is None:
+            return
+        with self._lock:
+            self._start_step(metadata)
+
+    def _start_step(self, metadata: KVConnectorMetadata) -> None:
+        for transfer_id in metadata.cancelled:
+            self._loads.pop(transfer_id, None)
+        for save in metadata.saves:
+            self._publish(save)
+        for transfer in metadata.loads:
+            if transfer.transfer_id in self._loads:
+                raise RuntimeError(f"KV load {transfer.transfer_id!r} started twice")
+            self._loads[transfer.transfer_id] = _Load(transfer)
+        if self._loads:
+            self._step_loads()  # before the forward pass: the copies run ahead of it
+
+    def get_finished(self) -> KVConnectorReport | None:
+        with self._lock:
+            return self._get_finished()
+
+    def _get_finished(self) -> KVConnectorReport | None:
+        report, self._report = self._report, KVConnectorReport()
+        if self._exports:
+            self._finish_exports(report)
+        if self._loads:
+            self._step_loads(report)
+        return None if report.is_empty else report
+
+    def _step_loads(self, report: KVConnectorReport | None = None) -> None:
+        report = report if report is not None else self._report
+        for transfer_id, load in list(self._loads.items()):
+            via_ipc = (
+                load.params.get("via") != ZMQ
+                and self._kv is not None
+                and self._kv.device.type == "cuda"
+            )
+            outcome = self._ipc_load(load) if via_ipc else self._zmq_load(load)
+            if outcome is None:
+                continue
+            del self._loads[transfer_id]
+            report.finished_loads.append(transfer_id)
+            report.load_s += time.monotonic() - load.since
+            if outcome:
+                report.bytes_loaded += len(load.dst) * self.layout.page_size_bytes
+            else:
+                failed = [[b for b in ids if b >= 0] for ids in load.transfer.block_ids]
+                report.failed_block_ids = _merged(report.failed_block_ids, failed)
+
+    def _ipc_load(self, load: _Load) -> bool | None:
+        """Same host, on a GPU. None: not published yet; then whether the copy is valid."""
+        params = load.params
+        segment = attach(str(params.get("segment", "")))
+        slot, epoch = int(params.get("slot", -1)), int(params.get("epoch", 0))
+        if segment is None or not segment.owner_alive() or not 0 <= slot < segment.num_blocks:
+            return False
+        if segment.ready[slot] != epoch:
+            if segment.ready[slot] != -epoch and time.monotonic() - load.since <= _DEADLINE_S:
+                return None
+            return False
+        source = self._peer(segment.name)
+        kv = self._kv
+        if source is None or kv is None:
+            return False
+        if self._renew:
+            renew(params)
+        copy_pages(kv, load.dst, source, load.src)
+        torch.cuda.current_stream(kv.device).synchronize()
+        # After the copy: still published (so held the whole time) and its engine alive.
+        return segment.ready[slot] == epoch and segment.owner_alive()
+
+    def _peer(self, segment: str) -> torch.Tensor | None:
+        tensor = self._peers.get(segment)
+        if tensor is None:
+            try:
+                with open(ipc_path(segment), "rb") as f:
+                    rebuild, args = pickle.load(f)  # written by this user's engine (mode 0600)
+                tensor = self._peers[segment] = rebuild(*args)
+            except (OSError, RuntimeError, pickle.UnpicklingError):
+                return None
+        return tensor
+
+    def _zmq_load(self, load: _Load) -> bool | None:
+        """Over the transport. None: in flight; then whether the pages were delivered."""
+        remote, kv = self._remote, self._kv
+        params = load.params
+        if remote is None or kv is None or not params.get("address"):
+            return False
+        client, address = remote.client, str(params["address"])
+        slot, epoch = int(params.get("slot", -1)), int(params.get("epoch", 0))
+        client.poll()
+        if client.state(address) in ("refused", "gone"):
+            return False
+        if load.rid is None:
+            load.rid = client.send(address, READ, slot, epoch, [load.src])
+            load.read_at = time.monotonic()
+            answer = client.wait(load.rid, timeout_s=0.05)
+        else:
+            answer = client.take(load.rid)
+        if answer is None:
+            now = time.monotonic()
+            if now - load.read_at > remote.timeout_s:
+                return False
+            if self._renew and now - load.renewed >= _RENEW_S:
+                client.send(address, RENEW, slot, epoch)
+                load.renewed = now
+            return None
+        status, _contents, payload = answer
+        if status == NOT_YET and time.monotonic() - load.since <= _DEADLINE_S:
+            load.rid = None  # published at the prefill engine's next step: ask again
+            return None
+        if status != OK:
+            return False
+        shape = (kv.shape[0], kv.shape[1], len(load.src), *kv.shape[3:])
+        expected = kv.element_size() * kv.shape[0] * kv.shape[1] * len(load.src)
+        expected *= kv.shape[3] * kv.shape[4] * kv.shape[5]
+        if len(payload) != expected:
+            return False
+        pages = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(kv.dtype).view(shape)
+        dst = torch.tensor(load.dst, dtype=torch.long, device=kv.device)
+        kv.index_copy_(2, dst, pages.to(kv.device))
+        return True
+
+    def close(self) -> None:
+        self._loads.clear()
+        self._exports.clear()
+        self._peers.clear()
+        if self._remote is not None:
+            register_link(self.rank, None)
+            self._remote.close()
+            self._remote = None
+        if self._ipc_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._ipc_file)
+            self._ipc_file = None
+        self._segment = None
+
+
+def _merged(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
+    if not a:
+        return b
+    return [x + y for x, y in zip(a, b, strict=True)]
+
+
+class _WithReport(AsyncModelRunnerOutput):
+    """A launched step whose output carries the connector's report of that step's end."""
+
+    def __init__(self, handle: AsyncModelRunnerOutput, worker: KVConnectorWorker) -> None:
+        self._handle = handle
+        self._worker = worker
+
+    def get_output(self) -> ModelRunnerOutput:
+        output = self._handle.get_output()
+        self.device_time_s = self._handle.device_time_s
+        output.kv_connector_report = self._worker.get_finished()
+        return output
+
+
+def with_report(
+    handle: AsyncModelRunnerOutput, worker: KVConnectorWorker
+) -> AsyncModelRunnerOutput:
+    """``handle``, its output carrying ``worker``'s report (async scheduling)."""
+    return _WithReport(handle, worker)

@@ -1,0 +1,110 @@
+"""Prefill/decode disaggregation on the CUDA backend, on the CPU: a prefill engine computes the
+prompt and the first token, a decode engine copies the prompt's KV pages into its own blocks
+and decodes; greedy tokens equal one engine's, every transfer delivered its pages (no
+recompute), on the same host's path and across hosts (``pd_transport="zmq"``), and every
+engine ends holding no block. The page copy itself is checked per KV-cache group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from engine_core_cuda._pd_transfer import CudaPDWorker, copy_pages
+from hf_reference import PROMPTS
+from tiny_models import TinyModel
+
+from engine_core import AsyncLLM, RequestOutputKind, SamplingParams
+from engine_core.config import EngineConfig
+from engine_core.kv_connector import KVConnectorLayout
+
+pytestmark = pytest.mark.timeout(240)
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+LONG = [p for p in PROMPTS if len(p.split()) > 6][:3]
+TRANSPORT = {"asyncio": "auto", "trio": "zmq"}
+"""Each event loop runs one path (two engine processes of the CUDA backend per run)."""
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+async def _generate(llm: AsyncLLM, prompt: str) -> list[int]:
+    tokens: list[int] = []
+    async for out in llm.generate(prompt, PARAMS):
+        tokens = list(out.outputs[0].token_ids)
+    return tokens
+
+
+async def _idle(llm: AsyncLLM, timeout_s: float = 10.0) -> Any:
+    with anyio.fail_after(timeout_s):
+        while True:
+            stats = await llm.get_stats()
+            if all(s.num_free_kv_blocks == s.num_kv_blocks for s in stats.engines):
+                return stats
+            await anyio.sleep(0.05)
+
+
+@pytest.mark.anyio
+async def test_prefill_and_decode_engines_give_one_engines_tokens(
+    tiny: dict[str, TinyModel], anyio_backend: str
+) -> None:
+    model = tiny["llama"]
+    final = PARAMS.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+    with model.llm(block_size=4) as one:
+        expected = [list(o.outputs[0].token_ids) for o in one.generate(LONG, final, use_tqdm=False)]
+    transport = TRANSPORT[anyio_backend]
+    async with AsyncLLM(
+        model=str(model.path),
+        backend="cuda",
+        backend_options={"device": "cpu", "kernels": "torch"},
+        block_size=4,
+        max_model_len=256,
+        num_kv_blocks=96,
+        data_parallel_size=2,
+        engine_roles=["prefill", "decode"],
+        kv_connector_options={"pd_transport": transport},
+    ) as llm:
+        got: dict[int, list[int]] = {}
+
+        async def run(i: int) -> None:
+            got[i] = await _generate(llm, LONG[i])
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for i in range(len(LONG)):
+                    tg.start_soon(run, i)
+        assert [got[i] for i in range(len(LONG))] == expected
+        stats = await _idle(llm)
+        decode = next(s.kv_transfer for s in stats.engines if s.engine_role == "decode")
+        prefill = next(s.kv_transfer for s in stats.engines if s.engine_role == "prefill")
+        assert prefill["pd_exports"] == prefill["pd_exports_confirmed"] == len(LONG)
+        assert decode["pd_transfers"] == len(LONG) and decode["pd_transfer_failed"] == 0
+        path = "zmq" if transport == "zmq" else "shm"
+        assert decode[f"pd_transfers_{path}"] == len(LONG)
+        assert decode["pd_bytes"] > 0
+
+
+def test_copy_pages_moves_whole_pages_per_group() -> None:
+    # [slots, 2, blocks, block_size, kv_heads, head_size]
+    src = torch.randn(2, 2, 6, 4, 1, 8)
+    dst = torch.zeros_like(src)
+    copy_pages(dst, [5, 1], src, [2, 3])
+    assert torch.equal(dst[:, :, 5], src[:, :, 2]) and torch.equal(dst[:, :, 1], src[:, :, 3])
+    assert not dst[:, :, [0, 2, 3, 4]].any()
+
+
+def test_the_worker_refuses_what_it_cannot_carry() -> None:
+    layout = KVConnectorLayout(
+        num_blocks=4,
+        block_size=4,
+        kv_groups=[[0]],
+        group_kinds=["full_attention"],
+        group_spans=[None],
+        page_size_bytes=64,
+    )
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        CudaPDWorker(EngineConfig(tensor_parallel_size=2), layout)
