@@ -6,6 +6,7 @@ engine ends holding no block. The page copy itself is checked per KV-cache group
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import anyio
@@ -108,3 +109,75 @@ def test_the_worker_refuses_what_it_cannot_carry() -> None:
     )
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
         CudaPDWorker(EngineConfig(tensor_parallel_size=2), layout)
+
+
+def test_pages_cross_over_zmq_per_kv_cache_group() -> None:
+    """Two workers in one process (a prefill and a decode engine's), two KV-cache groups whose
+    entries are ``-1`` where a group moves nothing: exactly the named pages arrive."""
+    import msgspec
+
+    from engine_core._core.pd_connector import PDConnectorScheduler
+    from engine_core._engine.pd_transport import KEYS_OPTION
+    from engine_core._engine.pipes.addresses import deployment_keys
+    from engine_core.kv_connector import KVConnectorMetadata, KVTransfer
+
+    keys = msgspec.to_builtins(deployment_keys())
+    layout = KVConnectorLayout(
+        num_blocks=8,
+        block_size=4,
+        kv_groups=[[0], [1]],
+        group_kinds=["full_attention", "sliding_attention"],
+        group_spans=[None, 8],
+        page_size_bytes=2 * 2 * 4 * 1 * 8 * 4,
+    )
+
+    def config(rank: int) -> EngineConfig:
+        options = {KEYS_OPTION: keys, "pd_transport": "zmq"}
+        return EngineConfig(
+            data_parallel_size=2, data_parallel_rank=rank, kv_connector_options=options
+        )
+
+    src = torch.randn(1, 2, 8, 4, 1, 8)
+    dst = torch.zeros_like(src)
+    prefill = CudaPDWorker(config(0), layout)
+    owner = PDConnectorScheduler(config(0), layout)
+    decode = CudaPDWorker(config(1), layout)
+    try:
+        prefill.register_kv_caches(lambda: src)
+        decode.register_kv_caches(lambda: dst)
+        slot = owner._free_slots.pop()
+        owner.segment.done[slot] = 0
+        params = {"epoch": 5, "slot": slot, "lease_s": 30.0}
+        tables = [[2, -1], [-1, 3]]
+        save = KVTransfer("r", "r", tables, tables, 0, 8, params=params)
+        assert prefill._remote is not None
+        load_params = {"address": prefill._remote.address, "via": "zmq", **params}
+        load = KVTransfer("r", "r", [[6, -1], [-1, 7]], tables, 0, 8, params=load_params)
+        decode.start_step(KVConnectorMetadata(loads=[load]))  # before the export is published
+        prefill.start_step(KVConnectorMetadata(saves=[save]))
+        report = None
+        for _ in range(200):
+            report = decode.get_finished()
+            if report is not None:
+                break
+            time.sleep(0.01)
+        assert report is not None and report.finished_loads == ["r"]
+        assert not report.failed_block_ids
+        assert torch.equal(dst[:, :, 6], src[:, :, 2]) and torch.equal(dst[:, :, 7], src[:, :, 3])
+        assert not dst[:, :, [0, 1, 2, 3, 4, 5]].any()
+        assert report.bytes_loaded == 2 * layout.page_size_bytes
+        assert decode._remote is not None
+        decode._remote.release(load_params)  # the confirmation: the prefill side lets go
+        for _ in range(200):
+            done = prefill.get_finished()
+            if done is not None:
+                assert done.finished_saves == ["r"]
+                assert owner.segment.ready[slot] == -5  # withdrawn before the free
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("the export was never confirmed")
+    finally:
+        decode.close()
+        prefill.close()
+        owner.close()
