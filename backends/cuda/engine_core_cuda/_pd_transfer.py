@@ -58,7 +58,7 @@ from engine_core.kv_connector import (
     KVTransfer,
 )
 
-__all__ = ["CudaPDWorker", "copy_pages", "ipc_path", "with_report"]
+__all__ = ["CudaPDWorker", "copy_pages", "ipc_copy_probe", "ipc_path", "with_report"]
 
 _WORKER_LEASE = 0.8
 """An export is given up at this fraction of ``kv_lease_s`` after the reader's last renewal:
@@ -381,3 +381,25 @@ def with_report(
 ) -> AsyncModelRunnerOutput:
     """``handle``, its output carrying ``worker``'s report (async scheduling)."""
     return _WithReport(handle, worker)
+
+
+def ipc_copy_probe(inbox: Any, outbox: Any) -> None:
+    """The decode side of ``bench/gpu_check.py``'s ``pd_ipc`` check, in a process of its own:
+    takes a KV tensor from ``inbox`` (a ``torch.multiprocessing`` queue: CUDA IPC on a GPU,
+    shared memory on the CPU), copies every page into its own tensor ``repeats`` times with
+    :func:`copy_pages` and puts ``(seconds per copy, equal)`` in ``outbox``."""
+    src, repeats = inbox.get()
+    dst = torch.empty_like(src)
+    ids = list(range(src.shape[2]))
+    order = ids[::-1]  # another block id for each page, as a decode engine's would be
+    sync = torch.cuda.synchronize if src.device.type == "cuda" else (lambda: None)
+    copy_pages(dst, order, src, ids)  # warm-up
+    sync()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        copy_pages(dst, order, src, ids)
+    sync()
+    elapsed = (time.perf_counter() - started) / repeats
+    equal = bool(torch.equal(dst.flip(2), src))
+    outbox.put((elapsed, equal))
+    inbox.get()  # the exporter's "done": it keeps its tensor alive until then
