@@ -28,7 +28,7 @@ The handoff segment (one per engine, named by :func:`segment_name`), arrays of `
   still copying: the lease runs from there.
 
 Between hosts the segment cannot be attached: the worker half registers the engine's end of
-the authenticated ZMQ transport (``engine_core._engine.pd_transport``, :func:`register_link`),
+the authenticated ZMQ transport (``engine_core._engine.pipes.pd_transport``, :func:`register_link`),
 whose server answers for this segment; the transfer parameters then carry its ``address`` and a
 decode engine on another machine (or any, with ``kv_connector_options["pd_transport"] =
 "zmq"``) pulls over it, under the same rules. Without a transport (no deployment keys) such a
@@ -230,7 +230,7 @@ def renew(params: dict[str, Any]) -> None:
 
 
 class RemoteLink(Protocol):
-    """An engine's end of the transport between hosts (``engine_core._engine.pd_transport``),
+    """An engine's end of the transport between hosts (``engine_core._engine.pipes.pd_transport``),
     registered by its worker half: the scheduler half cannot open sockets itself."""
 
     address: str

@@ -15,7 +15,7 @@ Paths, chosen per load:
   ``index_copy_``), then checks, after the copy finished, that the export is still published and
   its engine alive: otherwise the blocks were (or may have been) freed and the load fails.
 - **another host, or on the CPU: the authenticated ZMQ transport**
-  (``engine_core._engine.pd_transport``): the prefill engine's server reads the pages (this
+  (``engine_core._engine.pipes.pd_transport``): the prefill engine's server reads the pages (this
   module's :meth:`CudaPDWorker.read_pages`, in the server's thread) between its two checks of
   the publication, the decode side writes them into its blocks.
 
@@ -47,7 +47,7 @@ from engine_core._core.pd_connector import (
     renew,
     segment_name,
 )
-from engine_core._engine.pd_transport import NOT_YET, OK, READ, RENEW, PDRemote
+from engine_core._engine.pipes.pd_transport import NOT_YET, OK, READ, RENEW, PDRemote
 from engine_core.abc import AsyncModelRunnerOutput, ModelRunnerOutput
 from engine_core.config import EngineConfig
 from engine_core.kv_connector import (

@@ -117,8 +117,8 @@ def test_pages_cross_over_zmq_per_kv_cache_group() -> None:
     import msgspec
 
     from engine_core._core.pd_connector import PDConnectorScheduler
-    from engine_core._engine.pd_transport import KEYS_OPTION
     from engine_core._engine.pipes.addresses import deployment_keys
+    from engine_core._engine.pipes.pd_transport import KEYS_OPTION
     from engine_core.kv_connector import KVConnectorMetadata, KVTransfer
 
     keys = msgspec.to_builtins(deployment_keys())

@@ -21,7 +21,7 @@ were (or may have been) freed and are reported failed (the core cuts the request
 recomputes).
 
 Between hosts (or with ``kv_connector_options["pd_transport"] = "zmq"``) a load goes over the
-authenticated ZMQ transport (``engine_core._engine.pd_transport``) instead: the worker half of
+authenticated ZMQ transport (``engine_core._engine.pipes.pd_transport``) instead: the worker half of
 each engine of a disaggregated deployment runs its server (answering for its segment) and its
 client; a load renews the export over it while the modelled copy runs, then reads the
 fingerprints, which the server gives only if the export was published before and after the
@@ -45,7 +45,7 @@ from engine_core._core.pd_connector import (
     renew,
     segment_name,
 )
-from engine_core._engine.pd_transport import NOT_YET, OK, READ, RENEW, PDRemote
+from engine_core._engine.pipes.pd_transport import NOT_YET, OK, READ, RENEW, PDRemote
 from engine_core.config import EngineConfig
 from engine_core.kv_connector import (
     KVConnectorLayout,

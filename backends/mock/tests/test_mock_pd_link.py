@@ -15,8 +15,8 @@ from engine_core_mock._kv_link import KVLinkOptions
 from engine_core_mock._pd_link import MockPDWorker
 
 from engine_core._core.pd_connector import PDConnectorScheduler
-from engine_core._engine.pd_transport import KEYS_OPTION
 from engine_core._engine.pipes.addresses import DeploymentKeys, deployment_keys
+from engine_core._engine.pipes.pd_transport import KEYS_OPTION
 from engine_core.config import EngineConfig
 from engine_core.kv_connector import (
     KVConnectorLayout,

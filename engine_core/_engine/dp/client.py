@@ -61,8 +61,8 @@ from engine_core._engine.dp.failover import (
 )
 from engine_core._engine.dp.stats import RouterMetrics, aggregate_stats
 from engine_core._engine.mp.client import MPClient
-from engine_core._engine.pd_transport import KEYS_OPTION
 from engine_core._engine.pipes.addresses import DeploymentKeys, deployment_keys
+from engine_core._engine.pipes.pd_transport import KEYS_OPTION
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineClosedError, EngineDeadError, EngineError
 

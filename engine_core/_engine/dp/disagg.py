@@ -29,8 +29,8 @@ import msgspec
 
 from engine_core._core.engine_io import EngineCoreRequest, FinishedRequest
 from engine_core._core.pd_connector import REMOTE_DECODE, release
-from engine_core._engine.pd_transport import PDClient, remote_release
 from engine_core._engine.pipes.addresses import DeploymentKeys
+from engine_core._engine.pipes.pd_transport import PDClient, remote_release
 
 __all__ = ["Disaggregation", "DisaggMetrics"]
 
