@@ -383,7 +383,7 @@ async def test_a_prefill_engine_dying_mid_transfer_over_zmq_recomputes() -> None
 
 async def test_an_expired_lease_over_zmq_recomputes_and_renewals_keep_it() -> None:
     expected = _colocated(PROMPTS[:1], GREEDY)
-    slow = {"kv_link": {"latency_s": 1.0, "deadline_s": 5.0}}
+    slow = {"kv_link": {"latency_s": 0.6, "deadline_s": 5.0}}  # twice the lease
     async with _zmq_engine(
         backend_options=slow, kv_lease_s=0.3, kv_connector_options={"renew": False}
     ) as engine:

@@ -94,7 +94,8 @@ def keys_from_options(options: dict[str, Any]) -> DeploymentKeys | None:
     return msgspec.convert(raw, DeploymentKeys)
 
 
-def _advertised_host(config: EngineConfig, bind: str) -> str:
+def _advertised_host(bind: str) -> str:
+    """The address readers dial: the bound one, or this host's for a wildcard bind."""
     if bind not in ("0.0.0.0", "*", ""):
         return bind
     try:
@@ -367,7 +368,7 @@ class PDRemote:
             segment,
             keys,
             bind_host=bind,
-            advertise_host=_advertised_host(config, bind),
+            advertise_host=_advertised_host(bind),
             payload=payload,
         )
         self.client = PDClient(keys)
