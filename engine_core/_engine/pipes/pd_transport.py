@@ -94,10 +94,23 @@ def keys_from_options(options: dict[str, Any]) -> DeploymentKeys | None:
     return msgspec.convert(raw, DeploymentKeys)
 
 
-def _advertised_host(bind: str) -> str:
-    """The address readers dial: the bound one, or this host's for a wildcard bind."""
+def _advertised_host(bind: str, toward: str | None = None) -> str:
+    """The address readers dial: the bound one, or for a wildcard bind this host's address on
+    the route toward ``toward`` (the driver), else on its default route (a UDP socket's
+    ``connect`` sends nothing), else what its name resolves to."""
     if bind not in ("0.0.0.0", "*", ""):
         return bind
+    for target in (toward, "10.254.254.254"):
+        if not target:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((target, 9))
+                address = str(probe.getsockname()[0])
+        except OSError:
+            continue
+        if not address.startswith("127.") and address != "0.0.0.0":
+            return address
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
@@ -364,11 +377,14 @@ class PDRemote:
         options = config.kv_connector_options
         default_bind = "0.0.0.0" if config.data_parallel_backend == "ray" else "127.0.0.1"
         bind = str(options.get("pd_host", default_bind))
+        advertise = options.get("pd_advertise_host") or _advertised_host(
+            bind, config.ray_driver_host
+        )
         self.server = PDServer(
             segment,
             keys,
             bind_host=bind,
-            advertise_host=_advertised_host(bind),
+            advertise_host=str(advertise),
             payload=payload,
         )
         self.client = PDClient(keys)
