@@ -8,13 +8,16 @@ prefill side's (``-1``: nothing in that group there); pages are copied whole.
 
 Paths, chosen per load:
 
-- **same host, on a GPU: CUDA IPC.** The prefill engine exports its KV tensor once with torch's
-  CUDA IPC reduction (``torch.multiprocessing.reductions.reduce_tensor``) into a file beside its
-  handoff segment (``/dev/shm/<segment>.ipc``, mode 0600, removed at close); the decode engine
-  opens it once per prefill engine and copies the pages device to device (``index_select`` /
-  ``index_copy_``), then checks, after the copy finished, that the export is still published and
-  its engine alive: otherwise the blocks were (or may have been) freed and the load fails.
-- **another host, or on the CPU: the authenticated ZMQ transport**
+- **same host: a handle of the KV tensor.** The prefill engine exports its KV tensor once with
+  torch's reduction (``torch.multiprocessing``'s, what its queues send: a handle, not the bytes) into a file beside its
+  handoff segment (``/dev/shm/<segment>.ipc``, mode 0600, removed at close): on a GPU a CUDA IPC
+  handle; on the CPU the tensor is first moved into shared memory (``share_memory_``, in place:
+  the model's per-layer views stay valid; torch's ``file_system`` strategy) when ``/dev/shm``
+  has room for twice its size. The decode engine opens it once per prefill engine and copies
+  the pages (``index_select`` / ``index_copy_``, device to device on a GPU), then checks, after
+  the copy finished, that the export is still published and its engine alive: otherwise the
+  blocks were (or may have been) freed and the load fails.
+- **another host, or no handle: the authenticated ZMQ transport**
   (``engine_core._engine.pipes.pd_transport``): the prefill engine's server reads the pages (this
   module's :meth:`CudaPDWorker.read_pages`, in the server's thread) between its two checks of
   the publication, the decode side writes them into its blocks.
@@ -69,7 +72,7 @@ _RENEW_S = 0.01
 
 
 def ipc_path(segment: str) -> str:
-    """Where the prefill engine of handoff segment ``segment`` keeps its CUDA IPC handle."""
+    """Where the prefill engine of handoff segment ``segment`` keeps its KV tensor's handle."""
     return f"/dev/shm/{segment}.ipc"
 
 
@@ -142,7 +145,7 @@ class CudaPDWorker(KVConnectorWorker):
         self._report = KVConnectorReport()
         self._ipc_file: str | None = None
         self._peers: dict[str, torch.Tensor] = {}
-        """Decode side, on a GPU: the prefill engines' KV tensors opened over CUDA IPC."""
+        """Decode side: the prefill engines' KV tensors opened by their handles."""
         self._renew = bool(config.kv_connector_options.get("renew", True))
         self._lock = threading.Lock()
         """With async scheduling a step's report is taken in a worker thread while the next
@@ -162,15 +165,23 @@ class CudaPDWorker(KVConnectorWorker):
             raise TypeError("the cuda backend's pd connector needs the allocated KV tensor")
         if kv.device.type == "cuda":
             self._export_ipc(kv)
+        elif kv.device.type == "cpu" and _shm_room(kv.numel() * kv.element_size()):
+            import torch.multiprocessing as tmp
+
+            tmp.set_sharing_strategy("file_system")  # a handle any process can open by name
+            kv.share_memory_()  # in place: the layers' views of it stay valid
+            self._export_ipc(kv)
 
     @property
     def _kv(self) -> torch.Tensor | None:
         return self._kv_of()
 
     def _export_ipc(self, kv: torch.Tensor) -> None:
-        from torch.multiprocessing.reductions import reduce_tensor
+        from multiprocessing.reduction import ForkingPickler
 
-        handle = pickle.dumps(reduce_tensor(kv))
+        import torch.multiprocessing  # noqa: F401  (registers torch's reductions: handles, not bytes)
+
+        handle = bytes(ForkingPickler.dumps(kv))
         path = ipc_path(self.segment_name)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
@@ -250,12 +261,13 @@ class CudaPDWorker(KVConnectorWorker):
     def _step_loads(self, report: KVConnectorReport | None = None) -> None:
         report = report if report is not None else self._report
         for transfer_id, load in list(self._loads.items()):
-            via_ipc = (
+            segment = str(load.params.get("segment", ""))
+            via_handle = (
                 load.params.get("via") != ZMQ
-                and self._kv is not None
-                and self._kv.device.type == "cuda"
+                and bool(segment)
+                and (segment in self._peers or os.path.exists(ipc_path(segment)))
             )
-            outcome = self._ipc_load(load) if via_ipc else self._zmq_load(load)
+            outcome = self._handle_load(load) if via_handle else self._zmq_load(load)
             if outcome is None:
                 continue
             del self._loads[transfer_id]
@@ -267,8 +279,8 @@ class CudaPDWorker(KVConnectorWorker):
                 failed = [[b for b in ids if b >= 0] for ids in load.transfer.block_ids]
                 report.failed_block_ids = _merged(report.failed_block_ids, failed)
 
-    def _ipc_load(self, load: _Load) -> bool | None:
-        """Same host, on a GPU. None: not published yet; then whether the copy is valid."""
+    def _handle_load(self, load: _Load) -> bool | None:
+        """Same host. None: not published yet; then whether the copy is valid."""
         params = load.params
         segment = attach(str(params.get("segment", "")))
         slot, epoch = int(params.get("slot", -1)), int(params.get("epoch", 0))
@@ -285,7 +297,9 @@ class CudaPDWorker(KVConnectorWorker):
         if self._renew:
             renew(params)
         copy_pages(kv, load.dst, source, load.src)
-        torch.cuda.current_stream(kv.device).synchronize()
+        for device in {kv.device, source.device}:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         # After the copy: still published (so held the whole time) and its engine alive.
         return segment.ready[slot] == epoch and segment.owner_alive()
 
@@ -294,8 +308,10 @@ class CudaPDWorker(KVConnectorWorker):
         if tensor is None:
             try:
                 with open(ipc_path(segment), "rb") as f:
-                    rebuild, args = pickle.load(f)  # written by this user's engine (mode 0600)
-                tensor = self._peers[segment] = rebuild(*args)
+                    opened = pickle.load(f)  # written by this user's engine (mode 0600)
+                if not isinstance(opened, torch.Tensor):
+                    return None
+                tensor = self._peers[segment] = opened
             except (OSError, RuntimeError, pickle.UnpicklingError):
                 return None
         return tensor
@@ -354,6 +370,15 @@ class CudaPDWorker(KVConnectorWorker):
                 os.unlink(self._ipc_file)
             self._ipc_file = None
         self._segment = None
+
+
+def _shm_room(size: int) -> bool:
+    """Whether ``/dev/shm`` has room for twice ``size`` bytes (else the ZMQ path serves)."""
+    try:
+        stats = os.statvfs("/dev/shm")
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize >= 2 * size
 
 
 def _merged(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:

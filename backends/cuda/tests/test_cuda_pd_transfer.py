@@ -111,12 +111,15 @@ def test_the_worker_refuses_what_it_cannot_carry() -> None:
         CudaPDWorker(EngineConfig(tensor_parallel_size=2), layout)
 
 
-def test_pages_cross_over_zmq_per_kv_cache_group() -> None:
+@pytest.mark.parametrize("path", ["handle", "zmq"])
+def test_pages_cross_per_kv_cache_group(path: str) -> None:
     """Two workers in one process (a prefill and a decode engine's), two KV-cache groups whose
-    entries are ``-1`` where a group moves nothing: exactly the named pages arrive."""
+    entries are ``-1`` where a group moves nothing: exactly the named pages arrive, through the
+    KV tensor's handle (shared memory on the CPU, CUDA IPC on a GPU) or over ZMQ; pages written
+    after the export still arrive (a handle, not a copy)."""
     import msgspec
 
-    from engine_core._core.pd_connector import PDConnectorScheduler
+    from engine_core._core.pd_connector import HOST_ID, PDConnectorScheduler, release
     from engine_core._engine.pipes.addresses import deployment_keys
     from engine_core._engine.pipes.pd_transport import KEYS_OPTION
     from engine_core.kv_connector import KVConnectorMetadata, KVTransfer
@@ -132,26 +135,31 @@ def test_pages_cross_over_zmq_per_kv_cache_group() -> None:
     )
 
     def config(rank: int) -> EngineConfig:
-        options = {KEYS_OPTION: keys, "pd_transport": "zmq"}
+        options = {KEYS_OPTION: keys, "pd_transport": "zmq" if path == "zmq" else "auto"}
         return EngineConfig(
             data_parallel_size=2, data_parallel_rank=rank, kv_connector_options=options
         )
 
-    src = torch.randn(1, 2, 8, 4, 1, 8)
+    src = torch.zeros(1, 2, 8, 4, 1, 8)
     dst = torch.zeros_like(src)
+    layer = src.unbind(0)[0]  # a view, as the model's layers hold
     prefill = CudaPDWorker(config(0), layout)
     owner = PDConnectorScheduler(config(0), layout)
     decode = CudaPDWorker(config(1), layout)
     try:
         prefill.register_kv_caches(lambda: src)
         decode.register_kv_caches(lambda: dst)
+        layer.normal_()  # the prompt's KV, written after the export
         slot = owner._free_slots.pop()
         owner.segment.done[slot] = 0
         params = {"epoch": 5, "slot": slot, "lease_s": 30.0}
         tables = [[2, -1], [-1, 3]]
         save = KVTransfer("r", "r", tables, tables, 0, 8, params=params)
         assert prefill._remote is not None
-        load_params = {"address": prefill._remote.address, "via": "zmq", **params}
+        if path == "zmq":
+            load_params = {"address": prefill._remote.address, "via": "zmq", **params}
+        else:
+            load_params = {"segment": owner.segment.name, "via": "shm", **params}
         load = KVTransfer("r", "r", [[6, -1], [-1, 7]], tables, 0, 8, params=load_params)
         decode.start_step(KVConnectorMetadata(loads=[load]))  # before the export is published
         prefill.start_step(KVConnectorMetadata(saves=[save]))
@@ -167,7 +175,10 @@ def test_pages_cross_over_zmq_per_kv_cache_group() -> None:
         assert not dst[:, :, [0, 1, 2, 3, 4, 5]].any()
         assert report.bytes_loaded == 2 * layout.page_size_bytes
         assert decode._remote is not None
-        decode._remote.release(load_params)  # the confirmation: the prefill side lets go
+        if path == "zmq":  # the confirmation (the scheduler half's): the prefill side lets go
+            decode._remote.release(load_params)
+        else:
+            assert release({**load_params, "host": HOST_ID})
         for _ in range(200):
             done = prefill.get_finished()
             if done is not None:
