@@ -144,8 +144,10 @@ class CudaPDWorker(KVConnectorWorker):
         self._loads: dict[str, _Load] = {}
         self._report = KVConnectorReport()
         self._ipc_file: str | None = None
-        self._peers: dict[str, torch.Tensor] = {}
-        """Decode side: the prefill engines' KV tensors opened by their handles."""
+        self._exported: torch.Tensor | None = None
+        self._peers: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
+        """Decode side: the prefill engines' KV tensors opened by their handles, with the
+        handle file's (inode, mtime) they were opened from."""
         self._renew = bool(config.kv_connector_options.get("renew", True))
         self._lock = threading.Lock()
         """With async scheduling a step's report is taken in a worker thread while the next
@@ -163,14 +165,21 @@ class CudaPDWorker(KVConnectorWorker):
         kv = kv_caches()
         if not isinstance(kv, torch.Tensor) or kv.dim() != 6:
             raise TypeError("the cuda backend's pd connector needs the allocated KV tensor")
-        if kv.device.type == "cuda":
-            self._export_ipc(kv)
-        elif kv.device.type == "cpu" and _shm_room(kv.numel() * kv.element_size()):
+        self._export_handle(kv)
+
+    def _export_handle(self, kv: torch.Tensor) -> None:
+        """Publish the handle of ``kv`` (again after the runner reallocated it: a sleep), or
+        remove a stale one when this tensor gets none (the ZMQ path then serves)."""
+        self._exported = kv
+        if kv.device.type == "cpu" and _shm_room(kv.numel() * kv.element_size()):
             import torch.multiprocessing as tmp
 
             tmp.set_sharing_strategy("file_system")  # a handle any process can open by name
             kv.share_memory_()  # in place: the layers' views of it stay valid
-            self._export_ipc(kv)
+        elif kv.device.type != "cuda":
+            self._remove_handle()
+            return
+        self._export_ipc(kv)
 
     @property
     def _kv(self) -> torch.Tensor | None:
@@ -183,10 +192,18 @@ class CudaPDWorker(KVConnectorWorker):
 
         handle = bytes(ForkingPickler.dumps(kv))
         path = ipc_path(self.segment_name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fresh = f"{path}.{time.monotonic_ns()}"
+        fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(handle)
+        os.replace(fresh, path)  # a new file: readers see another inode and reopen it
         self._ipc_file = path
+
+    def _remove_handle(self) -> None:
+        if self._ipc_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._ipc_file)
+            self._ipc_file = None
 
     def _own_segment(self) -> HandoffSegment:
         if self._segment is None:
@@ -209,6 +226,9 @@ class CudaPDWorker(KVConnectorWorker):
         return pages.cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
     def _publish(self, save: KVTransfer) -> None:
+        kv = self._kv
+        if kv is not None and kv is not self._exported:
+            self._export_handle(kv)  # reallocated (a sleep): readers must not use the old one
         export = _Export(save)
         self._own_segment().ready[export.slot] = export.epoch  # ``done``/``renew`` were reset
         self._exports[save.transfer_id] = export
@@ -265,7 +285,7 @@ class CudaPDWorker(KVConnectorWorker):
             via_handle = (
                 load.params.get("via") != ZMQ
                 and bool(segment)
-                and (segment in self._peers or os.path.exists(ipc_path(segment)))
+                and os.path.exists(ipc_path(segment))
             )
             outcome = self._handle_load(load) if via_handle else self._zmq_load(load)
             if outcome is None:
@@ -304,17 +324,25 @@ class CudaPDWorker(KVConnectorWorker):
         return segment.ready[slot] == epoch and segment.owner_alive()
 
     def _peer(self, segment: str) -> torch.Tensor | None:
-        tensor = self._peers.get(segment)
-        if tensor is None:
-            try:
-                with open(ipc_path(segment), "rb") as f:
-                    opened = pickle.load(f)  # written by this user's engine (mode 0600)
-                if not isinstance(opened, torch.Tensor):
-                    return None
-                tensor = self._peers[segment] = opened
-            except (OSError, RuntimeError, pickle.UnpicklingError):
-                return None
-        return tensor
+        """The KV tensor of ``segment``'s engine, reopened when its handle changed."""
+        try:
+            stat = os.stat(ipc_path(segment))
+        except OSError:
+            self._peers.pop(segment, None)
+            return None
+        key = (stat.st_ino, stat.st_mtime_ns)
+        known = self._peers.get(segment)
+        if known is not None and known[0] == key:
+            return known[1]
+        try:
+            with open(ipc_path(segment), "rb") as f:
+                opened = pickle.load(f)  # written by this user's engine (mode 0600)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
+            return None
+        if not isinstance(opened, torch.Tensor):
+            return None
+        self._peers[segment] = (key, opened)
+        return opened
 
     def _zmq_load(self, load: _Load) -> bool | None:
         """Over the transport. None: in flight; then whether the pages were delivered."""
@@ -365,10 +393,8 @@ class CudaPDWorker(KVConnectorWorker):
             register_link(self.rank, None)
             self._remote.close()
             self._remote = None
-        if self._ipc_file is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._ipc_file)
-            self._ipc_file = None
+        self._remove_handle()
+        self._exported = None
         self._segment = None
 
 

@@ -192,3 +192,57 @@ def test_pages_cross_per_kv_cache_group(path: str) -> None:
         decode.close()
         prefill.close()
         owner.close()
+
+
+def test_a_reallocated_kv_tensor_is_exported_again() -> None:
+    """After a sleep the runner's KV tensor is a new one: the next export publishes its handle
+    and a reader that opened the old one reopens it (never copies stale pages)."""
+    import msgspec
+
+    from engine_core._core.pd_connector import PDConnectorScheduler
+    from engine_core._engine.pipes.addresses import deployment_keys
+    from engine_core._engine.pipes.pd_transport import KEYS_OPTION
+    from engine_core.kv_connector import KVConnectorMetadata, KVTransfer
+
+    keys = msgspec.to_builtins(deployment_keys())
+    layout = KVConnectorLayout(
+        num_blocks=8,
+        block_size=4,
+        kv_groups=[[0]],
+        group_kinds=["full_attention"],
+        group_spans=[None],
+        page_size_bytes=256,
+    )
+
+    def config(rank: int) -> EngineConfig:
+        return EngineConfig(
+            data_parallel_size=2, data_parallel_rank=rank, kv_connector_options={KEYS_OPTION: keys}
+        )
+
+    current = [torch.randn(1, 2, 8, 4, 1, 8)]
+    dst = torch.zeros_like(current[0])
+    prefill = CudaPDWorker(config(0), layout)
+    owner = PDConnectorScheduler(config(0), layout)
+    decode = CudaPDWorker(config(1), layout)
+    try:
+        prefill.register_kv_caches(lambda: current[0])
+        decode.register_kv_caches(lambda: dst)
+        for epoch in (3, 4):
+            if epoch == 4:
+                current[0] = torch.randn(1, 2, 8, 4, 1, 8)  # reallocated
+            slot = owner._free_slots.pop()
+            owner.segment.done[slot] = 0
+            params = {"epoch": epoch, "slot": slot, "lease_s": 30.0}
+            save = KVTransfer(f"r{epoch}", f"r{epoch}", [[2]], [[2]], 0, 4, params=params)
+            prefill.start_step(KVConnectorMetadata(saves=[save]))
+            load_params = {"segment": owner.segment.name, "via": "shm", **params}
+            load = KVTransfer(f"r{epoch}", f"r{epoch}", [[6]], [[2]], 0, 4, params=load_params)
+            decode.start_step(KVConnectorMetadata(loads=[load]))
+            report = decode.get_finished()
+            assert report is not None and report.finished_loads == [f"r{epoch}"]
+            assert not report.failed_block_ids
+            assert torch.equal(dst[:, :, 6], current[0][:, :, 2])
+    finally:
+        decode.close()
+        prefill.close()
+        owner.close()
