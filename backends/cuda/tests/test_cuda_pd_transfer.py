@@ -1,8 +1,9 @@
 """Prefill/decode disaggregation on the CUDA backend, on the CPU: a prefill engine computes the
 prompt and the first token, a decode engine copies the prompt's KV pages into its own blocks
 and decodes; greedy tokens equal one engine's, every transfer delivered its pages (no
-recompute), on the same host's path and across hosts (``pd_transport="zmq"``), and every
-engine ends holding no block. The page copy itself is checked per KV-cache group."""
+recompute), on the same host's path (a handle of the KV tensor: shared memory on the CPU) and
+across hosts (``pd_transport="zmq"``), and every engine ends holding no block. The page copy
+itself is checked per KV-cache group, on both paths."""
 
 from __future__ import annotations
 
