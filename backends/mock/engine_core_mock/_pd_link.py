@@ -293,9 +293,10 @@ class MockPDWorker(KVConnectorWorker):
             gone = segment is None or not segment.owner_alive()
             if not gone and load.start is None:
                 assert segment is not None
+                withdrawn = 0 <= slot < segment.num_blocks and segment.ready[slot] == -epoch
                 if self._try_start(load, segment, now):
                     pass
-                elif now - load.since <= max(options.deadline_s, 1.0):
+                elif not withdrawn and now - load.since <= max(options.deadline_s, 1.0):
                     continue  # not published yet
                 else:
                     gone = True  # never published
