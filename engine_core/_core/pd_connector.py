@@ -500,6 +500,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
         link = _links.get(self.rank)
         if link is not None:
             out["address"] = link.address  # readers on other hosts pull over ZMQ
+            addresses = getattr(link, "addresses", None)
+            if addresses and len(addresses) > 1:
+                out["addresses"] = list(addresses)  # one per tensor-parallel rank
         self._exports.append(
             KVTransfer(
                 req_id,

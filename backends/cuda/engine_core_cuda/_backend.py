@@ -239,14 +239,31 @@ class CudaBackend(Backend):
         logger.info("CUDA graphs captured in %.1f s", time.perf_counter() - started)
 
     def init_kv_connector(self, name: str, layout: KVConnectorLayout) -> None:
-        """The ``"pd"`` connector (prefill/decode disaggregation): :mod:`._pd_transfer`."""
+        """The ``"pd"`` connector (prefill/decode disaggregation): :mod:`._pd_transfer`, on
+        every tensor-parallel rank."""
         if name != "pd":
             raise NotImplementedError(f"the cuda backend has no worker half for {name!r}")
+        if self.tp is None:
+            self.init_pd_rank(layout)
+            return
+        from engine_core_cuda._pd_transfer import CudaPDWorker, layout_text
+
+        segment = CudaPDWorker.segment_of(self.config)
+        with self.tp.on_every_rank("init_pd", layout_text(layout), segment) as others:
+            own = self.init_pd_rank(layout)
+        own.set_addresses([own.address, *(str(a) for a in others)])
+
+    def init_pd_rank(self, layout: KVConnectorLayout, segment: str | None = None) -> Any:
+        """This rank's ``"pd"`` worker half (``segment``: rank 0's handoff segment)."""
         from engine_core_cuda._pd_transfer import CudaPDWorker
 
-        worker = CudaPDWorker(self.config, layout)
+        parallel = self.runner.parallel
+        worker = CudaPDWorker(
+            self.config, layout, tp_rank=self.tp_rank, segment=segment, parallel=parallel
+        )
         worker.register_kv_caches(lambda: self.runner._kv_tensor)
         self._pd = worker
+        return worker
 
     def spec_support(self) -> SpecSupport | None:
         """Verification of drafts, exact (seeded sampling gives the tokens it gives without
@@ -274,13 +291,15 @@ class CudaBackend(Backend):
             raise RuntimeError("execute_model called after close()")
         if self.is_sleeping:
             raise RuntimeError("execute_model called while the backend sleeps (call wake_up())")
-        if self._pd is not None:
+        if self._pd is not None and self.tp is None:
             self._pd.start_step(scheduler_output.kv_connector_metadata)
         if self.tp is None:
             with torch.inference_mode():
                 self.runner.execute_model(scheduler_output)
             return
         self.tp.step(scheduler_output)
+        if self._pd is not None:  # after the workers have the step: the ranks agree on loads
+            self._pd.start_step(scheduler_output.kv_connector_metadata)
         try:
             with torch.inference_mode():
                 self.runner.execute_model(scheduler_output)
@@ -311,14 +330,11 @@ class CudaBackend(Backend):
             if self.tp is not None:
                 self.tp.blame(exc)
             raise
-        if self._pd is not None:
-            from engine_core_cuda._pd_transfer import with_report
-
-            return with_report(handle, self._pd)  # one rank: the pd worker refuses more
         if self.tp is None:
-            return handle
+            return handle if self._pd is None else _with_report(handle, self._pd)
         self.tp.sampled()
-        return self.tp.watch(handle)
+        watched = self.tp.watch(handle)
+        return watched if self._pd is None else _with_report(watched, self._pd)
 
     # -- control --------------------------------------------------------------------------------
 
@@ -436,3 +452,11 @@ class CudaBackend(Backend):
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         if runner.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _with_report(
+    handle: AsyncModelRunnerOutput, worker: KVConnectorWorker
+) -> AsyncModelRunnerOutput:
+    from engine_core_cuda._pd_transfer import with_report
+
+    return with_report(handle, worker)

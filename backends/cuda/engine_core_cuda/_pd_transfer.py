@@ -26,8 +26,14 @@ Exports (the prefill side) are published at the step that starts them (``ready``
 withdrawn first, when the reader confirmed (``done``) or 0.8 × ``kv_lease_s`` after the reader's
 last renewal; only then are they reported, and the core frees the blocks.
 
-One tensor-parallel rank (``tensor_parallel_size`` 1) and no draft model: both are refused at
-startup, naming the setting.
+Tensor parallelism: every rank has a worker half for its own shard of the heads (its own
+handle, ``/dev/shm/<segment>.<tp rank>.ipc``, and its own transfer server; the transfer
+parameters carry every rank's ``addresses``); rank ``r`` of the decode engine pulls from rank
+``r`` of the prefill engine, so both need the same ``tensor_parallel_size``. The ranks agree:
+each finishes its loads within the step that starts them (before the forward pass) and an
+all-reduce of their outcomes makes a load valid only where it is valid on every rank; rank 0
+alone publishes, gives up and reports (the ranks' servers read rank 0's handoff segment). No
+draft model: it is refused at startup, naming the setting.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import torch
 
 from engine_core._core.pd_connector import (
@@ -61,7 +68,15 @@ from engine_core.kv_connector import (
     KVTransfer,
 )
 
-__all__ = ["CudaPDWorker", "copy_pages", "ipc_copy_probe", "ipc_path", "with_report"]
+__all__ = [
+    "CudaPDWorker",
+    "copy_pages",
+    "ipc_copy_probe",
+    "ipc_path",
+    "layout_from_text",
+    "layout_text",
+    "with_report",
+]
 
 _WORKER_LEASE = 0.8
 """An export is given up at this fraction of ``kv_lease_s`` after the reader's last renewal:
@@ -71,9 +86,10 @@ _DEADLINE_S = 5.0
 _RENEW_S = 0.01
 
 
-def ipc_path(segment: str) -> str:
-    """Where the prefill engine of handoff segment ``segment`` keeps its KV tensor's handle."""
-    return f"/dev/shm/{segment}.ipc"
+def ipc_path(segment: str, tp_rank: int = 0) -> str:
+    """Where tensor-parallel rank ``tp_rank`` of the prefill engine of handoff segment
+    ``segment`` keeps its KV tensor's handle."""
+    return f"/dev/shm/{segment}.{tp_rank}.ipc"
 
 
 def copy_pages(
@@ -124,20 +140,28 @@ class _Load:
 class CudaPDWorker(KVConnectorWorker):
     """See the module."""
 
-    def __init__(self, config: EngineConfig, layout: KVConnectorLayout) -> None:
-        super().__init__(config, layout, 0)
-        if config.tensor_parallel_size > 1:
-            raise ValueError(
-                "kv_connector 'pd' on the cuda backend runs at tensor_parallel_size 1 "
-                f"(got {config.tensor_parallel_size})"
-            )
+    def __init__(
+        self,
+        config: EngineConfig,
+        layout: KVConnectorLayout,
+        *,
+        tp_rank: int = 0,
+        segment: str | None = None,
+        parallel: Any = None,
+    ) -> None:
+        """``tp_rank``, ``segment`` (rank 0's handoff segment) and ``parallel`` (the
+        tensor-parallel group, for the ranks' agreement) under tensor parallelism."""
+        super().__init__(config, layout, tp_rank)
+        self.tp_rank = tp_rank
+        self.tp_size = config.tensor_parallel_size
+        self._parallel = parallel
         if config.speculative_config is not None:
             raise ValueError(
                 "kv_connector 'pd' on the cuda backend does not carry a draft model's KV: "
                 "speculative_config and disaggregating engine_roles do not run together"
             )
         self.rank = config.data_parallel_rank
-        self.segment_name = segment_name(os.getpid(), self.rank)
+        self.segment_name = segment or segment_name(os.getpid(), self.rank)
         self._segment: HandoffSegment | None = None
         self._kv_of: Callable[[], torch.Tensor | None] = lambda: None
         self._exports: dict[str, _Export] = {}
@@ -153,8 +177,23 @@ class CudaPDWorker(KVConnectorWorker):
         """With async scheduling a step's report is taken in a worker thread while the next
         step starts: one at a time."""
         self._remote = PDRemote.from_config(config, self.segment_name, payload=self.read_pages)
-        if self._remote is not None:
+        if self._remote is not None and tp_rank == 0:
             register_link(self.rank, self._remote)
+
+    @staticmethod
+    def segment_of(config: EngineConfig) -> str:
+        """The handoff segment of this process's engine (rank 0's)."""
+        return segment_name(os.getpid(), config.data_parallel_rank)
+
+    @property
+    def address(self) -> str:
+        """This rank's transfer server ("" without the transport)."""
+        return self._remote.address if self._remote is not None else ""
+
+    def set_addresses(self, addresses: list[str]) -> None:
+        """Rank 0: every rank's server, in rank order (the transfer parameters carry them)."""
+        if self._remote is not None:
+            self._remote.addresses = list(addresses)
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         """``kv_caches``: a callable returning the runner's one KV tensor (it is reallocated
@@ -191,7 +230,7 @@ class CudaPDWorker(KVConnectorWorker):
         import torch.multiprocessing  # noqa: F401  (registers torch's reductions: handles, not bytes)
 
         handle = bytes(ForkingPickler.dumps(kv))
-        path = ipc_path(self.segment_name)
+        path = ipc_path(self.segment_name, self.tp_rank)
         fresh = f"{path}.{time.monotonic_ns()}"
         fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
@@ -229,6 +268,8 @@ class CudaPDWorker(KVConnectorWorker):
         kv = self._kv
         if kv is not None and kv is not self._exported:
             self._export_handle(kv)  # reallocated (a sleep): readers must not use the old one
+        if self.tp_rank:
+            return  # rank 0 publishes and gives up (its segment); this rank's server serves
         export = _Export(save)
         self._own_segment().ready[export.slot] = export.epoch  # ``done``/``renew`` were reset
         self._exports[save.transfer_id] = export
@@ -263,8 +304,31 @@ class CudaPDWorker(KVConnectorWorker):
             if transfer.transfer_id in self._loads:
                 raise RuntimeError(f"KV load {transfer.transfer_id!r} started twice")
             self._loads[transfer.transfer_id] = _Load(transfer)
-        if self._loads:
+        if self._loads and self.tp_size > 1:
+            self._agree_loads()
+        elif self._loads:
             self._step_loads()  # before the forward pass: the copies run ahead of it
+
+    def _agree_loads(self) -> None:
+        """Tensor parallelism: finish every load now, on every rank, and keep one only where
+        every rank delivered its shard (the same loads in the same order on each rank)."""
+        loads = list(self._loads.items())
+        outcomes: list[bool] = []
+        for _transfer_id, load in loads:
+            outcome = None
+            while outcome is None:
+                outcome = self._load_once(load)
+                if outcome is None:
+                    time.sleep(0.001)
+            outcomes.append(outcome)
+        flags = torch.tensor([1.0 if ok else 0.0 for ok in outcomes])
+        kv = self._kv
+        if kv is not None and self._parallel is not None:
+            flags = self._parallel.all_reduce(flags.to(kv.device)).cpu()
+        self._loads.clear()
+        report = self._report
+        for (transfer_id, load), total in zip(loads, flags.tolist(), strict=True):
+            self._record(report, transfer_id, load, total >= self.tp_size - 0.5)
 
     def get_finished(self) -> KVConnectorReport | None:
         with self._lock:
@@ -278,26 +342,34 @@ class CudaPDWorker(KVConnectorWorker):
             self._step_loads(report)
         return None if report.is_empty else report
 
+    def _load_once(self, load: _Load) -> bool | None:
+        segment = str(load.params.get("segment", ""))
+        via_handle = (
+            load.params.get("via") != ZMQ
+            and bool(segment)
+            and os.path.exists(ipc_path(segment, self.tp_rank))
+        )
+        return self._handle_load(load) if via_handle else self._zmq_load(load)
+
     def _step_loads(self, report: KVConnectorReport | None = None) -> None:
         report = report if report is not None else self._report
         for transfer_id, load in list(self._loads.items()):
-            segment = str(load.params.get("segment", ""))
-            via_handle = (
-                load.params.get("via") != ZMQ
-                and bool(segment)
-                and os.path.exists(ipc_path(segment))
-            )
-            outcome = self._handle_load(load) if via_handle else self._zmq_load(load)
+            outcome = self._load_once(load)
             if outcome is None:
                 continue
             del self._loads[transfer_id]
-            report.finished_loads.append(transfer_id)
-            report.load_s += time.monotonic() - load.since
-            if outcome:
-                report.bytes_loaded += len(load.dst) * self.layout.page_size_bytes
-            else:
-                failed = [[b for b in ids if b >= 0] for ids in load.transfer.block_ids]
-                report.failed_block_ids = _merged(report.failed_block_ids, failed)
+            self._record(report, transfer_id, load, outcome)
+
+    def _record(
+        self, report: KVConnectorReport, transfer_id: str, load: _Load, outcome: bool
+    ) -> None:
+        report.finished_loads.append(transfer_id)
+        report.load_s += time.monotonic() - load.since
+        if outcome:
+            report.bytes_loaded += len(load.dst) * self.layout.page_size_bytes
+        else:
+            failed = [[b for b in ids if b >= 0] for ids in load.transfer.block_ids]
+            report.failed_block_ids = _merged(report.failed_block_ids, failed)
 
     def _handle_load(self, load: _Load) -> bool | None:
         """Same host. None: not published yet; then whether the copy is valid."""
@@ -310,7 +382,7 @@ class CudaPDWorker(KVConnectorWorker):
             if segment.ready[slot] != -epoch and time.monotonic() - load.since <= _DEADLINE_S:
                 return None
             return False
-        source = self._peer(segment.name)
+        source = self._peer(segment.name, self.tp_rank)
         kv = self._kv
         if source is None or kv is None:
             return False
@@ -323,10 +395,10 @@ class CudaPDWorker(KVConnectorWorker):
         # After the copy: still published (so held the whole time) and its engine alive.
         return segment.ready[slot] == epoch and segment.owner_alive()
 
-    def _peer(self, segment: str) -> torch.Tensor | None:
+    def _peer(self, segment: str, tp_rank: int) -> torch.Tensor | None:
         """The KV tensor of ``segment``'s engine, reopened when its handle changed."""
         try:
-            stat = os.stat(ipc_path(segment))
+            stat = os.stat(ipc_path(segment, tp_rank))
         except OSError:
             self._peers.pop(segment, None)
             return None
@@ -335,7 +407,7 @@ class CudaPDWorker(KVConnectorWorker):
         if known is not None and known[0] == key:
             return known[1]
         try:
-            with open(ipc_path(segment), "rb") as f:
+            with open(ipc_path(segment, tp_rank), "rb") as f:
                 opened = pickle.load(f)  # written by this user's engine (mode 0600)
         except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
             return None
@@ -348,9 +420,13 @@ class CudaPDWorker(KVConnectorWorker):
         """Over the transport. None: in flight; then whether the pages were delivered."""
         remote, kv = self._remote, self._kv
         params = load.params
-        if remote is None or kv is None or not params.get("address"):
+        addresses = params.get("addresses") or [params.get("address")]
+        if remote is None or kv is None or len(addresses) != self.tp_size:
+            return False  # another tensor-parallel size: the shards do not line up
+        address = str(addresses[self.tp_rank] or "")
+        if not address:
             return False
-        client, address = remote.client, str(params["address"])
+        client = remote.client
         slot, epoch = int(params.get("slot", -1)), int(params.get("epoch", 0))
         client.poll()
         if client.state(address) in ("refused", "gone"):
@@ -390,12 +466,22 @@ class CudaPDWorker(KVConnectorWorker):
         self._exports.clear()
         self._peers.clear()
         if self._remote is not None:
-            register_link(self.rank, None)
+            if self.tp_rank == 0:
+                register_link(self.rank, None)
             self._remote.close()
             self._remote = None
         self._remove_handle()
         self._exported = None
         self._segment = None
+
+
+def layout_text(layout: KVConnectorLayout) -> str:
+    """``layout`` as text, for the tensor-parallel workers' call."""
+    return msgspec.json.encode(layout).decode()
+
+
+def layout_from_text(text: str) -> KVConnectorLayout:
+    return msgspec.json.decode(text, type=KVConnectorLayout)
 
 
 def _shm_room(size: int) -> bool:

@@ -2,8 +2,9 @@
 prompt and the first token, a decode engine copies the prompt's KV pages into its own blocks
 and decodes; greedy tokens equal one engine's, every transfer delivered its pages (no
 recompute), on the same host's path (a handle of the KV tensor: shared memory on the CPU) and
-across hosts (``pd_transport="zmq"``), and every engine ends holding no block. The page copy
-itself is checked per KV-cache group, on both paths."""
+across hosts (``pd_transport="zmq"``), at one and two tensor-parallel ranks (rank r pulls rank
+r's shard), and every engine ends holding no block. The page copy itself is checked per
+KV-cache group, on both paths."""
 
 from __future__ import annotations
 
@@ -51,18 +52,22 @@ async def _idle(llm: AsyncLLM, timeout_s: float = 10.0) -> Any:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("tp", [1, 2])
 async def test_prefill_and_decode_engines_give_one_engines_tokens(
-    tiny: dict[str, TinyModel], anyio_backend: str
+    tiny: dict[str, TinyModel], anyio_backend: str, tp: int
 ) -> None:
+    """``tp`` 2: each engine two tensor-parallel ranks (gloo), rank r pulling rank r's shard."""
     model = tiny["llama"]
     final = PARAMS.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-    with model.llm(block_size=4) as one:
+    with model.llm(block_size=4, dtype="float32", tensor_parallel_size=tp) as one:
         expected = [list(o.outputs[0].token_ids) for o in one.generate(LONG, final, use_tqdm=False)]
     transport = TRANSPORT[anyio_backend]
     async with AsyncLLM(
         model=str(model.path),
         backend="cuda",
         backend_options={"device": "cpu", "kernels": "torch"},
+        dtype="float32",
+        tensor_parallel_size=tp,
         block_size=4,
         max_model_len=256,
         num_kv_blocks=96,
@@ -108,8 +113,8 @@ def test_the_worker_refuses_what_it_cannot_carry() -> None:
         group_spans=[None],
         page_size_bytes=64,
     )
-    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        CudaPDWorker(EngineConfig(tensor_parallel_size=2), layout)
+    with pytest.raises(ValueError, match="draft model"):
+        CudaPDWorker(EngineConfig(speculative_config={"num_speculative_tokens": 2}), layout)
 
 
 @pytest.mark.parametrize("path", ["handle", "zmq"])

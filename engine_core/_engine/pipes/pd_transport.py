@@ -389,6 +389,8 @@ class PDRemote:
         )
         self.client = PDClient(keys)
         self.address = self.server.address
+        self.addresses: list[str] = [self.address]
+        """Every tensor-parallel rank's server, in rank order (set by rank 0's worker half)."""
         self.timeout_s = float(options.get("pd_timeout_s", 5.0))
 
     @classmethod
