@@ -386,6 +386,8 @@ class CudaPDWorker(KVConnectorWorker):
         kv = self._kv
         if source is None or kv is None:
             return False
+        if source.dtype != kv.dtype or _page_shape(source) != _page_shape(kv):
+            return False  # another model, shard (tensor-parallel size) or KV dtype
         if self._renew:
             renew(params)
         copy_pages(kv, load.dst, source, load.src)
@@ -482,6 +484,10 @@ def layout_text(layout: KVConnectorLayout) -> str:
 
 def layout_from_text(text: str) -> KVConnectorLayout:
     return msgspec.json.decode(text, type=KVConnectorLayout)
+
+
+def _page_shape(kv: torch.Tensor) -> tuple[int, ...]:
+    return (kv.shape[0], kv.shape[1], *kv.shape[3:])
 
 
 def _shm_room(size: int) -> bool:
