@@ -202,7 +202,8 @@ def test_pages_cross_per_kv_cache_group(path: str) -> None:
 
 def test_a_reallocated_kv_tensor_is_exported_again() -> None:
     """After a sleep the runner's KV tensor is a new one: the next export publishes its handle
-    and a reader that opened the old one reopens it (never copies stale pages)."""
+    and a reader that opened the old one reopens it (never copies stale pages); a handle of
+    another page shape fails the load."""
     import msgspec
 
     from engine_core._core.pd_connector import PDConnectorScheduler
@@ -226,16 +227,18 @@ def test_a_reallocated_kv_tensor_is_exported_again() -> None:
         )
 
     current = [torch.randn(1, 2, 8, 4, 1, 8)]
-    dst = torch.zeros_like(current[0])
+    dst = torch.zeros(1, 2, 8, 4, 1, 8)
     prefill = CudaPDWorker(config(0), layout)
     owner = PDConnectorScheduler(config(0), layout)
     decode = CudaPDWorker(config(1), layout)
     try:
         prefill.register_kv_caches(lambda: current[0])
         decode.register_kv_caches(lambda: dst)
-        for epoch in (3, 4):
+        for epoch in (3, 4, 5):
             if epoch == 4:
                 current[0] = torch.randn(1, 2, 8, 4, 1, 8)  # reallocated
+            if epoch == 5:  # another shard (a prefill engine of another tensor-parallel size)
+                current[0] = torch.randn(1, 2, 8, 4, 2, 8)
             slot = owner._free_slots.pop()
             owner.segment.done[slot] = 0
             params = {"epoch": epoch, "slot": slot, "lease_s": 30.0}
@@ -246,6 +249,9 @@ def test_a_reallocated_kv_tensor_is_exported_again() -> None:
             decode.start_step(KVConnectorMetadata(loads=[load]))
             report = decode.get_finished()
             assert report is not None and report.finished_loads == [f"r{epoch}"]
+            if epoch == 5:
+                assert report.failed_block_ids == [[6]]  # refused, never copied
+                continue
             assert not report.failed_block_ids
             assert torch.equal(dst[:, :, 6], current[0][:, :, 2])
     finally:
