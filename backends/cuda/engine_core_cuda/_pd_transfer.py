@@ -255,14 +255,16 @@ class CudaPDWorker(KVConnectorWorker):
     # -- the prefill side -------------------------------------------------------------------------
 
     def read_pages(self, blocks: list[list[int]]) -> bytes:
-        """The pages of ``blocks`` (per group; ``-1`` skipped), as bytes: what the transfer
-        server sends (from its thread; the blocks are held, nothing writes them)."""
+        """The pages of ``blocks`` (per group; ``-1`` skipped), as bytes after a header naming
+        their dtype and page shape (:func:`_page_header`): what the transfer server sends (from
+        its thread; the blocks are held, nothing writes them)."""
         kv = self._kv
         ids = [b for group in blocks for b in group if b >= 0]
         if kv is None or not ids:
             return b""
         pages = kv.index_select(2, torch.tensor(ids, dtype=torch.long, device=kv.device))
-        return pages.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        body = pages.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        return _page_header(kv) + body
 
     def _publish(self, save: KVTransfer) -> None:
         kv = self._kv
@@ -453,12 +455,16 @@ class CudaPDWorker(KVConnectorWorker):
             return None
         if status != OK:
             return False
+        header = _page_header(kv)
+        if payload[: len(header)] != header:
+            return False  # another KV dtype or page shape (model, tensor-parallel shard)
+        body = payload[len(header) :]
         shape = (kv.shape[0], kv.shape[1], len(load.src), *kv.shape[3:])
         expected = kv.element_size() * kv.shape[0] * kv.shape[1] * len(load.src)
         expected *= kv.shape[3] * kv.shape[4] * kv.shape[5]
-        if len(payload) != expected:
+        if len(body) != expected:
             return False
-        pages = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(kv.dtype).view(shape)
+        pages = torch.frombuffer(bytearray(body), dtype=torch.uint8).view(kv.dtype).view(shape)
         dst = torch.tensor(load.dst, dtype=torch.long, device=kv.device)
         kv.index_copy_(2, dst, pages.to(kv.device))
         return True
@@ -488,6 +494,12 @@ def layout_from_text(text: str) -> KVConnectorLayout:
 
 def _page_shape(kv: torch.Tensor) -> tuple[int, ...]:
     return (kv.shape[0], kv.shape[1], *kv.shape[3:])
+
+
+def _page_header(kv: torch.Tensor) -> bytes:
+    """What pages sent over ZMQ start with: their dtype and page shape, length-prefixed."""
+    text = msgspec.msgpack.encode([str(kv.dtype), list(_page_shape(kv))])
+    return len(text).to_bytes(4, "little") + text
 
 
 def _shm_room(size: int) -> bool:
