@@ -10,7 +10,7 @@ Paths, chosen per load:
 
 - **same host: a handle of the KV tensor.** The prefill engine exports its KV tensor once with
   torch's reduction (``torch.multiprocessing``'s, what its queues send: a handle, not the bytes) into a file beside its
-  handoff segment (``/dev/shm/<segment>.ipc``, mode 0600, removed at close): on a GPU a CUDA IPC
+  handoff segment (``/dev/shm/<segment>.<tp rank>.ipc``, mode 0600, removed at close): on a GPU a CUDA IPC
   handle; on the CPU the tensor is first moved into shared memory (``share_memory_``, in place:
   the model's per-layer views stay valid; torch's ``file_system`` strategy) when ``/dev/shm``
   has room for twice its size. The decode engine opens it once per prefill engine and copies
