@@ -52,6 +52,7 @@ OPTION_NAMES = frozenset(
         "load_format",
         "distributed_backend",
         "cpu_threads",
+        "kv_offload",
     }
 )
 
@@ -78,7 +79,9 @@ class CudaOptions:
       ``"gloo"`` (the CPU's; on CUDA it lets two ranks share one GPU, for correctness checks);
     - ``cpu_threads``: torch's intra-op threads on the CPU (None: ``OMP_NUM_THREADS`` when set,
       else the usable cores less one, at least 1; under tensor parallelism per rank: see
-      :func:`engine_core_cuda._device.resolve_cpu_threads`).
+      :func:`engine_core_cuda._device.resolve_cpu_threads`);
+    - ``kv_offload``: the host KV tier's settings (``deadline_s``, a test ``fault``), read when
+      ``kv_offload_bytes`` turns the tier on: see :mod:`engine_core_cuda._kv_offload`.
     """
 
     device: str
