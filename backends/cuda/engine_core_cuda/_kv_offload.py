@@ -14,7 +14,8 @@
   forward pass): the copy stream first waits on an event recorded on the compute stream (the
   blocks' earlier writes and reads), and an event recorded after the copies tells when it is
   done. Nothing on the step's path waits for the host: ``get_finished`` only queries events.
-  On the CPU the same code runs synchronously.
+  On the CPU the same code runs synchronously, with one strided copy per block by default
+  (``copy``: torch's gather kernels cost more than they save on a CPU's few threads).
 - **Worker half** (:class:`CudaHostWorker`): applies a step's cancelled transfers (the compute
   stream waits on their events, so no copy touches the blocks once they change hands), starts
   saves then loads, and reports what finished. A load from a slot that holds no stored block,
@@ -24,7 +25,8 @@
   cache, and the ranks agree, by a small host-side all-reduce over a ``gloo`` group, on what
   finished (on every rank) and what failed (on any rank); rank 0's report is then the merge.
 
-``backend_options["kv_offload"]`` (all optional): ``deadline_s`` (default 10.0), the longest a
+``backend_options["kv_offload"]`` (all optional): ``copy``, ``"batched"`` (the GPU's default)
+or ``"per_block"`` (the CPU's); ``deadline_s`` (default 10.0), the longest a
 load may take before it is reported failed; ``fault``: ``{"kind": "drop" | "raise",
 "probability": p, "seed": s}`` injected per load (tests: ``drop`` reports the load's blocks
 failed, ``raise`` raises from the worker half, which is a backend error).
@@ -73,6 +75,8 @@ class KVOffloadOptions:
     fault_kind: str | None = None
     fault_probability: float = 0.0
     fault_seed: int = 0
+    copy: str | None = None
+    """``"batched"`` or ``"per_block"`` (None: batched on a GPU, per block on the CPU)."""
 
 
 def parse_kv_offload(value: Any) -> KVOffloadOptions:
@@ -81,10 +85,16 @@ def parse_kv_offload(value: Any) -> KVOffloadOptions:
         return KVOffloadOptions()
     if not isinstance(value, dict):
         raise ValueError(f"backend_options['kv_offload'] must be a dict, got {value!r}")
-    unknown = sorted(set(value) - {"deadline_s", "fault"})
+    unknown = sorted(set(value) - {"deadline_s", "fault", "copy"})
     if unknown:
         raise ValueError(
-            f"backend_options['kv_offload'] has unknown key(s) {unknown}; known: deadline_s, fault"
+            f"backend_options['kv_offload'] has unknown key(s) {unknown}; known: copy, "
+            "deadline_s, fault"
+        )
+    copy = value.get("copy")
+    if copy not in (None, "batched", "per_block"):
+        raise ValueError(
+            f"backend_options['kv_offload']['copy'] must be 'batched' or 'per_block', got {copy!r}"
         )
     deadline = value.get("deadline_s", 10.0)
     if (
@@ -97,7 +107,7 @@ def parse_kv_offload(value: Any) -> KVOffloadOptions:
         )
     fault = value.get("fault")
     if fault is None:
-        return KVOffloadOptions(float(deadline))
+        return KVOffloadOptions(float(deadline), copy=copy)
     if not isinstance(fault, dict) or fault.get("kind") not in _FAULT_KINDS:
         raise ValueError(
             "backend_options['kv_offload']['fault'] must be a dict with 'kind' "
@@ -115,7 +125,7 @@ def parse_kv_offload(value: Any) -> KVOffloadOptions:
     seed = fault.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"backend_options['kv_offload']['fault']['seed'] must be an int, got {seed!r}")
-    return KVOffloadOptions(float(deadline), fault["kind"], float(probability), seed)
+    return KVOffloadOptions(float(deadline), fault["kind"], float(probability), seed, copy)
 
 
 def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
@@ -204,20 +214,23 @@ class BlockCopier:
         self.blocks.index_copy_(0, index, staging.view(len(block_ids), *self.block_shape))
         return [index, staging]
 
-    def save_per_block(self, block_ids: list[int], slots: list[int]) -> None:
-        """One copy per block (the reference the batched copy is measured against)."""
+    def save_per_block(self, block_ids: list[int], slots: list[int]) -> list[Any]:
+        """One strided copy per block: the CPU's default (torch's gather kernels cost more
+        there than they save), and the reference the batched copy is measured against."""
         host = self.host.data
         for block_id, slot in zip(block_ids, slots, strict=True):
             host[slot].view(self.block_shape).copy_(
                 self.blocks[block_id], non_blocking=self.on_gpu
             )
+        return []
 
-    def load_per_block(self, block_ids: list[int], slots: list[int]) -> None:
+    def load_per_block(self, block_ids: list[int], slots: list[int]) -> list[Any]:
         host = self.host.data
         for block_id, slot in zip(block_ids, slots, strict=True):
             self.blocks[block_id].copy_(
                 host[slot].view(self.block_shape), non_blocking=self.on_gpu
             )
+        return []
 
 
 class _Pending:
@@ -288,6 +301,10 @@ class CudaHostWorker(KVConnectorWorker):
         if self._pending:
             raise RuntimeError("the KV cache was replaced while host-tier transfers are in flight")
         self._copier = BlockCopier(kv_caches, self.host)
+        batched = self.options.copy == "batched" or (self.options.copy is None and self.on_gpu)
+        copier = self._copier
+        self._save = copier.save if batched else copier.save_per_block
+        self._load = copier.load if batched else copier.load_per_block
 
     # -- steps --------------------------------------------------------------------------------------
 
@@ -318,7 +335,7 @@ class CudaHostWorker(KVConnectorWorker):
             pending = self._begin(save, False, now)
             for _block, slot in pending.entries:
                 self._valid[slot] = False  # until this save ends
-            self._run(pending, self._save_stream, ready, copier.save)
+            self._run(pending, self._save_stream, ready, self._save)
         for load in metadata.loads:
             pending = self._begin(load, True, now)
             kind = self._draw()
@@ -328,7 +345,7 @@ class CudaHostWorker(KVConnectorWorker):
                 for g, ids in enumerate(load.block_ids):
                     pending.failed[g] = [b for b in ids if b >= 0]
                 pending.entries = []
-            self._run(pending, self._load_stream, ready, copier.load)
+            self._run(pending, self._load_stream, ready, self._load)
 
     def _draw(self) -> str | None:
         kind = self.options.fault_kind

@@ -132,7 +132,8 @@ def test_block_copier_round_trips_every_layer_of_a_block(dtype: torch.dtype) -> 
 def test_kv_offload_options_are_checked() -> None:
     assert parse_kv_offload(None).deadline_s == 10.0
     assert parse_kv_offload({"fault": {"kind": "drop", "probability": 0.5}}).fault_kind == "drop"
-    for bad in ({"deadline": 1}, {"deadline_s": 0}, {"fault": {"kind": "late"}}, []):
+    assert parse_kv_offload({"copy": "batched"}).copy == "batched"
+    for bad in ({"deadline": 1}, {"deadline_s": 0}, {"fault": {"kind": "late"}}, [], {"copy": 1}):
         with pytest.raises(ValueError, match="kv_offload"):
             parse_kv_offload(bad)
 
@@ -140,11 +141,16 @@ def test_kv_offload_options_are_checked() -> None:
 # -- the engine ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize(
+    ("async_scheduling", "copy"), [(False, "per_block"), (True, "per_block"), (False, "batched")]
+)
 def test_evicted_prompts_come_back_from_the_host_with_the_same_tokens(
-    tiny: dict[str, TinyModel], async_scheduling: bool
+    tiny: dict[str, TinyModel], async_scheduling: bool, copy: str
 ) -> None:
-    off, on, stats = both(config(tiny["llama"], async_scheduling=async_scheduling), rounds())
+    cfg = config(
+        tiny["llama"], async_scheduling=async_scheduling, options={"kv_offload": {"copy": copy}}
+    )
+    off, on, stats = both(cfg, rounds())
     assert on == off
     assert stats.kv_offload_hit_tokens > 0
     assert stats.kv_offload_bytes_loaded > 0 and stats.kv_offload_bytes_stored > 0
@@ -224,7 +230,7 @@ def test_fp8_kv_pages_move_their_bytes(tiny: dict[str, TinyModel]) -> None:
 
 def test_sliding_window_groups_get_host_hits(tiny: dict[str, TinyModel]) -> None:
     model = tiny["gemma3"]
-    off, on, stats = both(config(model), rounds())
+    off, on, stats = both(config(model, options={"kv_offload": {"copy": "batched"}}), rounds())
     assert on == off
     assert stats.kv_offload_hit_tokens > 0
     assert stats.kv_offload_bytes_loaded > 0
