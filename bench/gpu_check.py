@@ -1880,7 +1880,7 @@ def _offload_ttft(model_dir: Path, args: argparse.Namespace, context: int) -> tu
         model=str(model_dir), backend="cuda", dtype="bfloat16" if args.gpu else "float32",
         backend_options={"device": args.device, "load_format": "dummy"},
         max_model_len=context + 64, max_num_seqs=1, max_num_batched_tokens=max(context, 2048),
-        num_kv_blocks=blocks + blocks // 2, kv_offload_bytes=(4 << 30) if args.gpu else 64 << 20,
+        num_kv_blocks=blocks + blocks // 2, kv_offload_bytes=(8 << 30) if args.gpu else 64 << 20,
     )  # fmt: skip
     core = EngineCore(config, backend_cls=CudaBackend)
     try:
@@ -1913,6 +1913,20 @@ def _offload_ttft(model_dir: Path, args: argparse.Namespace, context: int) -> tu
 
 
 def check_offload(table: Table, args: argparse.Namespace, root: Path) -> None:
+    _offload_copy_rows(table, args)  # its buffers are freed when it returns
+    gpu = args.gpu
+    shape = {**(LLAMA3_8B if gpu else TOY_8B), "num_hidden_layers": args.layers if gpu else 2}
+    model_dir = write_config(root, "llama3-8b-shaped-offload", shape)
+    context = 8192 if gpu else 256
+    cold, from_host, hits = _offload_ttft(model_dir, args, context)
+    ratio = from_host / cold
+    table.add(f"offload: TTFT ctx={context} from the host tier vs cold (8B shape)",
+              f"{from_host * 1e3:.1f} vs {cold * 1e3:.1f} ms, x{ratio:.2f}, {hits} hit tokens",
+              "< 1, hits > 0" if gpu else "hits > 0",
+              (ratio < 1 and hits > 0) if gpu else hits > 0)  # fmt: skip
+
+
+def _offload_copy_rows(table: Table, args: argparse.Namespace) -> None:
     import torch
     from engine_core_cuda._kv_offload import BlockCopier, HostBuffer
 
@@ -1957,16 +1971,6 @@ def check_offload(table: Table, args: argparse.Namespace, root: Path) -> None:
         table.add(f"offload: {label} copy, {moved} x {page >> 10} KiB blocks",
                   f"{rate:.1f} GB/s", ">= 40 GB/s" if enforce else "",
                   (rate >= 40) if enforce else None)  # fmt: skip
-    del kv, host, copier
-    shape = {**(LLAMA3_8B if gpu else TOY_8B), "num_hidden_layers": args.layers if gpu else 2}
-    model_dir = write_config(root, "llama3-8b-shaped-offload", shape)
-    context = 8192 if gpu else 256
-    cold, from_host, hits = _offload_ttft(model_dir, args, context)
-    ratio = from_host / cold
-    table.add(f"offload: TTFT ctx={context} from the host tier vs cold (8B shape)",
-              f"{from_host * 1e3:.1f} vs {cold * 1e3:.1f} ms, x{ratio:.2f}, {hits} hit tokens",
-              "< 1, hits > 0" if gpu else "hits > 0",
-              (ratio < 1 and hits > 0) if gpu else hits > 0)  # fmt: skip
 
 
 # -- the checks' processes --------------------------------------------------------------------

@@ -206,6 +206,9 @@ class CudaBackend(Backend):
 
     def _initialize_kv_cache(self, num_blocks: int, layout: KVLayout | None) -> None:
         self.runner.drop_graphs()  # they would point at the old cache
+        release = getattr(self.kv_worker, "release_kv_caches", None)
+        if release is not None:
+            release()
         self.runner.allocate_kv_cache(num_blocks, layout)
         if self.kv_worker is not None:
             self.kv_worker.register_kv_caches(self.runner.kv_tensor)
@@ -405,6 +408,9 @@ class CudaBackend(Backend):
         runner = self.runner
         runner.drop_graphs()
         runner.drop_requests()
+        release = getattr(self.kv_worker, "release_kv_caches", None)
+        if release is not None:
+            release()  # its copies end before the cache is freed
         runner.release_kv_cache()
         self._param_shapes = [p.shape for p in runner.parameters()]
         if level == 2:

@@ -124,7 +124,9 @@ def parse_kv_offload(value: Any) -> KVOffloadOptions:
         )
     seed = fault.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"backend_options['kv_offload']['fault']['seed'] must be an int, got {seed!r}")
+        raise ValueError(
+            f"backend_options['kv_offload']['fault']['seed'] must be an int, got {seed!r}"
+        )
     return KVOffloadOptions(float(deadline), fault["kind"], float(probability), seed, copy)
 
 
@@ -219,17 +221,13 @@ class BlockCopier:
         there than they save), and the reference the batched copy is measured against."""
         host = self.host.data
         for block_id, slot in zip(block_ids, slots, strict=True):
-            host[slot].view(self.block_shape).copy_(
-                self.blocks[block_id], non_blocking=self.on_gpu
-            )
+            host[slot].view(self.block_shape).copy_(self.blocks[block_id], non_blocking=self.on_gpu)
         return []
 
     def load_per_block(self, block_ids: list[int], slots: list[int]) -> list[Any]:
         host = self.host.data
         for block_id, slot in zip(block_ids, slots, strict=True):
-            self.blocks[block_id].copy_(
-                host[slot].view(self.block_shape), non_blocking=self.on_gpu
-            )
+            self.blocks[block_id].copy_(host[slot].view(self.block_shape), non_blocking=self.on_gpu)
         return []
 
 
@@ -298,8 +296,7 @@ class CudaHostWorker(KVConnectorWorker):
         """``kv_caches``: the one KV tensor ``[slots, 2, num_blocks, block_size, ...]``."""
         if not isinstance(kv_caches, torch.Tensor):
             raise TypeError(f"the host tier registers the KV cache tensor, got {type(kv_caches)}")
-        if self._pending:
-            raise RuntimeError("the KV cache was replaced while host-tier transfers are in flight")
+        self.release_kv_caches()
         self._copier = BlockCopier(kv_caches, self.host)
         batched = self.options.copy == "batched" or (self.options.copy is None and self.on_gpu)
         copier = self._copier
@@ -491,12 +488,20 @@ class CudaHostWorker(KVConnectorWorker):
     def num_in_flight(self) -> int:
         return len(self._pending)
 
-    def close(self) -> None:
+    def release_kv_caches(self) -> None:
+        """Wait for the copies in flight and let go of the KV tensor (the backend frees or
+        replaces it: ``sleep``, a new ``initialize_kv_cache``). The transfers are still
+        reported; the next ``register_kv_caches`` gives the copier the new tensor."""
         for pending in self._pending.values():
             if pending.event is not None:
                 pending.event.synchronize()
-        self._pending.clear()
+                pending.event = None
+            pending.keep = []
         self._copier = None
+
+    def close(self) -> None:
+        self.release_kv_caches()
+        self._pending.clear()
 
 
 def gloo_agree(group: Any) -> AgreeFn:
@@ -544,7 +549,9 @@ def build_worker(
     if name != "host":
         worker = load_kv_connector(name).worker(config, layout, "cuda", rank)
         if worker is None:
-            raise NotImplementedError(f"the cuda backend has no worker half for KV connector {name!r}")
+            raise NotImplementedError(
+                f"the cuda backend has no worker half for KV connector {name!r}"
+            )
         return worker
     options = parse_kv_offload(config.backend_options.get("kv_offload"))
     agree: AgreeFn | None = None
