@@ -1969,7 +1969,7 @@ def _offload_copy_rows(table: Table, args: argparse.Namespace) -> None:
     for label, rate in rates.items():
         enforce = gpu and label.endswith("batched")
         table.add(f"offload: {label} copy, {moved} x {page >> 10} KiB blocks",
-                  f"{rate:.1f} GB/s", ">= 40 GB/s" if enforce else "",
+                  f"{rate:.2f} GB/s", ">= 40 GB/s" if enforce else "",
                   (rate >= 40) if enforce else None)  # fmt: skip
 
 
