@@ -67,6 +67,8 @@ __all__ = [
 ]
 
 _FAULT_KINDS = ("drop", "raise")
+CHUNK_BYTES = 64 << 20
+"""Bytes a batched copy moves per gather or scatter (its device buffer, per direction)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +170,7 @@ class BlockCopier:
     contiguous buffer, and the buffer moves to or from the host in one copy per run of
     consecutive host slots."""
 
-    def __init__(self, kv: torch.Tensor, host: HostBuffer) -> None:
+    def __init__(self, kv: torch.Tensor, host: HostBuffer, chunk_bytes: int = CHUNK_BYTES) -> None:
         if not kv.is_contiguous():
             raise ValueError("the KV cache tensor must be contiguous")
         raw = kv.view(torch.uint8) if kv.dtype != torch.uint8 else kv
@@ -186,6 +188,28 @@ class BlockCopier:
         self.host = host
         self.device = kv.device
         self.on_gpu = kv.device.type == "cuda"
+        self.chunk = max(1, chunk_bytes // page)
+        """Blocks per gather or scatter: a transfer moves in chunks through one device buffer
+        per direction (reused in stream order), so a long prompt's load takes no more device
+        memory than this."""
+        self._staging: dict[str, torch.Tensor] = {}
+
+    def _buffer(self, direction: str) -> torch.Tensor:
+        """The device buffer of ``direction``, allocated on first use (on the copy stream when
+        called under it, so the stream's order guards its reuse)."""
+        buffer = self._staging.get(direction)
+        if buffer is None:
+            buffer = torch.empty(
+                (self.chunk, self.host.page_bytes), dtype=torch.uint8, device=self.device
+            )
+            self._staging[direction] = buffer
+        return buffer
+
+    def _chunks(self, block_ids: list[int], slots: list[int]) -> list[tuple[list[int], list[int]]]:
+        step = self.chunk
+        return [
+            (block_ids[i : i + step], slots[i : i + step]) for i in range(0, len(block_ids), step)
+        ]
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         index = torch.tensor(block_ids, dtype=torch.int64, pin_memory=self.on_gpu)
@@ -193,28 +217,37 @@ class BlockCopier:
 
     def save(self, block_ids: list[int], slots: list[int]) -> list[Any]:
         """Device blocks into host slots; returns what must live until the copies end."""
-        index = self._index(block_ids)
-        gathered = self.blocks.index_select(0, index).view(len(block_ids), -1)
+        keep: list[Any] = []
         host = self.host.data
-        for slot, offset, length in slot_runs(slots):
-            host[slot : slot + length].copy_(
-                gathered[offset : offset + length], non_blocking=self.on_gpu
+        buffer = self._buffer("save")
+        for ids, chunk_slots in self._chunks(block_ids, slots):
+            index = self._index(ids)
+            gathered = buffer[: len(ids)]
+            torch.index_select(
+                self.blocks, 0, index, out=gathered.view(len(ids), *self.block_shape)
             )
-        return [index, gathered]
+            for slot, offset, length in slot_runs(chunk_slots):
+                host[slot : slot + length].copy_(
+                    gathered[offset : offset + length], non_blocking=self.on_gpu
+                )
+            keep.append(index)
+        return keep
 
     def load(self, block_ids: list[int], slots: list[int]) -> list[Any]:
         """Host slots into device blocks; returns what must live until the copies end."""
-        staging = torch.empty(
-            (len(block_ids), self.host.page_bytes), dtype=torch.uint8, device=self.device
-        )
+        keep: list[Any] = []
         host = self.host.data
-        for slot, offset, length in slot_runs(slots):
-            staging[offset : offset + length].copy_(
-                host[slot : slot + length], non_blocking=self.on_gpu
-            )
-        index = self._index(block_ids)
-        self.blocks.index_copy_(0, index, staging.view(len(block_ids), *self.block_shape))
-        return [index, staging]
+        buffer = self._buffer("load")
+        for ids, chunk_slots in self._chunks(block_ids, slots):
+            staging = buffer[: len(ids)]
+            for slot, offset, length in slot_runs(chunk_slots):
+                staging[offset : offset + length].copy_(
+                    host[slot : slot + length], non_blocking=self.on_gpu
+                )
+            index = self._index(ids)
+            self.blocks.index_copy_(0, index, staging.view(len(ids), *self.block_shape))
+            keep.append(index)
+        return keep
 
     def save_per_block(self, block_ids: list[int], slots: list[int]) -> list[Any]:
         """One strided copy per block: the CPU's default (torch's gather kernels cost more

@@ -123,6 +123,14 @@ def test_block_copier_round_trips_every_layer_of_a_block(dtype: torch.dtype) -> 
         assert torch.equal(raw[:, :, dst], before.view(torch.uint8)[:, :, src])
     for untouched in (2, 3, 4, 5, 6, 7, 8):
         assert torch.equal(raw[:, :, untouched], before.view(torch.uint8)[:, :, untouched])
+    # Chunks of one block through the staging buffers move the same bytes.
+    chunked = HostBuffer(6, page, pin=False)
+    BlockCopier(kv, chunked, chunk_bytes=page).save([7, 2, 5], [4, 5, 1])
+    assert torch.equal(chunked.data[[4, 5, 1]], host.data[[4, 5, 1]])
+    again = torch.zeros_like(kv)
+    BlockCopier(again, chunked, chunk_bytes=2 * page).load([3, 8, 6], [4, 5, 1])
+    for dst, src in ((3, 7), (8, 2), (6, 5)):
+        assert torch.equal(again.view(torch.uint8)[:, :, dst], kv.view(torch.uint8)[:, :, src])
     # The per-block reference copies the same bytes.
     other = HostBuffer(6, page, pin=False)
     BlockCopier(kv, other).save_per_block([7, 2, 5], [4, 5, 1])
