@@ -254,3 +254,30 @@ def test_tp2_agrees_and_gives_the_same_tokens(tiny: dict[str, TinyModel]) -> Non
     assert on == off
     assert stats.kv_offload_hit_tokens > 0
     assert stats.kv_offload_bytes_loaded > 0
+
+
+def test_sleep_and_wake_up_with_the_tier_on(tiny: dict[str, TinyModel]) -> None:
+    cfg = config(tiny["llama"], options={"kv_offload": {"copy": "batched"}})
+    batches = rounds(2)
+    off = EngineCore(msgspec.structs.replace(cfg, kv_offload_bytes=0))
+    try:
+        expected = run(off, batches[0])
+    finally:
+        off.close()
+    core = EngineCore(cfg)
+    try:
+        assert run(core, batches[0]) == expected
+        core.sleep(1)
+        core.wake_up()
+        backend = core.backend
+        assert isinstance(backend, CudaBackend) and backend.kv_worker is not None
+        copier = backend.kv_worker._copier
+        assert (
+            copier is not None and copier.blocks.data_ptr() == backend.runner.kv_tensor.data_ptr()
+        )
+        again = run(core, [(f"again-{r}", p) for r, p in batches[1]])
+        assert list(again.values()) == list(expected.values())
+        kv = core.scheduler.kv
+        assert kv.num_free_blocks == kv.num_blocks
+    finally:
+        core.close()
