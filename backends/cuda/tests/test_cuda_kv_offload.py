@@ -281,3 +281,55 @@ def test_sleep_and_wake_up_with_the_tier_on(tiny: dict[str, TinyModel]) -> None:
         assert kv.num_free_blocks == kv.num_blocks
     finally:
         core.close()
+
+
+def _worker(agree: Any) -> Any:
+    from engine_core_cuda._kv_offload import CudaHostWorker, KVOffloadOptions
+
+    from engine_core.kv_connector import KVConnectorLayout
+
+    kv = torch.randn(2, 2, 8, BLOCK, 1, 4)
+    page = kv[:, :, 0].numel() * kv.element_size()
+    layout = KVConnectorLayout(
+        num_blocks=8, block_size=BLOCK, kv_groups=[[0, 1]], group_kinds=["full_attention"],
+        group_spans=[None], page_size_bytes=page,
+    )  # fmt: skip
+    worker = CudaHostWorker(
+        EngineConfig(kv_offload_bytes=4 * page), layout, KVOffloadOptions(), torch.device("cpu"),
+        rank=0, tp_size=2, agree=agree,
+    )  # fmt: skip
+    worker.register_kv_caches(kv)
+    return worker, kv
+
+
+def test_ranks_report_a_transfer_once_every_rank_finished_it() -> None:
+    from engine_core.kv_connector import KVConnectorMetadata, KVTransfer
+
+    other: list[int] = []  # what the other rank contributes to the maximum
+
+    def agree(values: list[int]) -> list[int]:
+        return [max(v, o) for v, o in zip(values, other or [0] * len(values), strict=True)]
+
+    worker, kv = _worker(agree)
+    save = KVTransfer("s", "a", [[3, 5]], [[0, 1]], num_tokens=2 * BLOCK)
+    worker.start_step(KVConnectorMetadata(saves=[save]))
+    other[:] = [1]  # the other rank's save is still in flight
+    assert worker.get_finished() is None and worker.num_in_flight == 1
+    other[:] = [0]
+    report = worker.get_finished()
+    assert report is not None and report.finished_saves == ["s"]
+    assert report.bytes_stored == 2 * 2 * worker.host.page_bytes  # both ranks' shards
+    # A load the other rank failed one block of: failed everywhere; the rest is loaded.
+    load = KVTransfer("a", "a", [[6, 7]], [[0, 1]], num_tokens=2 * BLOCK)
+    worker.start_step(KVConnectorMetadata(loads=[load]))
+    other[:] = [0, 0, 1]  # per transfer, then per block: block 7 failed there
+    report = worker.get_finished()
+    assert report is not None and report.finished_loads == ["a"]
+    assert report.failed_block_ids == [[7]]
+    assert torch.equal(kv[:, :, 6], kv[:, :, 3])
+    # A load from a slot nothing was saved into fails on this rank by itself.
+    other[:] = []
+    worker.start_step(KVConnectorMetadata(loads=[KVTransfer("b", "b", [[2]], [[3]])]))
+    report = worker.get_finished()
+    assert report is not None and report.failed_block_ids == [[2]]
+    worker.close()
