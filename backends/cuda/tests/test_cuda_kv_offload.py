@@ -250,10 +250,16 @@ def test_more_host_memory_than_available_is_a_startup_error(tiny: dict[str, Tiny
 
 
 def test_tp2_agrees_and_gives_the_same_tokens(tiny: dict[str, TinyModel]) -> None:
-    off, on, stats = both(config(tiny["llama"], tensor_parallel_size=2), rounds(2, 3))
+    # Both ranks draw the same faults (one seed): failed blocks are agreed on too.
+    fault = {
+        "kv_offload": {"copy": "batched", "fault": {"kind": "drop", "probability": 0.5, "seed": 1}}
+    }
+    cfg = config(tiny["llama"], tensor_parallel_size=2, options=fault)
+    off, on, stats = both(cfg, rounds(3, 3))
     assert on == off
     assert stats.kv_offload_hit_tokens > 0
     assert stats.kv_offload_bytes_loaded > 0
+    assert stats.kv_offload_failed_blocks > 0
 
 
 def test_sleep_and_wake_up_with_the_tier_on(tiny: dict[str, TinyModel]) -> None:
