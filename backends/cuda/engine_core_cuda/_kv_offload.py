@@ -580,6 +580,11 @@ def build_worker(
     (:class:`CudaHostWorker`), or the plugin's (``KVConnectorProvider.worker``).
     ``NotImplementedError`` for a connector with no worker half for this backend."""
     if name != "host":
+        if parallel is not None and parallel.size > 1:
+            raise NotImplementedError(
+                f"KV connector {name!r} under tensor parallelism: the cuda backend agrees on "
+                "the ranks' reports for its own host tier only"
+            )
         worker = load_kv_connector(name).worker(config, layout, "cuda", rank)
         if worker is None:
             raise NotImplementedError(
