@@ -339,3 +339,24 @@ def test_ranks_report_a_transfer_once_every_rank_finished_it() -> None:
     report = worker.get_finished()
     assert report is not None and report.failed_block_ids == [[2]]
     worker.close()
+
+
+def test_tp2_a_raising_worker_half_ends_the_engine_without_a_hang(
+    tiny: dict[str, TinyModel],
+) -> None:
+    fault = {"kv_offload": {"fault": {"kind": "raise", "probability": 1.0}}}
+    core = EngineCore(config(tiny["llama"], tensor_parallel_size=2, options=fault))
+    started = time.monotonic()
+    try:
+        with pytest.raises(Exception) as info:
+            for batch in rounds(2):
+                run(core, batch)
+        text = []
+        exc: BaseException | None = info.value
+        while exc is not None:
+            text.append(str(exc))
+            exc = exc.__cause__ or exc.__context__
+        assert any("kv_offload fault injected" in t for t in text), text
+    finally:
+        core.close()
+    assert time.monotonic() - started < 60
