@@ -37,7 +37,6 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,6 +53,7 @@ from engine_core.kv_connector import (
     check_host_memory,
     load_kv_connector,
 )
+from engine_core_cuda._options import KVOffloadOptions, parse_kv_offload
 
 __all__ = [
     "BlockCopier",
@@ -66,70 +66,8 @@ __all__ = [
     "slot_runs",
 ]
 
-_FAULT_KINDS = ("drop", "raise")
 CHUNK_BYTES = 64 << 20
 """Bytes a batched copy moves per gather or scatter (its device buffer, per direction)."""
-
-
-@dataclass(frozen=True, slots=True)
-class KVOffloadOptions:
-    deadline_s: float = 10.0
-    fault_kind: str | None = None
-    fault_probability: float = 0.0
-    fault_seed: int = 0
-    copy: str | None = None
-    """``"batched"`` or ``"per_block"`` (None: batched on a GPU, per block on the CPU)."""
-
-
-def parse_kv_offload(value: Any) -> KVOffloadOptions:
-    """Validate ``backend_options["kv_offload"]`` (None: the defaults)."""
-    if value is None:
-        return KVOffloadOptions()
-    if not isinstance(value, dict):
-        raise ValueError(f"backend_options['kv_offload'] must be a dict, got {value!r}")
-    unknown = sorted(set(value) - {"deadline_s", "fault", "copy"})
-    if unknown:
-        raise ValueError(
-            f"backend_options['kv_offload'] has unknown key(s) {unknown}; known: copy, "
-            "deadline_s, fault"
-        )
-    copy = value.get("copy")
-    if copy not in (None, "batched", "per_block"):
-        raise ValueError(
-            f"backend_options['kv_offload']['copy'] must be 'batched' or 'per_block', got {copy!r}"
-        )
-    deadline = value.get("deadline_s", 10.0)
-    if (
-        not isinstance(deadline, (int, float))
-        or isinstance(deadline, bool)
-        or not 0 < deadline < float("inf")
-    ):
-        raise ValueError(
-            f"backend_options['kv_offload']['deadline_s'] must be a number > 0, got {deadline!r}"
-        )
-    fault = value.get("fault")
-    if fault is None:
-        return KVOffloadOptions(float(deadline), copy=copy)
-    if not isinstance(fault, dict) or fault.get("kind") not in _FAULT_KINDS:
-        raise ValueError(
-            "backend_options['kv_offload']['fault'] must be a dict with 'kind' "
-            f"({', '.join(_FAULT_KINDS)}), 'probability' and 'seed', got {fault!r}"
-        )
-    extra = sorted(set(fault) - {"kind", "probability", "seed"})
-    if extra:
-        raise ValueError(f"backend_options['kv_offload']['fault'] has unknown key(s) {extra}")
-    probability = fault.get("probability", 1.0)
-    if not isinstance(probability, (int, float)) or not 0 <= probability <= 1:
-        raise ValueError(
-            "backend_options['kv_offload']['fault']['probability'] must be in [0, 1], "
-            f"got {probability!r}"
-        )
-    seed = fault.get("seed", 0)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(
-            f"backend_options['kv_offload']['fault']['seed'] must be an int, got {seed!r}"
-        )
-    return KVOffloadOptions(float(deadline), fault["kind"], float(probability), seed, copy)
 
 
 def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:

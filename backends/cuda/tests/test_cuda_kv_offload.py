@@ -360,3 +360,9 @@ def test_tp2_a_raising_worker_half_ends_the_engine_without_a_hang(
     finally:
         core.close()
     assert time.monotonic() - started < 60
+
+
+def test_a_bad_kv_offload_option_fails_at_construction(tiny: dict[str, TinyModel]) -> None:
+    bad = config(tiny["llama"], offload=0, options={"kv_offload": {"copy": "sideways"}})
+    with pytest.raises(ValueError, match=r"backend_options\['kv_offload'\]\['copy'\]"):
+        CudaBackend(bad)
