@@ -196,14 +196,13 @@ class CudaPDWorker(KVConnectorWorker):
             self._remote.addresses = list(addresses)
 
     def register_kv_caches(self, kv_caches: Any) -> None:
-        """``kv_caches``: a callable returning the runner's one KV tensor (it is reallocated
-        after a sleep)."""
-        if not callable(kv_caches):
-            raise TypeError("the cuda backend's pd connector registers a getter of the KV tensor")
-        self._kv_of = kv_caches
-        kv = kv_caches()
+        """``kv_caches``: the runner's one KV tensor (registered again when it is reallocated,
+        after a sleep: its handle is then exported anew), or a callable returning it."""
+        getter = kv_caches if callable(kv_caches) else (lambda: kv_caches)
+        kv = getter()
         if not isinstance(kv, torch.Tensor) or kv.dim() != 6:
             raise TypeError("the cuda backend's pd connector needs the allocated KV tensor")
+        self._kv_of = getter
         self._export_handle(kv)
 
     def _export_handle(self, kv: torch.Tensor) -> None:
