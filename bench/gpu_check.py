@@ -122,13 +122,14 @@ CHECK_SUMMARIES = {
     "fp8": "FP8 linear and KV write vs torch; FP8 KV blocks; FP8 8B decode at batch 1 vs bf16",
     "gpt_oss": "gpt-oss-20b-shaped decode (sinks, windows, biased experts) vs its roofline (info)",
     "offload": "host KV tier: host<->device block copy GB/s (batched vs per block); TTFT from host",
+    "pd_ipc": "KV pages copied from another process's cache over CUDA IPC (GB/s, exact)",
 }
 """Each check (``--only``) and what it shows, in one line: listed by ``--help``."""
 CHECKS = tuple(CHECK_SUMMARIES)
 TIMEOUTS_S = {"preflight": 90, "kernels": 120, "startup": 150, "throughput": 180, "sampling": 120,
               "longctx": 120, "window": 150, "prefill": 100, "profile": 120, "parity": 150,
               "conformance": 150, "tp": 150, "overlap": 150, "spec": 180, "moe": 240,
-              "fp8": 180, "gpt_oss": 180, "offload": 150}  # fmt: skip
+              "fp8": 180, "gpt_oss": 180, "offload": 150, "pd_ipc": 90}  # fmt: skip
 """Each check's time limit (seconds, scaled by ``--timeout-scale``); typical runs take a fraction."""
 MIN_CHECK_S = 15
 """A check is not started with less of the ``--budget`` left."""
@@ -1767,6 +1768,40 @@ def check_gpt_oss(table: Table, args: argparse.Namespace, root: Path) -> None:
     _moe_decode_rows(table, args, root, config, "gpt-oss-20b-shaped", "gpt_oss", "gpt-oss-20b", {})
 
 
+def check_pd_ipc(table: Table, args: argparse.Namespace, root: Path) -> None:
+    """Prefill/decode disaggregation's same-host path on the CUDA backend: a second process
+    opens this one's KV tensor over CUDA IPC (on the CPU: shared memory) and copies every page
+    into its own blocks, as a decode engine does (``_pd_transfer.copy_pages``); GB/s of pages
+    moved and whether they arrived exact. Information beside the device's bandwidth."""
+    import torch
+    import torch.multiprocessing as tmp
+    from engine_core_cuda._pd_transfer import ipc_copy_probe
+
+    # The 8B shape's page at block size 16 (32 layers x K/V x 16 x 8 heads x 128), bf16: 4 MiB.
+    shape = (32, 2, 128, 16, 8, 128) if args.gpu else (2, 2, 8, 4, 2, 8)
+    device = args.device if args.gpu else "cpu"
+    src = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    if not args.gpu:
+        src.share_memory_()
+    ctx = tmp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    reader = ctx.Process(target=ipc_copy_probe, args=(inbox, outbox), daemon=True)
+    reader.start()
+    try:
+        inbox.put((src, 20 if args.gpu else 2))
+        elapsed, equal = outbox.get(timeout=60)
+        inbox.put("done")
+        reader.join(timeout=30)
+    finally:
+        if reader.is_alive():
+            reader.kill()
+    moved = src.numel() * src.element_size()
+    gbps = moved / elapsed / 1e9
+    table.add(f"pd_ipc: {shape[2]} KV pages over {'CUDA IPC' if args.gpu else 'shared memory'}",
+              f"{gbps:.1f} GB/s ({moved / 2**20:.0f} MiB per copy), exact: {equal}",
+              "exact", equal)  # fmt: skip
+
+
 def check_fp8(table: Table, args: argparse.Namespace, root: Path) -> None:
     import torch
     from engine_core_cuda._fp8 import FP8_DTYPE, device_has_fp8, fp8_linear, quantize_rows
@@ -1994,6 +2029,7 @@ CHECK_FUNCTIONS: dict[str, Callable[[Table, argparse.Namespace, Path], None]] = 
     "fp8": check_fp8,
     "gpt_oss": check_gpt_oss,
     "offload": check_offload,
+    "pd_ipc": check_pd_ipc,
 }
 
 

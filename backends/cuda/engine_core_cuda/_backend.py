@@ -265,6 +265,9 @@ class CudaBackend(Backend):
 
         if self.runner.kv_tensor is None:
             raise RuntimeError("init_kv_connector called before initialize_kv_cache()")
+        if name == "pd":
+            self._init_pd(layout)
+            return
         if self.tp is not None:
             encoded = msgspec.json.encode(layout).decode()
             with self.tp.on_every_rank("init_kv_connector", name, encoded):
@@ -280,6 +283,30 @@ class CudaBackend(Backend):
                               runner.parallel)  # fmt: skip
         worker.register_kv_caches(runner.kv_tensor)
         self.kv_worker = worker
+
+    def _init_pd(self, layout: KVConnectorLayout) -> None:
+        """The ``"pd"`` connector (prefill/decode disaggregation): :mod:`._pd_transfer` on
+        every rank, each serving its shard; rank 0 learns the ranks' transfer addresses."""
+        from engine_core_cuda._pd_transfer import CudaPDWorker, layout_text
+
+        if self.tp is None:
+            self.init_pd_rank(layout)
+            return
+        segment = CudaPDWorker.segment_of(self.config)
+        with self.tp.on_every_rank("init_pd", layout_text(layout), segment) as others:
+            own = self.init_pd_rank(layout)
+        own.set_addresses([own.address, *(str(a) for a in others)])
+
+    def init_pd_rank(self, layout: KVConnectorLayout, segment: str | None = None) -> Any:
+        """This rank's ``"pd"`` worker half (``segment``: rank 0's handoff segment)."""
+        from engine_core_cuda._pd_transfer import CudaPDWorker
+
+        runner = self.runner
+        worker = CudaPDWorker(self.config, layout, tp_rank=self.tp_rank, segment=segment,
+                              parallel=runner.parallel)  # fmt: skip
+        worker.register_kv_caches(runner.kv_tensor)
+        self.kv_worker = worker
+        return worker
 
     def kv_connector_report(self) -> KVConnectorReport | None:
         """The worker half's report of this step (on every rank: the ranks agree on it). A

@@ -65,6 +65,11 @@ class CudaWorker:
             assert isinstance(args[0], str) and isinstance(args[1], str)
             layout = msgspec.json.decode(args[1], type=KVConnectorLayout)
             backend.init_kv_connector(args[0], layout)
+        elif method == "init_pd":  # the "pd" connector's worker half of this rank
+            from engine_core_cuda._pd_transfer import layout_from_text
+
+            assert isinstance(args[0], str) and isinstance(args[1], str)
+            return str(backend.init_pd_rank(layout_from_text(args[0]), args[1]).address)
         elif method == "profile":
             backend.profile("start" if args[0] == "start" else "stop")
         elif method == "sleep":
