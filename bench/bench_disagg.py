@@ -21,7 +21,13 @@ every transfer dropped, a lease expired, the decode engine killed mid-stream wit
 ``dp_failover="resume"``): every request ends with the colocated run's tokens or a clear error
 and no engine holds a block.
 
-Usage: ``python bench/bench_disagg.py [--streams 64] [--json PATH]``.
+``--handoff N`` measures instead the handoff itself on each path: N requests one after another
+(a 2k-token prompt, 2 output tokens, a link of no modelled cost), once over the same host's
+shared memory and once over the authenticated ZMQ transport (``pd_transport="zmq"``, what a
+decode engine on another machine uses): the decode side's mean time from a load's start to its
+report (``pd_handoff_s_<path>`` / ``pd_transfers_<path>``).
+
+Usage: ``python bench/bench_disagg.py [--streams 64] [--handoff N] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -254,7 +260,35 @@ async def drills(args: argparse.Namespace) -> list[dict[str, Any]]:
     ]
 
 
+async def handoff(args: argparse.Namespace) -> dict[str, Any]:
+    """Mean handoff latency per path (see the module)."""
+    out: dict[str, Any] = {}
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for path, transport in (("shm", "auto"), ("zmq", "zmq")):
+        llm = engine(
+            ["prefill", "decode"],
+            link={"bytes_per_s": 1e15, "latency_s": 0.0},
+            kv_connector_options={"pd_transport": transport},
+        )
+        async with llm:
+            for i in range(args.handoff):
+                tokens = {"prompt_token_ids": prompt(10_000 + i, 2048)}
+                async for _ in llm.generate(tokens, params, request_id=f"h{i}"):
+                    pass
+            stats = await llm.get_stats()
+        decode = next(s.kv_transfer for s in stats.engines if s.engine_role == "decode")
+        n = decode.get(f"pd_transfers_{path}", 0)
+        out[path] = {
+            "transfers": n,
+            "recomputes": decode.get("pd_transfer_failed", 0),
+            "handoff_ms": 1e3 * decode.get(f"pd_handoff_s_{path}", 0.0) / n if n else float("nan"),
+        }
+    return out
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    if args.handoff:
+        return {"handoff": await handoff(args)}
     colocated = await run_config(["both", "both"], args)
     disagg = await run_config(["prefill", "decode"], args)
     common = set(colocated["outputs"]) & set(disagg["outputs"])
@@ -270,8 +304,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(out: dict[str, Any]) -> None:
-    c, d = out["colocated"], out["disaggregated"]
     print(machine_line())
+    if "handoff" in out:
+        for path, row in out["handoff"].items():
+            print(
+                f"handoff over {path}: {row['handoff_ms']:.2f} ms mean (load start to report), "
+                f"{row['transfers']:.0f} transfers, {row['recomputes']:.0f} recomputes"
+            )
+        return
+    c, d = out["colocated"], out["disaggregated"]
     print(f"{'':28}{'colocated':>12}{'disagg':>12}{'ratio':>9}  target")
     rows = [
         ("ITL p50 (ms)", "itl_p50_ms", ""),
@@ -313,6 +354,9 @@ def main() -> None:
     parser.add_argument("--long-tokens", type=int, default=8192)
     parser.add_argument("--long-every", type=float, default=0.25)
     parser.add_argument("--no-drills", action="store_true")
+    parser.add_argument(
+        "--handoff", type=int, default=0, help="measure the handoff per path (N requests)"
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     out = anyio.run(main_async, args)

@@ -450,7 +450,9 @@ ENGINE_ROOMS: dict[str, frozenset[str]] = {
     "client": frozenset({"inproc_client", "mp", "dp"}),
     "inproc_client": frozenset({"client", "core"}),
     "mp": frozenset({"mp", "client", "pipes", "wire"}),
-    "dp": frozenset({"dp", "mp", "client", "ray"}),
+    # The data-parallel client makes the deployment's KV-transfer keys and releases exports
+    # over the transport between hosts (``pipes.pd_transport``).
+    "dp": frozenset({"dp", "mp", "client", "ray", "pipes"}),
     "ray": frozenset({"ray", "mp", "main", "pipes", "wire"}),
 }
 """Which rooms of ``engine_core._engine`` (a top-level module or a subpackage) each room may

@@ -240,8 +240,11 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     kv_transfer: dict[str, float] = {}
     """The ``"pd"`` connector's counters (``docs/disaggregation.md``): ``pd_exports``,
     ``pd_exports_confirmed``, ``pd_lease_expired``, ``pd_transfers``, ``pd_transfer_failed``
-    (the decode side recomputed), ``pd_released_unread``, ``pd_other_host``, ``pd_bytes``,
-    ``pd_transfer_s``; summed over the engines of a deployment. Empty without it."""
+    (the decode side recomputed), ``pd_released_unread``, ``pd_other_host``,
+    ``pd_auth_refused``, ``pd_bytes``, ``pd_transfer_s``, and per path (``shm``: the same
+    host's shared memory, ``zmq``: the authenticated transport between hosts)
+    ``pd_transfers_<path>``, ``pd_bytes_<path>``, ``pd_handoff_s_<path>``; summed over the
+    engines of a deployment. Empty without it."""
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -18,13 +18,21 @@ The handoff segment (one per engine, named by :func:`segment_name`), arrays of `
 - ``contents[b]``: what the block holds, for a backend that moves bookkeeping (the mock's block
   fingerprints); a device backend would publish handles to its memory instead;
 - ``ready[s]``, ``done[s]`` (``s``: the export's slot, one per export in flight, given out by
-  the scheduler half): the epoch once the export is published, cleared by the prefill side
-  *before* the core may free the blocks (confirmation, lease expiry), so a reader that still
+  the scheduler half): the epoch once the export is published, withdrawn (the epoch negated)
+  by the prefill side *before* the core may free the blocks (confirmation, lease expiry), so a
+  reader that still
   finds its epoch there after its copy read blocks held the whole time, and otherwise fails
   its load and recomputes (it never uses freed blocks); the epoch once the reader is finished
   with it (copied, failed, cancelled, rejected or aborted: the prefill side may free);
 - ``renew[s]``: when (``time.monotonic()``, one clock per host) the reader last said it is
   still copying: the lease runs from there.
+
+Between hosts the segment cannot be attached: the worker half registers the engine's end of
+the authenticated ZMQ transport (``engine_core._engine.pipes.pd_transport``, :func:`register_link`),
+whose server answers for this segment; the transfer parameters then carry its ``address`` and a
+decode engine on another machine (or any, with ``kv_connector_options["pd_transport"] =
+"zmq"``) pulls over it, under the same rules. Without a transport (no deployment keys) such a
+decode engine computes the prompt itself (``pd_other_host``).
 
 Everything here is the standard library: the scheduler half runs in the engine process, the
 client releases a rejected request's export itself (:func:`release`).
@@ -40,7 +48,7 @@ import os
 import socket
 import time
 from multiprocessing import resource_tracker, shared_memory
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine_core.kv_connector import (
     ConnectorRequest,
@@ -60,6 +68,8 @@ __all__ = [
     "HandoffSegment",
     "PDConnectorScheduler",
     "PDProvider",
+    "RemoteLink",
+    "register_link",
     "release",
     "segment_name",
 ]
@@ -219,11 +229,58 @@ def renew(params: dict[str, Any]) -> None:
             segment.renew[slot] = time.monotonic()
 
 
+class RemoteLink(Protocol):
+    """An engine's end of the transport between hosts (``engine_core._engine.pipes.pd_transport``),
+    registered by its worker half: the scheduler half cannot open sockets itself."""
+
+    address: str
+    """Where this engine serves its exports."""
+
+    @property
+    def auth_refused(self) -> int: ...
+
+    def release(self, params: dict[str, Any]) -> None:
+        """Tell the prefill engine of ``params`` that nobody will read its export."""
+
+    def renewed_at(self, params: dict[str, Any]) -> float:
+        """When this engine last renewed the export of ``params`` (0.0: never)."""
+
+
+_links: dict[int, RemoteLink] = {}
+
+
+def register_link(rank: int, link: RemoteLink | None) -> None:
+    """Register (None: remove) the transport of engine ``rank`` in this process."""
+    if link is None:
+        _links.pop(rank, None)
+    else:
+        _links[rank] = link
+
+
+TRANSPORT_OPTION = "pd_transport"
+"""``kv_connector_options`` key: ``"auto"`` (the default: shared memory on the same host, ZMQ
+between hosts) or ``"zmq"`` (ZMQ even on the same host: what a deployment across hosts does,
+on one machine)."""
+
+SHM, ZMQ = "shm", "zmq"
+"""The two transfer paths (``params["via"]`` on the decode side)."""
+
+
 class _Load:
-    __slots__ = ("params", "block_ids", "remote", "first_block", "num_tokens", "sent", "released")
+    __slots__ = (
+        "params",
+        "block_ids",
+        "remote",
+        "first_block",
+        "num_tokens",
+        "sent",
+        "released",
+        "sent_at",
+    )
 
     def __init__(self, params: dict[str, Any]) -> None:
         self.params = params
+        self.sent_at = 0.0
         self.block_ids: list[list[int]] = []
         self.remote: list[list[int]] = []
         self.first_block = 0
@@ -240,6 +297,14 @@ class PDConnectorScheduler(KVConnectorScheduler):
         super().__init__(config, layout)
         self.rank = config.data_parallel_rank
         self.block_size = layout.block_size
+        self.page_size_bytes = layout.page_size_bytes
+        transport = config.kv_connector_options.get(TRANSPORT_OPTION, "auto")
+        if transport not in ("auto", ZMQ):
+            raise ValueError(
+                f"kv_connector_options[{TRANSPORT_OPTION!r}] must be 'auto' or 'zmq', "
+                f"got {transport!r}"
+            )
+        self.force_zmq = transport == ZMQ
         self.segment = HandoffSegment(segment_name(os.getpid(), self.rank), layout.num_blocks)
         self._epochs = itertools.count((os.getpid() << 24) + 1)
         self._exports: list[KVTransfer] = []
@@ -264,7 +329,12 @@ class PDConnectorScheduler(KVConnectorScheduler):
             "pd_other_host": 0,
             "pd_bytes": 0,
             "pd_transfer_s": 0.0,
+            "pd_auth_refused": 0,
         }
+        for path in (SHM, ZMQ):
+            self.counters[f"pd_transfers_{path}"] = 0
+            self.counters[f"pd_bytes_{path}"] = 0
+            self.counters[f"pd_handoff_s_{path}"] = 0.0
 
     # -- the decode side ----------------------------------------------------------------------
 
@@ -278,14 +348,17 @@ class PDConnectorScheduler(KVConnectorScheduler):
         params = getattr(request, "kv_transfer_params", None)
         if not params or "segment" not in params:
             return None
-        if params.get("host") != HOST_ID:
-            # Another machine's export: no transport between hosts yet, so this engine
-            # computes the prompt (the prefill side's lease frees the blocks).
-            self._consumed.add(req_id)
-            self.counters["pd_other_host"] += 1
-            return None
-        load = self._loads[req_id] = _Load(params)
-        return load
+        if params.get("host") == HOST_ID and not (self.force_zmq and params.get("address")):
+            load = self._loads[req_id] = _Load({**params, "via": SHM})
+            return load
+        if params.get("address") and self.rank in _links:
+            load = self._loads[req_id] = _Load({**params, "via": ZMQ})
+            return load
+        # Another machine's export and no transport (no deployment keys): this engine
+        # computes the prompt (the prefill side's lease frees the blocks).
+        self._consumed.add(req_id)
+        self.counters["pd_other_host"] += 1
+        return None
 
     def _release(self, req_id: str, *, unread: bool) -> None:
         load = self._loads.pop(req_id, None)
@@ -293,7 +366,12 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return
         self._consumed.add(req_id)
         load.released = True
-        release(load.params)
+        if load.params.get("via") == ZMQ:
+            link = _links.get(self.rank)
+            if link is not None:
+                link.release(load.params)
+        else:
+            release(load.params)
         if unread:
             self.counters["pd_released_unread"] += 1
 
@@ -335,6 +413,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         for req_id, load in self._loads.items():
             if load.num_tokens and not load.sent:
                 load.sent = True
+                load.sent_at = time.monotonic()
                 loads.append(
                     KVTransfer(
                         req_id,
@@ -362,6 +441,11 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 counters["pd_transfer_failed"] += 1
             else:
                 counters["pd_transfers"] += 1
+                path = load.params.get("via", SHM)
+                counters[f"pd_transfers_{path}"] += 1
+                blocks = sum(1 for ids in load.block_ids for b in ids if b >= 0)
+                counters[f"pd_bytes_{path}"] += blocks * self.page_size_bytes
+                counters[f"pd_handoff_s_{path}"] += time.monotonic() - load.sent_at
             self._release(req_id, unread=False)
         counters["pd_bytes"] += report.bytes_loaded
         counters["pd_transfer_s"] += report.load_s
@@ -413,6 +497,12 @@ class PDConnectorScheduler(KVConnectorScheduler):
             "epoch": epoch,
             "slot": slot,
         }
+        link = _links.get(self.rank)
+        if link is not None:
+            out["address"] = link.address  # readers on other hosts pull over ZMQ
+            addresses = getattr(link, "addresses", None)
+            if addresses and len(addresses) > 1:
+                out["addresses"] = list(addresses)  # one per tensor-parallel rank
         self._exports.append(
             KVTransfer(
                 req_id,
@@ -433,8 +523,12 @@ class PDConnectorScheduler(KVConnectorScheduler):
         runs from there): exports of this engine, and loads this engine is pulling."""
         renew_at = self.segment.renew
         out = {req_id: renew_at[slot] for req_id, slot in self._held.items() if renew_at[slot]}
+        link = _links.get(self.rank)
         for req_id, load in self._loads.items():
-            if load.sent:
+            if load.sent and load.params.get("via") == ZMQ:
+                if link is not None and (at := link.renewed_at(load.params)):
+                    out[req_id] = at
+            elif load.sent:
                 segment = attach(str(load.params.get("segment", "")))
                 slot = int(load.params.get("slot", -1))
                 if segment is not None and 0 <= slot < segment.num_blocks and segment.renew[slot]:
@@ -442,6 +536,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
         return out
 
     def stats(self) -> dict[str, int | float]:
+        link = _links.get(self.rank)
+        if link is not None:
+            self.counters["pd_auth_refused"] = link.auth_refused
         return dict(self.counters)
 
     def close(self) -> None:
@@ -454,8 +551,8 @@ def now() -> float:
 
 
 class PDProvider:
-    """The built-in ``"pd"`` connector. Backends bring the worker half (the mock: shared
-    memory between engine processes; the CUDA backend has none yet)."""
+    """The built-in ``"pd"`` connector. Backends bring the worker half (the mock's and the
+    CUDA backend's), which registers the transport between hosts (:func:`register_link`)."""
 
     name = "pd"
 

@@ -302,7 +302,23 @@ _TRANSFER_SERIES = (
         "pd_recomputes",
         "Transfers that failed (prefill gone, lease expired, dropped): the decode side recomputed.",
     ),
+    (
+        "pd_auth_refused",
+        "pd_auth_refused",
+        "Transfers between hosts whose handshake was refused (other keys): recomputed.",
+    ),
 )
+_PATH_SERIES = (
+    ("pd_transfers", "pd_path_transfers", "KV transfers pulled whole, per path."),
+    ("pd_bytes", "pd_path_transfer_bytes", "Bytes of KV pulled, per path."),
+    (
+        "pd_handoff_s",
+        "pd_path_handoff_seconds",
+        "Seconds from a load's start to its report, summed, per path.",
+    ),
+)
+"""Per transfer path (``path``): ``shm``, the same host's shared memory; ``zmq``, the
+authenticated ZMQ transport between hosts."""
 
 
 def _transfer_state(stats: EngineStats) -> Iterator[Metric]:
@@ -318,6 +334,13 @@ def _transfer_state(stats: EngineStats) -> Iterator[Metric]:
         for rank, s in engines:
             labels = [rank, s.engine_role] if rank is not None else [s.engine_role]
             metric.add_metric(labels, s.kv_transfer.get(key, 0.0))
+        yield metric
+    for key, name, doc in _PATH_SERIES:
+        metric = CounterMetricFamily(f"engine_core_{name}", doc, labels=[*base, "path"])
+        for rank, s in engines:
+            labels = [rank, s.engine_role] if rank is not None else [s.engine_role]
+            for path in ("shm", "zmq"):
+                metric.add_metric([*labels, path], s.kv_transfer.get(f"{key}_{path}", 0.0))
         yield metric
 
 

@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation on the mock: a prefill engine computes the prompt and the first
-token, a decode engine pulls the blocks through shared memory and decodes; the caller sees one
-stream, token-identical to a colocated run. Every failure ends with every engine holding no
-block."""
+token, a decode engine pulls the blocks (through shared memory, or over the authenticated ZMQ
+transport as a decode engine on another machine does: ``pd_transport="zmq"``) and decodes; the
+caller sees one stream, token-identical to a colocated run. Every failure ends with every engine
+holding no block."""
 
 from __future__ import annotations
 
@@ -135,6 +136,8 @@ async def test_outputs_match_a_colocated_run_and_no_block_is_held() -> None:
         assert roles["decode"]["pd_transfers"] == 6
         assert roles["decode"]["pd_transfer_failed"] == 0
         assert roles["decode"]["pd_bytes"] > 0
+        assert roles["decode"]["pd_transfers_shm"] == 6  # one host: shared memory
+        assert roles["decode"]["pd_transfers_zmq"] == 0
         client = _client(engine)
         assert client.metrics.requests[1, "handoff"] == 6
         assert client._disagg is not None and not client._disagg.legs
@@ -319,3 +322,105 @@ async def test_async_scheduling_keeps_the_handoff_exact() -> None:
         roles = _by_role(await _no_block_held(engine))
         assert roles["decode"]["pd_transfers"] == 3
         assert roles["decode"]["pd_transfer_failed"] == 0
+
+
+# -- across hosts: the authenticated ZMQ transport, forced on one machine ------------------------
+
+ZMQ = {"pd_transport": "zmq"}
+
+
+def _zmq_engine(**kwargs: Any) -> AsyncLLM:
+    options = {**ZMQ, **kwargs.pop("kv_connector_options", {})}
+    return _engine(kv_connector_options=options, **kwargs)
+
+
+async def test_outputs_over_zmq_match_a_colocated_run() -> None:
+    params = SamplingParams(
+        temperature=0.0, max_tokens=16, ignore_eos=True, n=2, output_kind=RequestOutputKind.DELTA
+    )
+    expected = _colocated(PROMPTS[:4], GREEDY) + _colocated(PROMPTS[4:5], params)
+    async with _zmq_engine() as engine:
+        got = await _run_all(engine, PROMPTS[:4], GREEDY)
+        got += [await _generate(engine, PROMPTS[4], params)]
+        assert got == expected
+        roles = _by_role(await _no_block_held(engine))
+        decode, prefill = roles["decode"], roles["prefill"]
+        assert prefill["pd_exports"] == prefill["pd_exports_confirmed"] == 6
+        assert decode["pd_transfers"] == decode["pd_transfers_zmq"] >= 5
+        # A sibling may find its prompt in the prefix cache its sibling's load filled.
+        assert decode["pd_transfers"] + decode["pd_released_unread"] == 6
+        assert decode["pd_transfers_shm"] == 0 and decode["pd_transfer_failed"] == 0
+        assert decode["pd_bytes_zmq"] == decode["pd_bytes"] > 0
+        assert decode["pd_handoff_s_zmq"] > 0
+        assert decode["pd_auth_refused"] == 0
+
+
+async def test_a_prefill_engine_dying_mid_transfer_over_zmq_recomputes() -> None:
+    expected = _colocated(PROMPTS[:1], GREEDY)
+    slow = {"kv_link": {"latency_s": 1.0, "deadline_s": 5.0}}
+    async with _zmq_engine(backend_options=slow) as engine:
+        client = _client(engine)
+        first = anyio.Event()
+        text = ""
+
+        async def run() -> None:
+            nonlocal text
+            async for out in engine.generate(PROMPTS[0], GREEDY):
+                text += out.outputs[0].text
+                first.set()
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run)
+                await first.wait()
+                pid = client.pids[0]
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)
+        assert [text] == expected[0]
+        stats = await _no_block_held(engine)
+        assert _by_role(stats)["decode"]["pd_transfer_failed"] == 1
+
+
+async def test_an_expired_lease_over_zmq_recomputes_and_renewals_keep_it() -> None:
+    expected = _colocated(PROMPTS[:1], GREEDY)
+    slow = {"kv_link": {"latency_s": 0.6, "deadline_s": 5.0}}  # twice the lease
+    async with _zmq_engine(
+        backend_options=slow, kv_lease_s=0.3, kv_connector_options={"renew": False}
+    ) as engine:
+        assert await _generate(engine, PROMPTS[0], GREEDY) == expected[0]
+        roles = _by_role(await _no_block_held(engine))
+        assert roles["prefill"]["pd_lease_expired"] == 1
+        assert roles["decode"]["pd_transfers"] == 0
+        assert roles["decode"]["pd_transfer_failed"] + roles["decode"]["pd_lease_expired"] >= 1
+    async with _zmq_engine(backend_options=slow, kv_lease_s=0.3) as engine:
+        assert await _generate(engine, PROMPTS[0], GREEDY) == expected[0]
+        roles = _by_role(await _no_block_held(engine))
+        assert roles["prefill"]["pd_lease_expired"] == 0
+        assert roles["decode"]["pd_transfers_zmq"] == 1
+
+
+async def test_aborts_and_rejections_release_over_zmq() -> None:
+    slow = {"kv_link": {"latency_s": 0.5, "deadline_s": 5.0}}
+    async with _zmq_engine(backend_options=slow) as engine:
+        client = _client(engine)
+        seen = anyio.Event()
+
+        async def run() -> None:
+            async for _ in engine.generate(PROMPTS[0], GREEDY, request_id="a"):
+                seen.set()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run)
+                await seen.wait()
+                await anyio.sleep(0.05)  # parked on the decode engine, pulling
+                tg.cancel_scope.cancel()
+        stats = await _no_block_held(engine, timeout_s=2.0)  # far below the 30 s lease
+        assert _by_role(stats)["prefill"]["pd_lease_expired"] == 0
+        # A decode engine that rejects: the front end releases the export over ZMQ.
+        await client._clients[1].call_utility_async("pause_generation", "abort")
+        with pytest.raises(Exception, match="paused"):
+            await _generate(engine, PROMPTS[1], GREEDY)
+        stats = await _no_block_held(engine, timeout_s=2.0)
+        assert _by_role(stats)["prefill"]["pd_exports_confirmed"] == 2
+        assert client._disagg is not None and client._disagg._pd_client is not None

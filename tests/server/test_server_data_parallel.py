@@ -120,4 +120,7 @@ async def test_disaggregated_health_lists_roles_and_a_pin_to_a_prefill_engine_is
     assert samples["engine_core_pd_transfers_total", (("engine", "1"), ("role", "decode"))] == 1
     assert ("engine_core_pd_transfer_bytes_total", (("engine", "1"), ("role", "decode"))) in samples
     assert ("engine_core_pd_recomputes_total", (("engine", "1"), ("role", "decode"))) in samples
+    path = (("engine", "1"), ("path", "shm"), ("role", "decode"))
+    assert samples["engine_core_pd_path_transfers_total", path] == 1
+    assert ("engine_core_pd_path_handoff_seconds_total", path) in samples
     assert ("engine_core_pd_lease_expired_total", (("engine", "0"), ("role", "prefill"))) in samples

@@ -19,6 +19,14 @@ copies (every step), and at the end of the modelled copy reads the contents, the
 the prefill engine is alive and its export still published (``ready``): otherwise the blocks
 were (or may have been) freed and are reported failed (the core cuts the request back and it
 recomputes).
+
+Between hosts (or with ``kv_connector_options["pd_transport"] = "zmq"``) a load goes over the
+authenticated ZMQ transport (``engine_core._engine.pipes.pd_transport``) instead: the worker half of
+each engine of a disaggregated deployment runs its server (answering for its segment) and its
+client; a load renews the export over it while the modelled copy runs, then reads the
+fingerprints, which the server gives only if the export was published before and after the
+read. A refused handshake (other keys), a dropped connection (the prefill engine died) or no
+answer within ``kv_connector_options["pd_timeout_s"]`` fails the load: the request recomputes.
 """
 
 from __future__ import annotations
@@ -29,7 +37,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine_core._core.pd_connector import HandoffSegment, attach, renew, segment_name
+from engine_core._core.pd_connector import (
+    ZMQ,
+    HandoffSegment,
+    attach,
+    register_link,
+    renew,
+    segment_name,
+)
+from engine_core._engine.pipes.pd_transport import NOT_YET, OK, READ, RENEW, PDRemote
 from engine_core.config import EngineConfig
 from engine_core.kv_connector import (
     KVConnectorLayout,
@@ -48,6 +64,8 @@ _POLL_S = 0.002
 _MASK = (1 << 64) - 1
 _SPECIAL = _MASK - 2
 """Stored fingerprints at or above this are the ledger's "unwritten"/"discarded" markers."""
+_RENEW_S = 0.01
+"""How often a load over ZMQ renews its export while it copies."""
 _WORKER_LEASE = 0.8
 """The worker half gives up an export at this fraction of ``kv_lease_s`` (after the reader's
 last renewal): before the core's own lease, so tags are always cleared before a free."""
@@ -67,7 +85,17 @@ class _Export:
 
 
 class _Load:
-    __slots__ = ("transfer", "params", "since", "start", "end", "fault")
+    __slots__ = (
+        "transfer",
+        "params",
+        "since",
+        "start",
+        "end",
+        "fault",
+        "rid",
+        "read_at",
+        "renewed",
+    )
 
     def __init__(self, transfer: KVTransfer, since: float, fault: str | None) -> None:
         self.transfer = transfer
@@ -77,6 +105,10 @@ class _Load:
         """When the copy began (the export was published), on the mock's clock."""
         self.end = 0.0
         self.fault = fault
+        self.rid: int | None = None
+        """Over ZMQ: the read request once sent, and when (wall clock)."""
+        self.read_at = 0.0
+        self.renewed = -1.0
 
 
 class MockPDWorker(KVConnectorWorker):
@@ -106,6 +138,11 @@ class MockPDWorker(KVConnectorWorker):
         self._rng = random.Random(fault.seed) if fault is not None else None
         self.num_loads = 0
         self.num_failed_loads = 0
+        self._remote = PDRemote.from_config(
+            config, segment_name(os.getpid(), config.data_parallel_rank)
+        )
+        if self._remote is not None:
+            register_link(config.data_parallel_rank, self._remote)
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         if not isinstance(kv_caches, BlockLedger):
@@ -145,6 +182,9 @@ class MockPDWorker(KVConnectorWorker):
                 for block_id in ids:
                     ledger.hold(block_id)
             load = self._loads[transfer.transfer_id] = _Load(transfer, now, self._draw())
+            if load.params.get("via") == ZMQ:
+                self._start_copy(load, now)  # the read at its end checks the publication
+                continue
             segment = attach(str(load.params.get("segment", "")))
             if segment is not None:
                 self._try_start(load, segment, now)  # published already: the copy starts now
@@ -205,8 +245,8 @@ class MockPDWorker(KVConnectorWorker):
                 renewed = max(export.since, segment.renew[slot])
                 if wall - renewed <= export.lease_s * _WORKER_LEASE:
                     continue
-            # Unpublished first: a reader that checks after this never uses the blocks.
-            segment.ready[slot] = 0
+            # Withdrawn first: a reader that checks after this never uses the blocks.
+            segment.ready[slot] = -epoch
             tags, holds = segment.tags, self._holds
             for block_id in export.blocks:
                 holds[block_id] -= 1
@@ -222,6 +262,10 @@ class MockPDWorker(KVConnectorWorker):
         slot = int(params.get("slot", -1))
         if not 0 <= slot < segment.num_blocks or segment.ready[slot] != int(params.get("epoch", 0)):
             return False
+        self._start_copy(load, now)
+        return True
+
+    def _start_copy(self, load: _Load, now: float) -> None:
         options = self.options
         blocks = sum(len(ids) for ids in load.transfer.block_ids)
         load.start = start = max(now, self._link_free_at)
@@ -229,7 +273,6 @@ class MockPDWorker(KVConnectorWorker):
         if load.fault == "late" and options.fault is not None:
             load.end += options.fault.late_s
         self._link_free_at = load.end
-        return True
 
     def _finish_loads(self, report: KVConnectorReport, now: float) -> None:
         ledger = self._ledger
@@ -238,14 +281,22 @@ class MockPDWorker(KVConnectorWorker):
         failed: list[list[int]] = [[] for _ in range(self.layout.num_groups)]
         for transfer_id, load in list(self._loads.items()):
             transfer, params = load.transfer, load.params
+            if params.get("via") == ZMQ:
+                outcome = self._remote_step(load, now)
+                if outcome is False:
+                    continue
+                assert outcome is not True
+                self._finish_remote(transfer_id, load, outcome, now, report, failed)
+                continue
             segment = attach(str(params.get("segment", "")))
             epoch, slot = int(params.get("epoch", 0)), int(params.get("slot", -1))
             gone = segment is None or not segment.owner_alive()
             if not gone and load.start is None:
                 assert segment is not None
+                withdrawn = 0 <= slot < segment.num_blocks and segment.ready[slot] == -epoch
                 if self._try_start(load, segment, now):
                     pass
-                elif now - load.since <= max(options.deadline_s, 1.0):
+                elif not withdrawn and now - load.since <= max(options.deadline_s, 1.0):
                     continue  # not published yet
                 else:
                     gone = True  # never published
@@ -296,9 +347,86 @@ class MockPDWorker(KVConnectorWorker):
         if any(failed):
             report.failed_block_ids = failed
 
+    def _remote_step(self, load: _Load, now: float) -> list[int] | bool | None:
+        """A load over ZMQ: False while in flight, then the blocks' fingerprints (None: the
+        load failed)."""
+        remote = self._remote
+        params = load.params
+        if remote is None:
+            return None
+        client, address = remote.client, str(params["address"])
+        slot, epoch = int(params.get("slot", -1)), int(params.get("epoch", 0))
+        client.poll()
+        if client.state(address) in ("refused", "gone"):
+            return None  # other keys, or the prefill engine's connection dropped (it died)
+        if load.rid is None:
+            assert load.start is not None
+            options = self.options
+            if self._renew and now - load.renewed >= _RENEW_S:
+                client.send(address, RENEW, slot, epoch)
+                load.renewed = now
+            if load.end - load.start > options.deadline_s:
+                return False if load.start + options.deadline_s > now else None
+            if load.end > now:
+                return False
+            if load.fault == "drop":
+                return None
+            load.rid = client.send(address, READ, slot, epoch, load.transfer.remote)
+            load.read_at = time.monotonic()
+            answer = client.wait(load.rid, timeout_s=0.02)  # usually there in a millisecond
+        else:
+            answer = client.take(load.rid)
+        if answer is None:
+            if time.monotonic() - load.read_at > remote.timeout_s:
+                return None  # no answer: the prefill engine is gone or unreachable
+            return False
+        status, contents, _payload = answer
+        if status == NOT_YET and now - load.since <= max(self.options.deadline_s, 1.0):
+            load.rid = None  # published at the prefill engine's next step: ask again
+            load.end = now
+            return False
+        return contents if status == OK else None
+
+    def _finish_remote(
+        self,
+        transfer_id: str,
+        load: _Load,
+        contents: list[int] | None,
+        now: float,
+        report: KVConnectorReport,
+        failed: list[list[int]],
+    ) -> None:
+        ledger = self._ledger
+        assert ledger is not None
+        transfer = load.transfer
+        del self._loads[transfer_id]
+        self.num_loads += 1
+        report.finished_loads.append(transfer_id)
+        if load.start is not None:
+            report.load_s += min(now, load.end) - load.start
+        values = iter(contents or [])
+        ok_blocks = 0
+        for g, ids in enumerate(transfer.block_ids):
+            for block_id in ids:
+                ledger.unhold(block_id)
+                value = next(values, None) if contents is not None else None
+                if value is not None and value < _SPECIAL:
+                    ledger.set_content(block_id, value)
+                    ok_blocks += 1
+                else:
+                    failed[g].append(block_id)
+                    ledger.set_content(block_id, None)
+        if ok_blocks < sum(len(ids) for ids in transfer.block_ids):
+            self.num_failed_loads += 1
+        report.bytes_loaded += ok_blocks * self._page
+
     def close(self) -> None:
         self._loads.clear()
         self._exports.clear()
+        if self._remote is not None:
+            register_link(self.config.data_parallel_rank, None)
+            self._remote.close()
+            self._remote = None
         if self._segment is not None:
             # The scheduler half owns (and removes) it.
             self._segment = None

@@ -61,6 +61,8 @@ from engine_core._engine.dp.failover import (
 )
 from engine_core._engine.dp.stats import RouterMetrics, aggregate_stats
 from engine_core._engine.mp.client import MPClient
+from engine_core._engine.pipes.addresses import DeploymentKeys, deployment_keys
+from engine_core._engine.pipes.pd_transport import KEYS_OPTION
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineClosedError, EngineDeadError, EngineError
 
@@ -74,6 +76,16 @@ logger = logging.getLogger(__name__)
 
 _RESTART_POLL_S = 0.05
 _RESTART_JOIN_S = 10.0
+
+
+def _transfer_keys(config: EngineConfig) -> DeploymentKeys | None:
+    """Fresh CURVE keys for the deployment's KV transfers between hosts (None: not
+    disaggregated, or a libzmq without CURVE: other hosts then recompute)."""
+    if not config.disaggregated or config.kv_connector_name != "pd" or not zmq.has("curve"):
+        return None
+    return deployment_keys()
+
+
 """At shutdown, how long the restart threads have to finish an engine's start."""
 """While an engine restarts, how often a waiting reader looks whether it is back (the restart
 thread cannot wake an event loop)."""
@@ -152,7 +164,16 @@ class DPClient(EngineCoreClient):
         self.metrics = RouterMetrics(self.num_engines)
         self._keep_tokens = config.dp_failover == "resume"
         self._deployment: RayDeployment | None = None
-        self._disagg = Disaggregation(config.roles) if config.disaggregated else None
+        self._pd_keys = _transfer_keys(config)
+        self._disagg = (
+            Disaggregation(
+                config.roles,
+                self._pd_keys,
+                force_zmq=config.kv_connector_options.get("pd_transport") == "zmq",
+            )
+            if config.disaggregated
+            else None
+        )
         """Prefill/decode disaggregation (None: every engine takes whole requests)."""
         if self._disagg is not None:
             self.metrics.disagg = self._disagg.metrics
@@ -189,7 +210,16 @@ class DPClient(EngineCoreClient):
             self._deployment = None
 
     def _engine_config(self, rank: int) -> EngineConfig:
-        return msgspec.structs.replace(self.config, data_parallel_rank=rank)
+        config = msgspec.structs.replace(self.config, data_parallel_rank=rank)
+        if self._pd_keys is not None:
+            # Over the engine's private (or CURVE-encrypted) startup pipe, never the command
+            # line: the transfer between hosts authenticates with them (``pd_transport``).
+            options = {
+                **config.kv_connector_options,
+                KEYS_OPTION: msgspec.to_builtins(self._pd_keys),
+            }
+            config = msgspec.structs.replace(config, kv_connector_options=options)
+        return config
 
     def _finish_setup(self, clients: list[MPClient]) -> None:
         self._clients = clients
@@ -677,6 +707,8 @@ class DPClient(EngineCoreClient):
             client.shutdown()
         self._take_rejoined_for_shutdown()
         self._close_deployment()
+        if self._disagg is not None:
+            self._disagg.close()
 
     async def shutdown_async(self) -> None:
         if not self._begin_shutdown():
@@ -687,6 +719,8 @@ class DPClient(EngineCoreClient):
                     tg.start_soon(client.shutdown_async)
             await anyio.to_thread.run_sync(self._take_rejoined_for_shutdown)
             await anyio.to_thread.run_sync(self._close_deployment)
+            if self._disagg is not None:
+                self._disagg.close()
 
     def _take_rejoined_for_shutdown(self) -> None:
         # A restart under way finishes its start, sees the shutdown and stops its engine (an

@@ -29,6 +29,8 @@ import msgspec
 
 from engine_core._core.engine_io import EngineCoreRequest, FinishedRequest
 from engine_core._core.pd_connector import REMOTE_DECODE, release
+from engine_core._engine.pipes.addresses import DeploymentKeys
+from engine_core._engine.pipes.pd_transport import PDClient, remote_release
 
 __all__ = ["Disaggregation", "DisaggMetrics"]
 
@@ -73,8 +75,16 @@ class Disaggregation:
     """The client's part of disaggregation (see the module): which leg each request is in,
     where each leg may go."""
 
-    def __init__(self, roles: list[str]) -> None:
+    def __init__(
+        self, roles: list[str], keys: DeploymentKeys | None = None, *, force_zmq: bool = False
+    ) -> None:
         self.roles = roles
+        self.force_zmq = force_zmq
+        """``kv_connector_options["pd_transport"] == "zmq"``: releases go over ZMQ too."""
+        self.keys = keys
+        """The deployment's transfer keys (``pd_transport``): releases of exports on other
+        hosts go over ZMQ."""
+        self._pd_client: PDClient | None = None
         self.prefill_engines = [e for e, r in enumerate(roles) if r in ("prefill", "both")]
         self.decode_engines = [e for e, r in enumerate(roles) if r in ("decode", "both")]
         self.legs: dict[str, _Leg] = {}
@@ -176,7 +186,7 @@ class Disaggregation:
         params = finished.kv_transfer_params
         if leg is None:
             if params and "segment" in params:
-                release(params)  # aborted while its ending was on its way: nobody reads it
+                self._release(params)  # aborted while its ending was on its way: unread
                 self.metrics.released += 1
             return None
         if leg.phase == PREFILL and finished.finish_reason == "length":
@@ -196,7 +206,7 @@ class Disaggregation:
 
     def release(self, leg: _Leg) -> None:
         if leg.params is not None:
-            release(leg.params)
+            self._release(leg.params)
             leg.params = None
             self.metrics.released += 1
 
@@ -210,3 +220,19 @@ class Disaggregation:
         leg = self.legs.pop(req_id, None)
         if leg is not None:
             self.release(leg)
+
+    def _release(self, params: dict[str, Any]) -> None:
+        """Free an export nobody will read: through its segment on this host, else over ZMQ."""
+        if self.keys is None or not params.get("address"):
+            release(params)
+            return
+        if not self.force_zmq and release(params):
+            return
+        if self._pd_client is None:
+            self._pd_client = PDClient(self.keys)
+        remote_release(self._pd_client, params)
+
+    def close(self) -> None:
+        if self._pd_client is not None:
+            self._pd_client.close()  # lingers for the last releases
+            self._pd_client = None
