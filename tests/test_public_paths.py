@@ -10,6 +10,7 @@ import engine_core.ngram
 import engine_core.spec
 import engine_core.testing
 import engine_core.testing.conformance
+import engine_core.testing.lora
 import engine_core.testing.tp
 
 
@@ -25,8 +26,10 @@ def test_testing_exports_every_check_of_the_conformance_suite() -> None:
         *conformance.__all__,
         "check_kv_connector_scheduler",
         "check_kv_connector_worker",
+        "check_lora",
         "check_worker_death",
     ]
+    assert engine_core.testing.check_lora is engine_core.testing.lora.check_lora
     for name in conformance.__all__:
         assert getattr(engine_core.testing, name) is getattr(conformance, name), name
     assert engine_core.testing.check_worker_death is engine_core.testing.tp.check_worker_death

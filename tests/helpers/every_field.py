@@ -83,6 +83,10 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "kv_load_failure_policy": "fail",
         "kv_lease_s": 5.0,
         "kv_max_parked_fraction": 0.25,
+        "enable_lora": True,
+        "max_loras": 3,
+        "max_lora_rank": 64,
+        "max_cpu_loras": 5,
         "engine_roles": ["both", "decode", "both"],  # not disaggregated: a host tier beside
     },
     SpeculativeConfig: {
@@ -131,6 +135,9 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "kv_groups": [KVGroupStats(kind="sliding_attention", window=107, blocks_in_use=108)],
         "engine_role": "decode",
         "kv_transfer": {"pd_transfers": 109.0},
+        "lora_running": {"sql": 110},
+        "lora_waiting": {"sql": 111},
+        "lora_loaded": ["sql"],
     },
 }
 """Per struct, keyword arguments that set every field away from its default."""

@@ -58,9 +58,9 @@ class TokenRule:
     def next_token(self, state: RequestState, words: list[int] | None) -> tuple[int, int]:
         """The token the mock samples after ``state.tokens`` (``words``: the grammar's bitmask
         row), and the centre of the synthetic distribution there."""
-        centre = state.tokens[-1] + 1
-        if centre == self.vocab_size:
-            centre = 0
+        centre = state.tokens[-1] + 1 + state.lora_offset
+        if centre >= self.vocab_size:
+            centre %= self.vocab_size
         reply = state.reply_token()
         if reply is not None:
             centre = reply
@@ -168,7 +168,7 @@ class TokenRule:
         centres: list[int] = []
         for j in range(len(drafts) + 1):
             if state.plain:
-                token = centre = (tokens[-1] + 1) % self.vocab_size
+                token = centre = (tokens[-1] + state.greedy_step) % self.vocab_size
             else:
                 token, centre = self.next_token(state, rows[j] if rows is not None else None)
             tokens.append(token)
@@ -184,8 +184,8 @@ class TokenRule:
         vocab_size = self.vocab_size
         tokens = state.tokens
         if state.plain:
-            last = tokens[-1]
-            return lambda extra: ((extra[-1] if extra else last) + 1) % vocab_size
+            last, step = tokens[-1], state.greedy_step
+            return lambda extra: ((extra[-1] if extra else last) + step) % vocab_size
 
         def next_token(extra: list[int]) -> int:
             num = len(tokens)

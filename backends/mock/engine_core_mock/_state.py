@@ -54,6 +54,9 @@ class RequestState:
         "num_tentative",
         "drafts",
         "draft_key",
+        "lora_int_id",
+        "lora_offset",
+        "greedy_step",
     )
 
     def __init__(
@@ -62,6 +65,7 @@ class RequestState:
         seed: int,
         reply: list[int] | None = None,
         copy: CopyRule | None = None,
+        lora_offset: int = 0,
     ) -> None:
         params = new.sampling_params
         self.req_id = new.req_id
@@ -96,6 +100,11 @@ class RequestState:
             and reply is None
             and copy is None
         )
+        self.lora_int_id = new.lora_int_id
+        self.lora_offset = lora_offset
+        self.greedy_step = 1 + lora_offset
+        """What greedy decoding adds to the last token (1, or 1 + a LoRA adapter's offset)."""
+        """A LoRA adapter's shift of the greedy rule (``mock.json``'s offset; 0: none)."""
         self.step_start = new.num_computed_tokens
         self.hasher = None if self.greedy else xxh3_64(seed=seed)
         self.num_hashed = 0

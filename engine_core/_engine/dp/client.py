@@ -341,6 +341,9 @@ class DPClient(EngineCoreClient):
                 request.request_id,
                 request.prompt_token_ids,
                 cache_salt=request.cache_salt,
+                lora_key=(
+                    b"" if request.lora_request is None else request.lora_request.key_bytes()
+                ),
                 rank=request.data_parallel_rank,
                 engines=engines,
                 least_loaded=least_loaded,
@@ -629,8 +632,12 @@ class DPClient(EngineCoreClient):
     def _combine(self, method: str, results: dict[int, Any]) -> Any:
         if method == "get_stats":
             return aggregate_stats(results, self.num_engines)
-        if method in ("is_paused", "reset_prefix_cache"):
+        if method in ("is_paused", "reset_prefix_cache", "add_lora", "pin_lora"):
             return all(results.values())
+        if method == "remove_lora":
+            return any(results.values())
+        if method == "list_loras":  # loaded anywhere (each engine loads on first use)
+            return sorted({i for ids in results.values() for i in ids})
         if method == "kv_cache_snapshot":
             return [results.get(e) for e in range(self.num_engines)]
         return None
