@@ -21,6 +21,7 @@ from engine_core.errors import (
     RequestError,
     RetryableRequestError,
 )
+from engine_core.lora import LoRAError, LoRARequest, LoRASupport, UnknownLoRAError
 from engine_core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine_core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -42,6 +43,9 @@ __all__ = [
     "EngineStats",
     "InvalidRequestError",
     "LLM",
+    "LoRAError",
+    "LoRARequest",
+    "LoRASupport",
     "Logprob",
     "RequestError",
     "RequestMetrics",
@@ -51,6 +55,7 @@ __all__ = [
     "SamplingParams",
     "SpeculativeConfig",
     "StructuredOutputsParams",
+    "UnknownLoRAError",
     "list_backends",
 ]
 

@@ -104,6 +104,32 @@ synchronously (``sample_tokens``, never ``sample_tokens_async``). Each step:
   The engine truncates a constrained request's drafts to those its grammar accepts.
 
 ``engine_core.testing.check_spec_decode`` checks a backend against this contract.
+
+LoRA adapters
+-------------
+
+A backend that serves LoRA adapters returns a :class:`~engine_core.lora.LoRASupport` from
+:meth:`Backend.lora_support` (its largest rank, the modules an adapter may target); one that
+returns None (the default) serves the base model only, and the engine refuses
+``EngineConfig.enable_lora`` for it. With LoRA on:
+
+- **Loading.** :meth:`Backend.add_lora` reads and checks an adapter and keeps it ready in host
+  memory; :meth:`Backend.remove_lora` forgets it. The core calls both from its adapter loader
+  thread, **while steps run** (``execute_model``, ``sample_tokens`` in the step thread): the
+  backend must make them safe against a step in flight (e.g. build the adapter's tensors
+  privately, then publish them under a lock or with one assignment). The core never calls
+  two of them at once, calls ``remove_lora`` only for an adapter no request in flight uses,
+  and never schedules a request whose adapter's ``add_lora`` has not returned.
+- **Each step.** A new request's :class:`NewRequestData` carries ``lora_int_id`` (0: the base
+  model); a resumed (preempted) request comes back with its adapter. ``SchedulerOutput.
+  lora_ids`` lists the adapters the running requests use (sorted, at most
+  ``EngineConfig.max_loras``; a superset of the step's): what the backend keeps in its device
+  slots. A cached request keeps the adapter it came with.
+- **Errors.** ``add_lora`` raises :class:`~engine_core.lora.LoRAError` naming the adapter and
+  the reason (rank above the backend's, a module it cannot serve, weights for another base
+  model...): the requests of that adapter fail with it, nothing else does.
+
+``engine_core.testing.check_lora`` checks a backend against this contract (``docs/lora.md``).
 """
 
 from __future__ import annotations
@@ -117,6 +143,7 @@ import msgspec
 from engine_core._core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core._core.tokenizer import Tokenizer, load_tokenizer
 from engine_core.kv_connector import KVConnectorLayout, KVConnectorReport
+from engine_core.lora import LoRAError, LoRARequest, LoRASupport
 
 if TYPE_CHECKING:
     from engine_core._core.request import Request
@@ -133,6 +160,8 @@ __all__ = [
     "KVConnectorReport",
     "KVCacheSpec",
     "LayerSpec",
+    "LoRARequest",
+    "LoRASupport",
     "ModelRunnerOutput",
     "NewRequestData",
     "PreemptionVictimPolicy",
@@ -374,6 +403,24 @@ class Backend(abc.ABC):
         verify drafts, and the engine refuses ``speculative_config`` for it. Called once, after
         the backend is constructed; see "Speculative decoding" in this module's docs."""
         return None
+
+    def lora_support(self) -> LoRASupport | None:
+        """What the backend can serve of LoRA, or None (the default): the base model only, and
+        the engine refuses ``enable_lora``. Called once, after the backend is constructed; see
+        "LoRA adapters" in this module's docs."""
+        return None
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Read and check the adapter at ``lora.lora_path`` and keep it ready in host memory
+        under ``lora.lora_int_id``, replacing one loaded under that id. Raises
+        :class:`~engine_core.lora.LoRAError` (naming the adapter and the reason) when it cannot
+        be served. Called from the core's adapter loader thread while steps run: it must be
+        safe against :meth:`execute_model` in flight. The default refuses every adapter."""
+        raise LoRAError(lora.lora_name, f"the {type(self).__name__} backend does not serve LoRA")
+
+    def remove_lora(self, lora_int_id: int) -> None:  # noqa: B027
+        """Forget the adapter loaded under ``lora_int_id`` (an unknown id is ignored). Called
+        from the adapter loader thread, only once no request in flight uses it."""
 
     def init_kv_connector(self, name: str, layout: KVConnectorLayout) -> None:
         """Set up the worker half of KV connector ``name`` on every tensor-parallel rank

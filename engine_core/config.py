@@ -382,6 +382,18 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     kv_max_parked_fraction: float = 0.5
     """The most of the KV cache that requests waiting for their KV load may hold (0..1]; past
     it a request computes instead of loading."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (``docs/lora.md``): requests may name one with a ``LoRARequest``.
+    Needs a backend that declares LoRA support (``Backend.lora_support``)."""
+    max_loras: int = 1
+    """With LoRA: most distinct adapters in one step (running requests' adapters count first;
+    requests of another adapter wait, they are not dropped)."""
+    max_lora_rank: int = 16
+    """With LoRA: the largest adapter rank accepted (``r`` in ``adapter_config.json``)."""
+    max_cpu_loras: int | None = None
+    """With LoRA: adapters kept loaded in host memory (least recently used evicted first,
+    pinned ones never; one in use by a request is never evicted). None: ``max_loras``; at
+    least ``max_loras``."""
     engine_roles: list[str] | None = None
     """Prefill/decode disaggregation (``docs/disaggregation.md``): each engine's role,
     ``"prefill"``, ``"decode"`` or ``"both"``, one per engine (``data_parallel_size`` of them);
@@ -569,6 +581,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(
                 f"kv_max_parked_fraction must be in (0, 1], got {self.kv_max_parked_fraction!r}"
             )
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be a bool, got {self.enable_lora!r}")
+        _positive("max_loras", self.max_loras, allow_none=False, integer=True)
+        _positive("max_lora_rank", self.max_lora_rank, allow_none=False, integer=True)
+        _positive("max_cpu_loras", self.max_cpu_loras, integer=True)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
+                "every adapter of a step is loaded"
+            )
 
     @property
     def kv_connector_name(self) -> str | None:
@@ -608,6 +630,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.ray_gpus_per_engine is not None:
             return self.ray_gpus_per_engine
         return 0 if self.backend == "mock" else self.tensor_parallel_size
+
+    @property
+    def lora_capacity(self) -> int:
+        """Adapters kept loaded: ``max_cpu_loras``, or ``max_loras``."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     @property
     def tokenizer_name(self) -> str:

@@ -24,7 +24,17 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "engine_core"
 
-PUBLIC = ("config", "sampling_params", "outputs", "errors", "abc", "ngram", "spec", "kv_connector")
+PUBLIC = (
+    "config",
+    "sampling_params",
+    "outputs",
+    "errors",
+    "abc",
+    "ngram",
+    "spec",
+    "kv_connector",
+    "lora",
+)
 """The public type modules: one layer, below everything private but ``_core``'s wire types."""
 
 EVENT_LOOPS_SOCKETS_TENSORS = frozenset(

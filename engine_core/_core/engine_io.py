@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from engine_core.abc import TokenLogprobs
+from engine_core.lora import LoRARequest
 from engine_core.sampling_params import SamplingParams
 
 __all__ = [
@@ -52,6 +53,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag
     """For the KV connector (prefill/decode disaggregation, ``docs/disaggregation.md``): where
     the request's KV comes from, or that a remote engine decodes it. Engines without a
     connector ignore it."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter the request runs with (None: the base model)."""
 
 
 class KVEvents(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -45,6 +45,10 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     eos_token_ids: list[int] = []
     """EOS ids that stop this request (empty with ``ignore_eos``). With
     ``sampling_params.stop_token_ids`` they are masked until ``min_tokens`` tokens exist."""
+    lora_int_id: int = 0
+    """The LoRA adapter the request runs with (``LoRARequest.lora_int_id``; 0: the base
+    model). The backend's ``add_lora`` for it has returned; it is listed in the step's
+    ``SchedulerOutput.lora_ids``. A cached request keeps it."""
 
     # NOTE: a new request never carries drafts (speculative decoding): admitted or resumed, it
     # computes its sequence and samples one token; drafts come with its later steps as cached.
@@ -131,6 +135,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     (``engine_core.kv_connector``). With a connector a step may schedule no tokens
     (``total_num_scheduled_tokens == 0``) while transfers are in flight: the backend then runs
     no forward pass, only its connector's calls, and returns an empty output with the report."""
+    lora_ids: tuple[int, ...] = ()
+    """LoRA: the adapters the running requests use (sorted ``lora_int_id`` values, 0 never
+    listed; at most ``EngineConfig.max_loras``): every adapter of this step's requests is
+    among them. Empty: LoRA off, or only the base model runs."""
 
     @property
     def num_reqs(self) -> int:
