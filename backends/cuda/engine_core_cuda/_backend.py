@@ -35,9 +35,11 @@ from engine_core.abc import (
     SpecSupport,
 )
 from engine_core.config import EngineConfig
+from engine_core.lora import LoRAError, LoRARequest, LoRASupport
 from engine_core_cuda._cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine_core_cuda._hf_config import load_model_config
 from engine_core_cuda._kv_layout import KVLayout
+from engine_core_cuda._lora import served_modules
 from engine_core_cuda._memory import available_kv_cache_memory, graph_max_batch_size
 from engine_core_cuda._model_runner import ModelRunner
 from engine_core_cuda._options import parse_options
@@ -247,6 +249,30 @@ class CudaBackend(Backend):
         return SpecSupport(
             proposers=["draft_model"], exact_verification=True, lookahead_per_draft=1
         )
+
+    def lora_support(self) -> LoRASupport | None:
+        """PEFT LoRA adapters up to ``max_lora_rank`` on the attention projections, and on
+        the MLP's of a dense model (``docs/cuda_lora.md``); not on FP8 weights, nor under
+        tensor parallelism yet (its workers would need each adapter too)."""
+        if self.model_config.quantization is not None or self.config.tensor_parallel_size > 1:
+            return None
+        return LoRASupport(
+            max_rank=self.config.max_lora_rank, target_modules=served_modules(self.model_config)
+        )
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Read and check the adapter into host memory (safe while a step runs: the slots are
+        written only by the step thread, when a step needs the adapter)."""
+        runner_lora = self.runner.lora
+        if runner_lora is None:
+            raise LoRAError(lora.lora_name, "LoRA is off (EngineConfig.enable_lora)")
+        runner_lora.add(lora.lora_int_id, lora.lora_name, lora.lora_path)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget the adapter; requests still using it keep it, and its slot, until they
+        finish."""
+        if self.runner.lora is not None:
+            self.runner.lora.remove(lora_int_id)
 
     def vocab_size(self) -> int:
         return self.model_config.vocab_size

@@ -95,7 +95,7 @@ class Linear(nn.Module):
         else:
             y = F.linear(x, self.weight, bias)
         if self.lora is not None:
-            self.lora.apply(x, y)
+            self.lora.add_to(x, y)
         if self.reduce is None:
             return y
         y = self.reduce(y)

@@ -14,7 +14,7 @@ low-rank updates applied to the projections of a step's tokens by adapter segmen
   Before a step, :meth:`LoRAModel.prepare` gives each adapter of the step a slot (least recently
   used first among the slots no request of the step uses), copies the adapters that are not in
   one yet, and sets the step's segments.
-- :meth:`LoRALinear.apply` adds ``x A^T B^T`` to a projection's output: the Triton shrink/expand
+- :meth:`LoRALinear.add_to` adds ``x A^T B^T`` to a projection's output: the Triton shrink/expand
   kernels (:mod:`engine_core_cuda.kernels.lora`, capturable in CUDA graphs, whose segment
   tensors are graph inputs) or the torch reference, with the other kernels' choice.
 """
@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from engine_core.lora import LORA_TARGET_MODULES, LoRAError
 from engine_core_cuda._hf_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HostAdapter",
-    "LoRAError",
     "LoRALinear",
     "LoRAMapping",
     "LoRAModel",
@@ -50,20 +50,7 @@ __all__ = [
     "read_adapter",
 ]
 
-try:  # the core's error type when it has one
-    from engine_core.lora import LoRAError
-except ImportError:  # pragma: no cover - the contract's module is on the lora branch
-
-    class LoRAError(ValueError):  # type: ignore[no-redef]
-        def __init__(self, lora_name: str, reason: str) -> None:
-            super().__init__(f"LoRA adapter {lora_name!r}: {reason}")
-            self.lora_name = lora_name
-            self.reason = reason
-
-
-TARGET_MODULES = frozenset(
-    {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-)
+TARGET_MODULES = LORA_TARGET_MODULES
 """The PEFT target modules served (the attention and dense MLP projections)."""
 
 _FUSED: dict[str, tuple[str, str]] = {
@@ -101,7 +88,12 @@ class HostAdapter:
 
 def _full_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """PEFT module -> the base model's (out, in) of its weight (the whole model, unsharded)."""
-    q, kv, hidden, inter = config.q_size, config.kv_size, config.hidden_size, config.intermediate_size
+    q, kv, hidden, inter = (
+        config.q_size,
+        config.kv_size,
+        config.hidden_size,
+        config.intermediate_size,
+    )
     return {
         "q_proj": (q, hidden),
         "k_proj": (kv, hidden),
@@ -154,6 +146,9 @@ def read_adapter(
         raise LoRAError(name, "DoRA adapters are not served")
     if peft.get("bias", "none") not in ("none", None):
         raise LoRAError(name, f"bias={peft['bias']!r} is not served (only 'none')")
+    for flag in ("lora_bias", "layer_replication", "target_parameters", "trainable_token_indices"):
+        if peft.get(flag):
+            raise LoRAError(name, f"{flag}={peft[flag]!r} is not served")
     if peft.get("modules_to_save"):
         raise LoRAError(name, f"modules_to_save {peft['modules_to_save']} are not served")
     rank = peft.get("r")
@@ -218,7 +213,9 @@ def read_adapter(
         a = a.float()
         b = b.float() * scaling
         if slicer is not None:
-            part = slicer(f"model.layers.{layer}.{_FUSED[module][0].split('.')[0]}.{module}.weight", 2)
+            part = slicer(
+                f"model.layers.{layer}.{_FUSED[module][0].split('.')[0]}.{module}.weight", 2
+            )
             if part is not None and part.dim == 0:  # column parallel: this rank's output rows
                 b = b[part.start : part.stop]
             elif part is not None:  # row parallel: this rank's input columns
@@ -274,9 +271,7 @@ class LoRALinear(nn.Module):
         self.a: torch.Tensor
         self.b: torch.Tensor
 
-    def load_slot(
-        self, slot: int, parts: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    ) -> None:
+    def load_slot(self, slot: int, parts: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write an adapter's matrices of this projection (shard -> (A, B)) into ``slot``; the
         shards it leaves out are zero."""
         self.a[slot].zero_()
@@ -292,7 +287,7 @@ class LoRALinear(nn.Module):
             self.a[slot, lo : lo + r].copy_(a, non_blocking=non_blocking)
             self.b[slot, start : start + rows, :r].copy_(b, non_blocking=non_blocking)
 
-    def apply(self, x: torch.Tensor, out: torch.Tensor) -> None:
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out += x A^T B^T`` for the tokens of the step's adapter segments."""
         owner = self.owner[0]
         mapping = owner.mapping
@@ -342,7 +337,9 @@ class LoRAModel:
         from engine_core_cuda._layers import Linear
 
         if num_slots <= 0 or max_rank <= 0:
-            raise ValueError(f"max_loras and max_lora_rank must be > 0, got {num_slots}, {max_rank}")
+            raise ValueError(
+                f"max_loras and max_lora_rank must be > 0, got {num_slots}, {max_rank}"
+            )
         self.config = config
         self.num_slots = num_slots
         self.max_rank = max_rank
@@ -351,7 +348,8 @@ class LoRAModel:
         self.slicer = slicer
         self.served = served_modules(config)
         self.layers: dict[tuple[int, str], LoRALinear] = {}
-        for i, layer in enumerate(model.model.layers):  # type: ignore[union-attr]
+        layers: Any = model.model.layers  # type: ignore[union-attr]
+        for i, layer in enumerate(layers):
             for projection in {p for p, _ in _FUSED.values()}:
                 block, attr = projection.split(".")
                 linear = getattr(getattr(layer, block, None), attr, None)
@@ -369,7 +367,9 @@ class LoRAModel:
         self.request_lora: dict[str, int] = {}
         """Request id -> its adapter id (0: base), until the request finishes."""
         seg = torch.zeros(max_tokens + 1, dtype=torch.int32, device=device)
-        self.mapping = LoRAMapping(seg, torch.full((max_tokens,), -1, dtype=torch.int32, device=device), 0)
+        self.mapping = LoRAMapping(
+            seg, torch.full((max_tokens,), -1, dtype=torch.int32, device=device), 0
+        )
         self.capturing = False
         """Set while CUDA graphs are captured: the kernels are recorded even with no adapter."""
         self._y = torch.zeros(max_tokens, 3 * max_rank, dtype=torch.float32, device=device)
@@ -515,5 +515,9 @@ class LoRAModel:
         slot_of = self.assign(lora_ids) if any(lora_ids) else {}
         slots = [slot_of[i] if i else -1 for i in lora_ids]
         slots += [-1] * (num_padded - len(slots))
-        self._write([i * query_len for i in range(num_padded + 1)], slots)
-        self.mapping.num_segments = num_padded
+        starts = [i * query_len for i in range(num_padded + 1)]
+        self._write(starts, slots)
+        mapping = self.mapping
+        mapping.num_segments = num_padded
+        mapping.segments = [(starts[i], starts[i + 1], slot) for i, slot in enumerate(slots)]
+        mapping.active = True

@@ -14,13 +14,22 @@ The intermediate ``y`` is float32; ``expand`` adds its product into ``out`` (a v
 slice of a fused projection's output) in ``out``'s dtype.
 """
 
+# mypy: disable-error-code="no-untyped-def"
+# (Triton reads the parameters of jit functions: they stay unannotated.)
+
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["lora_expand", "lora_shrink"]
+__all__ = ["INTERPRETED", "lora_expand", "lora_shrink"]
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Whether the kernels run in Triton's interpreter (fixed at import): it multiplies bfloat16
+tiles wrongly, so they are widened to float32 there."""
 
 
 @triton.jit
@@ -43,6 +52,7 @@ def _shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     seg = tl.program_id(0)
     pid_r = tl.program_id(1)
@@ -70,7 +80,9 @@ def _shrink_kernel(
                     mask=k_mask[:, None] & r_mask[None, :],
                     other=0.0,
                 )
-                if IEEE:
+                if WIDEN:
+                    acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+                elif IEEE:
                     acc += tl.dot(x, a, input_precision="ieee")
                 else:
                     acc += tl.dot(x, a)
@@ -153,6 +165,7 @@ def lora_shrink(
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
         y.stride(0), y.stride(1),
         BLOCK_M=16, BLOCK_R=block_r, BLOCK_K=64, IEEE=x.dtype == torch.float32,
+        WIDEN=INTERPRETED and x.dtype != torch.float32,
     )  # fmt: skip
 
 

@@ -12,7 +12,9 @@ Segment = tuple[int, int, int]
 """``(first token, end token, device slot)``."""
 
 
-def segments_of(seg_start: torch.Tensor, seg_slot: torch.Tensor, num_segments: int) -> list[Segment]:
+def segments_of(
+    seg_start: torch.Tensor, seg_slot: torch.Tensor, num_segments: int
+) -> list[Segment]:
     """The host segments of the kernels' segment tensors."""
     starts = seg_start[: num_segments + 1].tolist()
     slots = seg_slot[:num_segments].tolist()
