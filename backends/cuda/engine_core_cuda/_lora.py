@@ -47,7 +47,9 @@ __all__ = [
     "LoRAMapping",
     "LoRAModel",
     "TARGET_MODULES",
+    "random_adapter",
     "read_adapter",
+    "served_modules",
 ]
 
 TARGET_MODULES = LORA_TARGET_MODULES
@@ -226,6 +228,24 @@ def read_adapter(
     return HostAdapter(lora_id, name, rank, scaling, targets, weights)
 
 
+def random_adapter(
+    lora_id: int, config: ModelConfig, rank: int, seed: int, std: float = 0.02
+) -> HostAdapter:
+    """An adapter of random matrices on every served module of ``config`` (benchmarks)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = _full_shapes(config)
+    weights = {}
+    for layer in range(config.num_layers):
+        for module in sorted(served_modules(config)):
+            out_features, in_features = shapes[module]
+            projection, shard = _FUSED[module]
+            weights[layer, projection, shard] = (
+                torch.randn(rank, in_features, generator=gen) * std,
+                torch.randn(out_features, rank, generator=gen) * std,
+            )
+    return HostAdapter(lora_id, f"random-{lora_id}", rank, 1.0, served_modules(config), weights)
+
+
 @dataclass(slots=True)
 class LoRAMapping:
     """A step's adapter segments: device tensors (the kernels' inputs) and their host copy
@@ -382,7 +402,11 @@ class LoRAModel:
         """Read and check an adapter (outside the lock: steps go on meanwhile)."""
         if lora_id <= 0:
             raise LoRAError(name, f"lora_int_id must be > 0 (0 is the base model), got {lora_id}")
-        adapter = read_adapter(lora_id, name, path, self.config, self.max_rank, self.slicer)
+        self.add_host(read_adapter(lora_id, name, path, self.config, self.max_rank, self.slicer))
+
+    def add_host(self, adapter: HostAdapter) -> None:
+        """Publish an adapter already in host memory (read and checked)."""
+        lora_id = adapter.lora_id
         with self._lock:
             old = self.adapters.get(lora_id)
             self.adapters[lora_id] = adapter

@@ -164,7 +164,9 @@ def lora_shrink(
         x, a, y, seg_start, seg_slot, x.shape[1], num_r,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
         y.stride(0), y.stride(1),
-        BLOCK_M=16, BLOCK_R=block_r, BLOCK_K=64, IEEE=x.dtype == torch.float32,
+        # Compiled: long K tiles (a decode segment has one token; fewer loop trips).
+        BLOCK_M=16, BLOCK_R=block_r, BLOCK_K=64 if INTERPRETED else 256,
+        IEEE=x.dtype == torch.float32,
         WIDEN=INTERPRETED and x.dtype != torch.float32,
     )  # fmt: skip
 
