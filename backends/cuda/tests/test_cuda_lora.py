@@ -317,3 +317,73 @@ def test_shrink_expand_match_the_torch_reference(triton_lora: Any, dtype: torch.
     assert shrink_err < tolerance * y_ref.abs().max().item(), shrink_err
     assert expand_err < tolerance * scale, expand_err
     print(f"{dtype}: shrink max error {shrink_err:.2e}, expand max error {expand_err:.2e}")
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_decode_graphs_take_the_segments_as_inputs(
+    tiny: dict[str, TinyModel], adapters: dict[str, list[Adapter]], kernels: str
+) -> None:
+    """The decode-graph path (a stand-in that replays the captured function eagerly): graphs
+    captured before any adapter is loaded run batches of adapters and the base model, padded,
+    with the segments written into their static inputs."""
+    from test_cuda_graphs import EagerGraphs
+
+    model = tiny["qwen2"]
+    ads = adapters["qwen2"]
+    hf = {0: model.hf, 1: ads[0].merged, 2: ads[2].merged}
+    backend = _backend(model, kernels=kernels)
+    try:
+        backend.initialize_kv_cache(32)
+        runner = backend.runner
+        graphs = EagerGraphs(runner, [1, 2, 4])
+        graphs.capture()
+        runner.graphs = graphs
+        harness = LoRAHarness(backend, backend.config, 32)
+        backend.add_lora(LoRARequest(ads[0].name, 1, str(ads[0].path)))
+        backend.add_lora(LoRARequest(ads[2].name, 2, str(ads[2].path)))
+        prompts = {"a": _prompt(1, 6), "b": _prompt(2, 3), "c": _prompt(3, 5)}
+        for (req_id, prompt), lora in zip(prompts.items(), (1, 0, 2), strict=True):
+            harness.add_lora_request(req_id, prompt, 5, lora)
+        harness.run()
+        assert graphs.replays >= 4  # decodes of three requests in the graph of 4
+        assert _check(harness, hf, prompts) < 1e-4
+    finally:
+        backend.close()
+
+
+def test_tensor_parallel_slices_recompose_the_update(
+    tiny: dict[str, TinyModel], adapters: dict[str, list[Adapter]]
+) -> None:
+    """Under tensor parallelism each rank reads its part: column-parallel projections (q, k,
+    v, gate, up) the rows of ``lora_B``, row-parallel ones (o, down) the columns of
+    ``lora_A``; the ranks' outputs concatenate (column) or sum in the all-reduce (row) to the
+    whole update."""
+    from engine_core_cuda._tp.shard import slice_of
+
+    config = load_model_config(tiny["llama"].path)
+    path = adapters["llama"][0].path
+    full = read_adapter(1, "all", path, config, 8)
+    size = 2
+    parts = [
+        read_adapter(1, "all", path, config, 8,
+                     lambda name, ndim, rank=rank: slice_of(name, ndim, config, rank, size))
+        for rank in range(size)
+    ]  # fmt: skip
+    torch.manual_seed(0)
+    for key, (a, b) in full.weights.items():
+        _, projection, _ = key
+        x = torch.randn(3, a.shape[1])
+        whole = x @ a.t() @ b.t()
+        if projection in ("self_attn.o_proj", "mlp.down_proj"):
+            width = a.shape[1] // size
+            summed = sum(
+                x[:, r * width : (r + 1) * width] @ p.weights[key][0].t() @ p.weights[key][1].t()
+                for r, p in enumerate(parts)
+            )
+            assert all(p.weights[key][0].shape[1] == width for p in parts)
+            torch.testing.assert_close(summed, whole)
+        else:
+            joined = torch.cat(
+                [x @ p.weights[key][0].t() @ p.weights[key][1].t() for p in parts], 1
+            )
+            torch.testing.assert_close(joined, whole)
