@@ -198,6 +198,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         from engine_core.server import ENGINE_DEAD_EXIT_CODE, ServerSettings, run_server
+        from engine_core.server._lora import parse_lora_module
     except ImportError as exc:
         print(
             f"engine-core serve needs the server extra ({exc.name} is missing): "
@@ -207,6 +208,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    try:
+        lora_modules = tuple(parse_lora_module(m) for m in args.lora_modules or ())
+    except ValueError as exc:
+        print(f"engine-core: error: {exc}", file=sys.stderr)
+        return 2
     settings = ServerSettings(
         host=args.host,
         port=args.port,
@@ -227,6 +233,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
         strict_request_fields=args.strict_request_fields,
+        lora_modules=lora_modules,
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
         **(
             {"max_forced_reasoning_chars": args.max_forced_reasoning_chars}
             if args.max_forced_reasoning_chars is not None
@@ -347,6 +355,19 @@ def build_parser() -> argparse.ArgumentParser:
         "e.g. 'mock')",
     )
     p.add_argument("--chat-template", default=None, help="chat template file or text")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help='LoRA adapters to serve, as name=path or JSON {"name": ..., "path": ...}; '
+        "a request's model picks one (needs --enable-lora)",
+    )
+    p.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
     p.add_argument(
         "--max-request-body-bytes",
         type=int,

@@ -71,6 +71,10 @@ def test_defaults() -> None:
             "kv_load_failure_policy": "recompute",
             "kv_lease_s": 30.0,
             "kv_max_parked_fraction": 0.5,
+            "enable_lora": False,
+            "max_loras": 1,
+            "max_lora_rank": 16,
+            "max_cpu_loras": None,
             "engine_roles": None,
         },
     )

@@ -23,11 +23,13 @@ NONE_HASH = xxh3_128_digest(b"engine-core/prefix-cache/v1")
 _TOKEN_BYTES = 4
 
 
-def extra_key_bytes(cache_salt: str | None) -> bytes:
-    """Tagged extra keys of the first block (a tag keeps kinds of keys from colliding)."""
+def extra_key_bytes(cache_salt: str | None, lora_key: bytes = b"") -> bytes:
+    """Tagged extra keys of the first block (a tag keeps kinds of keys from colliding): the
+    cache salt, then the LoRA adapter's identity (``LoRARequest.key_bytes``; empty: the base
+    model)."""
     if cache_salt is None:
-        return b""
-    return b"\x00salt\x00" + cache_salt.encode()
+        return lora_key
+    return b"\x00salt\x00" + cache_salt.encode() + lora_key
 
 
 def block_keys(
@@ -58,7 +60,11 @@ def block_keys(
 
 
 def block_digests(
-    token_ids: list[int], block_size: int, num_blocks: int, cache_salt: str | None = None
+    token_ids: list[int],
+    block_size: int,
+    num_blocks: int,
+    cache_salt: str | None = None,
+    lora_key: bytes = b"",
 ) -> list[bytes]:
     """Digests of the first ``num_blocks`` full blocks of ``token_ids`` (at most as many as
     there are): the names the engines' KV events give those blocks (xxh3-128 of each key)."""
@@ -68,7 +74,7 @@ def block_digests(
     data = array("I", token_ids[: num_blocks * block_size]).tobytes()
     step = block_size * _TOKEN_BYTES
     parent = NONE_HASH
-    extra = extra_key_bytes(cache_salt)
+    extra = extra_key_bytes(cache_salt, lora_key)
     digests = []
     for offset in range(0, len(data), step):
         key = parent + data[offset : offset + step]
@@ -80,14 +86,18 @@ def block_digests(
 
 
 def iter_block_digests(
-    token_ids: list[int], block_size: int, num_blocks: int, cache_salt: str | None = None
+    token_ids: list[int],
+    block_size: int,
+    num_blocks: int,
+    cache_salt: str | None = None,
+    lora_key: bytes = b"",
 ) -> Iterator[bytes]:
     """:func:`block_digests` one at a time, converting the tokens in growing chunks: a caller
     that stops at the first block nobody caches pays for the blocks it looked at only."""
     num_blocks = min(num_blocks, len(token_ids) // block_size)
     step = block_size * _TOKEN_BYTES
     parent = NONE_HASH
-    extra = extra_key_bytes(cache_salt)
+    extra = extra_key_bytes(cache_salt, lora_key)
     start, chunk = 0, 8
     while start < num_blocks:
         end = min(num_blocks, start + chunk)

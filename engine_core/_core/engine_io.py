@@ -231,6 +231,12 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Parked loads given up on (the queue needed their blocks, the lease ran out, an abort)."""
     engine_role: str = "both"
     """Prefill/decode disaggregation: the engine's role (``EngineConfig.engine_roles``)."""
+    lora_running: dict[str, int] = {}
+    """LoRA: running requests per adapter name (adapters with live requests only)."""
+    lora_waiting: dict[str, int] = {}
+    """LoRA: waiting requests per adapter name (for a slot, or for the adapter's load)."""
+    lora_loaded: list[str] = []
+    """LoRA: the names of the adapters loaded now."""
     kv_transfer: dict[str, float] = {}
     """The ``"pd"`` connector's counters (``docs/disaggregation.md``): ``pd_exports``,
     ``pd_exports_confirmed``, ``pd_lease_expired``, ``pd_transfers``, ``pd_transfer_failed``
@@ -310,6 +316,10 @@ UTILITY_METHODS = frozenset(
         "resume_generation",
         "is_paused",
         "kv_cache_snapshot",
+        "add_lora",
+        "remove_lora",
+        "list_loras",
+        "pin_lora",
     }
 )
 """The control calls a client forwards to the engine core by name (methods of ``EngineCore``)."""

@@ -24,6 +24,7 @@ from engine_core._core.block_hash import block_keys, extra_key_bytes
 if TYPE_CHECKING:
     from engine_core._core.block_pool import KVCacheBlock
     from engine_core._core.drafts import DraftState
+    from engine_core.lora import LoRARequest
     from engine_core.sampling_params import SamplingParams
 
 __all__ = ["GrammarMatcher", "InvalidTransition", "Request", "RequestStatus"]
@@ -121,6 +122,7 @@ class Request:
         "arrival_time",
         "priority",
         "cache_salt",
+        "lora_int_id",
         "num_prompt_tokens",
         "all_token_ids",
         "num_computed_tokens",
@@ -164,12 +166,15 @@ class Request:
         cache_salt: str | None = None,
         max_tokens: int | None = None,
         hash_blocks: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_int_id = 0 if lora_request is None else lora_request.lora_int_id
+        """The LoRA adapter it runs with (0: the base model)."""
         self.num_prompt_tokens = len(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -216,7 +221,9 @@ class Request:
         self.num_prompt_logprobs_sent = 0
         self._block_size = block_size
         self._hash_blocks = hash_blocks
-        self._first_block_extra = extra_key_bytes(cache_salt)
+        self._first_block_extra = extra_key_bytes(
+            cache_salt, b"" if lora_request is None else lora_request.key_bytes()
+        )
         self.block_keys: list[bytes] = (
             block_keys(self.all_token_ids, block_size, 0, None, self._first_block_extra)
             if hash_blocks

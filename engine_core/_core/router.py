@@ -95,6 +95,8 @@ class Router:
         self._pending_counts: list[dict[bytes, int]] = [{} for _ in range(num_engines)]
         self._routed: dict[str, _Routed] = {}
         self._next = 0
+        self._lora_key = b""
+        """The LoRA adapter key of the request being routed (block digests include it)."""
 
     # -- decisions ------------------------------------------------------------------------------
 
@@ -110,6 +112,7 @@ class Router:
         rank: int | None = None,
         engines: list[int] | None = None,
         least_loaded: bool = False,
+        lora_key: bytes = b"",
     ) -> RouteDecision:
         """Choose the engine of a new request and count it in flight there: among ``engines``
         (None: every engine; disaggregation routes among the engines of one role), by the
@@ -127,6 +130,7 @@ class Router:
             engine = min(alive, key=lambda e: (inflight[e], -self._free_estimate(e)))
             blocks = -(-(len(prompt_token_ids) + 1) // self.block_size)
             return self._commit(request_id, engine, "policy", 0, [], len(prompt_token_ids), blocks)
+        self._lora_key = lora_key
         return self._decide(request_id, prompt_token_ids, cache_salt, rank, alive)
 
     def _decide(
@@ -220,7 +224,8 @@ class Router:
             live |= 1 << e
         index, pending = self.index, self._pending_mask
         bs = self.block_size
-        for digest in iter_block_digests(prompt, bs, (len(prompt) - 1) // bs, cache_salt):
+        num = (len(prompt) - 1) // bs
+        for digest in iter_block_digests(prompt, bs, num, cache_salt, self._lora_key):
             digests.append(digest)
             held = (index.get(digest, 0) | pending.get(digest, 0)) & live
             dropped = live & ~held
@@ -243,7 +248,11 @@ class Router:
         device) holds, in a row."""
         extra = [0] * self.num_engines
         digests = block_digests(
-            prompt, self.block_size, (len(prompt) - 1) // self.block_size, cache_salt
+            prompt,
+            self.block_size,
+            (len(prompt) - 1) // self.block_size,
+            cache_salt,
+            self._lora_key,
         )
         index, host = self.index, self.host_index
         for e in engines:

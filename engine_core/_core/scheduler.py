@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +82,9 @@ class SchedulerConfig:
     """A KV connector's failed load: ``"recompute"`` or ``"fail"`` (``docs/kv_connector.md``)."""
     kv_lease_s: float = 30.0
     kv_max_parked_fraction: float = 0.5
+    enable_lora: bool = False
+    max_loras: int = 1
+    """With LoRA: most distinct adapters among the running requests (so in any step)."""
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
@@ -163,6 +166,15 @@ class Scheduler:
         # Reported to the backend with the next schedule().
         self._finished_req_ids: list[str] = []
         self._preempted_req_ids: list[str] = []
+        self._max_loras = config.max_loras if config.enable_lora else 0
+        """LoRA: most distinct adapters running (0: LoRA off; nothing of it runs)."""
+        self.lora_ready: Container[int] = frozenset()
+        """LoRA: the adapters whose ``Backend.add_lora`` returned (set by the engine core): a
+        request of any other adapter waits in the queue."""
+        self.lora_users: dict[int, int] = {}
+        """LoRA: live requests (waiting or running) per adapter."""
+        self.lora_running: dict[int, int] = {}
+        """LoRA: running requests per adapter (at most ``max_loras`` keys)."""
         self.connector: ConnectorCore | None = None
         """The KV connector's hooks (None: no connector; nothing of it runs)."""
         if kv_connector is not None:
@@ -195,6 +207,11 @@ class Scheduler:
             raise ValueError(f"a new request must be {expected}, got {status.name}")
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        lora_id = request.lora_int_id
+        if lora_id:
+            if not self._max_loras:
+                raise ValueError("a request names a LoRA adapter but LoRA is off")
+            self.lora_users[lora_id] = self.lora_users.get(lora_id, 0) + 1
         if request.use_structured_output:
             self.num_constrained += 1
 
@@ -222,6 +239,8 @@ class Scheduler:
                 request.set_status(status)  # first: an invalid transition changes nothing
                 if was_running:
                     any_running = True
+                    if request.lora_int_id:
+                        self._lora_stopped(request.lora_int_id)
                 elif not was_parked:  # a parked request is in no queue
                     # Mutation testing: the queues count discarded requests without reading
                     # them (the finished status marks them), so the argument is not pinned.
@@ -247,14 +266,33 @@ class Scheduler:
             self._forgive_recompute(request)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
+        lora_id = request.lora_int_id
+        if lora_id:
+            users = self.lora_users
+            left = users[lora_id] - 1
+            if left:
+                users[lora_id] = left
+            else:
+                del users[lora_id]
         if request.use_structured_output:
             self.num_constrained -= 1
             request.grammar = None
         return params
 
+    def _lora_stopped(self, lora_id: int) -> None:
+        """A running request of adapter ``lora_id`` stopped running."""
+        running = self.lora_running
+        left = running[lora_id] - 1
+        if left:
+            running[lora_id] = left
+        else:
+            del running[lora_id]
+
     def _end_by_connector(self, request: Request) -> None:
         """End a request the KV connector failed (its error is already reported): it is in
         no queue and holds no parked load."""
+        if request.status is _RUNNING and request.lora_int_id:
+            self._lora_stopped(request.lora_int_id)
         request.set_status(_ERROR)
         self._free(request)
 
@@ -324,7 +362,10 @@ class Scheduler:
         admitted: list[Request] = []
         if not any_preempted:
             budget = self._schedule_waiting(budget, new_reqs, admitted)
-        return self._make_output(entries, new_reqs, admitted, max_tokens - budget)
+        output = self._make_output(entries, new_reqs, admitted, max_tokens - budget)
+        if self.lora_running:
+            output.lora_ids = tuple(sorted(self.lora_running))
+        return output
 
     def _schedule_running(self, budget: int, entries: list[Any]) -> tuple[int, bool]:
         """Let running requests catch up, in admission order, appending their entries; returns
@@ -438,6 +479,7 @@ class Scheduler:
         running = self.running
         skipped: list[Request] = []
         blocked: list[tuple[Request, int]] = []
+        max_loras = self._max_loras
         while budget > 0 and len(running) < config.max_num_seqs:
             request = waiting.peek()
             if request is None:
@@ -448,6 +490,19 @@ class Scheduler:
                 # before it resumes.
                 skipped.append(waiting.pop())
                 continue
+            if max_loras and request.lora_int_id:
+                lora_id = request.lora_int_id
+                if lora_id not in self.lora_ready:
+                    skipped.append(waiting.pop())  # its adapter is loading
+                    continue
+                if lora_id not in self.lora_running and len(self.lora_running) >= max_loras:
+                    # max_loras other adapters run: it waits for one of them to end. Those
+                    # behind it of a running adapter go first, for at most max_bypass_steps.
+                    if request.num_bypassed_steps >= config.max_bypass_steps:
+                        break
+                    blocked.append((request, len(admitted)))
+                    skipped.append(waiting.pop())
+                    continue
             connector = self.connector
             hits: Any
             if connector is not None and request.request_id in connector.loaded:
@@ -532,6 +587,9 @@ class Scheduler:
         request.set_status(_RUNNING)
         self.running.append(request)
         admitted.append(request)
+        lora_id = request.lora_int_id
+        if lora_id:
+            self.lora_running[lora_id] = self.lora_running.get(lora_id, 0) + 1
         request.num_computed_tokens = num_hit_tokens + num_new
         request.num_bypassed_steps = 0
         if request.recompute_until > num_hit_tokens:  # after a preemption: computed again
@@ -557,6 +615,7 @@ class Scheduler:
                 num_new,
                 request.output_token_ids,  # after a preemption or a resume elsewhere
                 list(request.eos_token_ids),
+                lora_id,
             )
         )
 
@@ -587,6 +646,8 @@ class Scheduler:
             return False
         if request.status is _RUNNING:
             self.running = [r for r in self.running if r is not request]
+            if request.lora_int_id:
+                self._lora_stopped(request.lora_int_id)
         else:
             self.waiting.discard(request)  # it stays in the queue, finished: skipped there
         request.error = problem
@@ -732,6 +793,8 @@ class Scheduler:
         self.kv.free(request)
         if self.draft_planner is not None:
             self.draft_planner.unscheduled(request)
+        if request.lora_int_id:
+            self._lora_stopped(request.lora_int_id)
         request.set_status(_PREEMPTED)
         self._forgive_recompute(request)
         request.recompute_until = max(request.recompute_until, request.num_computed_tokens)
@@ -854,6 +917,8 @@ class Scheduler:
         until the caller filters it out; one preempted since leaves the queue) and report it."""
         if request.status is _PREEMPTED:
             self.waiting.discard(request)
+        elif request.lora_int_id:
+            self._lora_stopped(request.lora_int_id)
         request.set_status(status)
         params = self._free(request)
         spec = request.drafting

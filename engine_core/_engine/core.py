@@ -47,6 +47,7 @@ from engine_core._core.engine_io import (
 from engine_core._core.kv_events import KVEventLog, snapshot
 from engine_core._core.request import Request, RequestStatus
 from engine_core._core.scheduler import Scheduler, SchedulerConfig
+from engine_core._engine.lora_manager import LoRAManager
 from engine_core._engine.startup import (
     kv_layout_of,
     resolve_async_scheduling,
@@ -64,6 +65,7 @@ from engine_core.abc import (
 )
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineStalledError
+from engine_core.lora import LoRAError, LoRARequest
 
 __all__ = ["EngineCore"]
 
@@ -120,6 +122,12 @@ class EngineCore:
         cls = backend_cls if backend_cls is not None else load_backend(config.backend, config)
         backend = cls(config)
         try:
+            lora_support = backend.lora_support() if config.enable_lora else None
+            if config.enable_lora and lora_support is None:
+                raise ValueError(
+                    f"enable_lora=True but the {config.backend} backend does not serve LoRA "
+                    "adapters (its lora_support() is None)"
+                )
             self.spec_support = resolve_spec_support(config, backend)
             self.async_scheduling = resolve_async_scheduling(config, backend)
             config = msgspec.structs.replace(config, async_scheduling=self.async_scheduling)
@@ -153,6 +161,11 @@ class EngineCore:
             connector_name=config.kv_connector_name or "connector",
             clock=clock,
         )
+        self.lora: LoRAManager | None = None
+        """LoRA adapters (None: LoRA off)."""
+        if lora_support is not None:
+            self.lora = LoRAManager(config, backend, lora_support, self.scheduler.lora_users)
+            self.scheduler.lora_ready = self.lora.loaded
         self.num_steps = 0
         self._in_flight: deque[_InFlight] = deque()
         """Async scheduling: launched steps whose results were not applied, oldest first."""
@@ -232,6 +245,17 @@ class EngineCore:
             )
             return
         problem = self.validate_request(request)
+        lora = request.lora_request
+        if problem is None and lora is not None:
+            if self.lora is None:
+                problem = (
+                    f"LoRA adapter {lora.lora_name!r}: LoRA is off (start the engine with "
+                    "enable_lora=True, or --enable-lora)"
+                )
+            else:
+                conflict = self.lora.identity_conflict(lora)
+                if conflict is not None:
+                    problem = f"LoRA adapter {lora.lora_name!r}: {conflict}"
         if problem is not None:
             if request.request_id in self.scheduler.requests:
                 raise ValueError(f"request_id {request.request_id!r} is already in use")
@@ -253,6 +277,7 @@ class EngineCore:
             eos_token_ids=tuple(request.eos_token_ids),
             cache_salt=request.cache_salt,
             hash_blocks=self.config.enable_prefix_caching,
+            lora_request=lora,
         )
         if resumed:
             # Another engine generated these: they count as output, and are not sent again.
@@ -260,6 +285,9 @@ class EngineCore:
         if request.kv_transfer_params is not None:
             new.kv_transfer_params = request.kv_transfer_params
         self.scheduler.add_request(new)
+        if lora is not None:
+            assert self.lora is not None
+            self.lora.request_arrived(lora)
         if new.use_structured_output:
             error = self.structured_output.add(new)
             if error is not None:
@@ -294,8 +322,11 @@ class EngineCore:
 
     def set_grammar_waker(self, waker: Callable[[], None] | None) -> None:
         """Call ``waker`` (from a compile thread; it must not block) whenever a grammar
-        compilation ends, so a loop idle but for pending grammars can wake up."""
+        compilation ends, so a loop idle but for pending grammars can wake up; the same for a
+        LoRA adapter's load."""
         self._grammar_waker = waker
+        if self.lora is not None:
+            self.lora.waker = waker
         if self._structured is not None:
             self._structured.on_compiled = waker
 
@@ -313,6 +344,58 @@ class EngineCore:
             request.set_status(RequestStatus.WAITING)
         for request, error in failed:
             self._fail(request, error)
+
+    # -- LoRA adapters --------------------------------------------------------------------------
+
+    def poll_lora(self) -> None:
+        """Take the adapter loads that ended (those that failed end their requests)."""
+        lora = self.lora
+        if lora is None or not (lora.loading or lora.wanted or lora.removing or lora.failed):
+            return
+        lora.poll()
+        for lora_id, error in lora.take_failed():
+            for request in [
+                r for r in self.scheduler.requests.values() if r.lora_int_id == lora_id
+            ]:
+                self._fail(request, str(error))
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise LoRAError("(any)", "LoRA is off (start the engine with enable_lora=True)")
+        return self.lora
+
+    def add_lora_async(self, lora: LoRARequest | Any) -> concurrent.futures.Future[None]:
+        """Start loading an adapter; a future that ends once it is loaded (or with the
+        :class:`LoRAError` that stopped it). It completes in :meth:`poll_lora`."""
+        if not isinstance(lora, LoRARequest):
+            lora = msgspec.convert(lora, LoRARequest)
+        if self.lora is None:
+            raise LoRAError(lora.lora_name, "LoRA is off (start the engine with enable_lora=True)")
+        return self.lora.add(lora)
+
+    def add_lora(self, lora: LoRARequest | Any) -> bool:
+        """Load an adapter and keep it (a control call); True once it is loaded. Raises
+        :class:`LoRAError` naming it when it cannot be served."""
+        future = self.add_lora_async(lora)
+        while not future.done():
+            assert self.lora is not None
+            concurrent.futures.wait([f for _, f in self.lora.loading.values()], timeout=1.0)
+            self.poll_lora()
+        future.result()
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; requests in flight with it finish first. False when it is not
+        loaded."""
+        return self._lora_manager().remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        """The ids of the loaded adapters."""
+        return self._lora_manager().list()
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        """Keep a loaded adapter until it is removed (never evicted)."""
+        return self._lora_manager().pin(lora_int_id)
 
     def _fail(self, request: Request, error: str) -> None:
         """End a queued request with finish_reason "error", reported with the next outputs."""
@@ -371,6 +454,8 @@ class EngineCore:
         structured = self._structured
         if structured is not None and structured.num_pending:
             self._update_grammars(structured)
+        if self.lora is not None:
+            self.poll_lora()
         scheduler_output = self.scheduler.schedule()
         if (
             scheduler_output.total_num_scheduled_tokens == 0
@@ -525,6 +610,8 @@ class EngineCore:
             outputs = self.scheduler.update_from_output(*done)
             self.num_steps += 1
             self._progress_at = self.clock()  # a long step is no stall
+        if self.lora is not None and self.lora.removing:
+            self.poll_lora()  # adapters removed while in use: gone once their requests end
         if self.scheduler._refused:  # requests that can never fit, refused by schedule()
             outputs.finished.extend(self.scheduler.take_refused())
         if self._ended_outside_steps:
@@ -578,6 +665,13 @@ class EngineCore:
             if wait_s is not None:
                 self.structured_output.wait(wait_s)
                 scheduler_output = self.schedule()
+            elif self.lora is not None and self.lora.loading:
+                # Nothing runs until an adapter is loaded: wait for one.
+                futures = [f for _, f in self.lora.loading.values()]
+                concurrent.futures.wait(
+                    futures, timeout=1.0, return_when=concurrent.futures.FIRST_COMPLETED
+                )
+                scheduler_output = self.schedule()
         return self.complete_step(self.launch_step(scheduler_output))
 
     # -- control --------------------------------------------------------------------------------
@@ -627,9 +721,28 @@ class EngineCore:
                 for kind, span, used in kv.group_usage()
             ],
             **self._spec_stats(),
+            **self._lora_stats(),
             **self._connector_stats(),
             **self._transfer_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        lora = self.lora
+        if lora is None:
+            return {}
+        scheduler = self.scheduler
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for lora_id, users in scheduler.lora_users.items():
+            name = lora.name_of(lora_id)
+            num_running = scheduler.lora_running.get(lora_id, 0)
+            running[name] = num_running
+            waiting[name] = users - num_running
+        return {
+            "lora_running": running,
+            "lora_waiting": waiting,
+            "lora_loaded": sorted(lora.loaded[i].lora_name for i in lora.list()),
+        }
 
     def _connector_stats(self) -> dict[str, Any]:
         connector = self.scheduler.connector
@@ -821,6 +934,8 @@ class EngineCore:
         self.abort_requests(list(self.scheduler.requests))
         if self._structured is not None:
             self._structured.close()
+        if self.lora is not None:
+            self.lora.close()
         self.backend.close()
         connector = self.scheduler.connector
         if connector is not None:

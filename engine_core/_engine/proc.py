@@ -25,6 +25,7 @@ The process around it (entry point, handshake, signals, parent watch) is in ``ma
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import math
@@ -58,6 +59,7 @@ from engine_core._engine.wire import (
     decode_client_message,
 )
 from engine_core.abc import SchedulerOutput
+from engine_core.lora import LoRAError
 
 __all__ = ["EngineCoreProc"]
 
@@ -111,6 +113,15 @@ class _Doorbell:
                 os.close(self._write_fd)
 
 
+def _error_reply(call_id: int, exc: BaseException) -> UtilityReply:
+    """A call's error; a :class:`LoRAError` carries its adapter and reason as JSON, so the
+    client raises the same error."""
+    if isinstance(exc, LoRAError):
+        detail = msgspec.json.encode({"lora_name": exc.lora_name, "reason": exc.reason}).decode()
+        return UtilityReply(call_id, error=detail, error_type=type(exc).__name__)
+    return UtilityReply(call_id, error=str(exc), error_type=type(exc).__name__)
+
+
 class EngineCoreProc:
     """Serves one :class:`EngineCore` over an input and a (bounded) output pipe.
 
@@ -147,6 +158,8 @@ class EngineCoreProc:
         """Messages sent or queued so far: the heartbeat task looks whether it moved."""
         self._calls: deque[UtilityCall] = deque()
         self._waiting_pauses: list[int] = []
+        self._lora_calls: list[tuple[int, concurrent.futures.Future[None]]] = []
+        """``add_lora`` calls answered once their adapter is loaded (steps go on meanwhile)."""
         self._wake = anyio.Event()
         self.stop_reason: str | None = None
         """Why the engine is shutting down (None while serving)."""
@@ -195,6 +208,8 @@ class EngineCoreProc:
         #    (a pause, a reset prefix cache).
         if self._calls:
             await self._run_calls(out)
+        if self._lora_calls:
+            self._answer_lora_calls(out)
         # 2. A shutdown, after the calls that came before it: end every request, report them.
         if self.stop_reason is not None:
             await self._drain(out)
@@ -328,16 +343,35 @@ class EngineCoreProc:
         method, args = call.method, call.args
         try:
             check_utility_call(method, args)
+            if method == "add_lora":
+                # Loaded on the loader thread while steps go on; answered when it is done.
+                self._lora_calls.append((call.call_id, self.core.add_lora_async(*args)))
+                return None
             if method in _BACKEND_CALLS:
                 result = await anyio.to_thread.run_sync(lambda: getattr(self.core, method)(*args))
             else:
                 result = getattr(self.core, method)(*args)
         except Exception as exc:
-            return UtilityReply(call.call_id, error=str(exc), error_type=type(exc).__name__)
+            return _error_reply(call.call_id, exc)
         if method == "pause_generation" and self.core.pause_mode is PauseMode.WAIT:
             self._waiting_pauses.append(call.call_id)  # answered once in-flight requests end
             return None
         return UtilityReply(call.call_id, result=result)
+
+    def _answer_lora_calls(self, out: MemoryObjectSendStream[EngineMessage | None]) -> None:
+        """Answer the ``add_lora`` calls whose load ended."""
+        self.core.poll_lora()
+        pending = []
+        for call_id, future in self._lora_calls:
+            if not future.done():
+                pending.append((call_id, future))
+                continue
+            error = future.exception()
+            if error is None:
+                self._send(out, UtilityReply(call_id, result=True))
+            else:
+                self._send(out, _error_reply(call_id, error))
+        self._lora_calls = pending
 
     def _answer_pauses(
         self, out: MemoryObjectSendStream[EngineMessage | None], *, drained: bool = False
@@ -366,6 +400,7 @@ class EngineCoreProc:
             or self._in_call
             or bool(self._calls)
             or bool(self._waiting_pauses)
+            or bool(self._lora_calls)
             or self.core.has_unfinished_requests()
         )
 

@@ -31,7 +31,7 @@ from engine_core._core.tokenizer import (
 from engine_core._engine.client import EngineCoreClient, make_client_async
 from engine_core._frontend.collector import RequestOutputCollector
 from engine_core._frontend.output_processor import OutputProcessor
-from engine_core._frontend.request_checks import check_request
+from engine_core._frontend.request_checks import check_lora_id, check_lora_request, check_request
 from engine_core.config import EngineConfig
 from engine_core.errors import (
     EngineClosedError,
@@ -39,6 +39,7 @@ from engine_core.errors import (
     EngineError,
     RetryableRequestError,
 )
+from engine_core.lora import LoRARequest
 from engine_core.outputs import RequestOutput
 from engine_core.sampling_params import SamplingParams
 
@@ -210,15 +211,18 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         data_parallel_rank: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the outputs of one request. Leaving the loop early, cancelling the consumer or
         closing the engine aborts the request in the engine. ``data_parallel_rank`` pins the
-        request to that engine of a data-parallel deployment."""
+        request to that engine of a data-parallel deployment; ``lora_request`` runs it with a
+        LoRA adapter (``enable_lora``; loaded on first use)."""
         client, processor = self._started()
         assert self.tokenizer is not None
         params = sampling_params if sampling_params is not None else SamplingParams()
         # Before any work for the request (n children, the queue's admission) is done.
         params = check_request(self.config, params, priority=priority, cache_salt=cache_salt)
+        check_lora_request(self.config, lora_request)
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if data_parallel_rank is not None and (
@@ -260,6 +264,7 @@ class AsyncLLM:
         try:
             for request in requests:
                 request.data_parallel_rank = data_parallel_rank
+                request.lora_request = lora_request
                 client.add_request(request)
             while not finished:
                 output = collector.get_nowait() or await collector.get()
@@ -341,6 +346,29 @@ class AsyncLLM:
     async def check_health(self) -> None:
         """Raise :class:`EngineDeadError` if the engine core is dead."""
         await self._call("check_health")
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter and keep it (steps go on while it loads); True once loaded.
+        Raises :class:`~engine_core.lora.LoRAError` naming it when it cannot be served."""
+        check_lora_request(self.config, lora_request, required=True)
+        done: bool = await self._call("add_lora", lora_request)
+        return done
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; requests in flight with it finish first. False when it was not
+        loaded."""
+        done: bool = await self._call("remove_lora", check_lora_id(lora_int_id))
+        return done
+
+    async def list_loras(self) -> set[int]:
+        """The ids of the loaded adapters."""
+        ids: list[int] = await self._call("list_loras")
+        return set(ids)
+
+    async def pin_lora(self, lora_int_id: int) -> bool:
+        """Keep a loaded adapter loaded until it is removed (never evicted)."""
+        done: bool = await self._call("pin_lora", check_lora_id(lora_int_id))
+        return done
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         done: bool = await self._call("reset_prefix_cache", reset_running_requests)

@@ -20,9 +20,14 @@ from engine_core._core.tokenizer import (
 from engine_core._engine.client import EngineCoreClient, make_client
 from engine_core._engine.inproc_client import InprocClient
 from engine_core._frontend.output_processor import OutputProcessor
-from engine_core._frontend.request_checks import check_params_list
+from engine_core._frontend.request_checks import (
+    check_lora_id,
+    check_lora_request,
+    check_params_list,
+)
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineClosedError, EngineError
+from engine_core.lora import LoRARequest
 from engine_core.outputs import RequestOutput
 from engine_core.sampling_params import RequestOutputKind, SamplingParams
 
@@ -69,6 +74,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion and return the outputs in input order.
 
@@ -76,13 +82,17 @@ class LLM:
         ``sampling_params`` is one for all prompts or a list with one per prompt (default:
         ``SamplingParams()``). A prompt the engine cannot serve (too long, token ids outside the
         vocabulary) gets an output with finish_reason ``"error"`` and ``error`` set; the others
-        complete normally.
+        complete normally. ``lora_request`` runs every prompt with that LoRA adapter, or is a
+        list with one adapter (or None: the base model) per prompt.
         """
         if self._closed:
             raise EngineClosedError("the LLM was closed")
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         check_params_list(self.config, params_list)  # before any work is done
+        loras = _as_lora_list(lora_request, len(prompt_list))
+        for lora in loras:
+            check_lora_request(self.config, lora)
         parsed = [parse_prompt(p, self.tokenizer) for p in prompt_list]
         order: dict[str, int] = {}
         results: list[RequestOutput | None] = [None] * len(prompt_list)
@@ -99,6 +109,7 @@ class LLM:
                 request_id = str(next(self._ids))
                 order[request_id] = position
                 for request in self._processor.add_request(request_id, text, token_ids, final):
+                    request.lora_request = loras[position]
                     self._client.add_request(request)
             self._run(order, results, _progress_bar(len(prompt_list), use_tqdm))
         except BaseException:
@@ -160,6 +171,28 @@ class LLM:
         stats: EngineStats = self._client.call_utility("get_stats")
         return stats
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter and keep it; True once loaded. Raises
+        :class:`~engine_core.lora.LoRAError` naming it when it cannot be served."""
+        check_lora_request(self.config, lora_request, required=True)
+        done: bool = self._client.call_utility("add_lora", lora_request)
+        return done
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (False: it was not loaded)."""
+        done: bool = self._client.call_utility("remove_lora", check_lora_id(lora_int_id))
+        return done
+
+    def list_loras(self) -> set[int]:
+        """The ids of the loaded adapters."""
+        ids: list[int] = self._client.call_utility("list_loras")
+        return set(ids)
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        """Keep a loaded adapter loaded until it is removed (never evicted)."""
+        done: bool = self._client.call_utility("pin_lora", check_lora_id(lora_int_id))
+        return done
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; False when requests still hold blocks."""
         done: bool = self._client.call_utility("reset_prefix_cache")
@@ -187,6 +220,26 @@ def _has_work(client: EngineCoreClient) -> bool:
     """Whether an in-process engine still has something to do (an engine process only sends
     non-empty outputs, so this question does not arise there)."""
     return not isinstance(client, InprocClient) or client.has_unfinished_requests()
+
+
+def _as_lora_list(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if isinstance(lora_request, Sequence) and not isinstance(lora_request, str | bytes):
+        loras = list(lora_request)
+        if len(loras) != num_prompts:
+            raise ValueError(
+                f"lora_request has {len(loras)} entries for {num_prompts} prompts: give one "
+                "LoRARequest for all, or one (or None) per prompt"
+            )
+        return loras
+    raise TypeError(
+        "lora_request must be a LoRARequest, a list of them (or None) per prompt, or None; "
+        f"got {type(lora_request).__name__}"
+    )
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from engine_core._core.checks import check_int64, check_text, show
 from engine_core.config import EngineConfig
+from engine_core.lora import LoRAError, LoRARequest
 from engine_core.sampling_params import SamplingParams
 
 __all__ = ["check_params", "check_params_list", "check_request"]
@@ -71,3 +72,23 @@ def check_request(
             f"max_queued_requests), got {params.n}"
         )
     return params
+
+
+def check_lora_request(config: EngineConfig, lora: object, *, required: bool = False) -> None:
+    """``TypeError`` unless ``lora`` is a :class:`LoRARequest` (or None when not
+    ``required``); :class:`LoRAError` naming it when LoRA is off."""
+    if lora is None and not required:
+        return
+    if not isinstance(lora, LoRARequest):
+        raise TypeError(f"lora_request must be a LoRARequest, got {show(lora)}")
+    if not config.enable_lora:
+        raise LoRAError(
+            lora.lora_name, "LoRA is off (start the engine with enable_lora=True, or --enable-lora)"
+        )
+
+
+def check_lora_id(lora_int_id: object) -> int:
+    """``lora_int_id`` checked: an int >= 1."""
+    if not isinstance(lora_int_id, int) or isinstance(lora_int_id, bool) or lora_int_id < 1:
+        raise ValueError(f"lora_int_id must be an int >= 1, got {lora_int_id!r}")
+    return lora_int_id

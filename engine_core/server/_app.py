@@ -20,10 +20,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine_core._frontend.async_llm import AsyncLLM
 from engine_core.errors import EngineError
+from engine_core.lora import LoRARequest
 from engine_core.server._chat import create_chat_completion
 from engine_core.server._chat_template import load_chat_template
 from engine_core.server._completions import create_completion
 from engine_core.server._errors import APIError, error_json
+from engine_core.server._lora import load_lora_adapter, unload_lora_adapter
 from engine_core.server._protocol import ModelCard, ModelList
 from engine_core.server._reasoning import (
     DEFAULT_FORCED_REASONING_CHARS,
@@ -106,6 +108,11 @@ class ServerSettings:
     strict_request_fields: bool = False
     """Answer 400 to a request body with a field the server does not know (by default such a
     field is ignored, with one warning per request naming it)."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """LoRA adapters served under names: ``(name, path)`` pairs (``--lora-modules``); the
+    engine needs ``enable_lora``."""
+    enable_lora_runtime_updates: bool = False
+    """Serve ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -142,6 +149,11 @@ class ServerSettings:
                 f"max_forced_reasoning_chars must be an int in [0, {MAX_FORCED_REASONING_CHARS}]"
                 f" (the grammar that counts them grows with it), got {forced!r}"
             )
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names an adapter twice: {names}")
+        if set(names) & set(self.served_model_names):
+            raise ValueError("a LoRA adapter's name is one of served_model_names")
         if self.max_connections is not None and not (
             isinstance(self.max_connections, int) and self.max_connections >= 1
         ):
@@ -209,6 +221,16 @@ class _App:
 
 
 def _model_card(state: ServerState, name: str) -> ModelCard:
+    lora = state.loras.get(name)
+    if lora is not None:  # as vLLM lists an adapter: its path as root, the base as parent
+        return ModelCard(
+            id=name,
+            created=state.created,
+            owned_by="engine-core",
+            root=lora.lora_path,
+            parent=state.model_names[0],
+            max_model_len=state.max_model_len,
+        )
     return ModelCard(
         id=name,
         created=state.created,
@@ -219,7 +241,8 @@ def _model_card(state: ServerState, name: str) -> ModelCard:
 
 
 async def _models(state: ServerState, request: Request) -> Response:
-    return _json(ModelList(data=[_model_card(state, name) for name in state.model_names]))
+    names = [*state.model_names, *state.loras]
+    return _json(ModelList(data=[_model_card(state, name) for name in names]))
 
 
 async def _model(state: ServerState, request: Request) -> Response:
@@ -309,7 +332,15 @@ def _server_state(engine: AsyncLLM, settings: ServerSettings) -> ServerState:
             get_reasoning_parser(settings.reasoning_parser) if settings.reasoning_parser else None
         ),
         max_forced_reasoning_chars=settings.max_forced_reasoning_chars,
+        loras=lora_requests(settings),
     )
+
+
+def lora_requests(settings: ServerSettings) -> dict[str, LoRARequest]:
+    """The adapters of ``--lora-modules`` by name, ids 1, 2, ..."""
+    return {
+        name: LoRARequest(name, i, path) for i, (name, path) in enumerate(settings.lora_modules, 1)
+    }
 
 
 def create_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> ASGIApp:
@@ -331,6 +362,19 @@ def create_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> ASGI
         Route("/version", _open_endpoint(state, _version), methods=["GET"]),
         Route("/metrics", _open_endpoint(state, _metrics), methods=["GET"]),
     ]
+    if settings is not None and settings.enable_lora_runtime_updates:
+        routes += [
+            Route(
+                "/v1/load_lora_adapter",
+                _api_endpoint(state, load_lora_adapter),
+                methods=["POST"],
+            ),
+            Route(
+                "/v1/unload_lora_adapter",
+                _api_endpoint(state, unload_lora_adapter),
+                methods=["POST"],
+            ),
+        ]
     exception_handlers = {HTTPException: _http_error, Exception: _server_error}
     starlette = Starlette(routes=routes, exception_handlers=exception_handlers)
     return _App(starlette, hot)

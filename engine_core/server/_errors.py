@@ -34,6 +34,7 @@ from engine_core.errors import (
     InvalidRequestError,
     RetryableRequestError,
 )
+from engine_core.lora import LoRAError, UnknownLoRAError
 from engine_core.server._protocol import ErrorBody, ErrorResponse
 
 __all__ = ["APIError", "api_error_from", "error_json", "invalid_parameter"]
@@ -106,8 +107,12 @@ def api_error_from(
     ``stop_token_ids`` or ``logit_bias``, ``grammar_field`` (its grammar failed) or else ``prompt_field``."""
     if isinstance(exc, RetryableRequestError):
         return APIError(503, str(exc), type="service_unavailable", code="retry_later")
+    if isinstance(exc, UnknownLoRAError):
+        return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, InvalidRequestError):
         message = str(exc)
+        if isinstance(exc, LoRAError) or message.startswith("LoRA adapter "):
+            return APIError(400, message, param="model")
         if message.startswith(("stop_token_ids", "logit_bias")):
             param = message.split(" ", 1)[0]
         elif "structured_outputs" in message:

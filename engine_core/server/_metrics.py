@@ -49,6 +49,14 @@ With data parallelism each of these has one series per live engine, labelled ``e
   ``engine_core_router_actual_hit_tokens_total{engine}`` (counters): the prefix-cache hits the
   router expected and those the engines reported, a measure of the router's accuracy
 
+With LoRA on (``engine_core_lora_*``, labelled ``lora_name``):
+
+- ``engine_core_lora_requests_running`` / ``engine_core_lora_requests_waiting`` (gauges): each
+  adapter's requests in the engine (waiting: for a slot among ``max_loras``, or for its load)
+- ``engine_core_lora_loaded`` (gauge, 1 per adapter loaded in the engine)
+- ``engine_core_lora_prompt_tokens_total`` / ``engine_core_lora_generation_tokens_total``
+  (counters): the tokens of this server's requests per adapter
+
 Requests served by this server, recorded as their outputs stream:
 
 - ``engine_core_prompt_tokens_total`` / ``engine_core_generation_tokens_total`` (counters)
@@ -131,6 +139,8 @@ class ServerMetrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.request_success: dict[str, int] = {}
+        self.lora_prompt_tokens: dict[str, int] = {}
+        self.lora_generation_tokens: dict[str, int] = {}
         self.time_to_first_token = Histogram(_LATENCY_BUCKETS)
         self.inter_token_latency = Histogram(_ITL_BUCKETS)
         self.e2e_latency = Histogram(_LATENCY_BUCKETS)
@@ -146,9 +156,10 @@ class ServerMetrics:
         self.router = router
         return generate_latest(self.registry)
 
-    def recorder(self) -> RequestRecorder:
-        """A recorder for one request (one prompt, all its completions)."""
-        return RequestRecorder(self)
+    def recorder(self, lora_name: str | None = None) -> RequestRecorder:
+        """A recorder for one request (one prompt, all its completions; ``lora_name``: its
+        LoRA adapter)."""
+        return RequestRecorder(self, lora_name)
 
     def finished(self, reason: str, count: int = 1) -> None:
         self.request_success[reason] = self.request_success.get(reason, 0) + count
@@ -169,6 +180,8 @@ class _Collector(Collector):
                 yield from _transfer_state(m.stats)
         if m.router is not None:
             yield from _router_state(m.router, m.stats)
+        if m.lora_generation_tokens or (m.stats is not None and m.stats.lora_loaded):
+            yield from _lora_state(m)
         yield CounterMetricFamily(
             "engine_core_prompt_tokens", "Prompt tokens of admitted requests.", m.prompt_tokens
         )
@@ -401,14 +414,36 @@ def _router_state(router: RouterMetrics, stats: EngineStats | None) -> Iterator[
         )
 
 
+def _lora_state(m: ServerMetrics) -> Iterator[Metric]:
+    stats = m.stats
+    families = [
+        (GaugeMetricFamily, "engine_core_lora_requests_running", "Running requests per adapter.",
+         {} if stats is None else stats.lora_running),
+        (GaugeMetricFamily, "engine_core_lora_requests_waiting", "Waiting requests per adapter.",
+         {} if stats is None else stats.lora_waiting),
+        (GaugeMetricFamily, "engine_core_lora_loaded", "Adapters loaded in the engine.",
+         {} if stats is None else dict.fromkeys(stats.lora_loaded, 1)),
+        (CounterMetricFamily, "engine_core_lora_prompt_tokens", "Prompt tokens per adapter.",
+         m.lora_prompt_tokens),
+        (CounterMetricFamily, "engine_core_lora_generation_tokens",
+         "Generated tokens per adapter.", m.lora_generation_tokens),
+    ]  # fmt: skip
+    for kind, name, doc, values in families:
+        family = kind(name, doc, labels=["lora_name"])
+        for lora_name, value in sorted(values.items()):
+            family.add_metric([lora_name], value)
+        yield family
+
+
 class RequestRecorder:
     """Feeds the metrics from the outputs (DELTA or FINAL_ONLY) of one request as they are
     consumed; :meth:`close` when the request's stream ends, however it ends."""
 
-    __slots__ = ("_metrics", "_last_time", "_admitted", "_closed", "_finished")
+    __slots__ = ("_metrics", "_last_time", "_admitted", "_closed", "_finished", "_lora")
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, lora_name: str | None = None) -> None:
         self._metrics = metrics
+        self._lora = lora_name
         self._last_time: float | None = None
         self._admitted = False
         self._closed = False
@@ -421,12 +456,18 @@ class RequestRecorder:
         if not self._admitted:
             self._admitted = True
             metrics.prompt_tokens += len(output.prompt_token_ids)
+            if self._lora is not None:
+                counts = metrics.lora_prompt_tokens
+                counts[self._lora] = counts.get(self._lora, 0) + len(output.prompt_token_ids)
             if timing is not None and timing.time_to_first_token is not None:
                 metrics.time_to_first_token.observe(timing.time_to_first_token)
         new_tokens = 0
         for completion in output.outputs:
             count = len(completion.token_ids)
             metrics.generation_tokens += count
+            if self._lora is not None:
+                counts = metrics.lora_generation_tokens
+                counts[self._lora] = counts.get(self._lora, 0) + count
             if count > new_tokens:
                 new_tokens = count
             reason = completion.finish_reason

@@ -318,6 +318,8 @@ class ModelCard(msgspec.Struct, kw_only=True):
     created: int
     owned_by: str
     root: str | None = None
+    parent: str | None = None
+    """A LoRA adapter's base model (None: a base model)."""
     max_model_len: int | None = None
     object: Literal["model"] = "model"
 

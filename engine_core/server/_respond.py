@@ -106,7 +106,8 @@ class RequestContext(Generic[B]):
 async def _run_one(
     ctx: RequestContext[Any], index: int, request_id: str, handle: _OutputHandler
 ) -> None:
-    recorder = ctx.state.metrics.recorder()
+    lora = ctx.state.loras.get(ctx.model)
+    recorder = ctx.state.metrics.recorder(None if lora is None else lora.lora_name)
     params = ctx.params
     outputs = ctx.state.engine.generate(
         ctx.prompts[index].prompt,
@@ -114,6 +115,7 @@ async def _run_one(
         request_id,
         priority=ctx.body.priority,
         data_parallel_rank=ctx.data_parallel_rank,
+        lora_request=lora,
     )
     admitting = True  # no output yet: what generate() raises now is about the request
     try:

@@ -41,7 +41,8 @@ import sniffio
 from engine_core._frontend.async_llm import AsyncLLM
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineDeadError
-from engine_core.server._app import ServerSettings, create_app
+from engine_core.lora import LoRAError
+from engine_core.server._app import ServerSettings, create_app, lora_requests
 from engine_core.server._connections import (
     ConnectionGuard,
     ConnectionLimits,
@@ -128,6 +129,7 @@ async def serve(
     once the socket listens; ``port=0`` picks a free port.
     """
     settings = settings or ServerSettings()
+    await _load_lora_modules(engine, settings)
     http_server = http_server_for(settings, sniffio.current_async_library())
     limits = connection_limits(settings)
     app = RequestGuard(create_app(engine, settings), settings.body_timeout_s)
@@ -149,6 +151,20 @@ async def serve(
         sock.close()
     if dead is not None:
         raise dead
+
+
+async def _load_lora_modules(engine: AsyncLLM, settings: ServerSettings) -> None:
+    """Load the adapters of ``--lora-modules`` before serving (a bad one stops the start with
+    a ``ValueError`` naming it)."""
+    if not settings.lora_modules:
+        return
+    if not engine.config.enable_lora:
+        raise ValueError("--lora-modules needs LoRA on in the engine (--enable-lora)")
+    for lora in lora_requests(settings).values():
+        try:
+            await engine.add_lora(lora)
+        except LoRAError as e:
+            raise ValueError(f"--lora-modules: {e}") from None
 
 
 @contextlib.asynccontextmanager

@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect, Request
 from engine_core._core.checks import json_nests_within, show
 from engine_core._core.tokenizer import PromptInput, Tokenizer
 from engine_core._frontend.async_llm import AsyncLLM
+from engine_core.lora import LoRARequest
 from engine_core.sampling_params import (
     MAX_LOGIT_BIAS,
     RequestOutputKind,
@@ -87,15 +88,26 @@ class ServerState:
     """The thinking a forced tool call may do first (``--max-forced-reasoning-chars``)."""
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
+    loras: dict[str, LoRARequest] = field(default_factory=dict)
+    """LoRA adapters by the name a request's ``model`` gives (``--lora-modules``, and those
+    loaded at run time)."""
+    _lora_ids: int = 0
+
+    def next_lora_id(self) -> int:
+        """An adapter id no adapter of this server had."""
+        self._lora_ids = max(self._lora_ids, *(a.lora_int_id for a in self.loras.values()), 0) + 1
+        return self._lora_ids
 
     def model_name(self, requested: str | None) -> str:
-        """The name to answer with; 404 for a model this server does not serve."""
-        if requested is None or requested in self.model_names:
+        """The name to answer with (the base model's, or a LoRA adapter's); 404 for a model
+        this server does not serve."""
+        if requested is None or requested in self.model_names or requested in self.loras:
             return requested or self.model_names[0]
+        served = [*self.model_names, *self.loras]
         raise APIError(
             404,
             f"the model {requested!r} does not exist; this server serves "
-            f"{', '.join(repr(n) for n in self.model_names)}",
+            f"{', '.join(repr(n) for n in served)}",
             param="model",
             code="model_not_found",
         )

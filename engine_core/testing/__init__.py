@@ -18,6 +18,8 @@ The checks assume nothing about which tokens a model produces, only that greedy 
 deterministic: a sequence gets the same next token alone or in a batch, whether its prompt was
 chunked, its prefix came from the prefix cache, or it was preempted and resumed.
 
+A backend that serves LoRA adapters also runs :func:`check_lora` with adapters of its own.
+
 A backend with tensor parallelism also runs :func:`check_worker_death` (async: the engine in
 its own process, a worker killed while a request decodes), at the engine's level.
 """
@@ -45,9 +47,11 @@ from engine_core.testing.kv_connector import (
     check_kv_connector_scheduler as check_kv_connector_scheduler,
 )
 from engine_core.testing.kv_connector import check_kv_connector_worker as check_kv_connector_worker
+from engine_core.testing.lora import check_lora as check_lora
 from engine_core.testing.tp import check_worker_death as check_worker_death
 
 __all__ = [
+    "check_lora",
     *_conformance.__all__,
     "check_kv_connector_scheduler",
     "check_kv_connector_worker",

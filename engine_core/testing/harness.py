@@ -18,6 +18,7 @@ from engine_core.abc import (
     TokenLogprobs,
 )
 from engine_core.config import EngineConfig
+from engine_core.lora import LoRARequest
 from engine_core.sampling_params import SamplingParams
 
 BackendFactory = Callable[[EngineConfig], Backend]
@@ -94,6 +95,8 @@ class Harness:
                 max_model_len=max_model_len,
                 block_size=self.block_size,
                 async_scheduling=self.async_scheduling,
+                enable_lora=config.enable_lora,
+                max_loras=config.max_loras,
             ),
             num_blocks,
             kv_layout=self.kv_layout,
@@ -107,13 +110,36 @@ class Harness:
         self.scheduler.config.max_num_batched_tokens = num_tokens
 
     def add(
-        self, req_id: str, prompt: list[int], max_tokens: int, *, cold: bool = True, **params: Any
+        self,
+        req_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        *,
+        cold: bool = True,
+        lora_request: LoRARequest | None = None,
+        **params: Any,
     ) -> None:
-        """Queue a greedy request; ``cold`` ones never hit the prefix cache."""
-        self.add_sampled(req_id, prompt, max_tokens, cold=cold, temperature=0.0, **params)
+        """Queue a greedy request; ``cold`` ones never hit the prefix cache; ``lora_request``
+        runs it with an adapter (loaded with ``add_lora`` and in :attr:`lora_ready`)."""
+        self.add_sampled(
+            req_id,
+            prompt,
+            max_tokens,
+            cold=cold,
+            lora_request=lora_request,
+            temperature=0.0,
+            **params,
+        )
 
     def add_sampled(
-        self, req_id: str, prompt: list[int], max_tokens: int, *, cold: bool = True, **params: Any
+        self,
+        req_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        *,
+        cold: bool = True,
+        lora_request: LoRARequest | None = None,
+        **params: Any,
     ) -> None:
         """Queue a request with its own sampling parameters; ``cold`` as for :meth:`add`."""
         request = Request(
@@ -122,6 +148,7 @@ class Harness:
             SamplingParams(max_tokens=max_tokens, **params),
             block_size=self.block_size,
             cache_salt=req_id if cold else None,
+            lora_request=lora_request,
         )
         self.scheduler.add_request(request)
         self.outputs[req_id] = []
@@ -206,9 +233,15 @@ class Harness:
             self.step()
         raise AssertionError(f"requests did not finish within {MAX_STEPS} steps")
 
-    def generate(self, req_id: str, prompt: list[int], max_tokens: int) -> list[int]:
+    def generate(
+        self,
+        req_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        lora_request: LoRARequest | None = None,
+    ) -> list[int]:
         """Run one cold request alone to completion (a reference result)."""
-        self.add(req_id, prompt, max_tokens)
+        self.add(req_id, prompt, max_tokens, lora_request=lora_request)
         return self.run()[req_id]
 
 

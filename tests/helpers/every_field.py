@@ -83,6 +83,10 @@ KWARGS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "kv_load_failure_policy": "fail",
         "kv_lease_s": 5.0,
         "kv_max_parked_fraction": 0.25,
+        "enable_lora": True,
+        "max_loras": 3,
+        "max_lora_rank": 64,
+        "max_cpu_loras": 5,
         "engine_roles": ["both", "decode", "both"],  # not disaggregated: a host tier beside
     },
     SpeculativeConfig: {

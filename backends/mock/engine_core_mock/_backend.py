@@ -48,9 +48,11 @@ from engine_core.kv_connector import (
     KVConnectorWorker,
     load_kv_connector,
 )
+from engine_core.lora import LoRARequest, LoRASupport
 from engine_core_mock._blocks import BlockLedger
 from engine_core_mock._kv_link import MockHostWorker
 from engine_core_mock._layout import group_kinds, layer_spec
+from engine_core_mock._lora import MockLoRAs, parse_lora
 from engine_core_mock._options import Fault, parse_options
 from engine_core_mock._pd_link import MockPDWorker
 from engine_core_mock._replies import Replies
@@ -136,6 +138,13 @@ class MockBackend(Backend):
         self._batch: list[RequestState] | None = None
         self._batch_ids: list[str] = []
         self._rule = TokenRule(self._vocab_size, config.tokenizer_name)
+        self.loras = MockLoRAs(
+            parse_lora(config.backend_options.get("lora")), config.model, config.max_lora_rank
+        )
+        """The LoRA adapters loaded (``add_lora``)."""
+        self.max_loras_in_step = 0
+        """The most distinct adapters any step so far had (checks of the max_loras cap)."""
+        self._max_loras = config.max_loras
         self._spec = MockSpeculation(options.spec, self._rule)
         self._num_draft_tokens = 0
         """Drafts per request the step launched by the last execute_model asks for."""
@@ -231,6 +240,15 @@ class MockBackend(Backend):
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    def lora_support(self) -> LoRASupport | None:
+        return self.loras.support
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        self.loras.add(lora)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.loras.remove(lora_int_id)
+
     def spec_support(self) -> SpecSupport | None:
         """Exact verification, and the ``"mock"`` drafter (``backend_options["spec"]``); none
         under pretend tensor parallelism, whose workers model one token per step."""
@@ -286,9 +304,12 @@ class MockBackend(Backend):
         if connector is not None:
             # Cancelled loads, saves, loads: before this step's forward pass writes any block.
             connector.start_step(scheduler_output.kv_connector_metadata)
+        lora_ids = scheduler_output.lora_ids
+        if lora_ids:
+            self._check_loras(lora_ids)
         batch: list[RequestState] = []
         total = self._apply_cached(scheduler_output.cached, batch, blocks)
-        total += self._add_new(scheduler_output.new_reqs, batch, blocks)
+        total += self._add_new(scheduler_output.new_reqs, batch, blocks, lora_ids)
         if total != scheduler_output.total_num_scheduled_tokens:
             raise RuntimeError(
                 f"total_num_scheduled_tokens is {scheduler_output.total_num_scheduled_tokens} "
@@ -302,6 +323,9 @@ class MockBackend(Backend):
             context = sum(r.num_computed_tokens for r in batch)
             start = max(self._clock(), self._device_free_at)
             self._duration = self.latency.duration(total, context)
+            if lora_ids and self.loras.options.per_lora_s:
+                in_step = {r.lora_int_id for r in batch} - {0}
+                self._duration += self.loras.options.per_lora_s * len(in_step)
             if self._num_draft_tokens:
                 self._duration += self._spec.draft_cost(
                     self._num_draft_tokens, batch, self._draft_req_ids
@@ -315,6 +339,19 @@ class MockBackend(Backend):
         self._batch_ids = scheduler_output.req_ids
         if connector is not None:
             connector.after_forward()
+
+    def _check_loras(self, lora_ids: tuple[int, ...]) -> None:
+        """The step's adapters: loaded, at most max_loras (the core's promises)."""
+        if len(lora_ids) > self._max_loras:
+            raise RuntimeError(
+                f"the step lists {len(lora_ids)} LoRA adapters but max_loras is {self._max_loras}"
+            )
+        offsets = self.loras.offsets
+        for lora_id in lora_ids:
+            if lora_id not in offsets:
+                raise RuntimeError(f"the step uses LoRA adapter {lora_id}, which is not loaded")
+        if len(lora_ids) > self.max_loras_in_step:
+            self.max_loras_in_step = len(lora_ids)
 
     def _inject(self, fault: Fault) -> None:
         if fault.kind == "raise":
@@ -381,7 +418,11 @@ class MockBackend(Backend):
         return total
 
     def _add_new(
-        self, new_reqs: list[NewRequestData], batch: list[RequestState], blocks: BlockLedger
+        self,
+        new_reqs: list[NewRequestData],
+        batch: list[RequestState],
+        blocks: BlockLedger,
+        scheduler_lora_ids: tuple[int, ...] = (),
     ) -> int:
         requests = self._requests
         block_size = self._block_size
@@ -401,11 +442,22 @@ class MockBackend(Backend):
                 if self._replies is not None
                 else None
             )
+            lora_id = new.lora_int_id
+            if lora_id:
+                offset = self.loras.offsets.get(lora_id)
+                if offset is None or lora_id not in scheduler_lora_ids:
+                    raise RuntimeError(
+                        f"new request {req_id!r} runs LoRA adapter {lora_id}, which is "
+                        + ("not loaded" if offset is None else "not in the step's lora_ids")
+                    )
+            else:
+                offset = 0
             state = RequestState(
                 new,
                 request_seed(req_id, new.sampling_params.seed, self._engine_seed),
                 reply,
                 self._copy,
+                offset,
             )
             tokens = state.tokens
             if min(tokens) < 0 or max(tokens) >= vocab_size:

@@ -38,6 +38,7 @@ OPTION_NAMES = frozenset(
         "sliding_window",
         "attention_chunk_size",
         "kv_link",
+        "lora",
     }
 )
 _LATENCY_KEYS = ("step_s", "per_token_s", "per_context_token_s")

@@ -58,9 +58,9 @@ class TokenRule:
     def next_token(self, state: RequestState, words: list[int] | None) -> tuple[int, int]:
         """The token the mock samples after ``state.tokens`` (``words``: the grammar's bitmask
         row), and the centre of the synthetic distribution there."""
-        centre = state.tokens[-1] + 1
-        if centre == self.vocab_size:
-            centre = 0
+        centre = state.tokens[-1] + 1 + state.lora_offset
+        if centre >= self.vocab_size:
+            centre %= self.vocab_size
         reply = state.reply_token()
         if reply is not None:
             centre = reply

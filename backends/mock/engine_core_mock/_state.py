@@ -54,6 +54,8 @@ class RequestState:
         "num_tentative",
         "drafts",
         "draft_key",
+        "lora_int_id",
+        "lora_offset",
     )
 
     def __init__(
@@ -62,6 +64,7 @@ class RequestState:
         seed: int,
         reply: list[int] | None = None,
         copy: CopyRule | None = None,
+        lora_offset: int = 0,
     ) -> None:
         params = new.sampling_params
         self.req_id = new.req_id
@@ -95,7 +98,11 @@ class RequestState:
             and self.logit_bias is None
             and reply is None
             and copy is None
+            and not lora_offset
         )
+        self.lora_int_id = new.lora_int_id
+        self.lora_offset = lora_offset
+        """A LoRA adapter's shift of the greedy rule (``mock.json``'s offset; 0: none)."""
         self.step_start = new.num_computed_tokens
         self.hasher = None if self.greedy else xxh3_64(seed=seed)
         self.num_hashed = 0

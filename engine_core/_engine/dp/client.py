@@ -311,6 +311,9 @@ class DPClient(EngineCoreClient):
                 request.request_id,
                 request.prompt_token_ids,
                 cache_salt=request.cache_salt,
+                lora_key=(
+                    b"" if request.lora_request is None else request.lora_request.key_bytes()
+                ),
                 rank=request.data_parallel_rank,
                 engines=engines,
                 least_loaded=least_loaded,

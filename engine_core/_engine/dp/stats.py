@@ -94,10 +94,13 @@ def aggregate_stats(per_engine: dict[int, EngineStats], num_engines: int) -> Eng
         kv_groups=_sum_kv_groups(stats),
         engine_role="",
         kv_transfer=_sum_dicts([s.kv_transfer for s in stats]),
+        lora_running={k: int(v) for k, v in _sum_dicts([s.lora_running for s in stats]).items()},
+        lora_waiting={k: int(v) for k, v in _sum_dicts([s.lora_waiting for s in stats]).items()},
+        lora_loaded=sorted({name for s in stats for name in s.lora_loaded}),
     )
 
 
-def _sum_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
+def _sum_dicts(dicts: list[dict[str, float]] | list[dict[str, int]]) -> dict[str, float]:
     total: dict[str, float] = {}
     for counters in dicts:
         for name, value in counters.items():

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import signal
 
+import msgspec
+
 from engine_core._engine.wire import EngineDead
 from engine_core.errors import BackendError, EngineDeadError, EngineError, EngineStalledError
+from engine_core.lora import LoRAError, UnknownLoRAError
 
 __all__ = [
     "REMOTE_ERRORS",
@@ -41,6 +44,13 @@ def call_error(method: str, error_type: str | None, message: str) -> Exception:
     """The error for a control call that raised in the engine core: the same exception type
     where it is one callers know, else an :class:`EngineError` that names it."""
     error_type = error_type or "Exception"
+    if error_type in ("LoRAError", "UnknownLoRAError"):
+        cls = UnknownLoRAError if error_type == "UnknownLoRAError" else LoRAError
+        try:
+            detail = msgspec.json.decode(message)
+            return cls(str(detail["lora_name"]), str(detail["reason"]))
+        except (msgspec.DecodeError, KeyError, TypeError):
+            return cls("?", message)
     if error_type in REMOTE_ERRORS:
         return REMOTE_ERRORS[error_type](message)
     return EngineError(f"{method} failed in the engine core: {error_type}: {message}")

@@ -1,0 +1,184 @@
+"""The scheduler with LoRA: the adapter in every block key, the max_loras cap (running adapters
+first, others wait and are not dropped, a bounded bypass), adapters that are not loaded."""
+
+from __future__ import annotations
+
+import itertools
+
+from helpers.core import make_scheduler
+
+from engine_core._core.block_hash import block_digests
+from engine_core._core.request import Request
+from engine_core._core.scheduler import Scheduler
+from engine_core.abc import ModelRunnerOutput, SchedulerOutput
+from engine_core.lora import LoRARequest
+from engine_core.sampling_params import SamplingParams
+
+BS = 16
+_serial = itertools.count(1)
+
+
+def lora(i: int) -> LoRARequest:
+    return LoRARequest(f"adapter-{i}", i, f"/adapters/{i}")
+
+
+def request(
+    req_id: str,
+    adapter: int = 0,
+    *,
+    prompt: list[int] | None = None,
+    max_tokens: int = 4,
+    cache_salt: str | None = None,
+) -> Request:
+    if prompt is None:
+        base = 1000 * next(_serial)
+        prompt = [base + i for i in range(10)]
+    return Request(
+        req_id,
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        block_size=BS,
+        cache_salt=cache_salt,
+        lora_request=lora(adapter) if adapter else None,
+    )
+
+
+def lora_scheduler(max_loras: int, ready: set[int] | None = None, **knobs: object) -> Scheduler:
+    scheduler = make_scheduler(enable_lora=True, max_loras=max_loras, **knobs)
+    scheduler.lora_ready = ready if ready is not None else set(range(1, 100))
+    return scheduler
+
+
+def run_step(scheduler: Scheduler) -> SchedulerOutput:
+    """Schedule and apply a step whose every completing request samples token 7."""
+    out = scheduler.schedule()
+    sampled = [
+        [7] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else []
+        for r in out.req_ids
+    ]
+    scheduler.update_from_output(out, ModelRunnerOutput(out.req_ids, sampled))
+    return out
+
+
+def adapters_of(scheduler: Scheduler, out: SchedulerOutput) -> set[int]:
+    ids = set(out.cached.req_ids) | {r.req_id for r in out.new_reqs}
+    return {scheduler.requests[r].lora_int_id for r in ids if r in scheduler.requests} - {0}
+
+
+def test_block_keys_differ_per_adapter_and_from_base_and_keep_the_salt() -> None:
+    prompt = list(range(3 * BS))
+    keys = {
+        name: request(name, adapter, prompt=prompt, cache_salt=salt).block_keys[0]
+        for name, adapter, salt in [
+            ("base", 0, None),
+            ("a", 1, None),
+            ("b", 2, None),
+            ("a-salted", 1, "s"),
+            ("base-salted", 0, "s"),
+        ]
+    }
+    assert len(set(keys.values())) == len(keys)
+    # Every block of the chain differs, not only the first.
+    a, b = request("a2", 1, prompt=prompt), request("b2", 2, prompt=prompt)
+    assert not set(a.block_keys) & set(b.block_keys)
+    assert len(a.block_keys) == 3
+    # The same adapter, the same keys (a prefix is shared within an adapter).
+    assert request("a3", 1, prompt=prompt).block_keys == a.block_keys
+    # The router's digests agree with the engine's keys.
+    digests = block_digests(prompt, BS, 3, None, lora(1).key_bytes())
+    assert digests != block_digests(prompt, BS, 3)
+
+
+def test_prefix_blocks_are_never_shared_across_adapters() -> None:
+    scheduler = lora_scheduler(4)
+    prompt = list(range(100, 100 + 3 * BS + 2))
+    for name, adapter in [("first", 1), ("other", 2), ("base", 0), ("again", 1)]:
+        scheduler.add_request(request(name, adapter, prompt=prompt, max_tokens=1))
+        while scheduler.has_unfinished_requests():
+            run_step(scheduler)
+    assert scheduler.kv.stats.hits == 3 * BS  # only "again" hit: three full blocks of "first"
+
+
+def test_the_cap_is_never_exceeded_and_others_wait() -> None:
+    scheduler = lora_scheduler(2)
+    for i in range(12):
+        scheduler.add_request(request(f"r{i}", 1 + i % 4, max_tokens=3 + i % 3))
+    seen: set[int] = set()
+    steps = 0
+    while scheduler.has_unfinished_requests():
+        out = run_step(scheduler)
+        used = adapters_of(scheduler, out)
+        assert len(out.lora_ids) <= 2 and used <= set(out.lora_ids)
+        assert len(scheduler.lora_running) <= 2
+        seen |= used
+        steps += 1
+        assert steps < 200
+    assert seen == {1, 2, 3, 4}  # every adapter ran: those waiting were not dropped
+    assert not scheduler.lora_users and not scheduler.lora_running
+
+
+def test_running_adapters_count_first() -> None:
+    scheduler = lora_scheduler(1)
+    scheduler.add_request(request("a-first", 1, max_tokens=50))
+    run_step(scheduler)
+    scheduler.add_request(request("b-waits", 2))
+    scheduler.add_request(request("a-joins", 1))
+    out = run_step(scheduler)
+    assert [r.req_id for r in out.new_reqs] == ["a-joins"]
+    assert out.lora_ids == (1,)
+    assert scheduler.requests["b-waits"] in list(scheduler.waiting)
+
+
+def test_a_blocked_adapter_is_overtaken_for_at_most_max_bypass_steps() -> None:
+    scheduler = lora_scheduler(1, max_bypass_steps=3)
+    scheduler.add_request(request("a0", 1, max_tokens=1000))
+    run_step(scheduler)
+    scheduler.add_request(request("b", 2))
+    admitted_a = 0
+    for i in range(10):
+        scheduler.add_request(request(f"a{i + 1}", 1, max_tokens=1000))
+        out = run_step(scheduler)
+        admitted_a += sum(1 for r in out.new_reqs if r.req_id.startswith("a"))
+    assert admitted_a == 3  # then nothing overtakes "b": adapter 1 drains for it
+    scheduler.finish_requests([r.request_id for r in scheduler.running])
+    out = run_step(scheduler)
+    assert [r.req_id for r in out.new_reqs] == ["b"]
+    assert out.lora_ids == (2,)
+
+
+def test_a_request_waits_for_its_adapter_to_load() -> None:
+    ready: set[int] = set()
+    scheduler = lora_scheduler(2, ready)
+    scheduler.add_request(request("lora", 1))
+    scheduler.add_request(request("base"))
+    out = run_step(scheduler)
+    assert [r.req_id for r in out.new_reqs] == ["base"]
+    ready.add(1)
+    out = run_step(scheduler)
+    assert [(r.req_id, r.lora_int_id) for r in out.new_reqs] == [("lora", 1)]
+    assert out.lora_ids == (1,)
+
+
+def test_a_preempted_request_keeps_its_adapter() -> None:
+    scheduler = lora_scheduler(2, num_blocks=8)
+    scheduler.add_request(request("a", 1, prompt=list(range(3 * BS)), max_tokens=60))
+    scheduler.add_request(request("b", 2, prompt=list(range(500, 500 + 3 * BS)), max_tokens=60))
+    resumed = []
+    for _ in range(100):
+        out = run_step(scheduler)
+        assert len(scheduler.lora_running) <= 2
+        resumed += [(r.req_id, r.lora_int_id) for r in out.new_reqs if r.output_token_ids]
+        if resumed:
+            break
+    assert resumed and resumed[0][1] == {"a": 1, "b": 2}[resumed[0][0]]
+    assert scheduler.num_preemptions >= 1
+
+
+def test_lora_off_refuses_a_lora_request() -> None:
+    scheduler = make_scheduler()
+    try:
+        scheduler.add_request(request("x", 1))
+    except ValueError as e:
+        assert "LoRA is off" in str(e)
+    else:
+        raise AssertionError("accepted")
