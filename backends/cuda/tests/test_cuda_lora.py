@@ -387,3 +387,44 @@ def test_tensor_parallel_slices_recompose_the_update(
                 [x @ p.weights[key][0].t() @ p.weights[key][1].t() for p in parts], 1
             )
             torch.testing.assert_close(joined, whole)
+
+
+def test_check_lora_conformance(
+    tiny: dict[str, TinyModel], adapters: dict[str, list[Adapter]]
+) -> None:
+    """``engine_core.testing.check_lora`` against the CUDA backend (torch kernels)."""
+    from engine_core.testing import check_lora
+
+    model = tiny["llama"]
+    config = EngineConfig(
+        model=str(model.path), backend="cuda",
+        backend_options={"device": "cpu", "kernels": "torch"}, max_model_len=256, max_lora_rank=8,
+    )  # fmt: skip
+    loras = [LoRARequest(a.name, i + 1, str(a.path)) for i, a in enumerate(adapters["llama"][:3])]
+    check_lora(CudaBackend, loras, config)
+
+
+def test_llm_generate_with_adapters(
+    tiny: dict[str, TinyModel], adapters: dict[str, list[Adapter]]
+) -> None:
+    """``LLM.generate`` with one adapter per prompt through the engine core (its scheduler, its
+    adapter loader, prefix-cache keys per adapter): the same prompt under the base model and
+    three adapters, then again (prefix-cache hits within each adapter)."""
+    from engine_core import SamplingParams as Params
+
+    model = tiny["llama"]
+    ads = adapters["llama"]
+    hf = [model.hf, *(a.merged for a in ads[:3])]
+    loras = [None, *(LoRARequest(a.name, i + 1, str(a.path)) for i, a in enumerate(ads[:3]))]
+    prompt = {"prompt_token_ids": _prompt(8, 19)}
+    params = Params(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with model.llm(block_size=4, enable_lora=True, max_loras=4, max_lora_rank=8) as llm:
+        first = llm.generate([prompt] * 4, params, use_tqdm=False, lora_request=loras)
+        second = llm.generate([prompt] * 4, params, use_tqdm=False, lora_request=loras)
+    outputs = [o.outputs[0].token_ids for o in first]
+    assert len({tuple(t) for t in outputs}) == 4, outputs  # every adapter changes the tokens
+    for out, again, reference in zip(first, second, hf, strict=True):
+        expected = greedy(reference, out.prompt_token_ids, 6)
+        assert out.outputs[0].token_ids == expected
+        assert again.outputs[0].token_ids == expected
+        assert again.num_cached_tokens >= 16
