@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -118,6 +119,9 @@ class CudaBackend(Backend):
         self._sleep_level = 0
         self._param_shapes: list[torch.Size] = []
         self._closed = False
+        self._lora_lock = threading.Lock()
+        self._lora_calls: list[tuple[Any, ...]] = []
+        """Tensor parallelism: adapter calls for the workers, sent before the next step."""
 
     @property
     def device(self) -> torch.device:
@@ -252,9 +256,8 @@ class CudaBackend(Backend):
 
     def lora_support(self) -> LoRASupport | None:
         """PEFT LoRA adapters up to ``max_lora_rank`` on the attention projections, and on
-        the MLP's of a dense model (``docs/cuda_lora.md``); not on FP8 weights, nor under
-        tensor parallelism yet (its workers would need each adapter too)."""
-        if self.model_config.quantization is not None or self.config.tensor_parallel_size > 1:
+        the MLP's of a dense model (``docs/cuda_lora.md``); not on FP8 weights."""
+        if self.model_config.quantization is not None:
             return None
         return LoRASupport(
             max_rank=self.config.max_lora_rank, target_modules=served_modules(self.model_config)
@@ -267,12 +270,30 @@ class CudaBackend(Backend):
         if runner_lora is None:
             raise LoRAError(lora.lora_name, "LoRA is off (EngineConfig.enable_lora)")
         runner_lora.add(lora.lora_int_id, lora.lora_name, lora.lora_path)
+        if self.tp is not None:  # the workers read their parts before the next step
+            with self._lora_lock:
+                self._lora_calls.append(("add_lora", lora.lora_int_id, lora.lora_name,
+                                         lora.lora_path))  # fmt: skip
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Forget the adapter; requests still using it keep it, and its slot, until they
         finish."""
         if self.runner.lora is not None:
             self.runner.lora.remove(lora_int_id)
+            if self.tp is not None:
+                with self._lora_lock:
+                    self._lora_calls.append(("remove_lora", lora_int_id))
+
+    def _send_lora_calls(self) -> None:
+        """Tensor parallelism: the adapter calls made since the last step, on every worker,
+        from the step thread between steps (the worker channel is the step thread's). Rank 0
+        checked each adapter already; a worker that cannot read its part fails the step."""
+        assert self.tp is not None
+        with self._lora_lock:
+            calls, self._lora_calls = self._lora_calls, []
+        for method, *args in calls:
+            with self.tp.on_every_rank(method, *args):
+                pass
 
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
@@ -291,6 +312,8 @@ class CudaBackend(Backend):
             with torch.inference_mode():
                 self.runner.execute_model(scheduler_output)
             return
+        if self._lora_calls:
+            self._send_lora_calls()
         self.tp.step(scheduler_output)
         try:
             with torch.inference_mode():

@@ -428,3 +428,25 @@ def test_llm_generate_with_adapters(
         assert out.outputs[0].token_ids == expected
         assert again.outputs[0].token_ids == expected
         assert again.num_cached_tokens >= 16
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_adapters_equal_merged_models(
+    tiny: dict[str, TinyModel], adapters: dict[str, list[Adapter]]
+) -> None:
+    """TP=2 (gloo on the CPU): every rank reads its part of each adapter, loaded on rank 0's
+    loader thread and sent to the worker between steps; a mixed batch gives the merged models'
+    greedy tokens."""
+    from engine_core import SamplingParams as Params
+
+    model = tiny["llama"]
+    ads = adapters["llama"]
+    hf = [model.hf, ads[0].merged, ads[3].merged]
+    loras = [None, LoRARequest(ads[0].name, 1, str(ads[0].path)),
+             LoRARequest(ads[3].name, 2, str(ads[3].path))]  # fmt: skip
+    prompts = [{"prompt_token_ids": _prompt(i, 7 + 3 * i)} for i in range(3)]
+    params = Params(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with model.llm(tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=8) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    for out, reference in zip(outputs, hf, strict=True):
+        assert out.outputs[0].token_ids == greedy(reference, out.prompt_token_ids, 6)
