@@ -1883,11 +1883,14 @@ def check_lora(table: Table, args: argparse.Namespace, root: Path) -> None:
             out_ref = torch.zeros_like(out)
             lora_shrink(x, a, y, seg_start, seg_slot, len(segments))
             lora_shrink_torch(x, a, y_ref, segments)
+            offset, spans = 0, []
+            for rows in shards:
+                spans.append((offset, rows))
+                offset += rows
+            lora_expand(y, b, out, seg_start, seg_slot, len(segments), spans)
             offset = 0
             for j, rows in enumerate(shards):
                 cols = slice(j * rank, (j + 1) * rank)
-                lora_expand(y[:, cols], b[:, offset:offset + rows], out[:, offset:offset + rows],
-                            seg_start, seg_slot, len(segments))  # fmt: skip
                 lora_expand_torch(y_ref[:, cols], b[:, offset:offset + rows],
                                   out_ref[:, offset:offset + rows], segments)  # fmt: skip
                 offset += rows

@@ -321,11 +321,7 @@ class LoRALinear(nn.Module):
 
             args = (mapping.seg_start, mapping.seg_slot, mapping.num_segments)
             lora_shrink(x, self.a, y, *args)
-            for i, (start, rows) in enumerate(self.shards):
-                lora_expand(
-                    y[:, i * r : (i + 1) * r], self.b[:, start : start + rows],
-                    out[:, start : start + rows], *args,
-                )  # fmt: skip
+            lora_expand(y, self.b, out, *args, self.shards)
             return
         from engine_core_cuda.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
 

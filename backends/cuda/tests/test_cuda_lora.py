@@ -311,6 +311,17 @@ def test_shrink_expand_match_the_torch_reference(triton_lora: Any, dtype: torch.
     triton_lora.lora_expand(y, b, full[:, n:], seg_start, seg_slot, 5)
     lora_expand_torch(y_ref, b, full_ref[:, n:], segments)
     assert torch.equal(full[:, :n], full_ref[:, :n])
+    # Three shards of a fused output (as qkv) in one launch, each from its rank block of y.
+    shards = [(0, 40), (40, 17), (57, 13)]
+    y3 = torch.randn(tokens, 3 * r)
+    fused = torch.randn(tokens, n).to(dtype)
+    fused_ref = fused.clone()
+    triton_lora.lora_expand(y3, b, fused, seg_start, seg_slot, 5, shards)
+    for j, (first, rows) in enumerate(shards):
+        lora_expand_torch(y3[:, j * r : (j + 1) * r], b[:, first : first + rows],
+                          fused_ref[:, first : first + rows], segments)  # fmt: skip
+    fused_err = (fused - fused_ref).float().abs().max().item()
+    assert fused_err < (1e-4 if dtype == torch.float32 else 2e-2) * fused_ref.float().abs().max()
     expand_err = (full - full_ref).float().abs().max().item()
     scale = full_ref.float().abs().max().item()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2

@@ -100,7 +100,12 @@ def _expand_kernel(
     out_ptr,
     seg_start_ptr,
     seg_slot_ptr,
-    num_n,
+    start0,
+    rows0,
+    start1,
+    rows1,
+    start2,
+    rows2,
     num_r,
     stride_ym,
     stride_yr,
@@ -113,34 +118,47 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
+    """Program (segment, column block) of up to three shards: the blocks of shard 0, then
+    shard 1's, then shard 2's; shard ``j`` reads ``y``'s columns ``[j * num_r, (j + 1) *
+    num_r)`` and writes its rows of ``b`` into its columns of ``out``."""
     seg = tl.program_id(0)
     pid_n = tl.program_id(1)
+    nb0 = tl.cdiv(rows0, BLOCK_N)
+    nb01 = nb0 + tl.cdiv(rows1, BLOCK_N)
+    in1 = pid_n >= nb0
+    in2 = pid_n >= nb01
+    local = pid_n - tl.where(in2, nb01, tl.where(in1, nb0, 0))
+    start = tl.where(in2, start2, tl.where(in1, start1, start0))
+    rows = tl.where(in2, rows2, tl.where(in1, rows1, rows0))
+    shard = tl.where(in2, 2, tl.where(in1, 1, 0))
     slot = tl.load(seg_slot_ptr + seg)
-    start = tl.load(seg_start_ptr + seg)
-    end = tl.load(seg_start_ptr + seg + 1)
+    seg_begin = tl.load(seg_start_ptr + seg)
+    seg_end = tl.load(seg_start_ptr + seg + 1)
     if slot >= 0:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < num_n
+        offs_n = local * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < rows
+        cols = start + offs_n
         b_base = b_ptr + slot.to(tl.int64) * stride_bs
-        for m0 in range(start, end, BLOCK_M):
+        y_base = y_ptr + shard * num_r * stride_yr
+        for m0 in range(seg_begin, seg_end, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
-            m_mask = offs_m < end
+            m_mask = offs_m < seg_end
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for r0 in range(0, num_r, BLOCK_R):
                 offs_r = r0 + tl.arange(0, BLOCK_R)
                 r_mask = offs_r < num_r
                 y = tl.load(
-                    y_ptr + offs_m[:, None] * stride_ym + offs_r[None, :] * stride_yr,
+                    y_base + offs_m[:, None] * stride_ym + offs_r[None, :] * stride_yr,
                     mask=m_mask[:, None] & r_mask[None, :],
                     other=0.0,
                 )
                 b = tl.load(
-                    b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                    b_base + cols[None, :] * stride_bn + offs_r[:, None] * stride_br,
                     mask=r_mask[:, None] & n_mask[None, :],
                     other=0.0,
                 ).to(tl.float32)
                 acc += tl.dot(y, b, input_precision="ieee")
-            out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+            out_ptrs = out_ptr + offs_m[:, None] * stride_om + cols[None, :] * stride_on
             mask = m_mask[:, None] & n_mask[None, :]
             out = tl.load(out_ptrs, mask=mask, other=0.0)
             tl.store(out_ptrs, (out.to(tl.float32) + acc).to(out.dtype), mask=mask)
@@ -178,16 +196,26 @@ def lora_expand(
     seg_start: torch.Tensor,
     seg_slot: torch.Tensor,
     num_segments: int,
+    shards: list[tuple[int, int]] | None = None,
 ) -> None:
-    """``out[t] += y[t] @ b[slot(t)]^T`` for the tokens of every segment with a slot. ``y``:
-    ``[tokens, rank]`` float32 (a column slice is fine); ``b``: ``[slots, out, rank]``;
-    ``out``: ``[tokens, out]``, any strides (a column slice of a fused output)."""
-    num_n, num_r = b.shape[1], b.shape[2]
+    """``out[t, shard j] += y[t, j * R:(j + 1) * R] @ b[slot(t), shard j]^T`` for the tokens
+    of every segment with a slot, in one launch for every shard (at most three: a fused
+    ``qkv``'s). ``y``: ``[tokens, shards * R]`` float32; ``b``: ``[slots, out, R]``; ``out``:
+    ``[tokens, out]``, any strides; ``shards``: (first column, columns) of each (default: all
+    of ``out``, one shard)."""
+    num_r = b.shape[2]
+    if shards is None:
+        shards = [(0, b.shape[1])]
+    if not 1 <= len(shards) <= 3:
+        raise ValueError(f"lora_expand takes one to three shards, got {len(shards)}")
+    padded = [*shards, *[(0, 0)] * (3 - len(shards))]
     block_n = 64
     block_r = max(16, min(64, triton.next_power_of_2(num_r)))
-    grid = (num_segments, triton.cdiv(num_n, block_n))
+    blocks = sum(triton.cdiv(rows, block_n) for _, rows in shards)
+    grid = (num_segments, blocks)
+    (s0, r0), (s1, r1), (s2, r2) = padded
     _expand_kernel[grid](
-        y, b, out, seg_start, seg_slot, num_n, num_r,
+        y, b, out, seg_start, seg_slot, s0, r0, s1, r1, s2, r2, num_r,
         y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1),
         BLOCK_M=16, BLOCK_N=block_n, BLOCK_R=block_r,
