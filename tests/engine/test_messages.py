@@ -125,6 +125,7 @@ def test_hot_messages_are_positional() -> None:
         None,
         [],
         None,
+        None,  # lora_request
     ]
     assert encode(AbortRequests(["r1"])) == encode(["abort", ["r1"]])
 
