@@ -396,6 +396,8 @@ class CudaBackend(Backend):
         runner.drop_graphs()
         runner.drop_requests()
         runner.release_kv_cache()
+        if runner.lora is not None:
+            runner.lora.release()
         self._param_shapes = [p.shape for p in runner.parameters()]
         if level == 2:
             from engine_core_cuda._layers import unpack_cpu_linears
@@ -434,6 +436,8 @@ class CudaBackend(Backend):
                     param.data = torch.empty(shape, dtype=param.dtype, device=runner.device)
         if self._sleep_level == 2:
             runner.load_weights()
+        if runner.lora is not None:
+            runner.lora.restore()
         if runner.num_blocks:
             runner.allocate_kv_cache(runner.num_blocks)
             self._capture_graphs()

@@ -279,17 +279,20 @@ class LoRALinear(nn.Module):
         self.shard_names = list(linear.shards)
         self.shards = [linear.shards[s] for s in self.shard_names]
         self.max_rank = max_rank
-        n = len(self.shards)
-        self.register_buffer(
-            "a", torch.zeros(num_slots, n * max_rank, in_features, dtype=dtype, device=device),
-            persistent=False,
-        )  # fmt: skip
-        self.register_buffer(
-            "b", torch.zeros(num_slots, out_features, max_rank, dtype=dtype, device=device),
-            persistent=False,
-        )  # fmt: skip
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype, self.device = dtype, device
+        self.register_buffer("a", None, persistent=False)
+        self.register_buffer("b", None, persistent=False)
         self.a: torch.Tensor
         self.b: torch.Tensor
+        self.allocate(num_slots)
+
+    def allocate(self, num_slots: int) -> None:
+        """Empty slots (zeros)."""
+        n, r = len(self.shards), self.max_rank
+        kw: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
+        self.a = torch.zeros(num_slots, n * r, self.in_features, **kw)
+        self.b = torch.zeros(num_slots, self.out_features, r, **kw)
 
     def load_slot(self, slot: int, parts: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write an adapter's matrices of this projection (shard -> (A, B)) into ``slot``; the
@@ -420,6 +423,21 @@ class LoRAModel:
                 return
             del self.adapters[lora_id]
             self._evict(lora_id)
+
+    def release(self) -> None:
+        """Free the device slots (the backend sleeps); the adapters stay in host memory and go
+        back into slots as steps need them after :meth:`restore`."""
+        with self._lock:
+            self.slots = [None] * self.num_slots
+            for lora in self.layers.values():
+                lora.a = torch.empty(0, dtype=lora.a.dtype, device=lora.a.device)
+                lora.b = torch.empty(0, dtype=lora.b.dtype, device=lora.b.device)
+
+    def restore(self) -> None:
+        """Allocate the device slots again, empty."""
+        with self._lock:
+            for lora in self.layers.values():
+                lora.allocate(self.num_slots)
 
     def _evict(self, lora_id: int) -> None:
         for slot, held in enumerate(self.slots):

@@ -478,3 +478,29 @@ def test_gemma2_adapter_equals_its_merged_model(tiny: dict[str, TinyModel], tmp_
     assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids
     for out, reference in zip(outputs, [model.hf, adapter.merged], strict=True):
         assert out.outputs[0].token_ids == greedy(reference, out.prompt_token_ids, 5)
+
+
+def test_sleep_frees_the_slots_and_wake_up_reloads_them(
+    tiny: dict[str, TinyModel], adapters: dict[str, list[Adapter]]
+) -> None:
+    model = tiny["qwen2"]
+    ads = adapters["qwen2"]
+    backend = _backend(model)
+    try:
+        backend.initialize_kv_cache(32)
+        backend.add_lora(LoRARequest(ads[1].name, 1, str(ads[1].path)))
+        lora = backend.runner.lora
+        assert lora is not None
+        lora.assign([1])
+        backend.sleep(1)
+        assert all(layer.a.numel() == 0 for layer in lora.layers.values())
+        backend.wake_up()
+        assert lora.slots == [None] * 4 and 1 in lora.adapters  # kept in host memory
+        harness = LoRAHarness(backend, backend.config, 32)
+        prompts = {"x": _prompt(5, 7), "base": _prompt(6, 4)}
+        for (req_id, prompt), lora_id in zip(prompts.items(), (1, 0), strict=True):
+            harness.add_lora_request(req_id, prompt, 4, lora_id)
+        harness.run()
+        assert _check(harness, {0: model.hf, 1: ads[1].merged}, prompts) < 1e-4
+    finally:
+        backend.close()
