@@ -211,17 +211,20 @@ class DecodeGraphs:
                 return n, q
         return None
 
-    def run(self, step: StepInputs, lora_ids: list[int] | None = None) -> torch.Tensor:
+    def run(
+        self, step: StepInputs, lora_ids: list[int] | None = None, keep: tuple[int, ...] = ()
+    ) -> torch.Tensor:
         """Logits of a step :meth:`can_run`: ``[B, vocab]`` for a decode step, else each
         request's ``1 + s`` rows (``step.draft_rows``'s layout). ``lora_ids``: each request's
-        adapter (0: the base model), written into the graph's segment inputs."""
+        adapter (0: the base model), written into the graph's segment inputs; ``keep``: the
+        running requests' adapters, spared when a slot is taken."""
         shape = self._shape(step)
         assert shape is not None
         n, q = shape
         b = len(step.states)
         lora = self.runner.lora if self.drafter is None else None
         if lora is not None:
-            lora.prepare_graph(lora_ids or [0] * b, n, q)
+            lora.prepare_graph(lora_ids or [0] * b, n, q, keep)
         if q == 1 and step.draft_rows is None:
             self.input_ids[:b].copy_(step.input_ids)
             self.positions[:b].copy_(step.positions)

@@ -470,8 +470,10 @@ class LoRAModel:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def assign(self, lora_ids: Iterable[int]) -> dict[int, int]:
-        """A slot for each adapter id (0 excluded), copying those not in one."""
+    def assign(self, lora_ids: Iterable[int], keep: Iterable[int] = ()) -> dict[int, int]:
+        """A slot for each adapter id (0 excluded), copying those not in one into the least
+        recently used free slot, sparing those of ``keep`` (the running requests' adapters,
+        ``SchedulerOutput.lora_ids``) while another is free."""
         wanted = list(dict.fromkeys(i for i in lora_ids if i))
         if len(wanted) > self.num_slots:
             raise RuntimeError(
@@ -490,7 +492,9 @@ class LoRAModel:
                 adapter = self.adapters.get(lora_id)
                 if adapter is None:
                     raise RuntimeError(f"LoRA adapter {lora_id} is not loaded (add_lora)")
-                slot = next(s for s in self._lru if s not in taken)
+                spared = set(keep)
+                free = [s for s in self._lru if s not in taken]
+                slot = next((s for s in free if self.slots[s] not in spared), free[0])
                 self._load(slot, adapter)
                 result[lora_id] = slot
                 taken.add(slot)
@@ -506,7 +510,9 @@ class LoRAModel:
             lora.load_slot(slot, by_projection.get(key, {}))
         self.slots[slot] = adapter.lora_id
 
-    def prepare(self, lora_ids: list[int], query_start_loc: list[int]) -> None:
+    def prepare(
+        self, lora_ids: list[int], query_start_loc: list[int], keep: Iterable[int] = ()
+    ) -> None:
         """The step's mapping: ``lora_ids`` per request (batch order), the requests' token
         offsets (``len(lora_ids) + 1``). Consecutive requests of one adapter make one
         segment."""
@@ -516,7 +522,7 @@ class LoRAModel:
             mapping.num_segments = 0
             mapping.segments = []
             return
-        slot_of = self.assign(lora_ids)
+        slot_of = self.assign(lora_ids, keep)
         segments: list[tuple[int, int, int]] = []
         for i, lora_id in enumerate(lora_ids):
             slot = slot_of[lora_id] if lora_id else -1
@@ -547,10 +553,12 @@ class LoRAModel:
                                   device=self.device)  # fmt: skip
         return self._y[:num_tokens, :ranks]
 
-    def prepare_graph(self, lora_ids: list[int], num_padded: int, query_len: int) -> None:
+    def prepare_graph(
+        self, lora_ids: list[int], num_padded: int, query_len: int, keep: Iterable[int] = ()
+    ) -> None:
         """A CUDA graph's mapping: one segment per request of ``query_len`` tokens, padded to
         ``num_padded`` requests of the base model (the graph was captured for that many)."""
-        slot_of = self.assign(lora_ids) if any(lora_ids) else {}
+        slot_of = self.assign(lora_ids, keep) if any(lora_ids) else {}
         slots = [slot_of[i] if i else -1 for i in lora_ids]
         slots += [-1] * (num_padded - len(slots))
         starts = [i * query_len for i in range(num_padded + 1)]

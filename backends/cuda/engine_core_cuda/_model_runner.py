@@ -350,11 +350,13 @@ class ModelRunner:
         if self.lora is not None:
             lora_ids = [self.lora.request_lora.get(s.req_id, 0) for s in states]
         if self.graphs is not None and self.graphs.can_run(step) and not wants_prompt:
-            logits = self.graphs.run(step, lora_ids)
+            logits = self.graphs.run(step, lora_ids, scheduler_output.lora_ids)
             hidden = None
         else:
             if self.lora is not None and lora_ids is not None:
-                self.lora.prepare(lora_ids, step.query_start_loc_host.tolist())
+                self.lora.prepare(
+                    lora_ids, step.query_start_loc_host.tolist(), scheduler_output.lora_ids
+                )
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.context(step))
             last = step.logits_indices
             if last is None:

@@ -213,6 +213,11 @@ def test_slots_are_least_recently_used(
         assert lora.assign([3]) == {3: 0}  # slot 0 (adapter 1) was used least recently
         assert lora.assign([2, 3]) == {2: 1, 3: 0}  # no copy: both in their slots
         assert lora.assign([4, 1]) in ({4: 0, 1: 1}, {4: 1, 1: 0})
+        # Slot 1 (adapter 4 or 1) is least recently used, but its adapter still runs: spared.
+        held = dict(enumerate(lora.slots))
+        lru_slot = next(iter(lora._lru))
+        other = 1 - lru_slot
+        assert lora.assign([2], keep=[held[lru_slot]]) == {2: other}
         with pytest.raises(RuntimeError, match="max_loras is 2"):
             lora.assign([1, 2, 3])
         # The slot's contents are the adapter's matrices (B scaled).
