@@ -83,7 +83,7 @@ class HostAdapter:
     target_modules: frozenset[str]
     weights: dict[tuple[int, str, str], tuple[torch.Tensor, torch.Tensor]]
     """(layer, projection, shard) -> (``A`` ``[r, in]``, ``B`` scaled ``[out, r]``), this rank's
-    slices, float32."""
+    slices: float32 as read, the model's dtype once published (:meth:`LoRAModel.add_host`)."""
     removed: bool = False
     """:meth:`LoRAModel.remove` was called while requests used it: dropped once they are done."""
 
@@ -246,6 +246,11 @@ def random_adapter(
     return HostAdapter(lora_id, f"random-{lora_id}", rank, 1.0, served_modules(config), weights)
 
 
+def _host_copy(tensor: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    tensor = tensor.to(dtype)
+    return tensor.pin_memory() if pin else tensor
+
+
 @dataclass(slots=True)
 class LoRAMapping:
     """A step's adapter segments: device tensors (the kernels' inputs) and their host copy
@@ -404,7 +409,14 @@ class LoRAModel:
         self.add_host(read_adapter(lora_id, name, path, self.config, self.max_rank, self.slicer))
 
     def add_host(self, adapter: HostAdapter) -> None:
-        """Publish an adapter already in host memory (read and checked)."""
+        """Publish an adapter already in host memory (read and checked), its matrices in the
+        model's dtype (pinned for a GPU: the slot copies are then asynchronous)."""
+        dtype = next(iter(self.layers.values())).dtype if self.layers else torch.float32
+        pin = self.device.type == "cuda"
+        adapter.weights = {
+            key: (_host_copy(a, dtype, pin), _host_copy(b, dtype, pin))
+            for key, (a, b) in adapter.weights.items()
+        }
         lora_id = adapter.lora_id
         with self._lock:
             old = self.adapters.get(lora_id)
