@@ -69,7 +69,14 @@ with the reason. Rows already written before a crash are kept.
   rank 16, 1 and 64 tokens in segments of mixed adapters and the base model, the 8B shape's
   q and gate_up projections), and decode of the 8B shape at batch 64 (graphs on) with 8 random
   rank-16 adapters on every projection, the requests' adapters interleaved, against the base
-  model without LoRA: at least ``--lora-target`` (0.85) of its throughput.
+  model without LoRA: at least ``--lora-target`` (0.85) of its throughput;
+- offload: the host KV tier's block copier (``engine_core_cuda._kv_offload``) on the 8B
+  shape's pages (32 layers, K and V, 16 tokens: 2 MiB per block in bf16): saves and loads of
+  256 blocks scattered over the device cache into contiguous pinned host slots, batched (one
+  gather and one copy per run of host slots, on the copy stream) in effective GB/s (>= 40 on an
+  H200), and one copy per block (information); and the engine's time to first token of a
+  prompt evicted from the device and loaded back from the host tier against the same prompt
+  computed cold (the ratio must stay below 1).
 
 ``--device cpu`` runs the same code at toy sizes on the CPU (Triton interpreted) to check the
 script itself; the speed targets are then not enforced. Exit status: 0 when every row passes, 1
@@ -120,13 +127,14 @@ CHECK_SUMMARIES = {
     "fp8": "FP8 linear and KV write vs torch; FP8 KV blocks; FP8 8B decode at batch 1 vs bf16",
     "gpt_oss": "gpt-oss-20b-shaped decode (sinks, windows, biased experts) vs its roofline (info)",
     "lora": "LoRA shrink/expand vs torch; 8B decode b=64 with 8 rank-16 adapters vs the base",
+    "offload": "host KV tier: host<->device block copy GB/s (batched vs per block); TTFT from host",
 }
 """Each check (``--only``) and what it shows, in one line: listed by ``--help``."""
 CHECKS = tuple(CHECK_SUMMARIES)
 TIMEOUTS_S = {"preflight": 90, "kernels": 120, "startup": 150, "throughput": 180, "sampling": 120,
               "longctx": 120, "window": 150, "prefill": 100, "profile": 120, "parity": 150,
               "conformance": 150, "tp": 150, "overlap": 150, "spec": 180, "moe": 240,
-              "fp8": 180, "gpt_oss": 180, "lora": 180}  # fmt: skip
+              "fp8": 180, "gpt_oss": 180, "lora": 180, "offload": 150}  # fmt: skip
 """Each check's time limit (seconds, scaled by ``--timeout-scale``); typical runs take a fraction."""
 MIN_CHECK_S = 15
 """A check is not started with less of the ``--budget`` left."""
@@ -1844,6 +1852,137 @@ def check_fp8(table: Table, args: argparse.Namespace, root: Path) -> None:
                   ">= 1.7" if enforce else "", (speedup >= 1.7) if enforce else None)  # fmt: skip
 
 
+# -- the host KV tier ------------------------------------------------------------------------
+
+
+def _copy_rate(fn: Callable[[], Any], nbytes: int, device: Any, rounds: int) -> float:
+    """Effective GB/s of ``fn`` moving ``nbytes`` (the best of ``rounds`` after a warm-up)."""
+    import torch
+
+    def wait() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    wait()
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        fn()
+        wait()
+        best = min(best, time.perf_counter() - started)
+    return nbytes / best / 1e9
+
+
+def _offload_ttft(model_dir: Path, args: argparse.Namespace, context: int) -> tuple[float, float,
+                                                                                    int]:  # fmt: skip
+    """(cold TTFT, TTFT loading from the host tier, host hit tokens) of a ``context``-token
+    prompt: computed once, evicted from the device by other prompts, then sent again."""
+    from engine_core_cuda import CudaBackend
+
+    from engine_core import SamplingParams
+    from engine_core._core.engine_io import EngineCoreRequest
+    from engine_core._engine.core import EngineCore
+    from engine_core.config import EngineConfig
+
+    blocks = -(-(context + 64) // 16)
+    config = EngineConfig(
+        model=str(model_dir), backend="cuda", dtype="bfloat16" if args.gpu else "float32",
+        backend_options={"device": args.device, "load_format": "dummy"},
+        max_model_len=context + 64, max_num_seqs=1, max_num_batched_tokens=max(context, 2048),
+        num_kv_blocks=blocks + blocks // 2, kv_offload_bytes=(8 << 30) if args.gpu else 64 << 20,
+    )  # fmt: skip
+    core = EngineCore(config, backend_cls=CudaBackend)
+    try:
+        rng = random.Random(7)
+        vocab = core.vocab_size
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+        def ttft(req_id: str, prompt: list[int]) -> float:
+            started = time.perf_counter()
+            core.add_request(EngineCoreRequest(req_id, prompt, params))
+            first = None
+            while core.has_work:
+                out = core.step()
+                if first is None and any(out.new_token_ids):
+                    first = time.perf_counter() - started
+            assert first is not None
+            return first
+
+        prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(4)]
+        ttft("warm-up", prompts[3])  # compiles and warms what the first step needs
+        cold = ttft("cold", prompts[0])
+        ttft("evict-1", prompts[1])  # the device cache cannot keep prompt 0 past these
+        ttft("evict-2", prompts[2])
+        before = core.get_stats().kv_offload_hit_tokens
+        host = ttft("from-host", prompts[0])
+        hits = core.get_stats().kv_offload_hit_tokens - before
+        return cold, host, hits
+    finally:
+        core.close()
+
+
+def check_offload(table: Table, args: argparse.Namespace, root: Path) -> None:
+    _offload_copy_rows(table, args)  # its buffers are freed when it returns
+    gpu = args.gpu
+    shape = {**(LLAMA3_8B if gpu else TOY_8B), "num_hidden_layers": args.layers if gpu else 2}
+    model_dir = write_config(root, "llama3-8b-shaped-offload", shape)
+    context = 8192 if gpu else 256
+    cold, from_host, hits = _offload_ttft(model_dir, args, context)
+    ratio = from_host / cold
+    table.add(f"offload: TTFT ctx={context} from the host tier vs cold (8B shape)",
+              f"{from_host * 1e3:.1f} vs {cold * 1e3:.1f} ms, x{ratio:.2f}, {hits} hit tokens",
+              "< 1, hits > 0" if gpu else "hits > 0",
+              (ratio < 1 and hits > 0) if gpu else hits > 0)  # fmt: skip
+
+
+def _offload_copy_rows(table: Table, args: argparse.Namespace) -> None:
+    import torch
+    from engine_core_cuda._kv_offload import BlockCopier, HostBuffer
+
+    device = torch.device(args.device)
+    gpu = args.gpu
+    layers, heads, head, block = (32, 8, 128, 16) if gpu else (4, 2, 32, 16)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    num_blocks, moved = (1024, 256) if gpu else (64, 16)
+    kv = torch.zeros(layers, 2, num_blocks, block, heads, head, dtype=dtype, device=device)
+    page = kv[:, :, 0].numel() * kv.element_size()
+    host = HostBuffer(moved, page, pin=gpu)
+    copier = BlockCopier(kv, host)
+    rng = random.Random(0)
+    ids = rng.sample(range(num_blocks), moved)
+    slots = list(range(moved))
+    nbytes = moved * page
+    rounds = 5 if gpu else 2
+    stream = torch.cuda.Stream(device) if gpu else None
+
+    def on_stream(fn: Callable[[], Any]) -> Callable[[], Any]:
+        if stream is None:
+            return fn
+
+        def run() -> Any:
+            with torch.cuda.stream(stream):
+                return fn()
+
+        return run
+
+    rates = {
+        "save batched": _copy_rate(on_stream(lambda: copier.save(ids, slots)), nbytes, device,
+                                   rounds),
+        "load batched": _copy_rate(on_stream(lambda: copier.load(ids, slots)), nbytes, device,
+                                   rounds),
+        "save per block": _copy_rate(on_stream(lambda: copier.save_per_block(ids, slots)), nbytes,
+                                     device, rounds),
+        "load per block": _copy_rate(on_stream(lambda: copier.load_per_block(ids, slots)), nbytes,
+                                     device, rounds),
+    }  # fmt: skip
+    for label, rate in rates.items():
+        enforce = gpu and label.endswith("batched")
+        table.add(f"offload: {label} copy, {moved} x {page >> 10} KiB blocks",
+                  f"{rate:.2f} GB/s", ">= 40 GB/s" if enforce else "",
+                  (rate >= 40) if enforce else None)  # fmt: skip
+
+
 # -- the checks' processes --------------------------------------------------------------------
 
 
@@ -1945,6 +2084,7 @@ CHECK_FUNCTIONS: dict[str, Callable[[Table, argparse.Namespace, Path], None]] = 
     "fp8": check_fp8,
     "gpt_oss": check_gpt_oss,
     "lora": check_lora,
+    "offload": check_offload,
 }
 
 

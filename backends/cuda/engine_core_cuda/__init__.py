@@ -22,7 +22,9 @@ provider answers "usable here?" for when it is asked without a config). The dtyp
 (``"triton"`` | ``"torch"``), ``cuda_graphs``, ``max_graph_batch_size``, ``kv_cache_bytes``,
 ``profile_dir``, ``load_format`` (``"safetensors"`` | ``"dummy"``), ``distributed_backend``,
 ``cpu_threads`` (torch's threads on the CPU: default ``OMP_NUM_THREADS`` when set, else the
-usable cores less one); see :class:`engine_core_cuda._options.CudaOptions`. On the CPU the
+usable cores less one), ``kv_offload`` (the host KV tier's ``copy``, ``deadline_s`` and test
+``fault``; the tier itself is ``EngineConfig.kv_offload_bytes``: ``docs/cuda_kv_offload.md``);
+see :class:`engine_core_cuda._options.CudaOptions`. On the CPU the
 decode rows of full-attention float32 layers read K/V in place through a small C kernel built
 once per machine (:mod:`engine_core_cuda.kernels.cpu_attention`).
 """

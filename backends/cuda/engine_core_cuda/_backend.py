@@ -36,6 +36,7 @@ from engine_core.abc import (
     SpecSupport,
 )
 from engine_core.config import EngineConfig
+from engine_core.kv_connector import KVConnectorLayout, KVConnectorReport, KVConnectorWorker
 from engine_core.lora import LoRAError, LoRARequest, LoRASupport
 from engine_core_cuda._cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine_core_cuda._hf_config import load_model_config
@@ -122,6 +123,9 @@ class CudaBackend(Backend):
         self._lora_lock = threading.Lock()
         self._lora_calls: list[tuple[Any, ...]] = []
         """Tensor parallelism: adapter calls for the workers, sent before the next step."""
+        self.kv_worker: KVConnectorWorker | None = None
+        """The KV connector's worker half on this rank (``init_kv_connector``)."""
+        self._kv_idle = False
 
     @property
     def device(self) -> torch.device:
@@ -208,7 +212,12 @@ class CudaBackend(Backend):
 
     def _initialize_kv_cache(self, num_blocks: int, layout: KVLayout | None) -> None:
         self.runner.drop_graphs()  # they would point at the old cache
+        release = getattr(self.kv_worker, "release_kv_caches", None)
+        if release is not None:
+            release()
         self.runner.allocate_kv_cache(num_blocks, layout)
+        if self.kv_worker is not None:
+            self.kv_worker.register_kv_caches(self.runner.kv_tensor)
         self._capture_graphs()
 
     def _capture_graphs(self) -> None:
@@ -295,6 +304,40 @@ class CudaBackend(Backend):
             with self.tp.on_every_rank(method, *args):
                 pass
 
+    def init_kv_connector(self, name: str, layout: KVConnectorLayout) -> None:
+        """The ``"host"`` tier's worker half is :mod:`engine_core_cuda._kv_offload` (a pinned
+        host buffer, copies on their own streams); another connector brings its own
+        (``KVConnectorProvider.worker``). Set up on every tensor-parallel rank."""
+        import msgspec
+
+        if self.runner.kv_tensor is None:
+            raise RuntimeError("init_kv_connector called before initialize_kv_cache()")
+        if self.tp is not None:
+            encoded = msgspec.json.encode(layout).decode()
+            with self.tp.on_every_rank("init_kv_connector", name, encoded):
+                self._init_kv_connector(name, layout)
+        else:
+            self._init_kv_connector(name, layout)
+
+    def _init_kv_connector(self, name: str, layout: KVConnectorLayout) -> None:
+        from engine_core_cuda._kv_offload import build_worker
+
+        runner = self.runner
+        worker = build_worker(self.config, layout, name, runner.device, self.tp_rank,
+                              runner.parallel)  # fmt: skip
+        worker.register_kv_caches(runner.kv_tensor)
+        self.kv_worker = worker
+
+    def kv_connector_report(self) -> KVConnectorReport | None:
+        """The worker half's report of this step (on every rank: the ranks agree on it). A
+        step that schedules no tokens waits a little (at most 5 ms) for a transfer to end."""
+        worker = self.kv_worker
+        if worker is None:
+            return None
+        if self._kv_idle and hasattr(worker, "wait"):
+            worker.wait(0.005)
+        return worker.get_finished()
+
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
@@ -310,43 +353,62 @@ class CudaBackend(Backend):
             raise RuntimeError("execute_model called while the backend sleeps (call wake_up())")
         if self.tp is None:
             with torch.inference_mode():
-                self.runner.execute_model(scheduler_output)
+                self._execute(scheduler_output)
             return
         if self._lora_calls:
             self._send_lora_calls()
         self.tp.step(scheduler_output)
         try:
             with torch.inference_mode():
-                self.runner.execute_model(scheduler_output)
+                self._execute(scheduler_output)
         except Exception as exc:
             self.tp.blame(exc)
             raise
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> None:
+        worker = self.kv_worker
+        if worker is None:
+            self.runner.execute_model(scheduler_output)
+            return
+        self._kv_idle = scheduler_output.total_num_scheduled_tokens == 0
+        worker.start_step(scheduler_output.kv_connector_metadata)
+        self.runner.execute_model(scheduler_output)
+        worker.after_forward()
 
     def sample_tokens(self, grammar_bitmask: Any | None) -> ModelRunnerOutput:
         """Under tensor parallelism the sampled ids are broadcast to the workers here."""
         try:
             with torch.inference_mode():
                 output = self.runner.sample_tokens(grammar_bitmask)
+                report = self.kv_connector_report()
         except Exception as exc:
             if self.tp is not None:
                 self.tp.blame(exc)
             raise
         if self.tp is not None:
             self.tp.sampled()
+        if report is not None:
+            output.kv_connector_report = report
         return output
 
     def sample_tokens_async(self, grammar_bitmask: Any | None) -> AsyncModelRunnerOutput:
         try:
             with torch.inference_mode():
                 handle = self.runner.sample_tokens_async(grammar_bitmask)
+                report = self.kv_connector_report()
         except Exception as exc:
             if self.tp is not None:
                 self.tp.blame(exc)
             raise
-        if self.tp is None:
-            return handle
-        self.tp.sampled()
-        return self.tp.watch(handle)
+        result: AsyncModelRunnerOutput = handle
+        if self.tp is not None:
+            self.tp.sampled()
+            result = self.tp.watch(handle)
+        if report is None:
+            return result
+        from engine_core_cuda._kv_offload import WithReport
+
+        return WithReport(result, report)
 
     # -- control --------------------------------------------------------------------------------
 
@@ -395,6 +457,9 @@ class CudaBackend(Backend):
         runner = self.runner
         runner.drop_graphs()
         runner.drop_requests()
+        release = getattr(self.kv_worker, "release_kv_caches", None)
+        if release is not None:
+            release()  # its copies end before the cache is freed
         runner.release_kv_cache()
         if runner.lora is not None:
             runner.lora.release()
@@ -440,6 +505,8 @@ class CudaBackend(Backend):
             runner.lora.restore()
         if runner.num_blocks:
             runner.allocate_kv_cache(runner.num_blocks)
+            if self.kv_worker is not None:
+                self.kv_worker.register_kv_caches(runner.kv_tensor)
             self._capture_graphs()
         self.is_sleeping = False
 
@@ -447,6 +514,9 @@ class CudaBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        if self.kv_worker is not None:
+            self.kv_worker.close()
+            self.kv_worker = None
         if self.tp is not None:
             self.tp.close()
         elif self.runner.parallel is not None:

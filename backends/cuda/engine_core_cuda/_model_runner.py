@@ -306,6 +306,11 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks, self.block_size)
 
+    @property
+    def kv_tensor(self) -> torch.Tensor | None:
+        """The one KV tensor (``kv_cache_shape``; None before ``allocate_kv_cache``)."""
+        return self._kv_tensor
+
     def release_kv_cache(self) -> None:
         self.kv_caches = []
         self._kv_tensor = None

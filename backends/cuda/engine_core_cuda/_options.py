@@ -14,6 +14,8 @@ __all__ = [
     "CPU_DEFAULT_KV_CACHE_BYTES",
     "LOAD_FORMATS",
     "CudaOptions",
+    "KVOffloadOptions",
+    "parse_kv_offload",
     "parse_options",
     "requested_device",
 ]
@@ -52,6 +54,7 @@ OPTION_NAMES = frozenset(
         "load_format",
         "distributed_backend",
         "cpu_threads",
+        "kv_offload",
     }
 )
 
@@ -78,7 +81,9 @@ class CudaOptions:
       ``"gloo"`` (the CPU's; on CUDA it lets two ranks share one GPU, for correctness checks);
     - ``cpu_threads``: torch's intra-op threads on the CPU (None: ``OMP_NUM_THREADS`` when set,
       else the usable cores less one, at least 1; under tensor parallelism per rank: see
-      :func:`engine_core_cuda._device.resolve_cpu_threads`).
+      :func:`engine_core_cuda._device.resolve_cpu_threads`);
+    - ``kv_offload``: the host KV tier's settings (``deadline_s``, a test ``fault``), read when
+      ``kv_offload_bytes`` turns the tier on: see :mod:`engine_core_cuda._kv_offload`.
     """
 
     device: str
@@ -100,6 +105,70 @@ def _positive_int(name: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"backend_options[{name!r}] must be an int > 0, got {value!r}")
     return value
+
+
+_KV_FAULT_KINDS = ("drop", "raise")
+
+
+@dataclass(frozen=True, slots=True)
+class KVOffloadOptions:
+    deadline_s: float = 10.0
+    fault_kind: str | None = None
+    fault_probability: float = 0.0
+    fault_seed: int = 0
+    copy: str | None = None
+    """``"batched"`` or ``"per_block"`` (None: batched on a GPU, per block on the CPU)."""
+
+
+def parse_kv_offload(value: Any) -> KVOffloadOptions:
+    """Validate ``backend_options["kv_offload"]`` (None: the defaults)."""
+    if value is None:
+        return KVOffloadOptions()
+    if not isinstance(value, dict):
+        raise ValueError(f"backend_options['kv_offload'] must be a dict, got {value!r}")
+    unknown = sorted(set(value) - {"deadline_s", "fault", "copy"})
+    if unknown:
+        raise ValueError(
+            f"backend_options['kv_offload'] has unknown key(s) {unknown}; known: copy, "
+            "deadline_s, fault"
+        )
+    copy = value.get("copy")
+    if copy not in (None, "batched", "per_block"):
+        raise ValueError(
+            f"backend_options['kv_offload']['copy'] must be 'batched' or 'per_block', got {copy!r}"
+        )
+    deadline = value.get("deadline_s", 10.0)
+    if (
+        not isinstance(deadline, (int, float))
+        or isinstance(deadline, bool)
+        or not 0 < deadline < float("inf")
+    ):
+        raise ValueError(
+            f"backend_options['kv_offload']['deadline_s'] must be a number > 0, got {deadline!r}"
+        )
+    fault = value.get("fault")
+    if fault is None:
+        return KVOffloadOptions(float(deadline), copy=copy)
+    if not isinstance(fault, dict) or fault.get("kind") not in _KV_FAULT_KINDS:
+        raise ValueError(
+            "backend_options['kv_offload']['fault'] must be a dict with 'kind' "
+            f"({', '.join(_KV_FAULT_KINDS)}), 'probability' and 'seed', got {fault!r}"
+        )
+    extra = sorted(set(fault) - {"kind", "probability", "seed"})
+    if extra:
+        raise ValueError(f"backend_options['kv_offload']['fault'] has unknown key(s) {extra}")
+    probability = fault.get("probability", 1.0)
+    if not isinstance(probability, (int, float)) or not 0 <= probability <= 1:
+        raise ValueError(
+            "backend_options['kv_offload']['fault']['probability'] must be in [0, 1], "
+            f"got {probability!r}"
+        )
+    seed = fault.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(
+            f"backend_options['kv_offload']['fault']['seed'] must be an int, got {seed!r}"
+        )
+    return KVOffloadOptions(float(deadline), fault["kind"], float(probability), seed, copy)
 
 
 def parse_options(config: EngineConfig) -> CudaOptions:
@@ -152,6 +221,7 @@ def parse_options(config: EngineConfig) -> CudaOptions:
     cpu_threads = options.get("cpu_threads")
     if cpu_threads is not None:
         cpu_threads = _positive_int("cpu_threads", cpu_threads)
+    parse_kv_offload(options.get("kv_offload"))  # checked here, used by the host KV tier
     return CudaOptions(
         device=device,
         kernels=kernels,

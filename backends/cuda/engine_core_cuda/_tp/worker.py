@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import torch
 
 from engine_core._workers import Sampled, Step, serve
 from engine_core._workers.messages import Scalar
 from engine_core.config import EngineConfig
+from engine_core.kv_connector import KVConnectorLayout
 from engine_core_cuda._backend import CudaBackend
 
 __all__ = ["CudaWorker"]
@@ -41,6 +43,7 @@ class CudaWorker:
         if inputs is not None:
             with torch.inference_mode():
                 runner.receive_tokens(inputs)
+        backend.kv_connector_report()  # joins rank 0's agreement on what finished
 
     def sampled(self, sampled: Sampled) -> None:
         raise RuntimeError("the CUDA workers receive the sampled ids by broadcast, not by message")
@@ -67,6 +70,10 @@ class CudaWorker:
         elif method == "remove_lora":
             assert isinstance(args[0], int)
             backend.remove_lora(args[0])
+        elif method == "init_kv_connector":
+            assert isinstance(args[0], str) and isinstance(args[1], str)
+            layout = msgspec.json.decode(args[1], type=KVConnectorLayout)
+            backend.init_kv_connector(args[0], layout)
         elif method == "profile":
             backend.profile("start" if args[0] == "start" else "stop")
         elif method == "sleep":
