@@ -64,7 +64,12 @@ with the reason. Rows already written before a crash are kept.
 - gpt_oss: decode of a gpt-oss-20b-shaped model (24 alternating window-128/full layers with
   sinks, 32 experts top-4 with biases and the clamped SwiGLU, bf16 weights as MXFP4
   checkpoints load) at batch 1, 64 and 256 against the roofline of the experts a batch touches
-  (information).
+  (information);
+- lora: the LoRA shrink/expand Triton kernels against the torch reference (bfloat16, 8 slots,
+  rank 16, 1 and 64 tokens in segments of mixed adapters and the base model, the 8B shape's
+  q and gate_up projections), and decode of the 8B shape at batch 64 (graphs on) with 8 random
+  rank-16 adapters on every projection, the requests' adapters interleaved, against the base
+  model without LoRA: at least ``--lora-target`` (0.85) of its throughput;
 - offload: the host KV tier's block copier (``engine_core_cuda._kv_offload``) on the 8B
   shape's pages (32 layers, K and V, 16 tokens: 2 MiB per block in bf16): saves and loads of
   256 blocks scattered over the device cache into contiguous pinned host slots, batched (one
@@ -121,6 +126,7 @@ CHECK_SUMMARIES = {
     "moe": "fused MoE kernel vs torch and vs a per-expert loop; Qwen3-30B-A3B decode roofline",
     "fp8": "FP8 linear and KV write vs torch; FP8 KV blocks; FP8 8B decode at batch 1 vs bf16",
     "gpt_oss": "gpt-oss-20b-shaped decode (sinks, windows, biased experts) vs its roofline (info)",
+    "lora": "LoRA shrink/expand vs torch; 8B decode b=64 with 8 rank-16 adapters vs the base",
     "offload": "host KV tier: host<->device block copy GB/s (batched vs per block); TTFT from host",
     "pd_ipc": "KV pages copied from another process's cache over CUDA IPC (GB/s, exact)",
 }
@@ -129,7 +135,7 @@ CHECKS = tuple(CHECK_SUMMARIES)
 TIMEOUTS_S = {"preflight": 90, "kernels": 120, "startup": 150, "throughput": 180, "sampling": 120,
               "longctx": 120, "window": 150, "prefill": 100, "profile": 120, "parity": 150,
               "conformance": 150, "tp": 150, "overlap": 150, "spec": 180, "moe": 240,
-              "fp8": 180, "gpt_oss": 180, "offload": 150, "pd_ipc": 90}  # fmt: skip
+              "fp8": 180, "gpt_oss": 180, "lora": 180, "offload": 150, "pd_ipc": 90}  # fmt: skip
 """Each check's time limit (seconds, scaled by ``--timeout-scale``); typical runs take a fraction."""
 MIN_CHECK_S = 15
 """A check is not started with less of the ``--budget`` left."""
@@ -167,6 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="dense bfloat16 FLOP/s")  # fmt: skip
     p.add_argument("--target", type=float, default=0.70, help="decode roofline ratio to reach")
     p.add_argument("--long-target", type=float, default=0.60, help="longctx roofline ratio")
+    p.add_argument("--lora-target", type=float, default=0.85,
+                   help="LoRA decode throughput (8 adapters, batch 64) over the base model's")  # fmt: skip
     p.add_argument("--sampling-overhead", type=float, default=0.10,
                    help="most a sampled step may add to a greedy one")  # fmt: skip
     p.add_argument("--timeout-scale", type=float, default=1.0, help="multiplies every limit")
@@ -517,13 +525,13 @@ class Driver:
         self.blocks[req_id] += fresh
         return fresh
 
-    def add(self, req_id: str, prompt: list[int], params: Any, hit: int = 0) -> None:
+    def add(self, req_id: str, prompt: list[int], params: Any, hit: int = 0, lora: int = 0) -> None:
         from engine_core.abc import NewRequestData
 
         self.blocks[req_id], self.tokens[req_id] = [], list(prompt)
         self._grow(req_id, len(prompt))
         self.new.append(NewRequestData(req_id, prompt, params, list(self.blocks[req_id]), hit,
-                                       len(prompt) - hit))  # fmt: skip
+                                       len(prompt) - hit, lora_int_id=lora))  # fmt: skip
 
     def finish(self) -> None:
         """End every request (the backend drops their state)."""
@@ -1018,8 +1026,10 @@ def sync(backend: Any) -> None:
 
 
 def _decode_run(backend: Any, batch_size: int, context: int, warmup: int, steps: int,
-                vocab: int, params: Any = None) -> tuple[float, list[list[int]], float]:  # fmt: skip
-    """Seconds per decode step, the sampled tokens, and the mean context per timed step."""
+                vocab: int, params: Any = None,
+                loras: int = 0) -> tuple[float, list[list[int]], float]:  # fmt: skip
+    """Seconds per decode step, the sampled tokens, and the mean context per timed step;
+    ``loras``: request ``i`` runs LoRA adapter ``i % loras + 1`` (interleaved)."""
     from engine_core.sampling_params import SamplingParams
 
     rng = random.Random(batch_size)
@@ -1029,7 +1039,7 @@ def _decode_run(backend: Any, batch_size: int, context: int, warmup: int, steps:
         # The first `context` tokens count as cached (a prefix-cache hit): no prefill needed.
         prompt = [rng.randrange(vocab) for _ in range(context + 1)]
         driver.add(f"r{i}", prompt, params.clone(seed=i) if params.seed is not None else params,
-                   hit=context)  # fmt: skip
+                   hit=context, lora=i % loras + 1 if loras else 0)  # fmt: skip
     for _ in range(warmup + 1):  # the first step computes position `context`
         driver.step()
     sync(backend)
@@ -2010,6 +2020,86 @@ def _offload_copy_rows(table: Table, args: argparse.Namespace) -> None:
 
 # -- the checks' processes --------------------------------------------------------------------
 
+
+def check_lora(table: Table, args: argparse.Namespace, root: Path) -> None:
+    import torch
+    from engine_core_cuda._lora import random_adapter
+    from engine_core_cuda.kernels.lora import lora_expand, lora_shrink
+    from engine_core_cuda.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
+
+    shape_config = big_shape(args)
+    hidden, inter = shape_config["hidden_size"], shape_config["intermediate_size"]
+    heads, kv_heads = shape_config["num_attention_heads"], shape_config["num_key_value_heads"]
+    head = hidden // heads
+    dtype = torch.bfloat16 if args.gpu else torch.float32
+    device = torch.device(args.device)
+    rank, slots = 16, 8
+    gen = torch.Generator().manual_seed(0)
+    for tokens in (1, 64) if args.gpu else (5,):
+        for name, n, shards in (("qkv", hidden, [heads * head, kv_heads * head, kv_heads * head]),
+                                ("gate_up", hidden, [inter, inter])):  # fmt: skip
+            x = torch.randn(tokens, n, generator=gen).to(device, dtype)
+            a = (torch.randn(slots, len(shards) * rank, n, generator=gen) * 0.05).to(device, dtype)
+            b = (torch.randn(slots, sum(shards), rank, generator=gen) * 0.05).to(device, dtype)
+            # Segments of 1-4 tokens cycling over the adapters and the base model (-1).
+            starts, slot_list, t, i = [0], [], 0, 0
+            while t < tokens:
+                t = min(tokens, t + 1 + i % 4)
+                starts.append(t)
+                slot_list.append(i % (slots + 1) - 1)
+                i += 1
+            seg_start = torch.tensor(starts, dtype=torch.int32, device=device)
+            seg_slot = torch.tensor(slot_list, dtype=torch.int32, device=device)
+            segments = list(zip(starts[:-1], starts[1:], slot_list, strict=True))
+            y = torch.zeros(tokens, a.shape[1], device=device)
+            y_ref = torch.zeros_like(y)
+            out = torch.zeros(tokens, sum(shards), device=device, dtype=dtype)
+            out_ref = torch.zeros_like(out)
+            lora_shrink(x, a, y, seg_start, seg_slot, len(segments))
+            lora_shrink_torch(x, a, y_ref, segments)
+            offset, spans = 0, []
+            for rows in shards:
+                spans.append((offset, rows))
+                offset += rows
+            lora_expand(y, b, out, seg_start, seg_slot, len(segments), spans)
+            offset = 0
+            for j, rows in enumerate(shards):
+                cols = slice(j * rank, (j + 1) * rank)
+                lora_expand_torch(y_ref[:, cols], b[:, offset:offset + rows],
+                                  out_ref[:, offset:offset + rows], segments)  # fmt: skip
+                offset += rows
+            error = float((out.float() - out_ref.float()).abs().max()
+                          / out_ref.float().abs().max().clamp_min(1e-6))  # fmt: skip
+            tol = 2e-2 if args.gpu else 1e-4
+            table.add(f"lora: shrink/expand vs torch, {name} {tokens} tokens",
+                      f"max rel error {error:.2e}", f"<= {tol:g}", error <= tol)  # fmt: skip
+    batch = 64 if args.gpu else 4
+    context, steps, warmup = (args.context, args.steps, 3) if args.gpu else (24, 3, 1)
+    seconds: dict[bool, float] = {}
+    for lora in (False, True):
+        fields: dict[str, Any] = (
+            {"enable_lora": True, "max_loras": slots, "max_lora_rank": rank} if lora else {}
+        )
+        backend = big_backend(args, root, max_len=context + warmup + steps + 64,
+                              max_seqs=batch, graphs=args.gpu,
+                              num_blocks=_blocks_for(batch, context), **fields)  # fmt: skip
+        try:
+            if lora:
+                runner_lora = backend.runner.lora
+                for i in range(slots):
+                    runner_lora.add_host(random_adapter(i + 1, backend.model_config, rank, seed=i))
+            vocab = backend.model_config.vocab_size
+            seconds[lora], _, _ = _decode_run(backend, batch, context, warmup, steps, vocab,
+                                              loras=slots if lora else 0)  # fmt: skip
+        finally:
+            release(backend)
+    ratio = seconds[False] / seconds[True]
+    table.add(f"lora: decode b={batch} ctx={context}, {slots} rank-{rank} adapters vs base",
+              f"{batch / seconds[True]:,.0f} vs {batch / seconds[False]:,.0f} tok/s: "
+              f"x{ratio:.2f}", f">= {args.lora_target}" if args.gpu else "",
+              (ratio >= args.lora_target) if args.gpu else None)  # fmt: skip
+
+
 CHECK_FUNCTIONS: dict[str, Callable[[Table, argparse.Namespace, Path], None]] = {
     "preflight": check_preflight,
     "kernels": lambda table, args, root: check_kernels(table, args),
@@ -2028,6 +2118,7 @@ CHECK_FUNCTIONS: dict[str, Callable[[Table, argparse.Namespace, Path], None]] = 
     "moe": check_moe,
     "fp8": check_fp8,
     "gpt_oss": check_gpt_oss,
+    "lora": check_lora,
     "offload": check_offload,
     "pd_ipc": check_pd_ipc,
 }

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,9 +37,11 @@ from engine_core.abc import (
 )
 from engine_core.config import EngineConfig
 from engine_core.kv_connector import KVConnectorLayout, KVConnectorReport, KVConnectorWorker
+from engine_core.lora import LoRAError, LoRARequest, LoRASupport
 from engine_core_cuda._cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine_core_cuda._hf_config import load_model_config
 from engine_core_cuda._kv_layout import KVLayout
+from engine_core_cuda._lora import served_modules
 from engine_core_cuda._memory import available_kv_cache_memory, graph_max_batch_size
 from engine_core_cuda._model_runner import ModelRunner
 from engine_core_cuda._options import parse_options
@@ -117,6 +120,9 @@ class CudaBackend(Backend):
         self._sleep_level = 0
         self._param_shapes: list[torch.Size] = []
         self._closed = False
+        self._lora_lock = threading.Lock()
+        self._lora_calls: list[tuple[Any, ...]] = []
+        """Tensor parallelism: adapter calls for the workers, sent before the next step."""
         self.kv_worker: KVConnectorWorker | None = None
         """The KV connector's worker half on this rank (``init_kv_connector``)."""
         self._kv_idle = False
@@ -257,6 +263,47 @@ class CudaBackend(Backend):
             proposers=["draft_model"], exact_verification=True, lookahead_per_draft=1
         )
 
+    def lora_support(self) -> LoRASupport | None:
+        """PEFT LoRA adapters up to ``max_lora_rank`` on the attention projections, and on
+        the MLP's of a dense model (``docs/cuda_lora.md``); not on FP8 weights."""
+        if self.model_config.quantization is not None:
+            return None
+        return LoRASupport(
+            max_rank=self.config.max_lora_rank, target_modules=served_modules(self.model_config)
+        )
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Read and check the adapter into host memory (safe while a step runs: the slots are
+        written only by the step thread, when a step needs the adapter)."""
+        runner_lora = self.runner.lora
+        if runner_lora is None:
+            raise LoRAError(lora.lora_name, "LoRA is off (EngineConfig.enable_lora)")
+        runner_lora.add(lora.lora_int_id, lora.lora_name, lora.lora_path)
+        if self.tp is not None:  # the workers read their parts before the next step
+            with self._lora_lock:
+                self._lora_calls.append(("add_lora", lora.lora_int_id, lora.lora_name,
+                                         lora.lora_path))  # fmt: skip
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget the adapter; requests still using it keep it, and its slot, until they
+        finish."""
+        if self.runner.lora is not None:
+            self.runner.lora.remove(lora_int_id)
+            if self.tp is not None:
+                with self._lora_lock:
+                    self._lora_calls.append(("remove_lora", lora_int_id))
+
+    def _send_lora_calls(self) -> None:
+        """Tensor parallelism: the adapter calls made since the last step, on every worker,
+        from the step thread between steps (the worker channel is the step thread's). Rank 0
+        checked each adapter already; a worker that cannot read its part fails the step."""
+        assert self.tp is not None
+        with self._lora_lock:
+            calls, self._lora_calls = self._lora_calls, []
+        for method, *args in calls:
+            with self.tp.on_every_rank(method, *args):
+                pass
+
     def init_kv_connector(self, name: str, layout: KVConnectorLayout) -> None:
         """The ``"host"`` tier's worker half is :mod:`engine_core_cuda._kv_offload` (a pinned
         host buffer, copies on their own streams); another connector brings its own
@@ -335,6 +382,8 @@ class CudaBackend(Backend):
             with torch.inference_mode():
                 self._execute(scheduler_output)
             return
+        if self._lora_calls:
+            self._send_lora_calls()
         self.tp.step(scheduler_output)
         try:
             with torch.inference_mode():
@@ -439,6 +488,8 @@ class CudaBackend(Backend):
         if release is not None:
             release()  # its copies end before the cache is freed
         runner.release_kv_cache()
+        if runner.lora is not None:
+            runner.lora.release()
         self._param_shapes = [p.shape for p in runner.parameters()]
         if level == 2:
             from engine_core_cuda._layers import unpack_cpu_linears
@@ -477,6 +528,8 @@ class CudaBackend(Backend):
                     param.data = torch.empty(shape, dtype=param.dtype, device=runner.device)
         if self._sleep_level == 2:
             runner.load_weights()
+        if runner.lora is not None:
+            runner.lora.restore()
         if runner.num_blocks:
             runner.allocate_kv_cache(runner.num_blocks)
             if self.kv_worker is not None:

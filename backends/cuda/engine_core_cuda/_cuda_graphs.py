@@ -31,6 +31,7 @@ from engine_core_cuda._attention import AttentionContext, KVCache
 
 if TYPE_CHECKING:
     from engine_core_cuda._draft_model import DraftModel
+    from engine_core_cuda._lora import LoRAModel
     from engine_core_cuda._model import CausalLM
     from engine_core_cuda._model_runner import ModelRunner
     from engine_core_cuda._step_inputs import StepInputs
@@ -119,6 +120,22 @@ class DecodeGraphs:
         on_gpu = device.type == "cuda"
         reserved = torch.cuda.memory_reserved(device) if on_gpu else 0
         before = reserved - self.logits.numel() * 4
+        lora = runner.lora if self.drafter is None else None
+        if lora is not None:  # LoRA kernels recorded for every slot; no adapter until a replay
+            lora.capturing = True
+            lora.mapping.seg_slot.fill_(-1)
+        try:
+            self._capture_all(lora)
+        finally:
+            if lora is not None:
+                lora.capturing = False
+        self.reserved_bytes = (torch.cuda.memory_reserved(device) if on_gpu else 0) - before
+        logger.info("captured %d decode CUDA graphs (batch sizes %s, query lengths %s), "
+                    "%.2f GiB reserved", len(self._graphs), self.batch_sizes, self.query_lens,
+                    self.reserved_bytes / 2**30)  # fmt: skip
+
+    def _capture_all(self, lora: LoRAModel | None) -> None:
+        runner = self.runner
         for n, q in sorted(self.shapes, key=lambda shape: (-shape[0] * shape[1], shape[1])):
             t = n * q
             ctx = AttentionContext(
@@ -133,16 +150,14 @@ class DecodeGraphs:
                 span_segments=runner.span_segments(n, q, runner.max_model_len),
             )
 
-            def forward(t: int = t, ctx: AttentionContext = ctx) -> torch.Tensor:
+            def forward(t: int = t, n: int = n, ctx: AttentionContext = ctx) -> torch.Tensor:
+                if lora is not None:  # the graph's grid: one segment per padded request
+                    lora.mapping.num_segments = n
                 model, caches = self._model()
                 hidden = model(self.input_ids[:t], self.positions[:t], caches, ctx)
                 return model.compute_logits(hidden, out=self.logits[:t])
 
             self._graphs[n, q] = self._record(forward)
-        self.reserved_bytes = (torch.cuda.memory_reserved(device) if on_gpu else 0) - before
-        logger.info("captured %d decode CUDA graphs (batch sizes %s, query lengths %s), "
-                    "%.2f GiB reserved", len(self._graphs), self.batch_sizes, self.query_lens,
-                    self.reserved_bytes / 2**30)  # fmt: skip
 
     def _model(self) -> tuple[CausalLM, list[KVCache]]:
         if self.drafter is not None:
@@ -196,13 +211,20 @@ class DecodeGraphs:
                 return n, q
         return None
 
-    def run(self, step: StepInputs) -> torch.Tensor:
+    def run(
+        self, step: StepInputs, lora_ids: list[int] | None = None, keep: tuple[int, ...] = ()
+    ) -> torch.Tensor:
         """Logits of a step :meth:`can_run`: ``[B, vocab]`` for a decode step, else each
-        request's ``1 + s`` rows (``step.draft_rows``'s layout)."""
+        request's ``1 + s`` rows (``step.draft_rows``'s layout). ``lora_ids``: each request's
+        adapter (0: the base model), written into the graph's segment inputs; ``keep``: the
+        running requests' adapters, spared when a slot is taken."""
         shape = self._shape(step)
         assert shape is not None
         n, q = shape
         b = len(step.states)
+        lora = self.runner.lora if self.drafter is None else None
+        if lora is not None:
+            lora.prepare_graph(lora_ids or [0] * b, n, q, keep)
         if q == 1 and step.draft_rows is None:
             self.input_ids[:b].copy_(step.input_ids)
             self.positions[:b].copy_(step.positions)

@@ -30,6 +30,7 @@ from engine_core_cuda._layer_kinds import LayerAttention
 from engine_core_cuda._rope import RotaryTables
 
 if TYPE_CHECKING:
+    from engine_core_cuda._lora import LoRALinear
     from engine_core_cuda._tp.parallel import TensorParallel
 
 __all__ = [
@@ -74,29 +75,30 @@ class Linear(nn.Module):
         """Shard name -> (first row, number of rows)."""
         self.packed: torch.Tensor | None = None
         """On the CPU: the weight reordered once for oneDNN (:func:`pack_cpu_linears`)."""
+        self.lora: LoRALinear | None = None
+        """Multi-LoRA: the adapters' device slots of this projection (:mod:`engine_core_cuda._lora`),
+        whose low-rank products are added to the output (before a row-parallel reduce: each
+        rank's share of ``lora_A`` gives a partial sum)."""
         start = 0
         for name, size in shards.items():
             self.shards[name] = (start, size)
             start += size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.reduce is None else None
         if self.weight_scale is not None:
             from engine_core_cuda._fp8 import fp8_linear
 
-            if self.reduce is None:
-                return fp8_linear(x, self.weight, self.weight_scale, self.bias)
-            y = self.reduce(fp8_linear(x, self.weight, self.weight_scale))
-            return y if self.bias is None else y + self.bias
-        if self.packed is not None:
-            if self.reduce is None:
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            y = self.reduce(
-                torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-            )
-            return y if self.bias is None else y + self.bias
+            y = fp8_linear(x, self.weight, self.weight_scale, bias)
+        elif self.packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, bias)
+        if self.lora is not None:
+            self.lora.add_to(x, y)
         if self.reduce is None:
-            return F.linear(x, self.weight, self.bias)
-        y = self.reduce(F.linear(x, self.weight))
+            return y
+        y = self.reduce(y)
         return y if self.bias is None else y + self.bias
 
 

@@ -54,6 +54,7 @@ from engine_core_cuda._kv_layout import KVLayout
 from engine_core_cuda._layers import Attention
 from engine_core_cuda._loader import init_random_weights, load_weights
 from engine_core_cuda._logprobs import prompt_logprobs, to_token_logprobs
+from engine_core_cuda._lora import LoRAModel
 from engine_core_cuda._model import CausalLM
 from engine_core_cuda._options import CudaOptions
 from engine_core_cuda._sampler import compute_logprobs, sample
@@ -64,6 +65,7 @@ from engine_core_cuda._step_inputs import StepInputs, apply_scheduler_output, bu
 if TYPE_CHECKING:
     from engine_core_cuda._cuda_graphs import DecodeGraphs
     from engine_core_cuda._tp.parallel import TensorParallel
+    from engine_core_cuda._tp.shard import Slice
 
 __all__ = ["AsyncSampled", "ModelRunner"]
 
@@ -179,6 +181,10 @@ class ModelRunner:
             prepare_fp8_storage(self.model, self.quantization.ignore)
         self.drafter: DraftModel | None = None
         self.load_weights()
+        self.lora: LoRAModel | None = None
+        """Multi-LoRA (``EngineConfig.enable_lora``): the adapters and their device slots."""
+        if config.enable_lora:
+            self.lora = self._make_lora()
         self.batch = InputBatch(
             max_num_reqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
@@ -235,6 +241,25 @@ class ModelRunner:
             from engine_core_cuda._layers import pack_cpu_linears
 
             pack_cpu_linears(self.modules(), max(1, min(self.config.max_num_seqs, 64)))
+
+    def _make_lora(self) -> LoRAModel:
+        if self.quantization is not None:
+            raise ValueError("LoRA adapters are not served on FP8 weights")
+        slicer = None
+        if self.parallel is not None:
+            from engine_core_cuda._tp.shard import slice_of
+
+            full, rank, size = self.full_model_config, self.parallel.rank, self.parallel.size
+
+            def slicer(name: str, ndim: int) -> Slice | None:
+                return slice_of(name, ndim, full, rank, size)
+
+        config = self.config
+        max_tokens = max(config.max_num_batched_tokens or 8192, config.max_num_seqs)
+        return LoRAModel(
+            self.model, self.full_model_config, config.max_loras, config.max_lora_rank,
+            max_tokens, self.options.kernels, self.dtype, self.device, slicer,
+        )  # fmt: skip
 
     def modules(self) -> list[torch.nn.Module]:
         """The model and the draft model (if any)."""
@@ -304,6 +329,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._step_start = torch.cuda.Event(enable_timing=True)
             self._step_start.record()
+        if self.lora is not None:
+            self.lora.track(
+                ((new.req_id, new.lora_int_id) for new in scheduler_output.new_reqs),
+                scheduler_output.finished_req_ids,
+            )
         states, starts, counts = apply_scheduler_output(self.batch, scheduler_output)
         total = sum(counts)
         if total != scheduler_output.total_num_scheduled_tokens:
@@ -321,10 +351,17 @@ class ModelRunner:
             s.num_prompt_logprobs is not None and start < s.num_prompt_tokens
             for s, start in zip(states, starts, strict=True)
         )
+        lora_ids = None
+        if self.lora is not None:
+            lora_ids = [self.lora.request_lora.get(s.req_id, 0) for s in states]
         if self.graphs is not None and self.graphs.can_run(step) and not wants_prompt:
-            logits = self.graphs.run(step)
+            logits = self.graphs.run(step, lora_ids, scheduler_output.lora_ids)
             hidden = None
         else:
+            if self.lora is not None and lora_ids is not None:
+                self.lora.prepare(
+                    lora_ids, step.query_start_loc_host.tolist(), scheduler_output.lora_ids
+                )
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.context(step))
             last = step.logits_indices
             if last is None:

@@ -52,3 +52,16 @@ def test_cpu_smoke_rows(tmp_path: Path, check: str) -> None:
         assert "fp8: KV blocks in 8 GiB, fp8 vs bf16" in names
         assert "fp8: decode b=1 ctx=24 fp8 weights (8B shape)" in names
         assert "fp8: KV write conversion vs torch" in names
+
+
+def test_lora_cpu_smoke_rows(tmp_path: Path) -> None:
+    gc = _module()
+    args = gc.parse_args(["--device", "cpu", "--out", str(tmp_path)])
+    assert args.lora_target == 0.85
+    table = gc.Table()
+    gc.check_lora(table, args, tmp_path)
+    assert not table.failed, [r.line() for r in table.failed]
+    names = [r.check for r in table.rows]
+    assert names == ["lora: shrink/expand vs torch, qkv 5 tokens",
+                     "lora: shrink/expand vs torch, gate_up 5 tokens",
+                     "lora: decode b=4 ctx=24, 8 rank-16 adapters vs base"]  # fmt: skip

@@ -61,6 +61,15 @@ class CudaWorker:
             backend.initialize_kv_cache(
                 args[0], json.loads(groups) if isinstance(groups, str) else None
             )
+        elif method == "add_lora":
+            from engine_core.lora import LoRARequest
+
+            name, path = str(args[1]), str(args[2])
+            assert isinstance(args[0], int)
+            backend.add_lora(LoRARequest(name, args[0], path))
+        elif method == "remove_lora":
+            assert isinstance(args[0], int)
+            backend.remove_lora(args[0])
         elif method == "init_kv_connector":
             assert isinstance(args[0], str) and isinstance(args[1], str)
             layout = msgspec.json.decode(args[1], type=KVConnectorLayout)

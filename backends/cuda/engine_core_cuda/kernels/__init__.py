@@ -3,6 +3,8 @@
 - :mod:`.kv_write`: write new keys and values into their KV-cache slots;
 - :mod:`.paged_attention`: attention of a mixed batch (prefill chunks after prefix-cache hits
   and single-token decodes) over the paged KV cache;
+- :mod:`.lora`: the multi-LoRA shrink and expand over a batch's adapter segments
+  (:mod:`.lora_torch`: their torch reference);
 - :mod:`.reference`: the same computations in plain torch, the ground truth for tests.
 
 The Triton modules import ``triton`` and fix their compile mode on import; on the CPU call
@@ -20,6 +22,7 @@ KERNEL_MODULES = (
     "engine_core_cuda.kernels.fp8_quant",
     "engine_core_cuda.kernels.fused_moe",
     "engine_core_cuda.kernels.kv_write",
+    "engine_core_cuda.kernels.lora",
     "engine_core_cuda.kernels.paged_attention",
     "engine_core_cuda.kernels.rms_norm",
     "engine_core_cuda.kernels.rotary",
