@@ -8,8 +8,10 @@
    The configurations run in interleaved rounds (the machine is noisy); the median round is
    reported, each as a ratio to LoRA off. With ``max_loras`` 16 the cap never binds: that
    ratio is the scheduling overhead. With 4 and 8 requests of other adapters wait for a slot
-   (by design), so steps are smaller and tok/s lower. After each run the most adapters any
-   step had is checked against ``max_loras`` (asserted).
+   (by design), so steps are smaller and tok/s lower: their overhead is measured against LoRA
+   off with the same batch (``max_num_seqs`` = ``max_loras`` x the streams per adapter, 64 and
+   128), run in the same rounds. After each run the most adapters any step had is checked
+   against ``max_loras`` (asserted).
 2. ``churn``: the ``max_loras`` 8 load while a task loads a new adapter, runs requests with
    it, removes it, and removes adapters that running requests use (they finish; the next
    request of that adapter loads it again), over and over. Failed requests are counted
@@ -65,14 +67,14 @@ def make_adapters(root: Path, n: int, first_id: int = 1) -> list[LoRARequest]:
     return adapters
 
 
-def engine_for(max_loras: int | None) -> AsyncLLM:
+def engine_for(max_loras: int | None, max_num_seqs: int = NUM_STREAMS) -> AsyncLLM:
     lora: dict[str, Any] = (
         {}
         if max_loras is None
         else {"enable_lora": True, "max_loras": max_loras, "max_cpu_loras": NUM_ADAPTERS + 4}
     )
     return AsyncLLM(
-        backend="mock", tokenizer="byte", multiprocess=False, max_num_seqs=NUM_STREAMS, **lora
+        backend="mock", tokenizer="byte", multiprocess=False, max_num_seqs=max_num_seqs, **lora
     )
 
 
@@ -115,13 +117,21 @@ def _backend(engine: AsyncLLM) -> Any:
 
 async def throughput(rounds: int, root: Path) -> dict[str, Any]:
     adapters = make_adapters(root, NUM_ADAPTERS)
+    per_adapter = NUM_STREAMS // NUM_ADAPTERS
     configs: dict[str, int | None] = {
         "lora off": None,
         "max_loras 16": 16,
         "max_loras 8": 8,
         "max_loras 4": 4,
+        f"off {8 * per_adapter} seqs": None,
+        f"off {4 * per_adapter} seqs": None,
     }
-    engines = {name: engine_for(m) for name, m in configs.items()}
+    controls = {
+        "max_loras 8": f"off {8 * per_adapter} seqs",
+        "max_loras 4": f"off {4 * per_adapter} seqs",
+    }
+    seqs = {control: int(control.split()[1]) for control in controls.values()}
+    engines = {name: engine_for(m, seqs.get(name, NUM_STREAMS)) for name, m in configs.items()}
     results: dict[str, list[float]] = {name: [] for name in configs}
     async with contextlib.AsyncExitStack() as stack:
         for engine in engines.values():
@@ -154,11 +164,20 @@ async def throughput(rounds: int, root: Path) -> dict[str, Any]:
         }
         for name, v in results.items()
     }
+    for name, control in controls.items():
+        rows[name]["ratio_to_same_batch"] = statistics.median(results[name]) / statistics.median(
+            results[control]
+        )
     print(f"throughput: {NUM_STREAMS} streams over {NUM_ADAPTERS} adapters, median of {rounds}")
     for name, row in rows.items():
         print(
             f"  {name:<13} {row['tok_s_median']:>9.0f} tok/s  x{row['ratio_to_lora_off']:.3f}"
             f"  most adapters in a step {row['most_adapters_in_a_step']}"
+            + (
+                f"  x{row['ratio_to_same_batch']:.3f} vs {controls[name]}"
+                if name in controls
+                else ""
+            )
         )
     return rows
 
