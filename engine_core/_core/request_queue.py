@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 
 from engine_core._core.request import Request, RequestStatus
 
@@ -19,7 +19,31 @@ _PREEMPTED = RequestStatus.PREEMPTED
 
 
 class RequestQueue:
-    """Interface of a waiting queue. ``len()`` counts live (unfinished) requests."""
+    """Interface of a waiting queue. ``len()`` counts live (unfinished) requests;
+    ``lora_counts`` counts them per LoRA adapter (``lora_int_id`` > 0 only), so the scheduler
+    can tell when every request left waits for an adapter slot without looking at each."""
+
+    lora_counts: dict[int, int]
+
+    def _counted_in(self, request: Request) -> None:
+        lora_id = request.lora_int_id
+        if lora_id:
+            counts = self.lora_counts
+            counts[lora_id] = counts.get(lora_id, 0) + 1
+
+    def _counted_out(self, request: Request) -> None:
+        lora_id = request.lora_int_id
+        if lora_id:
+            counts = self.lora_counts
+            left = counts[lora_id] - 1
+            if left:
+                counts[lora_id] = left
+            else:
+                del counts[lora_id]
+
+    def count_outside(self, lora_ids: Container[int]) -> int:
+        """Live requests of an adapter not in ``lora_ids``."""
+        return sum(n for lora_id, n in self.lora_counts.items() if lora_id not in lora_ids)
 
     def add(self, request: Request) -> None:
         raise NotImplementedError
@@ -55,14 +79,18 @@ class FCFSQueue(RequestQueue):
     def __init__(self) -> None:
         self._queue: deque[Request] = deque()
         self._num_dead = 0
+        self.lora_counts = {}
 
     def add(self, request: Request) -> None:
         self._queue.append(request)
+        self._counted_in(request)
 
     def add_front(self, request: Request) -> None:
         self._queue.appendleft(request)
+        self._counted_in(request)
 
     def requeue(self, request: Request) -> None:
+        self._counted_in(request)
         queue = self._queue
         arrival = request.arrival_time
         if not queue or queue[0].arrival_time >= arrival:
@@ -84,10 +112,13 @@ class FCFSQueue(RequestQueue):
     def pop(self) -> Request:
         if self.peek() is None:
             raise IndexError("pop from an empty queue")
-        return self._queue.popleft()
+        request = self._queue.popleft()
+        self._counted_out(request)
+        return request
 
     def discard(self, request: Request) -> None:
         self._num_dead += 1
+        self._counted_out(request)
 
     def __len__(self) -> int:
         return len(self._queue) - self._num_dead
@@ -103,11 +134,13 @@ class PriorityQueue(RequestQueue):
         self._heap: list[tuple[int, float, int, Request]] = []
         self._counter = itertools.count()
         self._num_dead = 0
+        self.lora_counts = {}
 
     def add(self, request: Request) -> None:
         heapq.heappush(
             self._heap, (request.priority, request.arrival_time, next(self._counter), request)
         )
+        self._counted_in(request)
 
     add_front = add  # a preempted request keeps its place by priority and arrival
     requeue = add
@@ -122,10 +155,13 @@ class PriorityQueue(RequestQueue):
     def pop(self) -> Request:
         if self.peek() is None:
             raise IndexError("pop from an empty queue")
-        return heapq.heappop(self._heap)[3]
+        request = heapq.heappop(self._heap)[3]
+        self._counted_out(request)
+        return request
 
     def discard(self, request: Request) -> None:
         self._num_dead += 1
+        self._counted_out(request)
 
     def __len__(self) -> int:
         return len(self._heap) - self._num_dead

@@ -480,28 +480,42 @@ class Scheduler:
         skipped: list[Request] = []
         blocked: list[tuple[Request, int]] = []
         max_loras = self._max_loras
+        lora_running = self.lora_running
+        # With max_loras adapters running: the queued requests of the others, which cannot run
+        # in this step (the set of running adapters is fixed from then on). -1: not counted.
+        capped = -1
         while budget > 0 and len(running) < config.max_num_seqs:
+            if max_loras and len(lora_running) >= max_loras:
+                if capped < 0:
+                    capped = waiting.count_outside(lora_running)
+                if capped >= len(waiting):
+                    break  # every request left waits for an adapter slot: no need to look
             request = waiting.peek()
             if request is None:
                 break
+            lora_id = request.lora_int_id
             if request.status == _WAITING_FOR_GRAMMAR or request.num_output_placeholders:
                 # Neither holds up the others: a grammar still compiling, or (async scheduling)
                 # a request preempted while a step computes its next token, which it must have
                 # before it resumes.
                 skipped.append(waiting.pop())
+                if capped > 0 and lora_id and lora_id not in lora_running:
+                    capped -= 1
                 continue
-            if max_loras and request.lora_int_id:
-                lora_id = request.lora_int_id
+            if max_loras and lora_id:
                 if lora_id not in self.lora_ready:
                     skipped.append(waiting.pop())  # its adapter is loading
+                    if capped > 0 and lora_id not in lora_running:
+                        capped -= 1
                     continue
-                if lora_id not in self.lora_running and len(self.lora_running) >= max_loras:
+                if lora_id not in lora_running and len(lora_running) >= max_loras:
                     # max_loras other adapters run: it waits for one of them to end. Those
                     # behind it of a running adapter go first, for at most max_bypass_steps.
                     if request.num_bypassed_steps >= config.max_bypass_steps:
                         break
                     blocked.append((request, len(admitted)))
                     skipped.append(waiting.pop())
+                    capped -= 1
                     continue
             connector = self.connector
             hits: Any

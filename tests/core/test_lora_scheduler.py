@@ -129,6 +129,37 @@ def test_running_adapters_count_first() -> None:
     assert scheduler.requests["b-waits"] in list(scheduler.waiting)
 
 
+def test_the_queue_is_not_walked_past_its_last_request_of_a_running_adapter() -> None:
+    """With the cap bound, the requests of capped adapters are looked at only up to the last
+    one that could run: behind it every request waits for a slot, and the scan stops (a queue
+    of thousands of capped requests costs a step nothing). Those that could run are admitted
+    wherever they are in the queue."""
+    scheduler = lora_scheduler(2, max_num_seqs=64)
+    scheduler.add_request(request("a0", 1, max_tokens=100))
+    scheduler.add_request(request("b0", 2, max_tokens=100))
+    run_step(scheduler)
+    for i in range(40):  # capped adapters 3 and 4, with two of adapter 1 and base among them
+        scheduler.add_request(request(f"c{i}", 3 + i % 2))
+        if i in (5, 20):
+            scheduler.add_request(request(f"a-join{i}", 1))
+        if i == 12:
+            scheduler.add_request(request("base", 0))
+    popped = []
+    pop = scheduler.waiting.pop
+
+    def counting_pop() -> Request:
+        popped.append(pop())
+        return popped[-1]
+
+    scheduler.waiting.pop = counting_pop  # type: ignore[method-assign]
+    out = run_step(scheduler)
+    assert sorted(r.req_id for r in out.new_reqs) == ["a-join20", "a-join5", "base"]
+    assert popped[-1].request_id == "a-join20"  # nothing behind the last one that could run
+    assert len(popped) == 24
+    assert len(scheduler.waiting) == 40 and scheduler.waiting.lora_counts == {3: 20, 4: 20}
+    assert [r.request_id for r in scheduler.waiting] == [f"c{i}" for i in range(40)]
+
+
 def test_a_blocked_adapter_is_overtaken_for_at_most_max_bypass_steps() -> None:
     scheduler = lora_scheduler(1, max_bypass_steps=3)
     scheduler.add_request(request("a0", 1, max_tokens=1000))

@@ -121,3 +121,24 @@ def test_priority_lazy_removal() -> None:
     assert drain(queue) == ["1", "3"]
     assert len(queue) == 0
     assert queue._heap == []
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_live_requests_are_counted_per_adapter(policy: str) -> None:
+    queue = make_queue(policy)
+    requests = [make_request(f"r{i}", arrival_time=float(i)) for i in range(6)]
+    for i, r in enumerate(requests):
+        r.lora_int_id = i % 3  # the adapter's id; 0 is the base model
+        queue.add(r)
+    assert queue.lora_counts == {1: 2, 2: 2}
+    assert queue.count_outside({1}) == 2 and queue.count_outside(()) == 4
+    abort(queue, requests[1])  # adapter 1
+    assert queue.lora_counts == {1: 1, 2: 2}
+    assert queue.pop() is requests[0]  # base: no count
+    first = queue.pop()  # the aborted one is skipped, not counted twice
+    assert first is requests[2] and queue.lora_counts == {1: 1, 2: 1}
+    queue.requeue(first)
+    queue.add_front(queue.pop())
+    assert queue.lora_counts == {1: 1, 2: 2}
+    drain(queue)
+    assert queue.lora_counts == {} and queue.count_outside(()) == 0
