@@ -13,9 +13,23 @@ from collections.abc import Container, Iterator
 
 from engine_core._core.request import Request, RequestStatus
 
-__all__ = ["FCFSQueue", "PriorityQueue", "RequestQueue", "make_queue"]
+__all__ = ["FCFSQueue", "PriorityQueue", "RequestQueue", "count_in", "count_out", "make_queue"]
 
 _PREEMPTED = RequestStatus.PREEMPTED
+
+
+def count_in(counts: dict[int, int], key: int) -> None:
+    """One more of ``key`` in a tally that holds only keys with a count."""
+    counts[key] = counts.get(key, 0) + 1
+
+
+def count_out(counts: dict[int, int], key: int) -> None:
+    """One fewer of ``key``; a key whose count reaches 0 leaves the tally."""
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
 
 
 class RequestQueue:
@@ -26,20 +40,12 @@ class RequestQueue:
     lora_counts: dict[int, int]
 
     def _counted_in(self, request: Request) -> None:
-        lora_id = request.lora_int_id
-        if lora_id:
-            counts = self.lora_counts
-            counts[lora_id] = counts.get(lora_id, 0) + 1
+        if request.lora_int_id:
+            count_in(self.lora_counts, request.lora_int_id)
 
     def _counted_out(self, request: Request) -> None:
-        lora_id = request.lora_int_id
-        if lora_id:
-            counts = self.lora_counts
-            left = counts[lora_id] - 1
-            if left:
-                counts[lora_id] = left
-            else:
-                del counts[lora_id]
+        if request.lora_int_id:
+            count_out(self.lora_counts, request.lora_int_id)
 
     def count_outside(self, lora_ids: Container[int]) -> int:
         """Live requests of an adapter not in ``lora_ids``."""

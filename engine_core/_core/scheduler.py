@@ -26,7 +26,7 @@ from engine_core._core.kv_cache_manager import GroupedKVCacheManager, KVCacheMan
 from engine_core._core.kv_connector_core import ENDED, NO_ROOM, ConnectorCore
 from engine_core._core.preemption import make_victim_policy
 from engine_core._core.request import FINISH_REASONS, GrammarMatcher, Request, RequestStatus
-from engine_core._core.request_queue import make_queue
+from engine_core._core.request_queue import count_in, count_out, make_queue
 from engine_core._core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.abc import ModelRunnerOutput, TokenLogprobs
 
@@ -211,7 +211,7 @@ class Scheduler:
         if lora_id:
             if not self._max_loras:
                 raise ValueError("a request names a LoRA adapter but LoRA is off")
-            self.lora_users[lora_id] = self.lora_users.get(lora_id, 0) + 1
+            count_in(self.lora_users, lora_id)
         if request.use_structured_output:
             self.num_constrained += 1
 
@@ -266,14 +266,8 @@ class Scheduler:
             self._forgive_recompute(request)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
-        lora_id = request.lora_int_id
-        if lora_id:
-            users = self.lora_users
-            left = users[lora_id] - 1
-            if left:
-                users[lora_id] = left
-            else:
-                del users[lora_id]
+        if request.lora_int_id:
+            count_out(self.lora_users, request.lora_int_id)
         if request.use_structured_output:
             self.num_constrained -= 1
             request.grammar = None
@@ -281,12 +275,7 @@ class Scheduler:
 
     def _lora_stopped(self, lora_id: int) -> None:
         """A running request of adapter ``lora_id`` stopped running."""
-        running = self.lora_running
-        left = running[lora_id] - 1
-        if left:
-            running[lora_id] = left
-        else:
-            del running[lora_id]
+        count_out(self.lora_running, lora_id)
 
     def _end_by_connector(self, request: Request) -> None:
         """End a request the KV connector failed (its error is already reported): it is in
@@ -603,7 +592,7 @@ class Scheduler:
         admitted.append(request)
         lora_id = request.lora_int_id
         if lora_id:
-            self.lora_running[lora_id] = self.lora_running.get(lora_id, 0) + 1
+            count_in(self.lora_running, lora_id)
         request.num_computed_tokens = num_hit_tokens + num_new
         request.num_bypassed_steps = 0
         if request.recompute_until > num_hit_tokens:  # after a preemption: computed again
