@@ -7,7 +7,9 @@ cache; ``Scheduler._schedule_waiting`` applies them):
   queued forever;
 - **bypass**: when the request at the head of the queue cannot get its blocks, requests behind
   it that fit are admitted, for at most ``max_bypass_steps`` steps; then nothing overtakes it
-  until its blocks are free;
+  until its blocks are free. A request with no fewer tokens to compute than one whose blocks
+  were not free is set aside without trying (it cannot fit either; it is not counted as
+  overtaken), so a queue front of long prompts does not hide the short ones behind it;
 - **partial prefills**: at most ``max_num_partial_prefills`` requests prefill in a step, at most
   ``max_long_partial_prefills`` of them with more than ``long_prefill_token_threshold`` tokens
   left to prefill; a long request past that waits and shorter ones behind it are admitted.
@@ -19,11 +21,23 @@ from engine_core._core.kv_cache_manager import KVCacheManager
 from engine_core._core.request import Request
 from engine_core.sampling_params import SamplingParams
 
-__all__ = ["MAX_BLOCKED_PER_STEP", "must_generate", "never_fits", "refusal"]
+__all__ = [
+    "MAX_BLOCKED_PER_STEP",
+    "MAX_SET_ASIDE_PER_STEP",
+    "must_generate",
+    "never_fits",
+    "refusal",
+]
 
 MAX_BLOCKED_PER_STEP = 8
-"""Requests that cannot get their blocks a step sets aside before it stops looking further
-down the queue (a full cache must not cost a scan of the whole queue every step)."""
+"""Allocations that fail in one step before it stops looking further down the queue (a full
+cache must not cost a scan of the whole queue every step). Only a request with fewer tokens to
+compute than every one that failed before it is tried, so these are failures of ever smaller
+requests."""
+
+MAX_SET_ASIDE_PER_STEP = 128
+"""Requests one step sets aside (for any reason) past which it stops setting aside more
+untried ones: the bound on a step's scan of a queue that does not fit."""
 
 
 def must_generate(params: SamplingParams, max_tokens: int) -> int:

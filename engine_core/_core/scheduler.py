@@ -468,6 +468,10 @@ class Scheduler:
         running = self.running
         skipped: list[Request] = []
         blocked: list[tuple[Request, int]] = []
+        # Tokens to compute of the smallest request whose blocks were not free this step (one
+        # with as many cannot fit either: not tried), and how many allocations failed.
+        smallest_blocked = -1
+        num_failed = 0
         max_loras = self._max_loras
         lora_running = self.lora_running
         # With max_loras adapters running: the queued requests of the others, which cannot run
@@ -513,6 +517,16 @@ class Scheduler:
                 hits, num_hit_tokens = [], request.num_computed_tokens
             else:
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
+                if 0 <= smallest_blocked <= len(request.all_token_ids) - num_hit_tokens:
+                    # A smaller request's blocks were not free: its cannot be. Set aside
+                    # untried (not overtaken: it could not go), unless it holds the queue.
+                    if (
+                        request.num_bypassed_steps >= config.max_bypass_steps
+                        or len(skipped) >= admission.MAX_SET_ASIDE_PER_STEP
+                    ):
+                        break
+                    skipped.append(waiting.pop())
+                    continue
                 if connector is not None:
                     outcome = connector.try_park(
                         request, hits, num_hit_tokens, keep_free=self._promised
@@ -521,8 +535,11 @@ class Scheduler:
                         if self._refuse_if_never_fits(request):
                             continue
                         if not running and connector.release_for(request, waiting):
+                            smallest_blocked = -1  # blocks were given back: try them all again
                             continue
-                        if not self._may_bypass(request, blocked, len(admitted)):
+                        num_failed += 1
+                        smallest_blocked = len(request.all_token_ids) - num_hit_tokens
+                        if not self._may_bypass(request, blocked, len(admitted), num_failed):
                             break
                         skipped.append(waiting.pop())
                         continue
@@ -558,8 +575,11 @@ class Scheduler:
                     and not running
                     and connector.release_for(request, waiting)
                 ):
+                    smallest_blocked = -1
                     continue  # a stuck parked load gave its blocks back: try again
-                if not self._may_bypass(request, blocked, len(admitted)):
+                num_failed += 1
+                smallest_blocked = len(request.all_token_ids) - num_hit_tokens
+                if not self._may_bypass(request, blocked, len(admitted), num_failed):
                     break
                 skipped.append(waiting.pop())
                 continue
@@ -625,16 +645,21 @@ class Scheduler:
     # -- admission rules (see engine_core._core.admission) --------------------------------------
 
     def _may_bypass(
-        self, request: Request, blocked: list[tuple[Request, int]], num_admitted: int
+        self,
+        request: Request,
+        blocked: list[tuple[Request, int]],
+        num_admitted: int,
+        num_failed: int,
     ) -> bool:
         """Whether requests behind ``request``, whose blocks are not free, may be admitted
         before it in this step: not once it was overtaken in ``max_bypass_steps`` steps (it
-        then goes first as soon as its blocks are free), nor past a few such requests per
-        step, nor with no block free. Records it in ``blocked`` when they may."""
+        then goes first as soon as its blocks are free), nor once ``num_failed``, the step's
+        failed allocations, passed a few, nor with no block free. Records it in ``blocked``
+        when they may."""
         limit = self.config.max_bypass_steps
         if (
             request.num_bypassed_steps >= limit
-            or len(blocked) >= admission.MAX_BLOCKED_PER_STEP
+            or num_failed > admission.MAX_BLOCKED_PER_STEP
             or self.kv.num_free_blocks == 0
         ):
             return False

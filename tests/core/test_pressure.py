@@ -11,6 +11,7 @@ import pytest
 from helpers.core import make_request as _make_request
 from helpers.core import make_scheduler
 
+from engine_core._core import admission
 from engine_core._core.kv_groups import plan_kv_layout
 from engine_core._core.preemption import VictimPolicyError, make_victim_policy
 from engine_core._core.request import Request, RequestStatus
@@ -157,6 +158,36 @@ def test_a_request_overtaken_in_max_bypass_steps_steps_is_overtaken_no_more() ->
     while holder.status is RequestStatus.RUNNING:
         step(scheduler)
     assert [r.req_id for r in step(scheduler).new_reqs][0] == "big"
+
+
+def test_a_queue_front_of_long_prompts_does_not_hide_a_short_one_behind_them() -> None:
+    # More long prompts than a step tries to allocate: those no shorter than one that failed
+    # are set aside untried, so the short request behind them is reached and admitted.
+    scheduler = make_scheduler(num_blocks=8, max_num_seqs=32, max_num_batched_tokens=512)
+    holder = make_request("holder", num_tokens=64, max_tokens=50)  # 4 blocks
+    longs = [make_request(f"long{i}", num_tokens=80 + i) for i in range(12)]  # 6 blocks each
+    small = make_request("small", num_tokens=10, max_tokens=3)
+    add(scheduler, holder, *longs, small)
+    assert len(longs) > admission.MAX_BLOCKED_PER_STEP
+    assert scheduled(step(scheduler)) == {"holder": 64, "small": 10}
+    assert longs[0].num_bypassed_steps == 1  # tried; the others, no shorter, were not
+    assert all(r.num_bypassed_steps == 0 for r in longs[1:])
+    assert waiting_ids(scheduler) == [r.request_id for r in longs]
+
+
+def test_a_step_stops_trying_after_a_few_failed_allocations_of_ever_smaller_requests() -> None:
+    # Each request is smaller than the one before, so each is tried and fails: the step stops
+    # after MAX_BLOCKED_PER_STEP of them and does not reach the short one behind.
+    scheduler = make_scheduler(num_blocks=40, max_num_seqs=32, max_num_batched_tokens=2048)
+    holder = make_request("holder", num_tokens=36 * 16, max_tokens=50)  # 36 of 40 blocks
+    n = admission.MAX_BLOCKED_PER_STEP + 1
+    shrinking = [make_request(f"r{i}", num_tokens=(20 - i) * 16) for i in range(n)]
+    small = make_request("small", num_tokens=10, max_tokens=3)
+    add(scheduler, holder)
+    step(scheduler)
+    add(scheduler, *shrinking, small)
+    assert scheduled(step(scheduler)) == {"holder": 1}
+    assert "small" in waiting_ids(scheduler)
 
 
 def test_max_bypass_steps_zero_keeps_the_queue_strict() -> None:
