@@ -11,6 +11,10 @@ Scenarios:
   (arrival rate x mean token-seconds per request = 1.2 x the cache's tokens). Targets:
   recomputed tokens with ``least_progress`` <= 1/2 of ``last_admitted``; the short requests'
   TTFT p99 with the partial-prefill limits <= 0.5x without; output tok/s >= 0.97x today's.
+- ``prefill``: the same mix of requests with a cache that holds them all (16,384 blocks) and
+  arrivals at 0.7x the prompt tokens a full step computes, so what short requests wait for is
+  the token budget that long prompts take, not blocks: what the partial-prefill limits are for.
+  Reported: the short requests' TTFT p99 and p50 and tok/s with the limits / without.
 - ``hol``: a cache two thirds full of running requests (32 x 1,100-token prompts, 250 output
   tokens), then a 30k-token request that does not fit, then 200 short requests (50-100 prompt
   tokens, 16 output tokens; together they fit in the free blocks) behind it. Targets: the short requests' TTFT p50 <= 0.2x
@@ -21,7 +25,7 @@ Scenarios:
 ``last_admitted``, no partial-prefill limits), which schedules the same way. The never-fits and stuck-at-``max_num_seqs`` cases are tests
 (``tests/core/test_pressure.py``, ``tests/engine/test_pressure_engine.py``).
 
-Usage: ``python bench/bench_pressure.py [--scenario mixed|hol|all] [--scale 1.0]
+Usage: ``python bench/bench_pressure.py [--scenario mixed|prefill|hol|all] [--scale 1.0]
 [--today-python MAIN_CHECKOUT/.venv/bin/python] [--json PATH]``.
 """
 
@@ -52,6 +56,14 @@ CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
         "least_progress (default)": {},
         "least_progress+partial": {
             "preemption_victim": "least_progress",
+            "max_num_partial_prefills": 4,
+            "max_long_partial_prefills": 1,
+            "long_prefill_token_threshold": 2048,
+        },
+    },
+    "prefill": {
+        "no limits (default)": {},
+        "partial": {
             "max_num_partial_prefills": 4,
             "max_long_partial_prefills": 1,
             "long_prefill_token_threshold": 2048,
@@ -113,7 +125,36 @@ def hol_trace(scale: float, seed: int = 1) -> tuple[dict[str, Any], list[dict[st
     return config, reqs
 
 
-TRACES = {"mixed": mixed_trace, "hol": hol_trace}
+def prefill_trace(scale: float, seed: int = 2) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The mixed trace's requests with a cache that holds them all: what the short requests wait
+    for is the token budget (compute), which long prompts take, not blocks."""
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(max(20, int(120 * scale))):
+        if rng.random() < 0.2:
+            reqs.append({"kind": "long", "prompt": rng.randint(6000, 12000), "out": 32})
+        else:
+            reqs.append(
+                {"kind": "short", "prompt": rng.randint(200, 800), "out": rng.randint(32, 96)}
+            )
+    # Prompt tokens per second a full step computes; arrivals at 0.7x of it.
+    budget = 8192
+    capacity = budget / (LATENCY["step_s"] + budget * LATENCY["per_token_s"])
+    rate = 0.7 * capacity / statistics.fmean(r["prompt"] for r in reqs)
+    t = 0.0
+    for i, r in enumerate(reqs):
+        t += rng.expovariate(rate)
+        r.update(id=f"p{i}", at=t, tokens=_prompt(rng, r["prompt"]))
+    config = {
+        "num_kv_blocks": 16384,  # 262,144 tokens: every request fits at once
+        "max_model_len": 16384,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": budget,
+    }
+    return config, reqs
+
+
+TRACES = {"mixed": mixed_trace, "prefill": prefill_trace, "hol": hol_trace}
 
 
 # -- one engine, one trace ------------------------------------------------------------------------
@@ -277,6 +318,15 @@ def report(scenario: str, today: dict[str, Any], rows: dict[str, dict[str, Any]]
                 f"  tok/s {name} / today = {row['tok_s'] / today['tok_s']:.3f} (target >= 0.97)"
             )
         del best
+    elif scenario == "prefill":
+        base, part = rows["no limits (default)"], rows["partial"]
+        lines += [
+            f"  short TTFT p99 with partial-prefill limits / without = "
+            f"{part['short_ttft_p99'] / base['short_ttft_p99']:.2f} ({_f(part['short_ttft_p99'], 'ms')}"
+            f" vs {_f(base['short_ttft_p99'], 'ms')}); p50 "
+            f"{part['short_ttft_p50'] / base['short_ttft_p50']:.2f}; tok/s "
+            f"{part['tok_s'] / base['tok_s']:.3f}"
+        ]
     else:
         for name, row in rows.items():
             lines.append(
@@ -290,7 +340,7 @@ def report(scenario: str, today: dict[str, Any], rows: dict[str, dict[str, Any]]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--scenario", default="all", choices=["mixed", "hol", "all"])
+    parser.add_argument("--scenario", default="all", choices=["mixed", "prefill", "hol", "all"])
     parser.add_argument("--scale", type=float, default=1.0, help="trace length factor")
     parser.add_argument("--json", default=None)
     parser.add_argument(
@@ -309,7 +359,7 @@ def main() -> None:
 
     print(machine_line(), f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"mock cost model {LATENCY}; engine in its own process; scale {args.scale}")
-    scenarios = ["mixed", "hol"] if args.scenario == "all" else [args.scenario]
+    scenarios = ["mixed", "prefill", "hol"] if args.scenario == "all" else [args.scenario]
     out: dict[str, Any] = {}
     for scenario in scenarios:
         today = run_today(scenario, args.scale, args.today_python)
