@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Container, Iterator
+from collections.abc import Iterable, Iterator
 
 from engine_core._core.request import Request, RequestStatus
 
@@ -38,18 +38,27 @@ class RequestQueue:
     can tell when every request left waits for an adapter slot without looking at each."""
 
     lora_counts: dict[int, int]
+    num_lora: int
+    """Live requests with an adapter (the sum of ``lora_counts``)."""
 
     def _counted_in(self, request: Request) -> None:
         if request.lora_int_id:
             count_in(self.lora_counts, request.lora_int_id)
+            self.num_lora += 1
 
     def _counted_out(self, request: Request) -> None:
         if request.lora_int_id:
             count_out(self.lora_counts, request.lora_int_id)
+            self.num_lora -= 1
 
-    def count_outside(self, lora_ids: Container[int]) -> int:
-        """Live requests of an adapter not in ``lora_ids``."""
-        return sum(n for lora_id, n in self.lora_counts.items() if lora_id not in lora_ids)
+    def count_outside(self, lora_ids: Iterable[int]) -> int:
+        """Live requests of an adapter not in ``lora_ids`` (distinct ids; the scheduler's
+        running adapters, at most ``max_loras``: the cost is theirs, not the queue's)."""
+        num = self.num_lora
+        counts = self.lora_counts
+        for lora_id in lora_ids:
+            num -= counts.get(lora_id, 0)
+        return num
 
     def add(self, request: Request) -> None:
         raise NotImplementedError
@@ -86,6 +95,7 @@ class FCFSQueue(RequestQueue):
         self._queue: deque[Request] = deque()
         self._num_dead = 0
         self.lora_counts = {}
+        self.num_lora = 0
 
     def add(self, request: Request) -> None:
         self._queue.append(request)
@@ -141,6 +151,7 @@ class PriorityQueue(RequestQueue):
         self._counter = itertools.count()
         self._num_dead = 0
         self.lora_counts = {}
+        self.num_lora = 0
 
     def add(self, request: Request) -> None:
         heapq.heappush(

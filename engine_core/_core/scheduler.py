@@ -175,6 +175,9 @@ class Scheduler:
         """LoRA: live requests (waiting or running) per adapter."""
         self.lora_running: dict[int, int] = {}
         """LoRA: running requests per adapter (at most ``max_loras`` keys)."""
+        self._lora_ids: tuple[int, ...] | None = None
+        """The running adapters, sorted (``SchedulerOutput.lora_ids``); None when the set
+        changed since it was last built."""
         self.connector: ConnectorCore | None = None
         """The KV connector's hooks (None: no connector; nothing of it runs)."""
         if kv_connector is not None:
@@ -276,6 +279,8 @@ class Scheduler:
     def _lora_stopped(self, lora_id: int) -> None:
         """A running request of adapter ``lora_id`` stopped running."""
         count_out(self.lora_running, lora_id)
+        if lora_id not in self.lora_running:
+            self._lora_ids = None
 
     def _end_by_connector(self, request: Request) -> None:
         """End a request the KV connector failed (its error is already reported): it is in
@@ -353,7 +358,10 @@ class Scheduler:
             budget = self._schedule_waiting(budget, new_reqs, admitted)
         output = self._make_output(entries, new_reqs, admitted, max_tokens - budget)
         if self.lora_running:
-            output.lora_ids = tuple(sorted(self.lora_running))
+            lora_ids = self._lora_ids
+            if lora_ids is None:
+                lora_ids = self._lora_ids = tuple(sorted(self.lora_running))
+            output.lora_ids = lora_ids
         return output
 
     def _schedule_running(self, budget: int, entries: list[Any]) -> tuple[int, bool]:
@@ -612,6 +620,8 @@ class Scheduler:
         admitted.append(request)
         lora_id = request.lora_int_id
         if lora_id:
+            if lora_id not in self.lora_running:
+                self._lora_ids = None
             count_in(self.lora_running, lora_id)
         request.num_computed_tokens = num_hit_tokens + num_new
         request.num_bypassed_steps = 0

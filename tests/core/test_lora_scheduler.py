@@ -52,12 +52,16 @@ def lora_scheduler(max_loras: int, ready: set[int] | None = None, **knobs: objec
 def run_step(scheduler: Scheduler) -> SchedulerOutput:
     """Schedule and apply a step whose every completing request samples token 7."""
     out = scheduler.schedule()
+    apply_step(scheduler, out)
+    return out
+
+
+def apply_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
     sampled = [
         [7] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else []
         for r in out.req_ids
     ]
     scheduler.update_from_output(out, ModelRunnerOutput(out.req_ids, sampled))
-    return out
 
 
 def adapters_of(scheduler: Scheduler, out: SchedulerOutput) -> set[int]:
@@ -106,10 +110,14 @@ def test_the_cap_is_never_exceeded_and_others_wait() -> None:
     seen: set[int] = set()
     steps = 0
     while scheduler.has_unfinished_requests():
-        out = run_step(scheduler)
+        out = scheduler.schedule()
         used = adapters_of(scheduler, out)
         assert len(out.lora_ids) <= 2 and used <= set(out.lora_ids)
         assert len(scheduler.lora_running) <= 2
+        # Exactly the step's adapters (every running request is scheduled here), sorted, as
+        # the set changes from step to step.
+        assert list(out.lora_ids) == sorted(used)
+        apply_step(scheduler, out)
         seen |= used
         steps += 1
         assert steps < 200
@@ -213,3 +221,13 @@ def test_lora_off_refuses_a_lora_request() -> None:
         assert "LoRA is off" in str(e)
     else:
         raise AssertionError("accepted")
+
+
+def test_lora_ids_drop_an_adapter_whose_last_request_ended() -> None:
+    scheduler = lora_scheduler(4)
+    scheduler.add_request(request("short", 1, max_tokens=1))
+    scheduler.add_request(request("long", 2, max_tokens=4))
+    out = scheduler.schedule()
+    assert out.lora_ids == (1, 2)
+    apply_step(scheduler, out)  # "short" ends: adapter 1 runs no more, and nothing replaces it
+    assert scheduler.schedule().lora_ids == (2,)

@@ -132,8 +132,10 @@ def test_live_requests_are_counted_per_adapter(policy: str) -> None:
         queue.add(r)
     assert queue.lora_counts == {1: 2, 2: 2}
     assert queue.count_outside({1}) == 2 and queue.count_outside(()) == 4
+    assert queue.count_outside({1, 2}) == 0 and queue.count_outside({7, 2}) == 2
     abort(queue, requests[1])  # adapter 1
-    assert queue.lora_counts == {1: 1, 2: 2}
+    assert queue.lora_counts == {1: 1, 2: 2} and queue.num_lora == 3
+    assert queue.count_outside({2}) == 1
     assert queue.pop() is requests[0]  # base: no count
     first = queue.pop()  # the aborted one is skipped, not counted twice
     assert first is requests[2] and queue.lora_counts == {1: 1, 2: 1}
@@ -141,4 +143,4 @@ def test_live_requests_are_counted_per_adapter(policy: str) -> None:
     queue.add_front(queue.pop())
     assert queue.lora_counts == {1: 1, 2: 2}
     drain(queue)
-    assert queue.lora_counts == {} and queue.count_outside(()) == 0
+    assert queue.lora_counts == {} and queue.num_lora == 0 and queue.count_outside(()) == 0
