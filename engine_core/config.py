@@ -242,7 +242,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     so that a few long prompts cannot take every prefill slot: a long prompt past it waits and
     shorter ones behind it are admitted (vLLM's name). 0: no limit of its own. Set with
     ``long_prefill_token_threshold`` 0, the threshold becomes 4 % of ``max_model_len``
-    (as vLLM does)."""
+    (as vLLM does). With it set, the short slots hold in blocks as well: while other requests
+    run, a long prompt is admitted only with ``long_prefill_token_threshold`` tokens of blocks
+    left free for each short slot (``max_num_partial_prefills - max_long_partial_prefills``,
+    one when the total is not limited; at most half the cache), until it was overtaken in
+    ``max_bypass_steps`` steps."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of prompt prefixes already computed."""
     preemption_victim: str = "least_progress"

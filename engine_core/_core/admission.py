@@ -13,6 +13,9 @@ cache; ``Scheduler._schedule_waiting`` applies them):
 - **partial prefills**: at most ``max_num_partial_prefills`` requests prefill in a step, at most
   ``max_long_partial_prefills`` of them with more than ``long_prefill_token_threshold`` tokens
   left to prefill; a long request past that waits and shorter ones behind it are admitted.
+  The short prefill slots hold in blocks too (:func:`short_reserve_tokens`): while other
+  requests run, a long prompt is admitted only with blocks for them left free, until it was
+  overtaken in ``max_bypass_steps`` steps.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ __all__ = [
     "must_generate",
     "never_fits",
     "refusal",
+    "short_reserve_tokens",
 ]
 
 MAX_BLOCKED_PER_STEP = 8
@@ -38,6 +42,24 @@ requests."""
 MAX_SET_ASIDE_PER_STEP = 128
 """Requests one step sets aside (for any reason) past which it stops setting aside more
 untried ones: the bound on a step's scan of a queue that does not fit."""
+
+
+def short_reserve_tokens(
+    max_num_partial_prefills: int, max_long_partial_prefills: int, threshold: int
+) -> int:
+    """Tokens of free blocks a long prompt (more than ``threshold`` left to prefill) must leave
+    for short ones when it is admitted: ``long_prefill_token_threshold`` for each short
+    prefill slot the limits keep (``max_num_partial_prefills - max_long_partial_prefills``,
+    one when the total is not limited). 0 without the long limit: nothing is reserved.
+
+    The slots exist so that a few long prompts cannot take every prefill from short ones; when
+    the cache is what runs out, the short ones would wait for blocks instead, so the slots
+    are kept in blocks as well."""
+    if not max_long_partial_prefills or threshold <= 0:
+        return 0
+    if max_num_partial_prefills:
+        return max(0, max_num_partial_prefills - max_long_partial_prefills) * threshold
+    return threshold
 
 
 def must_generate(params: SamplingParams, max_tokens: int) -> int:

@@ -149,6 +149,18 @@ class Scheduler:
         self._num_prefills = 0
         self._num_long_prefills = 0
         """This step's prefilling requests so far, and the long ones (with the limits on)."""
+        reserve = admission.short_reserve_tokens(
+            config.max_num_partial_prefills,
+            config.max_long_partial_prefills,
+            config.long_prefill_token_threshold,
+        )
+        self._short_reserve = (
+            min(self.kv.blocks_for_tokens(reserve), self.kv.num_usable_blocks // 2)
+            if reserve
+            else 0
+        )
+        """Blocks a long prompt leaves free for short prefills when admitted (see
+        ``admission.short_reserve_tokens``; at most half the cache; 0: none)."""
         self._promised = 0
         """Blocks that the prefills under way still need: admission leaves them free (a prompt
         admitted on blocks another one's next chunks need would preempt it)."""
@@ -558,6 +570,16 @@ class Scheduler:
                             self._free(request)
                         continue  # PARKED: it waits for its load, out of the queue
             num_new = len(request.all_token_ids) - num_hit_tokens
+            keep_free = self._promised
+            if (
+                self._short_reserve
+                and num_new > threshold
+                and running
+                and request.num_bypassed_steps < config.max_bypass_steps
+            ):
+                # A long prompt leaves the short prefill slots their blocks (not once it was
+                # overtaken long enough, nor with nothing running: it would wait for nothing).
+                keep_free += self._short_reserve
             if limits:
                 why = self._prefill_blocked(num_new)
                 if why == "all":
@@ -574,7 +596,7 @@ class Scheduler:
                     break  # the prompt must go in whole; nobody overtakes it
                 num_new = budget
             if not kv.allocate_slots(
-                request, num_new, hits, full_sequence_must_fit=True, keep_free=self._promised
+                request, num_new, hits, full_sequence_must_fit=True, keep_free=keep_free
             ):
                 if self._refuse_if_never_fits(request):
                     continue

@@ -332,6 +332,48 @@ def test_max_long_partial_prefills_lets_short_prompts_past_long_ones() -> None:
     assert "long2" in scheduled(step(scheduler))
 
 
+def test_a_long_prompt_leaves_the_short_prefill_slots_their_blocks() -> None:
+    # Limits (3, 1, threshold 64): two short slots of 64 tokens = 8 blocks kept free from long
+    # prompts while others run, until the long one was overtaken max_bypass_steps steps.
+    assert admission.short_reserve_tokens(3, 1, 64) == 128
+    assert admission.short_reserve_tokens(0, 1, 64) == 64
+    assert admission.short_reserve_tokens(3, 3, 64) == admission.short_reserve_tokens(3, 0, 64) == 0
+    limits = {
+        "long_prefill_token_threshold": 64,
+        "max_num_partial_prefills": 3,
+        "max_long_partial_prefills": 1,
+        "max_num_batched_tokens": 512,
+        "max_bypass_steps": 2,
+    }
+    scheduler = make_scheduler(num_blocks=40, **limits)
+    holder = make_request("holder", num_tokens=60, max_tokens=50)  # 4 blocks, runs on
+    add(scheduler, holder)
+    step(scheduler)
+    doc = make_request("doc", num_tokens=30 * 16)  # 31 of the 36 free blocks: fits, less 8
+    add(scheduler, doc, make_request("s1", num_tokens=10, max_tokens=20))
+    assert scheduled(step(scheduler)) == {"holder": 1, "s1": 10}
+    assert doc.num_bypassed_steps == 1
+    add(scheduler, make_request("s2", num_tokens=10, max_tokens=20))
+    assert set(scheduled(step(scheduler))) == {"holder", "s1", "s2"}
+    # Overtaken max_bypass_steps steps: it goes first, reserve or not.
+    add(scheduler, make_request("s3", num_tokens=10, max_tokens=20))
+    output = step(scheduler)
+    assert [r.req_id for r in output.new_reqs] == ["doc", "s3"]
+    assert scheduled(output)["doc"] == 64
+
+    # Without the limits the same prompt goes at once.
+    scheduler = make_scheduler(num_blocks=40, max_num_batched_tokens=512)
+    add(scheduler, make_request("holder", num_tokens=60, max_tokens=50))
+    step(scheduler)
+    add(scheduler, make_request("doc", num_tokens=30 * 16))
+    assert "doc" in scheduled(step(scheduler))
+
+    # With nothing running it never waits for the reserve (nothing would free blocks).
+    scheduler = make_scheduler(num_blocks=40, **limits)
+    add(scheduler, make_request("doc", num_tokens=36 * 16))  # 37 blocks: 37 + 8 > 40
+    assert scheduled(step(scheduler)) == {"doc": 64}
+
+
 def test_partial_prefill_limits_in_engine_config_resolve_vllms_threshold() -> None:
     config = EngineConfig(max_num_partial_prefills=4, max_long_partial_prefills=1)
     assert config.resolved(model_max_len=10_000).long_prefill_token_threshold == 400
