@@ -400,6 +400,30 @@ def test_mock_reads_mock_json_and_rejects_a_bad_one(tmp_path: Path) -> None:
     backend.close()
 
 
+def test_the_mock_refuses_a_step_naming_an_adapter_removed_since_the_step_before(
+    tmp_path: Path,
+) -> None:
+    from engine_core.abc import CachedRequestData, NewRequestData, SchedulerOutput
+    from engine_core.sampling_params import SamplingParams
+
+    backend = MockBackend(EngineConfig(tokenizer="byte", enable_lora=True, block_size=4))
+    backend.initialize_kv_cache(16)
+    backend.add_lora(make_adapter(tmp_path, "a", 1))
+    params = SamplingParams(temperature=0.0)
+    new = NewRequestData("r", [5, 6, 7], params, [0, 1], 0, 3, lora_int_id=1)
+
+    def run(new_reqs: list[NewRequestData], cached: CachedRequestData, total: int) -> None:
+        backend.execute_model(SchedulerOutput(new_reqs, cached, total, lora_ids=(1,)))
+        backend.sample_tokens(None)
+
+    run([new], CachedRequestData([], [], [], []), 3)
+    run([], CachedRequestData(["r"], [None], [3], [1]), 1)  # the same adapters: passed
+    backend.remove_lora(1)
+    with pytest.raises(RuntimeError, match="adapter 1, which is not loaded"):
+        run([], CachedRequestData(["r"], [None], [4], [1]), 1)
+    backend.close()
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the data-parallel path; one runtime
 async def test_data_parallel_engines_serve_adapters(adapters: dict[str, LoRARequest]) -> None:

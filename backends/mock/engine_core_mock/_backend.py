@@ -145,6 +145,9 @@ class MockBackend(Backend):
         self.max_loras_in_step = 0
         """The most distinct adapters any step so far had (checks of the max_loras cap)."""
         self._max_loras = config.max_loras
+        self._checked_lora_ids: tuple[int, ...] | None = None
+        """The adapters of the last step that passed ``_check_loras`` (None: none since an
+        adapter was removed)."""
         self._spec = MockSpeculation(options.spec, self._rule)
         self._num_draft_tokens = 0
         """Drafts per request the step launched by the last execute_model asks for."""
@@ -247,6 +250,7 @@ class MockBackend(Backend):
         self.loras.add(lora)
 
     def remove_lora(self, lora_int_id: int) -> None:
+        self._checked_lora_ids = None  # the next step's adapters are checked again
         self.loras.remove(lora_int_id)
 
     def spec_support(self) -> SpecSupport | None:
@@ -341,7 +345,10 @@ class MockBackend(Backend):
             connector.after_forward()
 
     def _check_loras(self, lora_ids: tuple[int, ...]) -> None:
-        """The step's adapters: loaded, at most max_loras (the core's promises)."""
+        """The step's adapters: loaded, at most max_loras (the core's promises). The same
+        adapters as the step before, with none removed since, passed already."""
+        if lora_ids == self._checked_lora_ids:
+            return
         if len(lora_ids) > self._max_loras:
             raise RuntimeError(
                 f"the step lists {len(lora_ids)} LoRA adapters but max_loras is {self._max_loras}"
@@ -352,6 +359,7 @@ class MockBackend(Backend):
                 raise RuntimeError(f"the step uses LoRA adapter {lora_id}, which is not loaded")
         if len(lora_ids) > self.max_loras_in_step:
             self.max_loras_in_step = len(lora_ids)
+        self._checked_lora_ids = lora_ids
 
     def _inject(self, fault: Fault) -> None:
         if fault.kind == "raise":
