@@ -83,18 +83,24 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randint(*VOCAB) for _ in range(n)]
 
 
-def mixed_trace(scale: float, seed: int = 0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    rng = random.Random(seed)
-    num_blocks = 1536  # 24,576 tokens
-    n = max(20, int(120 * scale))
+def _chat_and_documents(rng: random.Random, scale: float) -> list[dict[str, Any]]:
+    """120 x ``scale`` requests (at least 20): 80 % chat (200-800 prompt tokens, 32-96 output),
+    20 % documents (6-12k prompt tokens, 32 output); arrival times and tokens not yet drawn."""
     reqs = []
-    for _ in range(n):
+    for _ in range(max(20, int(120 * scale))):
         if rng.random() < 0.2:
             reqs.append({"kind": "long", "prompt": rng.randint(6000, 12000), "out": 32})
         else:
             reqs.append(
                 {"kind": "short", "prompt": rng.randint(200, 800), "out": rng.randint(32, 96)}
             )
+    return reqs
+
+
+def mixed_trace(scale: float, seed: int = 0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    rng = random.Random(seed)
+    num_blocks = 1536  # 24,576 tokens
+    reqs = _chat_and_documents(rng, scale)
     # Token-seconds a request holds at no contention: its tokens x its lifetime.
     step = LATENCY["step_s"] + 64 * LATENCY["per_token_s"]
     demand = statistics.fmean(
@@ -129,14 +135,7 @@ def prefill_trace(scale: float, seed: int = 2) -> tuple[dict[str, Any], list[dic
     """The mixed trace's requests with a cache that holds them all: what the short requests wait
     for is the token budget (compute), which long prompts take, not blocks."""
     rng = random.Random(seed)
-    reqs = []
-    for _ in range(max(20, int(120 * scale))):
-        if rng.random() < 0.2:
-            reqs.append({"kind": "long", "prompt": rng.randint(6000, 12000), "out": 32})
-        else:
-            reqs.append(
-                {"kind": "short", "prompt": rng.randint(200, 800), "out": rng.randint(32, 96)}
-            )
+    reqs = _chat_and_documents(rng, scale)
     # Prompt tokens per second a full step computes; arrivals at 0.7x of it.
     budget = 8192
     capacity = budget / (LATENCY["step_s"] + budget * LATENCY["per_token_s"])
