@@ -492,6 +492,7 @@ class Scheduler:
         # with as many cannot fit either: not tried), and how many allocations failed.
         smallest_blocked = -1
         num_failed = 0
+        short_reserve = self._short_reserve
         max_loras = self._max_loras
         lora_running = self.lora_running
         # With max_loras adapters running: the queued requests of the others, which cannot run
@@ -572,14 +573,14 @@ class Scheduler:
             num_new = len(request.all_token_ids) - num_hit_tokens
             keep_free = self._promised
             if (
-                self._short_reserve
+                short_reserve
                 and num_new > threshold
                 and running
                 and request.num_bypassed_steps < config.max_bypass_steps
             ):
                 # A long prompt leaves the short prefill slots their blocks (not once it was
                 # overtaken long enough, nor with nothing running: it would wait for nothing).
-                keep_free += self._short_reserve
+                keep_free += short_reserve
             if limits:
                 why = self._prefill_blocked(num_new)
                 if why == "all":
