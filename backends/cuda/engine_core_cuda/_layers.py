@@ -90,7 +90,10 @@ class Linear(nn.Module):
             from engine_core_cuda._fp8 import fp8_linear
 
             y = fp8_linear(x, self.weight, self.weight_scale, bias)
-        elif self.packed is not None:
+        elif self.packed is not None and (
+            self.packed.dtype != torch.float32
+            or PACKED_ROWS[0] <= x.numel() // x.shape[-1] <= PACKED_ROWS[1]
+        ):
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         else:
             y = F.linear(x, self.weight, bias)
@@ -102,17 +105,33 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def pack_cpu_linears(modules: list[nn.Module], batch_size: int) -> int:
+PACK_MIN_ELEMENTS = 512 * 512
+"""The smallest float32 weight worth a packed copy: a packed product costs ~20 us more to set
+up than ``F.linear``'s, which only a large product's faster reads pay back (measured on one
+AVX2 thread: 0.63-0.9x ``F.linear``'s time at 2-16 rows for 512 x 512 and larger weights,
+3-8x slower for 64 x 64 to 64 x 384)."""
+
+PACKED_ROWS = (2, 64)
+"""The row counts a packed float32 weight multiplies: one row is a matrix-vector product, where
+``F.linear`` is 1.2-2x faster; past 64 rows (prefill chunks) the two are within a few percent
+and ``F.linear`` is kept."""
+
+
+def pack_cpu_linears(
+    modules: list[nn.Module], batch_size: int, min_elements: int | None = None
+) -> int:
     """Reorder the float32 / bfloat16 CPU weights of every :class:`Linear` under ``modules``
     once, after loading, into oneDNN's blocked layout (as vLLM's CPU backend does): a decode
     step's ``[rows, in] x [in, out]`` products then read the weights in the order the kernel
-    consumes them, about 1.8x faster than ``F.linear`` at 16 rows on one thread. The products
+    consumes them, 1.1-1.6x faster than ``F.linear`` at 2-16 rows on one thread. The products
     round differently from ``F.linear`` (float32 sums in another order). ``batch_size`` is the
-    row count the layout is chosen for; any row count runs. A packed copy is kept beside the
-    weight (which stays for everything else that reads it). Returns how many were packed; none
-    when oneDNN is unavailable or ``ENGINE_CORE_CPU_LINEAR=torch``. bfloat16 weights are packed
-    only where oneDNN has a bfloat16 path on this CPU (AVX512-BW/VL/DQ or AVX-NE-CONVERT): on an
-    AVX2-only CPU the reorder raises, so those stay on ``F.linear``."""
+    row count the layout is chosen for. A packed copy is kept beside the weight (which stays for
+    everything else that reads it); float32 weights of fewer than ``min_elements`` (default
+    :data:`PACK_MIN_ELEMENTS`) stay unpacked, and a packed float32 weight serves only :data:`PACKED_ROWS` (``F.linear`` the
+    rest). Returns how many were packed; none when oneDNN is unavailable or
+    ``ENGINE_CORE_CPU_LINEAR=torch``. bfloat16 weights are packed only where oneDNN has a
+    bfloat16 path on this CPU (AVX512-BW/VL/DQ or AVX-NE-CONVERT): on an AVX2-only CPU the
+    reorder raises, so those stay on ``F.linear``."""
     import os
 
     if (
@@ -121,6 +140,8 @@ def pack_cpu_linears(modules: list[nn.Module], batch_size: int) -> int:
     ):
         return 0
     dtypes = (torch.float32, torch.bfloat16) if cpu_bf16_packing() else (torch.float32,)
+    if min_elements is None:
+        min_elements = PACK_MIN_ELEMENTS
     packed = 0
     for root in modules:
         for module in root.modules():
@@ -131,6 +152,7 @@ def pack_cpu_linears(modules: list[nn.Module], batch_size: int) -> int:
                 and w is not None
                 and w.device.type == "cpu"
                 and w.dtype in dtypes
+                and (w.dtype != torch.float32 or w.numel() >= min_elements)
             ):
                 module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_size)
                 packed += 1
