@@ -11,32 +11,24 @@ attention only (no window, chunk, soft cap or sinks), one query per sequence: ot
 prefill chunks keep the torch path.
 
 The kernel is single-threaded; ``ctypes`` releases the GIL for the call, so with more than one
-torch thread the sequences are split among that many Python threads. The
-shared object lives in ``$XDG_CACHE_HOME/engine_core_cuda`` (default ``~/.cache``), named by a
-hash of the source, the flags and the CPU; without a C compiler (or with
-``ENGINE_CORE_CPU_ATTENTION=torch``) :func:`native_decode` is unavailable and the torch path runs.
+torch thread the sequences are split among that many Python threads. It is built and cached by
+:mod:`~engine_core_cuda.kernels.cpu_native`; without a C compiler (or with
+``ENGINE_CORE_CPU_ATTENTION=torch``) :func:`decode_attention_native` is unavailable and the
+torch path runs.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import hashlib
-import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["DISABLE_ENV", "decode_attention_native", "native_available"]
+from engine_core_cuda.kernels import cpu_native
 
-logger = logging.getLogger(__name__)
+__all__ = ["DISABLE_ENV", "decode_attention_native", "native_available"]
 
 DISABLE_ENV = "ENGINE_CORE_CPU_ATTENTION"
 """Set to ``torch`` to keep the torch path for decode rows on the CPU."""
@@ -73,6 +65,7 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *kc, const fl
                      int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size,
                      float scale, int64_t lo, int64_t hi) {
     const int64_t group = heads / kv_heads, hd = heads * d, token_stride = kv_heads * d;
+    /* Heads are walked per KV head (h = kv_head * group + g): no division in the loops. */
     int64_t longest = 1;
     for (int64_t s = lo; s < hi; s++) if (lens[s] > longest) longest = lens[s];
     float *scores = malloc(sizeof(float) * (size_t)(heads * longest + hd));
@@ -89,8 +82,9 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *kc, const fl
             const int64_t m = n - first < block_size ? n - first : block_size;
             for (int64_t j = 0; j < m; j++) {
                 const float *kj = k + j * token_stride;
-                for (int64_t h = 0; h < heads; h++)
-                    scores[h * n + first + j] = dot(qs + h * d, kj + (h / group) * d, d) * scale;
+                for (int64_t kh = 0, h = 0; kh < kv_heads; kh++)
+                    for (int64_t g = 0; g < group; g++, h++)
+                        scores[h * n + first + j] = dot(qs + h * d, kj + kh * d, d) * scale;
             }
         }
         for (int64_t h = 0; h < heads; h++) {
@@ -108,12 +102,14 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *kc, const fl
             const int64_t m = n - first < block_size ? n - first : block_size;
             for (int64_t j = 0; j < m; j++) {
                 const float *vj = v + j * token_stride;
-                for (int64_t h = 0; h < heads; h++) {
-                    const float p = scores[h * n + first + j];
-                    const float *vh = vj + (h / group) * d;
-                    float *a = acc + h * d;
+                for (int64_t kh = 0, h = 0; kh < kv_heads; kh++) {
+                    const float *restrict vh = vj + kh * d;
+                    for (int64_t g = 0; g < group; g++, h++) {
+                        const float p = scores[h * n + first + j];
+                        float *restrict a = acc + h * d;
 #pragma omp simd
-                    for (int64_t i = 0; i < d; i++) a[i] += p * vh[i];
+                        for (int64_t i = 0; i < d; i++) a[i] += p * vh[i];
+                    }
                 }
             }
         }
@@ -124,114 +120,28 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *kc, const fl
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11"]
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-_ARGTYPES: list[Any] = [
-    _P,
-    _I,
-    _P,
-    _P,
-    _P,
-    _I,
-    _P,
-    _P,
-    _P,
-    _P,
-    _I,
-    _I,
-    _I,
-    _I,
-    _I,
-    ctypes.c_float,
-    _I,
-    _I,
-]
+_SIGNATURES: dict[str, tuple[list[Any], Any]] = {
+    "paged_decode_f32": (
+        [_P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, _I],
+        ctypes.c_int,
+    ),
+}
 
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_loaded = False
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
-def _cpu_key() -> str:
-    """What ``-march=native`` depends on: the CPU's model and flags."""
-    lines = []
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("model name", "flags", "Features")):
-                    lines.append(line)
-                if len(lines) >= 2:
-                    break
-    except OSError:
-        pass
-    return platform.machine() + "".join(lines)
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME")
-    if not base:
-        home = os.path.expanduser("~")
-        # No home directory (an unset HOME in a service): the temporary directory.
-        base = os.path.join(home, ".cache") if home != "~" else tempfile.gettempdir()
-    return Path(base) / "engine_core_cuda"
-
-
-def _build() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.info("no C compiler: CPU decode attention copies K/V (the torch path)")
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get(DISABLE_ENV, "").lower() == "torch":
         return None
-    digest = hashlib.sha256(
-        "\0".join([_SOURCE, compiler, *_FLAGS, _cpu_key()]).encode()
-    ).hexdigest()[:16]
-    directory = _cache_dir()
-    path = directory / f"paged_decode-{digest}.so"
-    if not path.exists():
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            source = Path(tmp) / "paged_decode.c"
-            source.write_text(_SOURCE)
-            target = Path(tmp) / "paged_decode.so"
-            done = subprocess.run(
-                [compiler, *_FLAGS, str(source), "-o", str(target)],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            if done.returncode != 0:
-                logger.warning(
-                    "compiling the CPU decode attention failed (the torch path runs): %s",
-                    done.stderr.strip()[-500:],
-                )
-                return None
-            os.replace(target, path)  # atomic: concurrent builders agree
-    library = ctypes.CDLL(str(path))
-    function = library.paged_decode_f32
-    function.argtypes = _ARGTYPES
-    function.restype = ctypes.c_int
-    return library
+    return cpu_native.load("paged_decode", _SOURCE, _SIGNATURES)
 
 
 def native_available() -> bool:
     """Whether the native decode kernel can run here (built, or loaded from the cache, once
     per process)."""
-    global _library, _loaded
-    if os.environ.get(DISABLE_ENV, "").lower() == "torch":
-        return False
-    if not _loaded:
-        with _lock:
-            if not _loaded:
-                try:
-                    _library = _build()
-                except (OSError, subprocess.SubprocessError) as exc:
-                    logger.warning(
-                        "CPU decode attention unavailable (%s): the torch path runs", exc
-                    )
-                    _library = None
-                _loaded = True
-    return _library is not None
+    return _library() is not None
 
 
 def _workers(threads: int) -> concurrent.futures.ThreadPoolExecutor:
@@ -256,9 +166,9 @@ def decode_attention_native(
     first ``lens[i]`` keys of block-table row ``rows[i]``, written to ``out[tokens[i]]``.
     Returns False (nothing written) when the inputs are not what the kernel takes (float32,
     inner dimensions contiguous, an int32 table) or it is unavailable."""
-    if not native_available():
+    library = _library()
+    if library is None:
         return False
-    assert _library is not None
     heads, head_size = q.shape[1], q.shape[2]
     kv_heads = key_cache.shape[2]
     if not (
@@ -279,7 +189,7 @@ def decode_attention_native(
     lens = lens.to(torch.int64).contiguous()
     tokens = tokens.to(torch.int64).contiguous()
     items = rows.shape[0]
-    function = _library.paged_decode_f32
+    function = library.paged_decode_f32
     fixed = (
         q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
         block_table.data_ptr(), block_table.stride(0), rows.data_ptr(), lens.data_ptr(),
