@@ -10,12 +10,17 @@ operations per layer.
 - :func:`rms_norm_torch` and :func:`add_rms_norm_torch` use torch's one-call ``rms_norm`` in
   float32 (the same operations as the reference, bit for bit) and add the residual in place, as
   :func:`add_gemma_rms_norm_torch` does for Gemma's norm.
+
+On the CPU, float32 RMS norms (the residual add fused) and rotary embeddings go to the C
+kernels of :mod:`engine_core_cuda.kernels.cpu_ops` where they take the input (one call in place
+of several torch operations); the torch code here runs for the rest.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine_core_cuda.kernels import cpu_ops
 from engine_core_cuda.kernels.reference import (
     gemma_rms_norm_reference,
     rms_norm_reference,
@@ -36,6 +41,10 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     """Same contract as :func:`engine_core_cuda.kernels.rms_norm.rms_norm`."""
     if x.dtype != torch.float32 or weight.dtype != torch.float32:
         return rms_norm_reference(x, weight, eps)  # rounds to the model dtype before the weight
+    if x.device.type == "cpu":
+        out = cpu_ops.rms_norm(x, weight, eps)
+        if out is not None:
+            return out
     return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
 
 
@@ -43,6 +52,10 @@ def add_rms_norm_torch(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """Same contract as :func:`engine_core_cuda.kernels.rms_norm.add_rms_norm`."""
+    if x.device.type == "cpu" and x.dtype == residual.dtype == torch.float32:
+        out = cpu_ops.rms_norm(x, weight, eps, residual=residual)
+        if out is not None:
+            return out
     residual.add_(x)
     return rms_norm_torch(residual, weight, eps)
 
@@ -106,6 +119,8 @@ def rotary_embedding_torch(
     sin: torch.Tensor,
 ) -> None:
     """Same contract as :func:`engine_core_cuda.kernels.rotary.rotary_embedding`."""
+    if q.device.type == "cpu" and cpu_ops.rotary(positions, q, k, cos, sin):
+        return
     heads = _heads_together(q, k)
     if heads is None:
         rotary_embedding_reference(positions, q, k, cos, sin)
