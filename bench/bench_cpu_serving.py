@@ -12,7 +12,9 @@ transformers runs ``generate`` offline on a batch of ``concurrency`` prompts (no
 bound of what a server around it would do), on ``--hf-threads`` torch threads (the engine's
 default: the cores less one). vLLM
 (``--vllm-python``: the interpreter of a venv with ``vllm-cpu``) is served by
-``python -m vllm.entrypoints.openai.api_server`` with a 1 GiB KV cache.
+``python -m vllm.entrypoints.openai.api_server`` with a 1 GiB KV cache, and with the
+``LD_PRELOAD`` of tcmalloc and Intel OpenMP its installation guide asks for, where they are
+there (``--vllm-no-preload``: without).
 
 ``--load N`` starts N busy-loop processes for the ``load`` scenario (``--scenarios``). Each
 round runs every scenario, every concurrency, every system, the systems' order rotated from
@@ -30,7 +32,7 @@ The default run takes minutes; the full one of the README:
 Usage: ``python bench/bench_cpu_serving.py [--models h512] [--concurrency 1,16,64]
 [--systems default,omp1,hf] [--scenarios quiet,load] [--load 3] [--rounds 1]
 [--input-len 128] [--output-len 64] [--requests-per-slot 1] [--base-tree DIR]
-[--vllm-python PATH] [--no-sampling] [--json PATH]``.
+[--vllm-python PATH] [--vllm-no-preload] [--no-sampling] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -150,12 +152,37 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def vllm_preloads(python: str) -> list[str]:
+    """The libraries vLLM-CPU's installation guide has preloaded (``LD_PRELOAD``): tcmalloc
+    (Debian's ``libgoogle-perftools4``) and the Intel OpenMP runtime of its venv (the
+    ``intel-openmp`` wheel), those that are there."""
+    found = []
+    for pattern in ("/usr/lib/*/libtcmalloc_minimal.so.4", "/usr/lib/*/libtcmalloc.so.4"):
+        paths = sorted(Path("/").glob(pattern.lstrip("/")))
+        if paths:
+            found.append(str(paths[0]))
+            break
+    iomp = Path(python).resolve().parents[1] / "lib" / "libiomp5.so"
+    if not iomp.exists():  # the venv's python is a link: its lib/ is beside its bin/
+        iomp = Path(python).parents[1] / "lib" / "libiomp5.so"
+    if iomp.exists():
+        found.append(str(iomp))
+    return found
+
+
 @contextlib.contextmanager
-def vllm_server(python: str, model: Path, timeout_s: float = 900.0) -> Iterator[str]:
+def vllm_server(
+    python: str, model: Path, preload: bool = True, timeout_s: float = 900.0
+) -> Iterator[str]:
     """vLLM-CPU's OpenAI server on ``model`` (its ``vllm`` command needs the distribution to
-    be named ``vllm``; the module runs under ``vllm-cpu``'s name too)."""
+    be named ``vllm``; the module runs under ``vllm-cpu``'s name too), with
+    :func:`vllm_preloads` unless ``preload`` is False."""
     port = _free_port()
     env = {**_env(None), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    preloads = vllm_preloads(python) if preload else []
+    if preloads:
+        env["LD_PRELOAD"] = ":".join(preloads)
+    print(f"vllm: LD_PRELOAD={env.get('LD_PRELOAD', '')!r}")
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (kept for the reader after the run)
         "w+", prefix="vllm-", suffix=".log", delete=False
     )
@@ -304,6 +331,9 @@ def main() -> None:
     p.add_argument("--base-tree", type=Path, default=None,
                    help="another checkout whose engine runs as the 'base' system")  # fmt: skip
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
+    p.add_argument("--vllm-no-preload", action="store_true",
+                   help="run vLLM without the LD_PRELOAD of tcmalloc and Intel OpenMP its "
+                        "installation guide asks for")  # fmt: skip
     p.add_argument("--hf-threads", type=int, default=max(1, (os.cpu_count() or 1) - 1),
                    help="torch threads of transformers (default: the cores less one, as the "
                         "engine's default)")  # fmt: skip
@@ -364,7 +394,9 @@ def run_model(
                 runners[system] = lambda ps, c, url=url: served_rate(url, ps, c, args.output_len)
             elif system == "vllm":
                 try:
-                    url = stack.enter_context(vllm_server(args.vllm_python, model))
+                    url = stack.enter_context(
+                        vllm_server(args.vllm_python, model, not args.vllm_no_preload)
+                    )
                 except RuntimeError as exc:
                     print(f"vllm: not run ({exc})")
                     continue
