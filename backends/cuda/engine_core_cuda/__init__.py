@@ -26,7 +26,9 @@ usable cores less one), ``kv_offload`` (the host KV tier's ``copy``, ``deadline_
 ``fault``; the tier itself is ``EngineConfig.kv_offload_bytes``: ``docs/cuda_kv_offload.md``);
 see :class:`engine_core_cuda._options.CudaOptions`. On the CPU the
 decode rows of full-attention float32 layers read K/V in place through a small C kernel built
-once per machine (:mod:`engine_core_cuda.kernels.cpu_attention`).
+once per machine (:mod:`engine_core_cuda.kernels.cpu_attention`), float32 RMS norms and rotary
+embeddings run through two more (:mod:`engine_core_cuda.kernels.cpu_ops`), and large linear
+weights are packed for oneDNN (:func:`engine_core_cuda._layers.pack_cpu_linears`).
 """
 
 from __future__ import annotations
