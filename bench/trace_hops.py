@@ -25,9 +25,13 @@ What is counted:
 - the hops: consecutive calls in the same file collapse into one visit; the hops are the
   changes of file between visits (visits - 1).
 
-Two more figures read the same calls: the hops when each function counts at its first call
-only (a reader who reads a function once), and the distinct (caller's file, called file) pairs
-among calls from one project file into another (the edges of the trip's file graph).
+Three more figures read the same calls: the hops when each function counts at its first call
+only (a reader who reads a function once); the hops of the calls a reader follows into another
+function's body: calls (not resumptions) of functions that call further project functions
+there, leaves such as properties and one-line helpers read where they are called; and the
+distinct (caller's file, called file) pairs among calls from one project file into another
+(the edges of the trip's file graph). The engine's tasks and the front end's share the one
+event loop here, so their waits (a receive that finds nothing yet) interleave with the trip.
 
 It prints the figures, the sequence of files visited and the files visited more than once
 (``--json``: one JSON object). Run it from the repository root:
@@ -78,11 +82,15 @@ def _shown(filename: str) -> str | None:
 
 class Call(NamedTuple):
     """One project call: the file and function called, and the project file it was called
-    from (None: resumed or called by the event loop, no project frame below it)."""
+    from (None: resumed or called by the event loop, no project frame below it); the index of
+    the project call it was made from (None: no project frame below it), and whether it is a
+    coroutine or generator resumed rather than called."""
 
     file: str
     function: str
     caller: str | None
+    parent: int | None = None
+    resumed: bool = False
 
 
 class _Tracer:
@@ -92,6 +100,8 @@ class _Tracer:
         self.calls: list[Call] = []
         self._before: Any = None
         self._names: dict[str, str | None] = {}
+        self._frames: dict[FrameType, int] = {}
+        """Each project frame seen -> the index of its first call (held: no id is reused)."""
 
     def _name(self, filename: str) -> str | None:
         try:
@@ -109,10 +119,17 @@ class _Tracer:
             return
         caller = None
         below = frame.f_back
-        while below is not None and caller is None:
+        while below is not None:
             caller = self._name(below.f_code.co_filename)
+            if caller is not None:
+                break
             below = below.f_back
-        self.calls.append(Call(name, f"{code.co_qualname}:{code.co_firstlineno}", caller))
+        parent = None if below is None else self._frames.get(below)
+        resumed = frame in self._frames
+        if not resumed:
+            self._frames[frame] = len(self.calls)
+        function = f"{code.co_qualname}:{code.co_firstlineno}"
+        self.calls.append(Call(name, function, caller, parent, resumed))
 
     def on(self) -> None:
         self._before = sys.getprofile()
@@ -251,6 +268,14 @@ def first_calls(calls: list[Call]) -> list[str]:
     return files
 
 
+def reader_calls(calls: list[Call]) -> list[str]:
+    """The files of the calls a reader follows: calls, not resumptions, of a function that calls
+    further project functions there (leaves, such as properties and small helpers, are read
+    where they are called)."""
+    parents = {c.parent for c in calls if c.parent is not None}
+    return [c.file for i, c in enumerate(calls) if i in parents and not c.resumed]
+
+
 def file_edges(calls: list[Call]) -> set[tuple[str, str]]:
     """The distinct (caller's file, called file) pairs of the calls from one project file
     into another."""
@@ -269,6 +294,7 @@ def count(calls: list[Call]) -> dict[str, Any]:
         "sequence": seq,
         "revisited": {name: n for name, n in counts.most_common() if n > 1},
         "first_call_hops": len(tour) - 1,
+        "reader_hops": max(0, len(visits(reader_calls(calls))) - 1),
         "file_edges": len(file_edges(calls)),
     }
 
@@ -290,6 +316,9 @@ def main() -> None:
         f"{figures['calls']} calls)"
     )
     print(f"hops, each function at its first call only: {figures['first_call_hops']}")
+    print(
+        f"hops of the calls a reader follows (no leaves, no resumptions): {figures['reader_hops']}"
+    )
     print(f"distinct file-to-file call edges: {figures['file_edges']}")
     print("sequence:")
     for i, name in enumerate(seq):

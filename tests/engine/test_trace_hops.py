@@ -37,6 +37,24 @@ def test_collapsing_and_counting() -> None:
     assert figures["revisited"] == {"a.py": 2, "b.py": 2}
     assert figures["first_call_hops"] == 1  # a.py (f, g), b.py (h)
     assert figures["file_edges"] == 1
+    assert figures["reader_hops"] == 0  # no parents recorded: no call is followed
+
+
+def test_the_reader_follows_calls_with_children_and_skips_resumptions() -> None:
+    script = load_script()
+    Call = script.Call
+    calls = [
+        Call("a.py", "f:1", None),  # 0: calls g and h
+        Call("b.py", "g:1", "a.py", 0),  # 1: a leaf
+        Call("c.py", "h:1", "a.py", 0),  # 2: calls k
+        Call("a.py", "k:9", "c.py", 2),  # 3: calls m
+        Call("b.py", "m:3", "a.py", 3),  # 4: a leaf
+        Call("c.py", "h:1", None, None, True),  # 5: h resumed: not followed
+        Call("b.py", "g:1", "c.py", 5),  # 6: a leaf of the resumed h
+    ]
+    figures = script.count(calls)
+    assert script.reader_calls(calls) == ["a.py", "c.py", "a.py"]
+    assert figures["reader_hops"] == 2
 
 
 @pytest.mark.timeout(60)
