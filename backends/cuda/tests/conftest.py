@@ -36,3 +36,14 @@ class _Models(dict[str, TinyModel]):
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TinyModel]]:
     """The tiny models (``tiny_models.ALL_KINDS``), by kind."""
     yield _Models(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture
+def torch_threads() -> Iterator[None]:
+    """The process's torch thread count as it was before the test (the backend and the CPU
+    kernel tests set it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)

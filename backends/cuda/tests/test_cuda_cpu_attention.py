@@ -4,27 +4,19 @@ per-sequence reference; where it does not apply, the torch path runs."""
 from __future__ import annotations
 
 import random
-import shutil
-from collections.abc import Iterator
 
 import pytest
 import torch
-from engine_core_cuda.kernels import cpu_attention
+from engine_core_cuda.kernels import cpu_attention, cpu_native
 from engine_core_cuda.kernels.cpu_attention import decode_attention_native, native_available
 from engine_core_cuda.kernels.reference import paged_attention_reference
 from engine_core_cuda.kernels.torch_attention import paged_attention_torch
 from test_cuda_kernels import Batch, make_batch
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
-)
-
-
-@pytest.fixture(autouse=True)
-def _torch_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
+pytestmark = [
+    pytest.mark.skipif(cpu_native.compiler() is None, reason="no C compiler"),
+    pytest.mark.usefixtures("torch_threads"),
+]
 
 
 def _decode_args(batch: Batch) -> tuple[torch.Tensor, ...]:

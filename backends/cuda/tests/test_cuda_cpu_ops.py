@@ -4,28 +4,19 @@ CPU runs (``kernels.torch_ops``) call them."""
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Iterator
-
 import pytest
 import torch
-from engine_core_cuda.kernels import cpu_ops, torch_ops
+from engine_core_cuda.kernels import cpu_native, cpu_ops, torch_ops
 from engine_core_cuda.kernels.reference import (
     add_rms_norm_reference,
     rms_norm_reference,
     rotary_embedding_reference,
 )
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
-)
-
-
-@pytest.fixture(autouse=True)
-def _torch_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
+pytestmark = [
+    pytest.mark.skipif(cpu_native.compiler() is None, reason="no C compiler"),
+    pytest.mark.usefixtures("torch_threads"),
+]
 
 
 def test_it_builds_here() -> None:

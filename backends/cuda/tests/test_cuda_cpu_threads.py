@@ -4,7 +4,6 @@ one), per tensor-parallel rank; applied on the thread that steps; shown at start
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,13 +16,7 @@ from tiny_models import TinyModel
 from engine_core import EngineConfig, SamplingParams
 from engine_core._core.engine_io import EngineInfo
 
-
-@pytest.fixture(autouse=True)
-def _torch_threads() -> Iterator[None]:
-    """The process's thread count as it was (the backend sets it)."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_threads")  # the backend sets the count
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FLAGS", "cache_dir", "load"]
+__all__ = ["FLAGS", "cache_dir", "compiler", "load"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,11 @@ def _cpu_key() -> str:
     return platform.machine() + "".join(lines)
 
 
+def compiler() -> str | None:
+    """The C compiler: ``$CC``, else ``cc`` or ``gcc`` on the path; None without one."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def cache_dir() -> Path:
     """Where the shared objects are kept."""
     base = os.environ.get("XDG_CACHE_HOME")
@@ -62,12 +67,10 @@ def _build(
     name: str, source: str, signatures: dict[str, tuple[list[Any], Any]], flags: list[str]
 ) -> ctypes.CDLL:
     """Compile (unless cached) and load; raises RuntimeError with the compiler's words."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         raise RuntimeError("no C compiler")
-    digest = hashlib.sha256("\0".join([source, compiler, *flags, _cpu_key()]).encode()).hexdigest()[
-        :16
-    ]
+    digest = hashlib.sha256("\0".join([source, cc, *flags, _cpu_key()]).encode()).hexdigest()[:16]
     directory = cache_dir()
     path = directory / f"{name}-{digest}.so"
     if not path.exists():
@@ -77,7 +80,7 @@ def _build(
             c_file.write_text(source)
             target = Path(tmp) / f"{name}.so"
             done = subprocess.run(
-                [compiler, *flags, str(c_file), "-o", str(target)],
+                [cc, *flags, str(c_file), "-o", str(target)],
                 capture_output=True,
                 text=True,
                 timeout=120,
