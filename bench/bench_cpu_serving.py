@@ -439,21 +439,27 @@ def _report(
     reference = "vllm" if "vllm" in names else ("hf" if "hf" in names else names[0])
     print(f"\n{machine_line()}")
     print(f"{model_name}: {args.input_len}-in/{args.output_len}-out random tokens, output tok/s "
-          f"(median of {args.rounds} round(s)); ratio to {reference}")  # fmt: skip
+          f"(median of {args.rounds} round(s)); ratio to {reference} (and the median of the "
+          f"rounds' own ratios, each round's systems run back to back)")  # fmt: skip
     out: dict[str, Any] = {"reference": reference, "loads": loads, "rows": []}
     for scenario in scenarios:
         label = f"load {args.load}" if scenario == "load" else "quiet"
         print(f"  {label} (load average during the runs: {' → '.join(loads[scenario])})")
         for c in concurrencies:
-            ref = statistics.median(rates[(scenario, c, reference)])
+            ref_rounds = rates[(scenario, c, reference)]
+            ref = statistics.median(ref_rounds)
             cells = []
             for system in names:
-                median = statistics.median(rates[(scenario, c, system)])
-                cells.append(f"{system} {median:7.1f} ({median / ref:4.2f}x)")
+                rounds = rates[(scenario, c, system)]
+                median = statistics.median(rounds)
+                per_round = statistics.median(
+                    a / b for a, b in zip(rounds, ref_rounds, strict=True)
+                )
+                cells.append(f"{system} {median:7.1f} ({median / ref:4.2f}x; {per_round:4.2f}x)")
                 out["rows"].append({
                     "scenario": scenario, "concurrency": c, "system": system,
                     "median_tok_s": median, "ratio": median / ref,
-                    "rounds": rates[(scenario, c, system)],
+                    "ratio_per_round": per_round, "rounds": rounds,
                 })  # fmt: skip
             print(f"    c={c:<3d} " + "  ".join(cells))
     print(json.dumps({"loads": loads}))
