@@ -61,15 +61,26 @@ class LoRARequest(msgspec.Struct, frozen=True):
 
     def key_bytes(self) -> bytes:
         """The adapter's part of every prefix-cache key: its id, name and path, so no block is
-        shared across adapters or with the base model."""
-        return (
-            b"\x00lora\x00"
-            + str(self.lora_int_id).encode()
-            + b"\x00"
-            + self.lora_name.encode()
-            + b"\x00"
-            + self.lora_path.encode()
-        )
+        shared across adapters or with the base model. Built once per adapter (every request
+        of it asks; over the wire each brings its own equal copy)."""
+        key = _KEY_BYTES.get(self)
+        if key is None:
+            if len(_KEY_BYTES) >= _MAX_KEYS_KEPT:
+                _KEY_BYTES.clear()
+            key = _KEY_BYTES[self] = (
+                b"\x00lora\x00"
+                + str(self.lora_int_id).encode()
+                + b"\x00"
+                + self.lora_name.encode()
+                + b"\x00"
+                + self.lora_path.encode()
+            )
+        return key
+
+
+_KEY_BYTES: dict[LoRARequest, bytes] = {}
+"""``LoRARequest.key_bytes`` of the adapters seen (cleared past ``_MAX_KEYS_KEPT``)."""
+_MAX_KEYS_KEPT = 4096
 
 
 class LoRASupport(msgspec.Struct, frozen=True, kw_only=True):

@@ -9,13 +9,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 
 from engine_core._core.request import Request, RequestStatus
 
 __all__ = ["FCFSQueue", "PriorityQueue", "RequestQueue", "count_in", "count_out", "make_queue"]
 
 _PREEMPTED = RequestStatus.PREEMPTED
+_WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_GRAMMAR
 
 
 def count_in(counts: dict[int, int], key: int) -> None:
@@ -82,12 +83,45 @@ class RequestQueue:
         """Forget ``request``, which has just been marked finished."""
         raise NotImplementedError
 
+    def add_front_all(self, requests: list[Request]) -> None:
+        """:meth:`add_front` each of ``requests`` so that they lead the queue in their order."""
+        for request in reversed(requests):
+            self.add_front(request)
+
+    def take_capped(
+        self, running: Container[int], ready: Container[int], limit: int
+    ) -> list[Request]:
+        """Pop, in queue order, the requests at the front that wait only for an adapter slot
+        (the LoRA cap is bound): an adapter not in ``running`` but loaded (in ``ready``), no
+        grammar compiling, no tokens in flight, overtaken in fewer than ``limit`` steps. Stops
+        at the first that is not; the scheduler puts them back with :meth:`add_front_all`."""
+        taken: list[Request] = []
+        while True:
+            request = self.peek()
+            if request is None or not _waits_for_a_slot(request, running, ready, limit):
+                return taken
+            taken.append(self.pop())
+
     def __len__(self) -> int:
         raise NotImplementedError
 
     def __iter__(self) -> Iterator[Request]:
         """Live requests in queue order."""
         raise NotImplementedError
+
+
+def _waits_for_a_slot(
+    request: Request, running: Container[int], ready: Container[int], limit: int
+) -> bool:
+    lora_id = request.lora_int_id
+    return (
+        lora_id != 0
+        and lora_id not in running
+        and lora_id in ready
+        and request.status != _WAITING_FOR_GRAMMAR
+        and not request.num_output_placeholders
+        and request.num_bypassed_steps < limit
+    )
 
 
 class FCFSQueue(RequestQueue):
@@ -135,6 +169,37 @@ class FCFSQueue(RequestQueue):
     def discard(self, request: Request) -> None:
         self._num_dead += 1
         self._counted_out(request)
+
+    def add_front_all(self, requests: list[Request]) -> None:
+        self._queue.extendleft(reversed(requests))
+        counts = self.lora_counts
+        for request in requests:
+            lora_id = request.lora_int_id
+            if lora_id:
+                counts[lora_id] = counts.get(lora_id, 0) + 1
+                self.num_lora += 1
+
+    def take_capped(
+        self, running: Container[int], ready: Container[int], limit: int
+    ) -> list[Request]:
+        # One pass over the front, without peek()/pop() per request: with the cap bound, a
+        # change of the running adapters walks the queue past every capped request.
+        queue = self._queue
+        counts = self.lora_counts
+        taken: list[Request] = []
+        while queue:
+            request = queue[0]
+            if request.status > _PREEMPTED:
+                queue.popleft()
+                self._num_dead -= 1
+                continue
+            if not _waits_for_a_slot(request, running, ready, limit):
+                break
+            queue.popleft()
+            taken.append(request)
+            count_out(counts, request.lora_int_id)
+        self.num_lora -= len(taken)
+        return taken
 
     def __len__(self) -> int:
         return len(self._queue) - self._num_dead

@@ -4,7 +4,9 @@ first, others wait and are not dropped, a bounded bypass), adapters that are not
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
+import pytest
 from helpers.core import make_scheduler
 
 from engine_core._core.block_hash import block_digests
@@ -93,6 +95,22 @@ def test_block_keys_differ_per_adapter_and_from_base_and_keep_the_salt() -> None
     assert digests != block_digests(prompt, BS, 3)
 
 
+def test_key_bytes_are_built_once_per_adapter_and_tell_every_field_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine_core import lora as lora_module
+
+    a = LoRARequest("a", 1, "/p")
+    assert a.key_bytes() is LoRARequest("a", 1, "/p").key_bytes()  # an equal copy (the wire)
+    others = [LoRARequest("b", 1, "/p"), LoRARequest("a", 2, "/p"), LoRARequest("a", 1, "/q")]
+    assert len({a.key_bytes(), *(o.key_bytes() for o in others)}) == 4
+    monkeypatch.setattr(lora_module, "_MAX_KEYS_KEPT", 2)
+    lora_module._KEY_BYTES.clear()
+    for i in range(1, 6):
+        assert LoRARequest("x", i, "/x").key_bytes() == b"\x00lora\x00%d\x00x\x00/x" % i
+        assert len(lora_module._KEY_BYTES) <= 2  # bounded
+
+
 def test_prefix_blocks_are_never_shared_across_adapters() -> None:
     scheduler = lora_scheduler(4)
     prompt = list(range(100, 100 + 3 * BS + 2))
@@ -103,8 +121,9 @@ def test_prefix_blocks_are_never_shared_across_adapters() -> None:
     assert scheduler.kv.stats.hits == 3 * BS  # only "again" hit: three full blocks of "first"
 
 
-def test_the_cap_is_never_exceeded_and_others_wait() -> None:
-    scheduler = lora_scheduler(2)
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_cap_is_never_exceeded_and_others_wait(policy: str) -> None:
+    scheduler = lora_scheduler(2, scheduling_policy=policy)
     for i in range(12):
         scheduler.add_request(request(f"r{i}", 1 + i % 4, max_tokens=3 + i % 3))
     seen: set[int] = set()
@@ -137,12 +156,13 @@ def test_running_adapters_count_first() -> None:
     assert scheduler.requests["b-waits"] in list(scheduler.waiting)
 
 
-def test_the_queue_is_not_walked_past_its_last_request_of_a_running_adapter() -> None:
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_queue_is_not_walked_past_its_last_request_of_a_running_adapter(policy: str) -> None:
     """With the cap bound, the requests of capped adapters are looked at only up to the last
     one that could run: behind it every request waits for a slot, and the scan stops (a queue
     of thousands of capped requests costs a step nothing). Those that could run are admitted
     wherever they are in the queue."""
-    scheduler = lora_scheduler(2, max_num_seqs=64)
+    scheduler = lora_scheduler(2, max_num_seqs=64, scheduling_policy=policy)
     scheduler.add_request(request("a0", 1, max_tokens=100))
     scheduler.add_request(request("b0", 2, max_tokens=100))
     run_step(scheduler)
@@ -152,24 +172,37 @@ def test_the_queue_is_not_walked_past_its_last_request_of_a_running_adapter() ->
             scheduler.add_request(request(f"a-join{i}", 1))
         if i == 12:
             scheduler.add_request(request("base", 0))
-    popped = []
-    pop = scheduler.waiting.pop
+    popped: list[Request] = []  # every request taken off the queue, in order
+    waiting = scheduler.waiting
+    pop, take_capped = waiting.pop, waiting.take_capped
 
     def counting_pop() -> Request:
         popped.append(pop())
         return popped[-1]
 
-    scheduler.waiting.pop = counting_pop  # type: ignore[method-assign]
+    def counting_take_capped(*args: Any) -> list[Request]:
+        run = take_capped(*args)
+        popped.extend(run)
+        return run
+
+    waiting.pop = counting_pop  # type: ignore[method-assign]
+    waiting.take_capped = counting_take_capped  # type: ignore[method-assign]
     out = run_step(scheduler)
     assert sorted(r.req_id for r in out.new_reqs) == ["a-join20", "a-join5", "base"]
-    assert popped[-1].request_id == "a-join20"  # nothing behind the last one that could run
-    assert len(popped) == 24
+    # (The priority queue's take_capped pops through pop(): each counted once.)
+    looked_at = list(dict.fromkeys(r.request_id for r in popped))
+    assert looked_at[-1] == "a-join20"  # nothing behind the last one that could run
+    assert len(looked_at) == 24
     assert len(scheduler.waiting) == 40 and scheduler.waiting.lora_counts == {3: 20, 4: 20}
-    assert [r.request_id for r in scheduler.waiting] == [f"c{i}" for i in range(40)]
+    left = [r.request_id for r in scheduler.waiting]
+    if policy == "priority":  # equal arrival times here: ties go by when they were re-queued
+        left.sort(key=lambda name: int(name[1:]))
+    assert left == [f"c{i}" for i in range(40)]
 
 
-def test_a_blocked_adapter_is_overtaken_for_at_most_max_bypass_steps() -> None:
-    scheduler = lora_scheduler(1, max_bypass_steps=3)
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_blocked_adapter_is_overtaken_for_at_most_max_bypass_steps(policy: str) -> None:
+    scheduler = lora_scheduler(1, max_bypass_steps=3, scheduling_policy=policy)
     scheduler.add_request(request("a0", 1, max_tokens=1000))
     run_step(scheduler)
     scheduler.add_request(request("b", 2))

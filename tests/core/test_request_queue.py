@@ -144,3 +144,52 @@ def test_live_requests_are_counted_per_adapter(policy: str) -> None:
     assert queue.lora_counts == {1: 1, 2: 2}
     drain(queue)
     assert queue.lora_counts == {} and queue.num_lora == 0 and queue.count_outside(()) == 0
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_take_capped_takes_the_front_run_that_waits_for_an_adapter_slot(policy: str) -> None:
+    """The run at the front whose adapters are loaded, not running and not overtaken too often;
+    it stops at the base model, a running or loading adapter, a grammar, tokens in flight or a
+    request at the bypass limit, skips finished ones, takes preempted ones, and puts back in
+    order with the counts."""
+    queue = make_queue(policy)
+    # (adapter, what stops the run there, if anything)
+    layout = [(3, ""), (4, "preempted"), (3, "aborted"), (4, ""), (1, "running"), (3, "")]
+    requests = []
+    for i, (adapter, _) in enumerate(layout):
+        r = make_request(f"r{i}", arrival_time=float(i))
+        r.lora_int_id = adapter
+        requests.append(r)
+        queue.add(r)
+    abort(queue, requests[2])
+    requests[1].status = RequestStatus.PREEMPTED
+    running, ready = {1, 2}, {1, 2, 3, 4}
+    run = queue.take_capped(running, ready, 5)
+    assert [r.request_id for r in run] == ["r0", "r1", "r3"]
+    assert queue.lora_counts == {1: 1, 3: 1} and queue.num_lora == 2 and len(queue) == 2
+    assert queue.take_capped(running, ready, 5) == []  # r4's adapter runs
+    queue.add_front_all(run)
+    assert queue.lora_counts == {1: 1, 3: 2, 4: 2} and len(queue) == 5
+    assert [r.request_id for r in queue] == ["r0", "r1", "r3", "r4", "r5"]
+
+    stoppers = {
+        "base model": lambda r: setattr(r, "lora_int_id", 0),
+        "adapter loading": lambda r: setattr(r, "lora_int_id", 9),
+        "grammar": lambda r: setattr(r, "status", RequestStatus.WAITING_FOR_GRAMMAR),
+        "tokens in flight": lambda r: setattr(r, "num_output_placeholders", 1),
+        "bypass limit": lambda r: setattr(r, "num_bypassed_steps", 5),
+    }
+    for why, stop in stoppers.items():
+        queue = make_queue(policy)
+        three = [make_request(f"s{i}", arrival_time=float(i)) for i in range(3)]
+        for r in three:
+            r.lora_int_id = 3
+        stop(three[1])
+        for r in three:
+            queue.add(r)
+        counts = dict(queue.lora_counts)
+        run = queue.take_capped(running, ready, 5)
+        assert [r.request_id for r in run] == ["s0"], why
+        queue.add_front_all(run)
+        assert [r.request_id for r in queue] == ["s0", "s1", "s2"], why
+        assert queue.lora_counts == counts, why
