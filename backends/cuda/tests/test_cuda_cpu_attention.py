@@ -79,6 +79,8 @@ def test_what_it_does_not_take_falls_back(monkeypatch: pytest.MonkeyPatch) -> No
     out = torch.empty_like(batch.q)
     assert not decode_attention_native(*_decode_args(batch), out, 0.25)  # bfloat16
     monkeypatch.setenv(cpu_attention.DISABLE_ENV, "torch")
+    monkeypatch.setattr(cpu_attention, "_resolved", False)  # read again at the next call
+    monkeypatch.setattr(cpu_attention, "_loaded", None)
     assert not native_available()
     floats = make_batch([1, 1], [5, 9], num_heads=4, num_kv_heads=2, head_size=16,
                         block_size=8, seed=9)  # fmt: skip

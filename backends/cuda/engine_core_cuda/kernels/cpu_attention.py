@@ -13,8 +13,8 @@ prefill chunks keep the torch path.
 The kernel is single-threaded; ``ctypes`` releases the GIL for the call, so with more than one
 torch thread the sequences are split among that many Python threads. It is built and cached by
 :mod:`~engine_core_cuda.kernels.cpu_native`; without a C compiler (or with
-``ENGINE_CORE_CPU_ATTENTION=torch``) :func:`decode_attention_native` is unavailable and the
-torch path runs.
+``ENGINE_CORE_CPU_ATTENTION=torch``, read at the first call in the process)
+:func:`decode_attention_native` is unavailable and the torch path runs.
 """
 
 from __future__ import annotations
@@ -130,12 +130,19 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
 }
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
+_loaded: ctypes.CDLL | None = None
+_resolved = False
 
 
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get(DISABLE_ENV, "").lower() == "torch":
-        return None
-    return cpu_native.load("paged_decode", _SOURCE, _SIGNATURES)
+    """The kernel's library, or None; resolved once per process (``ENGINE_CORE_CPU_ATTENTION``
+    is read then: a decode step asks once per layer)."""
+    global _loaded, _resolved
+    if not _resolved:
+        if os.environ.get(DISABLE_ENV, "").lower() != "torch":
+            _loaded = cpu_native.load("paged_decode", _SOURCE, _SIGNATURES)
+        _resolved = True
+    return _loaded
 
 
 def native_available() -> bool:
