@@ -21,19 +21,32 @@
    ``max_loras`` 4 for the binding cap), interleaved, median of the rounds: the per-step CPU
    cost ratio (target <= 1.05 where the cap does not bind).
 
-Usage: ``python bench/bench_lora.py [--part throughput|churn|step_cpu|all] [--rounds 5]
-[--json PATH]``.
+4. ``instructions`` (not in ``all``; needs ``valgrind``): the ``throughput`` loads counted in
+   CPU instructions instead of seconds, which a busy machine does not move: each configuration
+   runs in its own process under callgrind, once with one load and once with ``1 + --runs``
+   (after one warm-up load each), and the difference divided by ``--runs`` is one load's
+   instructions. The ratios (``max_loras`` 16 to LoRA off, 8 and 4 to LoRA off with the same
+   batch) are the engine's CPU cost of LoRA as such, for the whole stack in one process.
+   About 6 minutes on 2 cores.
+
+Usage: ``python bench/bench_lora.py [--part throughput|churn|step_cpu|all|instructions]
+[--rounds 5] [--runs 3] [--json PATH]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import gc
 import json
 import os
 import random
+import re
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -52,6 +65,19 @@ NUM_STREAMS = 256
 NUM_ADAPTERS = 16
 PROMPT_LEN = 32
 MAX_TOKENS = 64
+
+
+# The throughput part's configurations: (max_loras or None for LoRA off, max_num_seqs).
+LOADS: dict[str, tuple[int | None, int]] = {
+    "lora off": (None, NUM_STREAMS),
+    "max_loras 16": (16, NUM_STREAMS),
+    "max_loras 8": (8, NUM_STREAMS),
+    "off 128 seqs": (None, 8 * NUM_STREAMS // NUM_ADAPTERS),
+    "max_loras 4": (4, NUM_STREAMS),
+    "off 64 seqs": (None, 4 * NUM_STREAMS // NUM_ADAPTERS),
+}
+# Each LoRA configuration's control: LoRA off with the same batch (where the cap binds).
+CONTROLS = {"max_loras 16": "lora off", "max_loras 8": "off 128 seqs", "max_loras 4": "off 64 seqs"}
 
 
 def make_adapters(root: Path, n: int, first_id: int = 1) -> list[LoRARequest]:
@@ -117,21 +143,9 @@ def _backend(engine: AsyncLLM) -> Any:
 
 async def throughput(rounds: int, root: Path) -> dict[str, Any]:
     adapters = make_adapters(root, NUM_ADAPTERS)
-    per_adapter = NUM_STREAMS // NUM_ADAPTERS
-    configs: dict[str, int | None] = {
-        "lora off": None,
-        "max_loras 16": 16,
-        "max_loras 8": 8,
-        "max_loras 4": 4,
-        f"off {8 * per_adapter} seqs": None,
-        f"off {4 * per_adapter} seqs": None,
-    }
-    controls = {
-        "max_loras 8": f"off {8 * per_adapter} seqs",
-        "max_loras 4": f"off {4 * per_adapter} seqs",
-    }
-    seqs = {control: int(control.split()[1]) for control in controls.values()}
-    engines = {name: engine_for(m, seqs.get(name, NUM_STREAMS)) for name, m in configs.items()}
+    configs = {name: max_loras for name, (max_loras, _) in LOADS.items()}
+    controls = {name: control for name, control in CONTROLS.items() if control != "lora off"}
+    engines = {name: engine_for(*load) for name, load in LOADS.items()}
     results: dict[str, list[float]] = {name: [] for name in configs}
     async with contextlib.AsyncExitStack() as stack:
         for engine in engines.values():
@@ -318,13 +332,66 @@ def step_cpu(rounds: int) -> dict[str, Any]:
     return rows
 
 
+async def run_loads(name: str, runs: int) -> None:
+    """One warm-up load and ``runs`` more of configuration ``name`` (``--part _loads``)."""
+    max_loras, seqs = LOADS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = make_adapters(Path(tmp), NUM_ADAPTERS) if max_loras else None
+        async with engine_for(max_loras, seqs) as engine:
+            for seed in range(-1, runs):
+                _, _, failed = await run_load(engine, adapters, seed=seed)
+                assert failed == 0
+
+
+def instructions(runs: int) -> dict[str, Any]:
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise SystemExit("--part instructions needs valgrind (apt-get install valgrind)")
+
+    def count(name: str, num_loads: int) -> int:
+        command = [valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null"]
+        command += [sys.executable, __file__, "--part", "_loads", "--config", name]
+        command += ["--runs", str(num_loads)]
+        # One hash seed: set and dict orders, and so the work, are the same in every process.
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+        found = re.search(r"Collected : (\d+)", done.stderr)
+        if done.returncode != 0 or found is None:
+            raise RuntimeError(f"{name}: callgrind run failed:\n{done.stderr[-2000:]}")
+        return int(found.group(1))
+
+    jobs = [(name, n) for name in LOADS for n in (1, 1 + runs)]
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        counts = dict(zip(jobs, pool.map(lambda job: count(*job), jobs), strict=True))
+    per_load = {name: (counts[name, 1 + runs] - counts[name, 1]) / runs for name in LOADS}
+    rows: dict[str, Any] = {name: {"instructions_per_load": n} for name, n in per_load.items()}
+    print(f"instructions per load ({NUM_STREAMS} streams x {MAX_TOKENS} tokens), callgrind")
+    for name, n in per_load.items():
+        line = f"  {name:<13} {n / 1e6:>8.1f} M"
+        if name in CONTROLS:
+            ratio = n / per_load[CONTROLS[name]]
+            rows[name]["ratio_to_control"] = ratio
+            line += f"  x{ratio:.4f} of {CONTROLS[name]}"
+        print(line)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", default="all", choices=["throughput", "churn", "step_cpu", "all"])
+    parts = ["throughput", "churn", "step_cpu", "all", "instructions", "_loads"]
+    parser.add_argument("--part", default="all", choices=parts)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=3, help="loads counted (instructions)")
+    parser.add_argument("--config", default="lora off", choices=list(LOADS), help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.part == "_loads":  # one configuration's loads, run under callgrind
+        anyio.run(run_loads, args.config, args.runs)
+        return
     print(machine_line(), f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    if args.part == "instructions":
+        write_results(args.json, {"instructions": instructions(args.runs)})
+        return
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
