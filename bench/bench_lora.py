@@ -23,11 +23,11 @@
 
 4. ``instructions`` (not in ``all``; needs ``valgrind``): the ``throughput`` loads counted in
    CPU instructions instead of seconds, which a busy machine does not move: each configuration
-   runs in its own process under callgrind, once with one load and once with ``1 + --runs``
-   (after one warm-up load each), and the difference divided by ``--runs`` is one load's
-   instructions. The ratios (``max_loras`` 16 to LoRA off, 8 and 4 to LoRA off with the same
-   batch) are the engine's CPU cost of LoRA as such, for the whole stack in one process.
-   About 6 minutes on 2 cores.
+   runs in its own process under callgrind, one warm-up load and then ``--runs`` counted ones
+   (callgrind's counters zeroed before them and dumped after, through its client requests; a
+   small C helper built at the start). The ratios (``max_loras`` 16 to LoRA off, 8 and 4 to
+   LoRA off with the same batch) are the engine's CPU cost of LoRA as such, for the whole
+   stack in one process. About 3 minutes on 2 cores.
 
 Usage: ``python bench/bench_lora.py [--part throughput|churn|step_cpu|all|instructions]
 [--rounds 5] [--runs 3] [--json PATH]``.
@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import ctypes
 import gc
 import json
 import os
@@ -332,38 +333,61 @@ def step_cpu(rounds: int) -> dict[str, Any]:
     return rows
 
 
+_COUNTER_SOURCE = """
+#include <valgrind/callgrind.h>
+void counted_start(void) { CALLGRIND_ZERO_STATS; }
+void counted_end(void) { CALLGRIND_DUMP_STATS_AT("counted loads"); }
+"""
+COUNTER_ENV = "BENCH_LORA_COUNTER"
+"""The instructions part's helper library (callgrind's client requests), for ``_loads``."""
+
+
 async def run_loads(name: str, runs: int) -> None:
-    """One warm-up load and ``runs`` more of configuration ``name`` (``--part _loads``)."""
+    """One warm-up load, then ``runs`` counted ones of configuration ``name`` (``--part
+    _loads``): under callgrind, the counters are zeroed before them and dumped after, every
+    thread's included, so the warm-up (adapter loads, first-use caches) is not counted."""
     max_loras, seqs = LOADS[name]
+    counter = ctypes.CDLL(os.environ[COUNTER_ENV])
     with tempfile.TemporaryDirectory() as tmp:
         adapters = make_adapters(Path(tmp), NUM_ADAPTERS) if max_loras else None
         async with engine_for(max_loras, seqs) as engine:
-            for seed in range(-1, runs):
+            await run_load(engine, adapters, seed=-1)
+            gc.collect()
+            counter.counted_start()
+            for seed in range(runs):
                 _, _, failed = await run_load(engine, adapters, seed=seed)
                 assert failed == 0
+            counter.counted_end()
 
 
 def instructions(runs: int) -> dict[str, Any]:
-    valgrind = shutil.which("valgrind")
-    if valgrind is None:
-        raise SystemExit("--part instructions needs valgrind (apt-get install valgrind)")
-
-    def count(name: str, num_loads: int) -> int:
-        command = [valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null"]
-        command += [sys.executable, __file__, "--part", "_loads", "--config", name]
-        command += ["--runs", str(num_loads)]
+    valgrind, cc = shutil.which("valgrind"), shutil.which("cc") or shutil.which("gcc")
+    if valgrind is None or cc is None:
+        raise SystemExit("--part instructions needs valgrind and a C compiler")
+    with tempfile.TemporaryDirectory() as tmp:
+        source, library = Path(tmp, "counter.c"), Path(tmp, "counter.so")
+        source.write_text(_COUNTER_SOURCE)
+        built = subprocess.run([cc, "-shared", "-fPIC", "-o", library, source], check=False)
+        if built.returncode != 0:
+            raise SystemExit("could not build the callgrind helper (is valgrind's header there?)")
         # One hash seed: set and dict orders, and so the work, are the same in every process.
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
-        done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-        found = re.search(r"Collected : (\d+)", done.stderr)
-        if done.returncode != 0 or found is None:
-            raise RuntimeError(f"{name}: callgrind run failed:\n{done.stderr[-2000:]}")
-        return int(found.group(1))
+        env = {**os.environ, "PYTHONHASHSEED": "0", COUNTER_ENV: str(library)}
 
-    jobs = [(name, n) for name in LOADS for n in (1, 1 + runs)]
-    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        counts = dict(zip(jobs, pool.map(lambda job: count(*job), jobs), strict=True))
-    per_load = {name: (counts[name, 1 + runs] - counts[name, 1]) / runs for name in LOADS}
+        def count(name: str) -> int:
+            out = Path(tmp, name.replace(" ", "_") + ".out")
+            command = [valgrind, "--tool=callgrind", f"--callgrind-out-file={out}"]
+            command += [sys.executable, __file__, "--part", "_loads", "--config", name]
+            command += ["--runs", str(runs)]
+            done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+            dump = Path(f"{out}.1")  # the dump of the counted loads
+            found = re.search(r"^totals: (\d+)", dump.read_text(), re.M) if dump.exists() else None
+            if done.returncode != 0 or found is None:
+                raise RuntimeError(f"{name}: callgrind run failed:\n{done.stderr[-2000:]}")
+            return int(found.group(1))
+
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            totals = dict(zip(LOADS, pool.map(count, LOADS), strict=True))
+    per_load = {name: total / runs for name, total in totals.items()}
     rows: dict[str, Any] = {name: {"instructions_per_load": n} for name, n in per_load.items()}
     print(f"instructions per load ({NUM_STREAMS} streams x {MAX_TOKENS} tokens), callgrind")
     for name, n in per_load.items():
