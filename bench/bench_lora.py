@@ -10,8 +10,11 @@
    16 the cap never binds: that ratio is the scheduling overhead. With 4 and 8 requests of
    other adapters wait for a slot (by design), so steps are smaller and tok/s lower: their
    overhead is measured against LoRA off with the same batch (``max_num_seqs`` =
-   ``max_loras`` x the streams per adapter, 64 and 128), run in the same rounds. After each
-   run the most adapters any step had is checked against ``max_loras`` (asserted).
+   ``max_loras`` x the streams per adapter, 64 and 128), run in the same rounds. The streams
+   take the adapters in turn, so a bound cap's batch is four (eight) of every sixteen requests
+   in arrival order; ``max_loras 4 grouped`` gives neighbouring streams the same adapter, so
+   its batch is requests that arrived together, as the control's is. After each run the most
+   adapters any step had is checked against ``max_loras`` (asserted).
 2. ``churn``: the ``max_loras`` 8 load while a task loads a new adapter, runs requests with
    it, removes it, and removes adapters that running requests use (they finish; the next
    request of that adapter loads it again), over and over. Failed requests are counted
@@ -76,9 +79,29 @@ LOADS: dict[str, tuple[int | None, int]] = {
     "off 128 seqs": (None, 8 * NUM_STREAMS // NUM_ADAPTERS),
     "max_loras 4": (4, NUM_STREAMS),
     "off 64 seqs": (None, 4 * NUM_STREAMS // NUM_ADAPTERS),
+    "max_loras 4 grouped": (4, NUM_STREAMS),
 }
+GROUPED = {"max_loras 4 grouped"}
+"""Loads whose streams of one adapter are neighbours (stream i runs adapter i // 16; the others
+take the adapters in turn): a bound cap's batch is then requests that arrived together, as the
+control's is, rather than four of every sixteen."""
 # Each LoRA configuration's control: LoRA off with the same batch (where the cap binds).
-CONTROLS = {"max_loras 16": "lora off", "max_loras 8": "off 128 seqs", "max_loras 4": "off 64 seqs"}
+CONTROLS = {
+    "max_loras 16": "lora off",
+    "max_loras 8": "off 128 seqs",
+    "max_loras 4": "off 64 seqs",
+    "max_loras 4 grouped": "off 64 seqs",
+}
+
+
+def adapters_for(name: str, adapters: list[LoRARequest]) -> list[LoRARequest] | None:
+    """What ``run_load`` gives load ``name``'s streams (stream i takes entry i mod its
+    length): None for LoRA off."""
+    if LOADS[name][0] is None:
+        return None
+    if name in GROUPED:
+        return [adapters[i * len(adapters) // NUM_STREAMS] for i in range(NUM_STREAMS)]
+    return adapters
 
 
 def make_adapters(root: Path, n: int, first_id: int = 1) -> list[LoRARequest]:
@@ -130,7 +153,7 @@ async def run_load(
                     failed += 1
                 tokens += len(out.outputs[0].token_ids)
 
-    gc.collect()  # each run starts from the same heap (four engines share this process)
+    gc.collect()  # each run starts from the same heap (the engines share this process)
     start = time.perf_counter()
     async with anyio.create_task_group() as tg:
         for i in range(NUM_STREAMS):
@@ -152,14 +175,14 @@ async def throughput(rounds: int, root: Path) -> dict[str, Any]:
         for engine in engines.values():
             await stack.enter_async_context(engine)
         for name, engine in engines.items():  # warm up (adapters loaded, caches filled)
-            await run_load(engine, adapters if configs[name] else None, seed=-1)
+            await run_load(engine, adapters_for(name, adapters), seed=-1)
         for r in range(rounds):
             order = list(configs)
             random.Random(r).shuffle(order)
             for name in order:
                 engine = engines[name]
                 tokens, seconds, failed = await run_load(
-                    engine, adapters if configs[name] else None, seed=r
+                    engine, adapters_for(name, adapters), seed=r
                 )
                 assert failed == 0, f"{name}: {failed} requests failed"
                 assert tokens == NUM_STREAMS * MAX_TOKENS
@@ -190,7 +213,7 @@ async def throughput(rounds: int, root: Path) -> dict[str, Any]:
     print(f"throughput: {NUM_STREAMS} streams over {NUM_ADAPTERS} adapters, median of {rounds}")
     for name, row in rows.items():
         print(
-            f"  {name:<13} {row['tok_s_median']:>9.0f} tok/s  x{row['ratio_to_lora_off']:.3f}"
+            f"  {name:<19} {row['tok_s_median']:>9.0f} tok/s  x{row['ratio_to_lora_off']:.3f}"
             f"  most adapters in a step {row['most_adapters_in_a_step']}"
             + (
                 f"  x{row['ratio_to_same_batch']:.3f} vs {controls[name]}"
@@ -327,7 +350,7 @@ def step_cpu(rounds: int) -> dict[str, Any]:
     print(f"step_cpu (W1, scheduler alone), median of {rounds} interleaved rounds")
     for name, row in rows.items():
         print(
-            f"  {name:<13} {row['step_us_median']:>7.0f} us/step x{row['step_ratio']:.3f}  "
+            f"  {name:<19} {row['step_us_median']:>7.0f} us/step x{row['step_ratio']:.3f}  "
             f"{row['token_us_median']:>6.2f} us/token x{row['token_ratio']:.3f}"
         )
     return rows
@@ -349,7 +372,7 @@ async def run_loads(name: str, runs: int) -> None:
     max_loras, seqs = LOADS[name]
     counter = ctypes.CDLL(os.environ[COUNTER_ENV])
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = make_adapters(Path(tmp), NUM_ADAPTERS) if max_loras else None
+        adapters = adapters_for(name, make_adapters(Path(tmp), NUM_ADAPTERS))
         async with engine_for(max_loras, seqs) as engine:
             await run_load(engine, adapters, seed=-1)
             gc.collect()
@@ -391,7 +414,7 @@ def instructions(runs: int) -> dict[str, Any]:
     rows: dict[str, Any] = {name: {"instructions_per_load": n} for name, n in per_load.items()}
     print(f"instructions per load ({NUM_STREAMS} streams x {MAX_TOKENS} tokens), callgrind")
     for name, n in per_load.items():
-        line = f"  {name:<13} {n / 1e6:>8.1f} M"
+        line = f"  {name:<19} {n / 1e6:>8.1f} M"
         if name in CONTROLS:
             ratio = n / per_load[CONTROLS[name]]
             rows[name]["ratio_to_control"] = ratio
