@@ -172,12 +172,8 @@ class FCFSQueue(RequestQueue):
 
     def add_front_all(self, requests: list[Request]) -> None:
         self._queue.extendleft(reversed(requests))
-        counts = self.lora_counts
         for request in requests:
-            lora_id = request.lora_int_id
-            if lora_id:
-                counts[lora_id] = counts.get(lora_id, 0) + 1
-                self.num_lora += 1
+            self._counted_in(request)
 
     def take_capped(
         self, running: Container[int], ready: Container[int], limit: int

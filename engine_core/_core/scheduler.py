@@ -488,8 +488,6 @@ class Scheduler:
         running = self.running
         skipped: list[Request] = []
         blocked: list[tuple[Request, int]] = []
-        # Requests set aside for an adapter slot, each run with the number admitted before it.
-        capped_runs: list[tuple[list[Request], int]] = []
         # Tokens to compute of the smallest request whose blocks were not free this step (one
         # with as many cannot fit either: not tried), and how many allocations failed.
         smallest_blocked = -1
@@ -528,13 +526,16 @@ class Scheduler:
                     # max_loras other adapters run: it waits for one of them to end. Those
                     # behind it of a running adapter go first, for at most max_bypass_steps.
                     # It and the capped requests right behind it are set aside in one go.
+                    # NOTE: take_capped's test (request_queue._waits_for_a_slot) is the checks
+                    # above that lead here: a new reason to skip a request belongs in both.
                     if request.num_bypassed_steps >= config.max_bypass_steps:
                         break
                     run = [waiting.pop()]
                     run += waiting.take_capped(
                         lora_running, self.lora_ready, config.max_bypass_steps
                     )
-                    capped_runs.append((run, len(admitted)))
+                    num_admitted = len(admitted)
+                    blocked.extend((r, num_admitted) for r in run)
                     skipped += run
                     capped -= len(run)
                     continue
@@ -631,10 +632,6 @@ class Scheduler:
         for request, num_admitted_before in blocked:
             if len(admitted) > num_admitted_before:
                 request.num_bypassed_steps += 1
-        for run, num_admitted_before in capped_runs:
-            if len(admitted) > num_admitted_before:
-                for request in run:
-                    request.num_bypassed_steps += 1
         if skipped:
             waiting.add_front_all(skipped)
         return budget
