@@ -128,10 +128,10 @@ def pack_cpu_linears(
     row count the layout is chosen for. A packed copy is kept beside the weight (which stays for
     everything else that reads it); float32 weights of fewer than ``min_elements`` (default
     :data:`PACK_MIN_ELEMENTS`) stay unpacked, and a packed float32 weight serves only
-    :data:`PACKED_ROWS` (``F.linear`` the rest). Returns how many were packed; none when oneDNN is unavailable or
-    ``ENGINE_CORE_CPU_LINEAR=torch``. bfloat16 weights are packed only where oneDNN has a
-    bfloat16 path on this CPU (AVX512-BW/VL/DQ or AVX-NE-CONVERT): on an AVX2-only CPU the
-    reorder raises, so those stay on ``F.linear``."""
+    :data:`PACKED_ROWS` (``F.linear`` the rest). Returns how many were packed; none when oneDNN
+    is unavailable or ``ENGINE_CORE_CPU_LINEAR=torch``. bfloat16 weights are packed only where
+    oneDNN has a bfloat16 path on this CPU (AVX512-BW/VL/DQ or AVX-NE-CONVERT): on an AVX2-only
+    CPU the reorder raises, so those stay on ``F.linear``."""
     import os
 
     if (
