@@ -21,7 +21,8 @@ What is counted:
   ``backends/mock/engine_core_mock/``, from the first step of the traced ``generate`` to its
   end. Calls into the standard library, third-party code (anyio, msgspec) and this script are
   not recorded, but the project code they call is (msgspec decoding a ``SamplingParams`` runs
-  its ``__post_init__``);
+  its ``__post_init__``). A comprehension or generator expression is code of the function it
+  is written in, not a call (what it calls is called from that function), on every Python;
 - the hops: consecutive calls in the same file collapse into one visit; the hops are the
   changes of file between visits (visits - 1).
 
@@ -70,6 +71,12 @@ ROOTS = {
 }
 """The project's files (absolute directory -> the name shown)."""
 
+COMPREHENSIONS = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"})
+"""The names of the code objects of comprehensions and generator expressions. They are read as
+code of the function they are written in: no call of their own, and what they call is called
+from that function (Python 3.12 runs comprehensions inline, PEP 709, where 3.11 gives each a
+frame; the figures do not depend on which one runs them)."""
+
 
 def _shown(filename: str) -> str | None:
     """The file's name relative to the repository, or None for a file not the project's."""
@@ -114,11 +121,15 @@ class _Tracer:
         if event != "call":
             return
         code = frame.f_code
+        if code.co_name in COMPREHENSIONS:
+            return
         name = self._name(code.co_filename)
         if name is None:
             return
         caller = None
         below = frame.f_back
+        while below is not None and below.f_code.co_name in COMPREHENSIONS:
+            below = below.f_back  # its calls are those of the function it is written in
         while below is not None:
             caller = self._name(below.f_code.co_filename)
             if caller is not None:

@@ -77,3 +77,27 @@ async def test_the_traced_trip_reaches_the_mock_and_comes_back() -> None:
     ):
         assert room in sequence
     assert figures["hops"] == len(sequence) - 1 > figures["first_call_hops"]
+
+
+def _leaf(x: int) -> int:
+    return x
+
+
+def _outer() -> list[int]:
+    return [_leaf(i) for i in range(2)] + list(_leaf(i) for i in range(1))
+
+
+def test_comprehensions_are_code_of_their_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    script = load_script()
+    here = Path(__file__).resolve().parent
+    monkeypatch.setitem(script.ROOTS, str(here), "tests/engine")
+    tracer = script._Tracer()
+    tracer.on()
+    try:
+        _outer()
+    finally:
+        tracer.off()
+    recorded = [(c.function.split(":")[0], c.parent) for c in tracer.calls]
+    # No comprehension's own frame (Python 3.11 has one): the leaves are called from _outer.
+    assert recorded == [("_outer", None), ("_leaf", 0), ("_leaf", 0), ("_leaf", 0)]
+    assert {c.caller for c in tracer.calls[1:]} == {"tests/engine/test_trace_hops.py"}
