@@ -55,7 +55,7 @@ ENTRY_POINT_GROUP = "engine_core.kv_connectors"
 """The entry-point group of connector plugins (each names a :class:`KVConnectorProvider`)."""
 
 
-# -- wire types -------------------------------------------------------------------------------------
+# -- wire types ----------------------------------------------------------------------------------
 
 
 class KVTransfer(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -196,7 +196,7 @@ class KVConnectorLayout(msgspec.Struct, frozen=True, kw_only=True):
         return len(self.kv_groups)
 
 
-# -- the scheduler half -----------------------------------------------------------------------------
+# -- the scheduler half --------------------------------------------------------------------------
 
 
 class ConnectorRequest(Protocol):
@@ -321,7 +321,7 @@ class ConnectorStep:
         return self._tables(self.scheduled[index])
 
 
-# -- the worker half --------------------------------------------------------------------------------
+# -- the worker half -----------------------------------------------------------------------------
 
 
 class KVConnectorWorker(abc.ABC):
@@ -364,7 +364,7 @@ class KVConnectorWorker(abc.ABC):
         """Release everything (buffers, streams, threads); called once."""
 
 
-# -- discovery --------------------------------------------------------------------------------------
+# -- discovery -----------------------------------------------------------------------------------
 
 
 @runtime_checkable

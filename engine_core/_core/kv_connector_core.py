@@ -147,7 +147,7 @@ class ConnectorCore:
         """Requests the connector's errors ended: it is not called for them again."""
         self._closed = False
 
-    # -- state ------------------------------------------------------------------------------------
+    # -- state ----------------------------------------------------------------------------------
 
     @property
     def needs_step(self) -> bool:
@@ -182,7 +182,7 @@ class ConnectorCore:
             logger.warning("KV connector %r: %s raised %r", self.name, what, exc)
             return False, f"KV connector {self.name!r}: {what} raised {type(exc).__name__}: {exc}"
 
-    # -- admission ----------------------------------------------------------------------------------
+    # -- admission ------------------------------------------------------------------------------
 
     def try_park(
         self,
@@ -357,7 +357,7 @@ class ConnectorCore:
             report = KVConnectorReport(failed_saves=expired)
             self._guard("on_report", lambda: self.connector.on_report(report))
 
-    # -- pins ---------------------------------------------------------------------------------------
+    # -- pins -----------------------------------------------------------------------------------
 
     def _pin_ids(self, transfer_id: str, block_ids: list[list[int]]) -> None:
         """Take an extra reference on each block (per group, keeping the grouped manager's
@@ -388,7 +388,7 @@ class ConnectorCore:
                 if in_use is not None and g < len(in_use):
                     in_use[g] -= pool.num_free_blocks - free_before
 
-    # -- steps --------------------------------------------------------------------------------------
+    # -- steps ----------------------------------------------------------------------------------
 
     def build(
         self,
@@ -504,7 +504,7 @@ class ConnectorCore:
                     break
         return None if first is None else first * bs
 
-    # -- ends -----------------------------------------------------------------------------------------
+    # -- ends -----------------------------------------------------------------------------------
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         """``request`` ended (its blocks are about to be freed): cancel its load, hold its

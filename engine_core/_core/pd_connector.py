@@ -1,14 +1,14 @@
 """The ``"pd"`` KV connector: prefill/decode disaggregation between engines on one host
 (``docs/disaggregation.md``).
 
-A prefill engine computes a prompt and its first token; when the request finishes (it was sent
-with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": True}``) its full prompt
-blocks are **exported**: held under a lease (the core's late free) and published in the
-engine's **handoff segment**, a shared-memory segment of this host; the transfer parameters
-(machine, segment, block ids, epoch, export slot) go back to the client with the first token. The client sends the
-request, the parameters and the first token to a decode engine, whose connector offers those
-blocks at admission, parks the request while its worker half pulls them, and confirms: the
-prefill engine's worker half sees the confirmation and the core frees the blocks.
+A prefill engine computes a prompt and its first token; when the request finishes (it was sent with
+``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": True}``) its full prompt blocks are
+**exported**: held under a lease (the core's late free) and published in the engine's **handoff
+segment**, a shared-memory segment of this host; the transfer parameters (machine, segment, block
+ids, epoch, export slot) go back to the client with the first token. The client sends the request,
+the parameters and the first token to a decode engine, whose connector offers those blocks at
+admission, parks the request while its worker half pulls them, and confirms: the prefill engine's
+worker half sees the confirmation and the core frees the blocks.
 
 The handoff segment (one per engine, named by :func:`segment_name`), arrays of ``num_blocks``
 64-bit words each:

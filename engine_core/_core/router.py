@@ -9,9 +9,9 @@ Policy ``"prefix"``: among the live engines within a balance window of the least
 requests at most ``balance_abs`` more, or ``balance_rel`` times as many) that have room for the
 request's uncached blocks, the one holding the longest prefix wins (ties: fewer in flight, fewer
 prefill tokens pending, then a stable hash). A prompt cached nowhere (a cold prefix) goes where a
-rendezvous hash of its first block says among the least loaded (within one request), so
-identical cold prompts meet while unrelated ones spread. ``"least_loaded"`` and ``"round_robin"`` ignore prefixes.
-A request may pin an engine.
+rendezvous hash of its first block says among the least loaded (within one request), so identical
+cold prompts meet while unrelated ones spread. ``"least_loaded"`` and ``"round_robin"`` ignore
+prefixes. A request may pin an engine.
 
 Engines with a host KV tier also report the blocks it holds (``KVEvents.host_stored``): a block
 in an engine's host tier continues that engine's prefix past its device hit, counted as a cheaper

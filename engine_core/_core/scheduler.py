@@ -1,13 +1,13 @@
 """The token-budget scheduler.
 
 One idea: each step every request tries to make ``num_computed_tokens`` catch up with its
-``num_tokens`` within one budget of tokens per step. Prefill chunks, decodes, prefix-cache hits
-and resumed preemptions are all the same computation. Running requests are served first (in
-admission order), then waiting ones are admitted while the budget, the sequence cap and the free
-blocks allow. Under KV pressure the rules of ``admission`` (refusals, bypass, partial prefills)
-and the victim policies of ``preemption`` apply. With speculative decoding a decoding request may also verify drafts, which count in
-the budget and are rolled back when rejected (``drafts``: where they come from and how
-many).
+``num_tokens`` within one budget of tokens per step. Prefill chunks, decodes, prefix-cache hits and
+resumed preemptions are all the same computation. Running requests are served first (in admission
+order), then waiting ones are admitted while the budget, the sequence cap and the free blocks allow.
+Under KV pressure the rules of ``admission`` (refusals, bypass, partial prefills) and the victim
+policies of ``preemption`` apply. With speculative decoding a decoding request may also verify
+drafts, which count in the budget and are rolled back when rejected (``drafts``: where they come
+from and how many).
 
 Pure, synchronous logic: no event loop, sockets or tensors.
 """

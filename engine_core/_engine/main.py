@@ -1,18 +1,17 @@
 """The engine-core process around one :class:`EngineCoreProc`.
 
-The process is a fresh interpreter running ``python -m engine_core._engine`` (see ``mp.launcher``), so
-it never imports its parent's ``__main__``. :func:`main` reads its command line: the client's
+The process is a fresh interpreter running ``python -m engine_core._engine`` (see ``mp.launcher``),
+so it never imports its parent's ``__main__``. :func:`main` reads its command line: the client's
 output address, the input address to bind, and the descriptor of its end of a socket pair whose
-other end the parent holds. :func:`run_engine_core` connects the output pipe, binds the input
-pipe (see ``pipes``) and says :class:`~engine_core._engine.wire.Hello`; the client answers with the
-configuration (:class:`~engine_core._engine.wire.Startup`, msgspec, nothing pickled). It then
-builds the engine core (backend, KV spec, block count, allocation) in a worker thread, sends
-``Ready`` and serves, with a heartbeat while it has work (``engine_heartbeat_timeout_s``).
-Under asyncio it serves on uvloop where installed, as the front end does (``runtime``): waking
-on a request costs a plain asyncio loop ~20 us more. It exits
-by itself when its parent dies (its end of the pair reads end-of-file), shuts down cleanly on
-SIGTERM or a ``Shutdown`` message, and reports a fatal error as an ``EngineDead`` message before
-exiting with status 1.
+other end the parent holds. :func:`run_engine_core` connects the output pipe, binds the input pipe
+(see ``pipes``) and says :class:`~engine_core._engine.wire.Hello`; the client answers with the
+configuration (:class:`~engine_core._engine.wire.Startup`, msgspec, nothing pickled). It then builds
+the engine core (backend, KV spec, block count, allocation) in a worker thread, sends ``Ready`` and
+serves, with a heartbeat while it has work (``engine_heartbeat_timeout_s``). Under asyncio it serves
+on uvloop where installed, as the front end does (``runtime``): waking on a request costs a plain
+asyncio loop ~20 us more. It exits by itself when its parent dies (its end of the pair reads
+end-of-file), shuts down cleanly on SIGTERM or a ``Shutdown`` message, and reports a fatal error as
+an ``EngineDead`` message before exiting with status 1.
 
 An engine placed on another machine (by Ray, see ``ray.launch``) gets the deployment's CURVE
 keys in its environment (``ENGINE_CORE_DIAL_KEYS``, removed at once, never on the command line):

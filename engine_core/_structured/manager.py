@@ -1,15 +1,14 @@
 """``StructuredOutputManager``: grammars of constrained requests, compiled off the engine's
 thread and cached, and the token bitmask of each step.
 
-Compilation: a constrained request enters the scheduler as WAITING_FOR_GRAMMAR (the waiting
-scan passes over it) and its grammar is compiled in a small thread pool. Compiled grammars are
-cached by :class:`~engine_core._structured.grammar.GrammarSpec` (failures too, so a bad schema sent again
-fails at once); a request whose spec is cached gets a copy of the cached matcher without
-waiting, and requests whose spec is being compiled share that compilation. :meth:`poll`, called
-by the engine before each schedule, hands over finished compilations: the request moves to
-WAITING, or ends with an error when its grammar failed to compile or did not compile within
-``compile_timeout_s`` (a compilation cannot be interrupted: when it ends later its result still
-fills the cache).
+Compilation: a constrained request enters the scheduler as WAITING_FOR_GRAMMAR (the waiting scan
+passes over it) and its grammar is compiled in a small thread pool. Compiled grammars are cached by
+:class:`~engine_core._structured.grammar.GrammarSpec` (failures too, so a bad schema sent again
+fails at once); a request whose spec is cached gets a copy of the cached matcher without waiting,
+and requests whose spec is being compiled share that compilation. :meth:`poll`, called by the engine
+before each schedule, hands over finished compilations: the request moves to WAITING, or ends with
+an error when its grammar failed to compile or did not compile within ``compile_timeout_s`` (a
+compilation cannot be interrupted: when it ends later its result still fills the cache).
 
 Bitmask: one row per constrained request that samples a token this step, in batch order (see
 :meth:`engine_core.abc.Backend.sample_tokens`), filled by llguidance, which releases the GIL, so

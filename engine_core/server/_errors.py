@@ -100,11 +100,11 @@ def api_error_from(
     grammar_field: str = "structured_outputs",
     admitting: bool,
 ) -> APIError | None:
-    """The HTTP error for an exception ``AsyncLLM.generate`` raised about a request (None: not
-    one, a server error). ``admitting``: no output has come yet, so a ``ValueError`` or
-    ``TypeError`` is ``generate`` refusing an argument (a 400 naming the field of ``fields`` it
-    names); later one is a bug, not the client's. An invalid request the engine refused names
-    ``stop_token_ids`` or ``logit_bias``, ``grammar_field`` (its grammar failed) or else ``prompt_field``."""
+    """The HTTP error for an exception ``AsyncLLM.generate`` raised about a request (None: not one,
+    a server error). ``admitting``: no output has come yet, so a ``ValueError`` or ``TypeError`` is
+    ``generate`` refusing an argument (a 400 naming the field of ``fields`` it names); later one is
+    a bug, not the client's. An invalid request the engine refused names ``stop_token_ids`` or
+    ``logit_bias``, ``grammar_field`` (its grammar failed) or else ``prompt_field``."""
     if isinstance(exc, RetryableRequestError):
         return APIError(503, str(exc), type="service_unavailable", code="retry_later")
     if isinstance(exc, UnknownLoRAError):

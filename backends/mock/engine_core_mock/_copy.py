@@ -59,7 +59,8 @@ def parse_copy(value: Any) -> CopyRule | None:
         or not 0 <= fraction <= 1
     ):
         raise ValueError(
-            f"backend_options['copy_prompt']['fraction'] must be a number in [0, 1], got {fraction!r}"
+            "backend_options['copy_prompt']['fraction'] must be a number in [0, 1], "
+            f"got {fraction!r}"
         )
     if not isinstance(period, int) or isinstance(period, bool) or period < 1:
         raise ValueError(

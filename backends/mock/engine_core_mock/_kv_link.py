@@ -8,14 +8,14 @@
   other, as on a full-duplex PCIe link);
 - ``host_memory_bytes``: the host memory the mock pretends it can pin (default: what this
   machine has available); a larger ``kv_offload_bytes`` is a startup error;
-- ``fault``: ``{"kind": "drop" | "corrupt" | "late", "probability": p, "seed": s}`` injected
-  per transfer, on loads (``"on": "loads"``, the default), saves (``"saves"``) or both. ``drop``: the load delivers
-  nothing, reported failed; ``corrupt``: the bytes are wrong and the checksum catches it
-  (reported failed; with ``"detect": False`` it does not, and the block ledger then raises when
-  the block is read as computed: a wrong block never passes silently); ``late``: the transfer
-  ends ``late_s`` (default 1.0) later, past the worker's ``deadline_s`` (default 0.25), so it
-  is reported failed at its deadline and its data never lands; ``raise``: the worker half
-  raises (a backend error: the engine dies with it as the cause).
+- ``fault``: ``{"kind": "drop" | "corrupt" | "late", "probability": p, "seed": s}`` injected per
+  transfer, on loads (``"on": "loads"``, the default), saves (``"saves"``) or both. ``drop``: the
+  load delivers nothing, reported failed; ``corrupt``: the bytes are wrong and the checksum catches
+  it (reported failed; with ``"detect": False`` it does not, and the block ledger then raises when
+  the block is read as computed: a wrong block never passes silently); ``late``: the transfer ends
+  ``late_s`` (default 1.0) later, past the worker's ``deadline_s`` (default 0.25), so it is reported
+  failed at its deadline and its data never lands; ``raise``: the worker half raises (a backend
+  error: the engine dies with it as the cause).
 - ``deadline_s``: the longest a load may take before it is reported failed.
 
 Bookkeeping only: the pool allocates no memory for the blocks. Each host slot keeps the block
@@ -210,7 +210,7 @@ class MockHostWorker(KVConnectorWorker):
             raise TypeError(f"the mock's host tier registers a BlockLedger, got {kv_caches!r}")
         self._ledger = kv_caches
 
-    # -- steps --------------------------------------------------------------------------------------
+    # -- steps ----------------------------------------------------------------------------------
 
     def _draw(self, *, is_load: bool) -> str | None:
         fault = self.options.fault

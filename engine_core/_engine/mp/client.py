@@ -16,17 +16,17 @@ reply arrives; so ``AsyncLLM``'s output handler, looping on :meth:`get_output_as
 delivers the replies its control calls wait for. A sync method and its async twin share all but
 the send or the read.
 
-Liveness. A thread watches the process. When the process ends it records the exit code (from
-then on every call raises :class:`EngineDeadError`) and sends a death notice into the client's
-own output pipe, which wakes whoever is reading. A process that dies of an error first sends
-its own notice with the exception, which becomes the error's cause. Whatever the engine sent
-before it ended is read before the end is (its last outputs, its notice), however far behind
-the reader is (see ``inbox``): a SIGTERM's final "abort" outputs reach their requests. Hung steps are caught in the
-engine (``step_timeout_s``), which then dies the same way. A frozen process (stopped, deadlocked,
-a step holding the GIL) cannot report anything: while requests are in flight or a call waits
-for its reply, the engine sends something (outputs, else a heartbeat) at least every 2/5 of
-``engine_heartbeat_timeout_s``, and the same watch thread keeps the clock (see ``inbox``). After
-a silence that long the client declares the engine dead and SIGKILLs the process. ``AsyncLLM``
+Liveness. A thread watches the process. When the process ends it records the exit code (from then on
+every call raises :class:`EngineDeadError`) and sends a death notice into the client's own output
+pipe, which wakes whoever is reading. A process that dies of an error first sends its own notice
+with the exception, which becomes the error's cause. Whatever the engine sent before it ended is
+read before the end is (its last outputs, its notice), however far behind the reader is (see
+``inbox``): a SIGTERM's final "abort" outputs reach their requests. Hung steps are caught in the
+engine (``step_timeout_s``), which then dies the same way. A frozen process (stopped, deadlocked, a
+step holding the GIL) cannot report anything: while requests are in flight or a call waits for its
+reply, the engine sends something (outputs, else a heartbeat) at least every 2/5 of
+``engine_heartbeat_timeout_s``, and the same watch thread keeps the clock (see ``inbox``). After a
+silence that long the client declares the engine dead and SIGKILLs the process. ``AsyncLLM``
 therefore needs no separate watch task: its output handler's :meth:`get_output_async` raises
 :class:`EngineDeadError` within the grace period (0.1 s) of a death, and within
 ``engine_heartbeat_timeout_s`` of a freeze.
@@ -123,11 +123,11 @@ class MPClient(EngineCoreClient):
 
     ``MPClient(config)`` starts the process and blocks until it is ready (or raises: the error
     names the backend's exception and the exit status; ``TimeoutError`` after
-    ``config.startup_timeout_s``). The pipes are Unix stream sockets at paths in a private
-    directory (``transport="zmq-ipc"``: ZMQ ``ipc://`` sockets there), or with
-    ``transport="tcp"`` ZMQ sockets on ports of ``host``. Use it as a (async) context manager, or call
-    :meth:`shutdown` / :meth:`shutdown_async`: in-flight requests then end with finish_reason
-    "abort" and the process exits.
+    ``config.startup_timeout_s``). The pipes are Unix stream sockets at paths in a private directory
+    (``transport="zmq-ipc"``: ZMQ ``ipc://`` sockets there), or with ``transport="tcp"`` ZMQ sockets
+    on ports of ``host``. Use it as a (async) context manager, or call :meth:`shutdown` /
+    :meth:`shutdown_async`: in-flight requests then end with finish_reason "abort" and the process
+    exits.
     """
 
     info: EngineInfo

@@ -9,13 +9,14 @@ inbox, liveness and failover logic do not depend on which launcher it got.
 :class:`LocalLauncher` (the default) starts a child process on this machine (below);
 ``ray.launch`` places the engine on a Ray cluster.
 
-What the local launcher starts: :class:`ClientSockets` binds the client's output pipe (the engine connects to it);
-:class:`EngineProcess` starts a fresh interpreter running ``python -m engine_core._engine`` (see
-``main``): unlike ``multiprocessing``'s spawn it never imports the caller's ``__main__``, so a
-script without an ``if __name__ == "__main__":`` guard, ``python -c``, a script on standard
-input, a notebook and the REPL all work. Its command line holds only addresses; the
-configuration goes over the socket (``Hello``, ``Startup``). The interpreter gets the caller's
-``sys.path`` (as ``PYTHONPATH``), so it imports the same ``engine_core`` and backends.
+What the local launcher starts: :class:`ClientSockets` binds the client's output pipe (the engine
+connects to it); :class:`EngineProcess` starts a fresh interpreter running
+``python -m engine_core._engine`` (see ``main``): unlike ``multiprocessing``'s spawn it never
+imports the caller's ``__main__``, so a script without an ``if __name__ == "__main__":`` guard,
+``python -c``, a script on standard input, a notebook and the REPL all work. Its command line holds
+only addresses; the configuration goes over the socket (``Hello``, ``Startup``). The interpreter
+gets the caller's ``sys.path`` (as ``PYTHONPATH``), so it imports the same ``engine_core`` and
+backends.
 
 Each process holds one end of a socket pair: it reads end-of-file when the other process is gone,
 so the engine exits when its parent dies and a thread here learns of the engine's exit. That

@@ -6,8 +6,8 @@ implementation by the address's scheme:
 
 - ``unix://PATH``: length-prefixed frames on a Unix stream socket (``pipes.unix``), the default
   on one host (Linux): one ``send`` and one ``recv`` per message, no thread hop;
-- ``tcp://HOST:PORT`` and ``ipc://PATH``: ZMQ PUSH/PULL sockets (``pipes.addresses``), for engines on
-  another host, and on one host where there is no epoll (or ``ENGINE_CORE_IPC_TRANSPORT=zmq``).
+- ``tcp://HOST:PORT`` and ``ipc://PATH``: ZMQ PUSH/PULL sockets (``pipes.addresses``), for engines
+  on another host, and on one host where there is no epoll (or ``ENGINE_CORE_IPC_TRANSPORT=zmq``).
 
 Either way the client's output pipe takes frames that other threads of its own process
 :meth:`Receiver.post` (death and silence notices), and the engine's output pipe is bounded: a

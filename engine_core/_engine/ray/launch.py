@@ -1,11 +1,11 @@
 """Engines placed by Ray: ``data_parallel_backend="ray"``.
 
-Ray does placement and lifecycle only. :class:`RayDeployment` joins the cluster (or starts a
-local one), makes the deployment's CURVE keys and gives each engine a placement group of its own
-(one bundle, see ``ray.placement``), waiting at most ``placement_timeout_s`` before failing with
-what was asked and what the cluster has. :class:`RayLauncher` is the ``MPClient`` launcher of one
-engine: the driver binds two TCP sockets (``pipes.dial``: CURVE servers that admit only the
-deployment's client key), and an actor in the engine's placement group starts the usual engine-core process
+Ray does placement and lifecycle only. :class:`RayDeployment` joins the cluster (or starts a local
+one), makes the deployment's CURVE keys and gives each engine a placement group of its own (one
+bundle, see ``ray.placement``), waiting at most ``placement_timeout_s`` before failing with what was
+asked and what the cluster has. :class:`RayLauncher` is the ``MPClient`` launcher of one engine: the
+driver binds two TCP sockets (``pipes.dial``: CURVE servers that admit only the deployment's client
+key), and an actor in the engine's placement group starts the usual engine-core process
 (``python -m engine_core._engine``) on its node, which dials both sockets with the keys it got
 through the actor's arguments. Requests, outputs and control calls then flow over ZMQ exactly as
 with a local engine; Ray's object store and pickling carry only addresses and keys.
