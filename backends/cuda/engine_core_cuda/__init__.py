@@ -1,22 +1,22 @@
 """engine-core-cuda: the production backend of engine-core.
 
-Torch model code for decoder-only HF checkpoints (``LlamaForCausalLM``, ``MistralForCausalLM``
-with its sliding window, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``,
+Torch model code for decoder-only HF checkpoints (``LlamaForCausalLM``, ``MistralForCausalLM`` with
+its sliding window, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``,
 ``Gemma3ForCausalLM``; the mixture-of-experts ``Qwen3MoeForCausalLM``, ``Qwen2MoeForCausalLM``,
-``MixtralForCausalLM``, ``GptOssForCausalLM`` (MXFP4 experts dequantised at load) with a fused
-MoE kernel), FP8 weights (FP8 checkpoints, or
-``EngineConfig.quantization="fp8"``) and an optional FP8 KV cache, one paged KV-cache tensor sized from free device memory, Triton kernels
-for writing K/V and for paged attention over mixed prefill/decode batches (full, sliding-window
-and chunked-local layers, soft caps, sinks; ``docs/cuda_kv_groups.md``),
-on-device sampling, and CUDA graphs for decode. Use it with ``EngineConfig(backend="cuda",
-model=<HF directory>)``; the entry point ``cuda`` in the group ``engine_core.backends`` names
-:data:`engine_core_cuda._provider.provider`, which imports neither torch nor triton.
+``MixtralForCausalLM``, ``GptOssForCausalLM`` (MXFP4 experts dequantised at load) with a fused MoE
+kernel), FP8 weights (FP8 checkpoints, or ``EngineConfig.quantization="fp8"``) and an optional FP8
+KV cache, one paged KV-cache tensor sized from free device memory, Triton kernels for writing K/V
+and for paged attention over mixed prefill/decode batches (full, sliding-window and chunked-local
+layers, soft caps, sinks; ``docs/cuda_kv_groups.md``), on-device sampling, and CUDA graphs for
+decode. Use it with ``EngineConfig(backend="cuda", model=<HF directory>)``; the entry point ``cuda``
+in the group ``engine_core.backends`` names :data:`engine_core_cuda._provider.provider`, which
+imports neither torch nor triton.
 
-With ``backend_options={"device": "cpu"}`` the same code runs on the CPU (torch CPU tensors,
-Triton kernels in interpreter mode), which is how CI tests it. The environment variable
+With ``backend_options={"device": "cpu"}`` the same code runs on the CPU (torch CPU tensors, Triton
+kernels in interpreter mode), which is how CI tests it. The environment variable
 ``ENGINE_CORE_CUDA_DEVICE`` sets the device used when the options name none (and the device the
-provider answers "usable here?" for when it is asked without a config). The dtype is ``EngineConfig.dtype``;
-``"auto"`` means bfloat16 on a GPU and float32 on the CPU.
+provider answers "usable here?" for when it is asked without a config). The dtype is
+``EngineConfig.dtype``; ``"auto"`` means bfloat16 on a GPU and float32 on the CPU.
 
 ``backend_options`` (unknown names raise ``ValueError``): ``device``, ``kernels``
 (``"triton"`` | ``"torch"``), ``cuda_graphs``, ``max_graph_batch_size``, ``kv_cache_bytes``,

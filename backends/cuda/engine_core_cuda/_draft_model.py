@@ -8,14 +8,14 @@ one block table for both). Each step:
    slots and attention geometry), so its cache holds every position the target computed.
    Positions of rejected drafts hold garbage until a later step recomputes them, as in the
    target's cache; only positions before a request's next query are ever read.
-2. **Drafting**, after verification, for the requests the engine asks: from the last known token
-   at position ``n - 1`` it runs single-token passes, each writing that position's KV and
-   proposing the next token. Drafts are sampled as the target samples (greedy for greedy
-   requests; at temperature > 0 with the request's seeded noise at the drafted position, so a
-   draft equals the target's sample whenever both distributions pick the same token of the
-   same race; the drafts before it count in the penalties and ``min_tokens``). A pass writes KV only within the request's blocks: the engine reserves one slot
-   per asked draft past the verified window (``SpecSupport.lookahead_per_draft``), and fewer
-   drafts come back where fewer slots are there.
+2. **Drafting**, after verification, for the requests the engine asks: from the last known token at
+   position ``n - 1`` it runs single-token passes, each writing that position's KV and proposing the
+   next token. Drafts are sampled as the target samples (greedy for greedy requests; at
+   temperature > 0 with the request's seeded noise at the drafted position, so a draft equals the
+   target's sample whenever both distributions pick the same token of the same race; the drafts
+   before it count in the penalties and ``min_tokens``). A pass writes KV only within the
+   request's blocks: the engine reserves one slot per asked draft past the verified window
+   (``SpecSupport.lookahead_per_draft``), and fewer drafts come back where fewer slots are there.
 """
 
 from __future__ import annotations

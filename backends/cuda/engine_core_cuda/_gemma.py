@@ -8,9 +8,9 @@ What differs from Llama (the rest is :mod:`engine_core_cuda._layers`):
   output before it joins the residual stream, ``pre_feedforward_layernorm`` and
   ``post_feedforward_layernorm`` surround the MLP;
 - the MLP gates with gelu-tanh (``config.hidden_act``), the attention scales scores by
-  ``query_pre_attn_scalar ** -0.5`` and (Gemma 2) soft-caps them, the layers alternate
-  between sliding-window and full attention, and Gemma 3's window layers have a RoPE base of
-  their own: all per-layer arguments (:meth:`~engine_core_cuda._hf_config.ModelConfig.layer_attention`).
+  ``query_pre_attn_scalar ** -0.5`` and (Gemma 2) soft-caps them, the layers alternate between
+  sliding-window and full attention, and Gemma 3's window layers have a RoPE base of their own: all
+  per-layer arguments (:meth:`~engine_core_cuda._hf_config.ModelConfig.layer_attention`).
 
 The model around the layers (:class:`~engine_core_cuda._model.CausalLM`) scales the
 embeddings by ``sqrt(hidden_size)`` in the model dtype, ties the LM head to them and soft-caps

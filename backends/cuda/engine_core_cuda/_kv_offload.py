@@ -274,7 +274,7 @@ class CudaHostWorker(KVConnectorWorker):
         self._save = copier.save if batched else copier.save_per_block
         self._load = copier.load if batched else copier.load_per_block
 
-    # -- steps --------------------------------------------------------------------------------------
+    # -- steps ----------------------------------------------------------------------------------
 
     def start_step(self, metadata: KVConnectorMetadata | None) -> None:
         if metadata is None:

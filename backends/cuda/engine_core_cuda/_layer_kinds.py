@@ -1,12 +1,11 @@
 """Each layer's kind of attention, read from an HF ``config.json`` (no torch).
 
-A layer is ``"full_attention"``, ``"sliding_attention"`` (it sees the last ``sliding_window``
-keys, its own included) or ``"chunked_attention"`` (attention restarts every
-``attention_chunk_size`` tokens): Hugging Face's ``layer_types`` names, which are also what the
-KV-cache manager groups layers by. Where a config has no ``layer_types`` they follow from the
-architecture: Mistral's ``sliding_window`` applies to every layer, Gemma 2 and gpt-oss alternate
-window and full layers (window first), Gemma 3 has ``sliding_window_pattern - 1`` window layers before each
-full one.
+A layer is ``"full_attention"``, ``"sliding_attention"`` (it sees the last ``sliding_window`` keys,
+its own included) or ``"chunked_attention"`` (attention restarts every ``attention_chunk_size``
+tokens): Hugging Face's ``layer_types`` names, which are also what the KV-cache manager groups
+layers by. Where a config has no ``layer_types`` they follow from the architecture: Mistral's
+``sliding_window`` applies to every layer, Gemma 2 and gpt-oss alternate window and full layers
+(window first), Gemma 3 has ``sliding_window_pattern - 1`` window layers before each full one.
 
 :class:`LayerAttention` is what one layer's attention computes besides the causal softmax:
 its score scale, its window or chunk, and its logit soft cap.

@@ -1,7 +1,7 @@
-"""The building blocks of a Llama-family decoder layer: RMSNorm, attention with fused QKV
-projection (optional bias, per-head q/k norm and attention sinks) of a layer's kind (full, sliding window,
-chunked local: :class:`~engine_core_cuda._layer_kinds.LayerAttention`), and the fused gate/up
-SwiGLU (or GeGLU) MLP.
+"""The building blocks of a Llama-family decoder layer: RMSNorm, attention with fused QKV projection
+(optional bias, per-head q/k norm and attention sinks) of a layer's kind (full, sliding window,
+chunked local: :class:`~engine_core_cuda._layer_kinds.LayerAttention`), and the fused gate/up SwiGLU
+(or GeGLU) MLP.
 
 Parameters are created empty on the target device; :mod:`engine_core_cuda._loader` fills them.
 Fused weights are loaded shard by shard (``q``, ``k``, ``v`` into ``qkv_proj``; ``gate``, ``up``
@@ -76,9 +76,9 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         """On the CPU: the weight reordered once for oneDNN (:func:`pack_cpu_linears`)."""
         self.lora: LoRALinear | None = None
-        """Multi-LoRA: the adapters' device slots of this projection (:mod:`engine_core_cuda._lora`),
-        whose low-rank products are added to the output (before a row-parallel reduce: each
-        rank's share of ``lora_A`` gives a partial sum)."""
+        """Multi-LoRA: the adapters' device slots of this projection
+        (:mod:`engine_core_cuda._lora`), whose low-rank products are added to the output (before a
+        row-parallel reduce: each rank's share of ``lora_A`` gives a partial sum)."""
         start = 0
         for name, size in shards.items():
             self.shards[name] = (start, size)

@@ -3,11 +3,11 @@ mixture-of-experts relatives (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss:
 :mod:`engine_core_cuda._moe`) and of Gemma 2 and Gemma 3 (text).
 
 The differences between the architectures are flags of :class:`ModelConfig`: QKV bias (Qwen2),
-per-head q/k RMSNorm (Qwen3, Gemma 3), tied embeddings, RoPE scaling, each layer's kind of
-attention (sliding window: Mistral, Gemma, gpt-oss; attention sinks: gpt-oss) and its RoPE
-(Gemma 3's window layers; YaRN: gpt-oss), Gemma's decoder layer (:mod:`engine_core_cuda._gemma`), embedding scale and final logit soft-cap.
-Parameter names follow the HF checkpoints except for the fused ``qkv_proj`` and
-``gate_up_proj``.
+per-head q/k RMSNorm (Qwen3, Gemma 3), tied embeddings, RoPE scaling, each layer's kind of attention
+(sliding window: Mistral, Gemma, gpt-oss; attention sinks: gpt-oss) and its RoPE (Gemma 3's window
+layers; YaRN: gpt-oss), Gemma's decoder layer (:mod:`engine_core_cuda._gemma`), embedding scale and
+final logit soft-cap. Parameter names follow the HF checkpoints except for the fused ``qkv_proj``
+and ``gate_up_proj``.
 """
 
 from __future__ import annotations

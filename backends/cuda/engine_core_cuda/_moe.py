@@ -1,5 +1,5 @@
-"""The sparse mixture-of-experts block (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss) that replaces a decoder
-layer's MLP in the layers :attr:`~engine_core_cuda._moe_config.MoeConfig.sparse_layers`.
+"""The sparse mixture-of-experts block (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss) that replaces a
+decoder layer's MLP in the layers :attr:`~engine_core_cuda._moe_config.MoeConfig.sparse_layers`.
 
 A router (``gate``: a ``[experts, hidden]`` matrix, no bias) scores every expert for each token
 and keeps the ``top_k`` best (:func:`~engine_core_cuda.kernels.moe_torch.route_topk`); the

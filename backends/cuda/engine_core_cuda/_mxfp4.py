@@ -1,7 +1,7 @@
 """MXFP4 weights (gpt-oss's published experts) dequantised to the model dtype at load.
 
-An MXFP4 tensor is stored as ``…_blocks`` (``uint8`` ``[*rows, groups, 16]``: 32 FP4 e2m1 values
-per group, two per byte, the low nibble first) and ``…_scales`` (``uint8`` ``[*rows, groups]``: one
+An MXFP4 tensor is stored as ``…_blocks`` (``uint8`` ``[*rows, groups, 16]``: 32 FP4 e2m1 values per
+group, two per byte, the low nibble first) and ``…_scales`` (``uint8`` ``[*rows, groups]``: one
 power-of-two scale per group, e8m0 with bias 127). The value of element ``j`` of group ``g`` is
 ``FP4[code] * 2 ** (scale[g] - 127)``; the dequantised tensor is ``[*rows, groups * 32]`` (for
 gpt-oss's experts: ``[experts, out_features, in_features]``, the layout of stacked ``nn.Linear``

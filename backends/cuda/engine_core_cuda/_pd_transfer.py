@@ -9,14 +9,14 @@ prefill side's (``-1``: nothing in that group there); pages are copied whole.
 Paths, chosen per load:
 
 - **same host: a handle of the KV tensor.** The prefill engine exports its KV tensor once with
-  torch's reduction (``torch.multiprocessing``'s, what its queues send: a handle, not the bytes) into a file beside its
-  handoff segment (``/dev/shm/<segment>.<tp rank>.ipc``, mode 0600, removed at close): on a GPU a CUDA IPC
-  handle; on the CPU the tensor is first moved into shared memory (``share_memory_``, in place:
-  the model's per-layer views stay valid; torch's ``file_system`` strategy) when ``/dev/shm``
-  has room for twice its size. The decode engine opens it once per prefill engine and copies
-  the pages (``index_select`` / ``index_copy_``, device to device on a GPU), then checks, after
-  the copy finished, that the export is still published and its engine alive: otherwise the
-  blocks were (or may have been) freed and the load fails.
+  torch's reduction (``torch.multiprocessing``'s, what its queues send: a handle, not the bytes)
+  into a file beside its handoff segment (``/dev/shm/<segment>.<tp rank>.ipc``, mode 0600, removed
+  at close): on a GPU a CUDA IPC handle; on the CPU the tensor is first moved into shared memory
+  (``share_memory_``, in place: the model's per-layer views stay valid; torch's ``file_system``
+  strategy) when ``/dev/shm`` has room for twice its size. The decode engine opens it once per
+  prefill engine and copies the pages (``index_select`` / ``index_copy_``, device to device on a
+  GPU), then checks, after the copy finished, that the export is still published and its engine
+  alive: otherwise the blocks were (or may have been) freed and the load fails.
 - **another host, or no handle: the authenticated ZMQ transport**
   (``engine_core._engine.pipes.pd_transport``): the prefill engine's server reads the pages (this
   module's :meth:`CudaPDWorker.read_pages`, in the server's thread) between its two checks of

@@ -1,6 +1,6 @@
-"""Rotary position embeddings (the "rotate half" layout of HF Llama), with llama3, linear and
-YaRN (gpt-oss) frequency scaling. The cos/sin tables are computed once, exactly as transformers computes them;
-the kernels index them by position each step."""
+"""Rotary position embeddings (the "rotate half" layout of HF Llama), with llama3, linear and YaRN
+(gpt-oss) frequency scaling. The cos/sin tables are computed once, exactly as transformers computes
+them; the kernels index them by position each step."""
 
 from __future__ import annotations
 

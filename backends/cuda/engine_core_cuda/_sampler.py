@@ -1,10 +1,11 @@
 """On-device sampling of one step: logits in, token ids (and logprobs) out.
 
-Order, as in vLLM: the logit bias (:func:`apply_logit_bias`, its own step), penalties (repetition over prompt and output, frequency and presence over the
-output), then the masks (stop tokens below ``min_tokens``, the grammar bitmask), then greedy rows
-take the argmax; the others divide by their temperature, apply min-p, top-k and top-p, and draw
-with counter-based noise (:mod:`engine_core_cuda._random`). Logprobs are those of the raw logits
-(the model's distribution, before any processing).
+Order, as in vLLM: the logit bias (:func:`apply_logit_bias`, its own step), penalties (repetition
+over prompt and output, frequency and presence over the output), then the masks (stop tokens below
+``min_tokens``, the grammar bitmask), then greedy rows take the argmax; the others divide by their
+temperature, apply min-p, top-k and top-p, and draw with counter-based noise
+(:mod:`engine_core_cuda._random`). Logprobs are those of the raw logits (the model's distribution,
+before any processing).
 
 Two implementations of the last part give the same tokens: ``"torch"`` (the reference: a sort for
 top-k with top-p, the noise as ``[rows, vocab]`` tensors; on the CPU the race runs in chunks,

@@ -1,8 +1,8 @@
 """Turning a :class:`SchedulerOutput` into the device inputs of one forward pass.
 
-The host applies the scheduler's diffs to its :class:`CachedRequestState` records (O(requests)), builds
-per-token positions and row indices (O(scheduled tokens)) and sends them in one transfer; input
-ids and cache slots are gathered on the device from the persistent tensors, the slots once per
+The host applies the scheduler's diffs to its :class:`CachedRequestState` records (O(requests)),
+builds per-token positions and row indices (O(scheduled tokens)) and sends them in one transfer;
+input ids and cache slots are gathered on the device from the persistent tensors, the slots once per
 KV-cache group (each group's block table places the token in a block of its own).
 
 The block ids of a request (``NewRequestData.block_ids``, ``CachedRequestData.new_block_ids``)

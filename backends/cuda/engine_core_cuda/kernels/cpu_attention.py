@@ -1,14 +1,14 @@
 """Decode attention on the CPU that reads K/V in place from the paged cache: a small C kernel,
 compiled once per machine with the system's C compiler and loaded with ``ctypes``.
 
-The batched torch attention (:mod:`engine_core_cuda.kernels.torch_attention`) must first copy
-every decode row's blocks out of the cache into a tensor padded to the longest sequence, then
-run ``scaled_dot_product_attention`` over it with a mask: on the CPU the copy and the padded,
-masked attention cost more than the arithmetic. Here each sequence walks its block table and
-reads its keys and values where they lie, each token's row whole: one pass of dot products
-(every query head against its KV head), the softmax, one pass accumulating the values. float32 only, full
-attention only (no window, chunk, soft cap or sinks), one query per sequence: other layers and
-prefill chunks keep the torch path.
+The batched torch attention (:mod:`engine_core_cuda.kernels.torch_attention`) must first copy every
+decode row's blocks out of the cache into a tensor padded to the longest sequence, then run
+``scaled_dot_product_attention`` over it with a mask: on the CPU the copy and the padded, masked
+attention cost more than the arithmetic. Here each sequence walks its block table and reads its keys
+and values where they lie, each token's row whole: one pass of dot products (every query head
+against its KV head), the softmax, one pass accumulating the values. float32 only, full attention
+only (no window, chunk, soft cap or sinks), one query per sequence: other layers and prefill chunks
+keep the torch path.
 
 The kernel is single-threaded; ``ctypes`` releases the GIL for the call, so with more than one
 torch thread the sequences are split among that many Python threads. It is built and cached by
