@@ -34,7 +34,13 @@ if TYPE_CHECKING:
 Slicer = Callable[[str, int], "Slice | None"]
 """Tensor parallelism: checkpoint tensor (name, ndim) -> the part this rank reads (None: all)."""
 
-__all__ = ["checkpoint_files", "checkpoint_tensors", "init_random_weights", "load_weights"]
+__all__ = [
+    "checkpoint_files",
+    "checkpoint_tensors",
+    "init_random_weights",
+    "load_weights",
+    "stacked_checkpoint_tensors",
+]
 
 _INDEX = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -108,6 +114,16 @@ def checkpoint_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
     return {
         name: param[start : start + rows] for name, (param, start, rows) in _targets(model).items()
     }
+
+
+def stacked_checkpoint_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
+    """gpt-oss's stacked experts of an unsharded model under their checkpoint names, in the
+    checkpoint's layout (copies): with :func:`checkpoint_tensors`, a checkpoint of the model."""
+    tensors: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, SparseMoeBlock):
+            tensors.update(module.stacked_checkpoint(module_name))
+    return tensors
 
 
 def _read(f: Any, name: str, slicer: Slicer | None) -> torch.Tensor:

@@ -17,7 +17,8 @@ by column, ``…down_proj`` ``[experts, inter, hidden]``, each with a ``_bias``;
 
 Under tensor parallelism every rank holds every expert with a slice of its intermediate
 dimension (and of the shared expert's): the partial outputs are summed by one all-reduce at the
-end of the block.
+end of the block (gpt-oss's down-projection bias is held by rank 0 alone, so it is added once:
+:func:`~engine_core_cuda._tp.shard.stacked_expert_part`).
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ from torch import nn
 from engine_core_cuda._hf_config import ModelConfig
 from engine_core_cuda._kernel_ops import KernelOps
 from engine_core_cuda._layers import MLP
+from engine_core_cuda._tp.shard import stacked_expert_part
 from engine_core_cuda.kernels.moe_torch import route_topk
 
 if TYPE_CHECKING:
     from engine_core_cuda._tp.parallel import TensorParallel
+    from engine_core_cuda._tp.shard import StackedPart
 
 __all__ = ["Experts", "Router", "SparseMoeBlock"]
 
@@ -107,6 +110,12 @@ def _deinterleave(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
 
 
+def _interleave(tensor: torch.Tensor) -> torch.Tensor:
+    """Rows (dim 1) ``g0, g1, …, u0, u1, …`` -> ``g0, u0, g1, u1, …`` (a new tensor)."""
+    gate, up = tensor.chunk(2, dim=1)
+    return torch.stack([gate, up], dim=2).flatten(1, 2)
+
+
 class SparseMoeBlock(nn.Module):
     """Router, routed experts and (Qwen2-MoE) the gated shared expert."""
 
@@ -134,6 +143,7 @@ class SparseMoeBlock(nn.Module):
             )
             self.shared_expert_gate.weight.requires_grad_(False)
         self.reduce = parallel.all_reduce if parallel is not None else None
+        self.rank, self.size = (parallel.rank, parallel.size) if parallel is not None else (0, 1)
 
     def checkpoint_targets(self, name: str) -> dict[str, Target]:
         """Checkpoint tensor names -> destinations for the router and the routed experts of the
@@ -164,20 +174,45 @@ class SparseMoeBlock(nn.Module):
 
     def stacked_loaders(self, name: str) -> dict[str, Callable[[torch.Tensor], None]]:
         """gpt-oss: checkpoint names of the stacked experts (as transformers' ``GptOssExperts``
-        holds them) -> functions copying such a tensor into ``w13``, ``b13``, ``w2``, ``b2``
-        (empty for the experts of other architectures)."""
+        holds them) -> functions copying such a tensor (whole: under tensor parallelism they keep
+        this rank's part) into ``w13``, ``b13``, ``w2``, ``b2`` (empty for the experts of other
+        architectures)."""
         if not self.moe.stacked:
             return {}
         ex = self.experts
         assert ex.b13 is not None and ex.b2 is not None
         w13, b13, w2, b2 = ex.w13, ex.b13, ex.w2, ex.b2
+        rank, size = self.rank, self.size
         parent = f"{name.rpartition('.')[0]}.{self.moe.prefix}.experts"
         gate_up, down = f"{parent}.gate_up_proj", f"{parent}.down_proj"
+
+        def part(kind: StackedPart, tensor: torch.Tensor) -> torch.Tensor:
+            return stacked_expert_part(kind, tensor, rank, size)
+
         return {
-            gate_up: lambda t: _copy(w13, _deinterleave(t.transpose(1, 2)), gate_up),
-            f"{gate_up}_bias": lambda t: _copy(b13, _deinterleave(t), f"{gate_up}_bias"),
-            down: lambda t: _copy(w2, t.transpose(1, 2), down),
-            f"{down}_bias": lambda t: _copy(b2, t, f"{down}_bias"),
+            gate_up: lambda t: _copy(
+                w13, _deinterleave(part("gate_up_proj", t).transpose(1, 2)), gate_up
+            ),
+            f"{gate_up}_bias": lambda t: _copy(
+                b13, _deinterleave(part("gate_up_proj_bias", t)), f"{gate_up}_bias"
+            ),
+            down: lambda t: _copy(w2, part("down_proj", t).transpose(1, 2), down),
+            f"{down}_bias": lambda t: _copy(b2, part("down_proj_bias", t), f"{down}_bias"),
+        }
+
+    def stacked_checkpoint(self, name: str) -> dict[str, torch.Tensor]:
+        """gpt-oss: the stacked experts in the checkpoint's layout (copies; the inverse of
+        :meth:`stacked_loaders` for an unsharded block), under their checkpoint names."""
+        if not self.moe.stacked:
+            return {}
+        ex = self.experts
+        assert ex.b13 is not None and ex.b2 is not None
+        parent = f"{name.rpartition('.')[0]}.{self.moe.prefix}.experts"
+        return {
+            f"{parent}.gate_up_proj": _interleave(ex.w13.detach()).transpose(1, 2).contiguous(),
+            f"{parent}.gate_up_proj_bias": _interleave(ex.b13.detach()),
+            f"{parent}.down_proj": ex.w2.detach().transpose(1, 2).contiguous(),
+            f"{parent}.down_proj_bias": ex.b2.detach().clone(),
         }
 
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:

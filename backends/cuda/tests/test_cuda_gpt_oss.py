@@ -155,14 +155,37 @@ def test_an_mxfp4_tensor_without_its_scales_is_refused(
         load_weights(model, path)
 
 
+def test_the_model_writes_back_the_checkpoint_it_loaded(tiny: dict[str, TinyModel]) -> None:
+    """The loaded weights under their checkpoint names, the stacked experts re-interleaved into
+    the checkpoint's layout, are the checkpoint (what a test or benchmark saves to reload)."""
+    from engine_core_cuda._hf_config import load_model_config
+    from engine_core_cuda._loader import (
+        checkpoint_tensors,
+        load_weights,
+        stacked_checkpoint_tensors,
+    )
+    from engine_core_cuda._model import CausalLM
+    from safetensors.torch import load_file
+
+    path = tiny["gpt_oss"].path
+    model = CausalLM(load_model_config(path), 64, torch.float32, torch.device("cpu"))
+    load_weights(model, path)
+    stacked = stacked_checkpoint_tensors(model)
+    assert "model.layers.1.mlp.experts.gate_up_proj_bias" in stacked
+    written = checkpoint_tensors(model) | stacked
+    on_disk = load_file(str(path / "model.safetensors"))
+    if model.config.tie_word_embeddings:
+        on_disk.pop("lm_head.weight", None)
+    assert sorted(written) == sorted(on_disk)
+    for name, tensor in on_disk.items():
+        assert torch.equal(written[name], tensor), name
+
+
 def test_refusals(tiny: dict[str, TinyModel]) -> None:
     from engine_core_cuda._hf_config import load_model_config
-    from engine_core_cuda._tp.shard import shard_model_config
 
     with pytest.raises(ValueError, match="quantization='fp8' is not served for GptOss"):
         load_model_config(tiny["gpt_oss"].path, quantization="fp8")
-    with pytest.raises(ValueError, match="attention sinks"):
-        shard_model_config(load_model_config(tiny["gpt_oss"].path), 2)
 
 
 def test_the_sinks_matter(tiny: dict[str, TinyModel], tmp_path: Path) -> None:

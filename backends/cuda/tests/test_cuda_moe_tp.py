@@ -1,7 +1,8 @@
 """Mixture-of-experts models under tensor parallelism on the CPU: the experts' (and the shared
 expert's) intermediate dimension is sharded, every rank holds every expert, the block's sum is
 all-reduced once. Two simulated ranks (threads) match TP=1 within float32 rounding; TP=2 over
-gloo (a worker process) gives TP=1's greedy tokens."""
+gloo (a worker process) gives TP=1's greedy tokens. gpt-oss too: its stacked experts (also from
+MXFP4), their biases and its attention sinks are sharded."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 from engine_core_cuda import CudaBackend
 from engine_core_cuda._hf_config import load_model_config
-from engine_core_cuda._tp.shard import shard_model_config, slice_of
+from engine_core_cuda._tp.shard import shard_model_config, slice_of, stacked_expert_part
+from test_cuda_gpt_oss import _mxfp4_checkpoint
 from test_cuda_tp import CPU, PROMPTS, _steps, assert_shards_match_tp1
 from tiny_models import TinyModel, edited_copy
 
@@ -43,7 +45,7 @@ def test_moe_shard_geometry_slices_and_fields_that_do_not_divide(
         shard_model_config(load_model_config(odd), 2)
 
 
-@pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral", "gpt_oss"])
 def test_two_simulated_ranks_match_tp1(tiny: dict[str, TinyModel], kind: str) -> None:
     model = tiny[kind]
     config = EngineConfig(model=str(model.path), backend="cuda", backend_options=CPU,
@@ -53,8 +55,57 @@ def test_two_simulated_ranks_match_tp1(tiny: dict[str, TinyModel], kind: str) ->
     assert_shards_match_tp1(config, 2, outputs)
 
 
-def test_tp2_on_gloo_greedy_tokens_equal_tp1(tiny: dict[str, TinyModel]) -> None:
-    model = tiny["qwen3_moe"]
+def test_gpt_oss_parts_reassemble_its_stacked_experts_and_sinks(
+    tiny: dict[str, TinyModel],
+) -> None:
+    """Each rank's part of the interleaved gate/up tensor is whole gate/up pairs of its
+    intermediate slice; the down projection splits by its input rows and its bias is held once;
+    the sinks split by heads."""
+    experts, inter, hidden = 4, 32, 8
+    gate = torch.randn(experts, hidden, inter)
+    up = torch.randn(experts, hidden, inter)
+    interleaved = torch.stack([gate, up], dim=-1).reshape(experts, hidden, 2 * inter)
+    down, bias = torch.randn(experts, inter, hidden), torch.randn(experts, hidden)
+    n = inter // 2
+    for rank in range(2):
+        own = stacked_expert_part("gate_up_proj", interleaved, rank, 2)
+        assert torch.equal(own[..., 0::2], gate[..., rank * n : (rank + 1) * n])
+        assert torch.equal(own[..., 1::2], up[..., rank * n : (rank + 1) * n])
+        part = stacked_expert_part("down_proj", down, rank, 2)
+        assert torch.equal(part, down[:, rank * n : (rank + 1) * n])
+        pair_bias = stacked_expert_part("gate_up_proj_bias", interleaved[:, 0], rank, 2)
+        assert torch.equal(pair_bias, interleaved[:, 0, 2 * rank * n : 2 * (rank + 1) * n])
+    held = [stacked_expert_part("down_proj_bias", bias, rank, 2) for rank in range(2)]
+    assert torch.equal(held[0] + held[1], bias) and not held[1].any()
+    assert stacked_expert_part("down_proj", down, 0, 1) is down
+    full = load_model_config(tiny["gpt_oss"].path)
+    heads = full.num_heads // 2
+    cut = slice_of("model.layers.2.self_attn.sinks", 1, full, 1, 2)
+    assert cut is not None and (cut.dim, cut.start, cut.stop) == (0, heads, 2 * heads)
+    assert slice_of("model.layers.2.mlp.router.bias", 1, full, 1, 2) is None  # replicated
+    assert slice_of("model.layers.2.self_attn.o_proj.bias", 1, full, 1, 2) is None  # added once
+    local = shard_model_config(full, 2)
+    assert local.moe is not None and full.moe is not None
+    assert local.moe.intermediate_size == full.moe.intermediate_size // 2
+
+
+def test_an_mxfp4_gpt_oss_on_two_simulated_ranks_matches_tp1(
+    tiny: dict[str, TinyModel], tmp_path: Path
+) -> None:
+    """The MXFP4 experts are dequantised whole, then each rank keeps its part."""
+    path = tmp_path / "gpt_oss_mxfp4"
+    _mxfp4_checkpoint(tiny["gpt_oss"], path)
+    assert load_model_config(path).mxfp4_experts
+    config = EngineConfig(model=str(path), backend="cuda", backend_options=CPU,
+                          dtype="float32", max_model_len=256)  # fmt: skip
+    prompts = [[5 + i, 40 + 3 * i, 7, 100 + i, 9][: 2 + i] for i in range(3)]
+    outputs = _steps([[i * 4 + b for b in range(4)] for i in range(3)], prompts, 2)
+    assert_shards_match_tp1(config, 2, outputs)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_tp2_on_gloo_greedy_tokens_equal_tp1(tiny: dict[str, TinyModel], kind: str) -> None:
+    model = tiny[kind]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     found = []
     for tp in (1, 2):

@@ -1,6 +1,6 @@
 """The sharding rules (Megatron style) for Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 and the
-mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral: every rank holds every expert, with a
-slice of its intermediate dimension).
+mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: every rank holds every expert,
+with a slice of its intermediate dimension).
 
 | module | split | collective |
 |---|---|---|
@@ -12,19 +12,33 @@ slice of its intermediate dimension).
 | MoE: router (``gate``), Qwen2-MoE's ``shared_expert_gate`` | replicated | — |
 | MoE: each expert's ``gate/up_proj`` (Mixtral ``w1/w3``), the shared expert's | output rows (of the expert's intermediate size) | — |
 | MoE: each expert's ``down_proj`` (Mixtral ``w2``), the shared expert's | input columns | one all-reduce of the block's sum |
+| gpt-oss: stacked ``experts.gate_up_proj`` (+ bias) | the rank's gate/up pairs (interleaved columns, :func:`stacked_expert_part`) | — |
+| gpt-oss: stacked ``experts.down_proj`` | input rows; its bias on rank 0 only (the others hold zeros) | one all-reduce of the block's sum |
+| gpt-oss: attention ``sinks`` (one logit per query head) | by heads, as ``q_proj`` | — |
 | norms (Gemma's four per layer too), rotary, Qwen3's and Gemma 3's q/k norms | replicated | — |
 
-Each rank reads only its slices from the checkpoint.
+Each rank reads only its slices from the checkpoint, except gpt-oss's stacked experts: a rank reads
+a layer's whole tensor (its MXFP4 blocks are dequantised first) and keeps its part.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 from engine_core_cuda._hf_config import ModelConfig
 
-__all__ = ["Slice", "padded_vocab_rows", "shard_model_config", "slice_of"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "Slice",
+    "padded_vocab_rows",
+    "shard_model_config",
+    "slice_of",
+    "stacked_expert_part",
+]
 
 
 def shard_model_config(config: ModelConfig, size: int) -> ModelConfig:
@@ -58,8 +72,6 @@ def shard_model_config(config: ModelConfig, size: int) -> ModelConfig:
             )
     if config.quantization is not None and config.quantization.strategy == "block":
         problems.append("block-wise FP8 weights are not sharded (load them on one device)")
-    if config.attention_sinks or (moe is not None and moe.stacked):
-        problems.append("attention sinks and stacked (gpt-oss) experts are not sharded yet")
     if problems:
         raise ValueError(
             f"model: cannot shard {config.architecture} over tensor_parallel_size={size}: "
@@ -126,6 +138,9 @@ def slice_of(name: str, ndim: int, config: ModelConfig, rank: int, size: int) ->
     if module == "q_proj":
         n = config.num_heads // size * head
         return Slice(0, rank * n, (rank + 1) * n, n)
+    if kind == "sinks":
+        n = config.num_heads // size
+        return Slice(0, rank * n, (rank + 1) * n, n)
     if module in ("k_proj", "v_proj"):
         kv = config.num_kv_heads
         if kv >= size:
@@ -142,3 +157,26 @@ def slice_of(name: str, ndim: int, config: ModelConfig, rank: int, size: int) ->
         n = total // size
         return Slice(1, rank * n, (rank + 1) * n, n)
     return None  # norms, row-parallel biases (added once after the reduce)
+
+
+StackedPart = Literal["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"]
+
+
+def stacked_expert_part(
+    part: StackedPart, tensor: torch.Tensor, rank: int, size: int
+) -> torch.Tensor:
+    """The part ``rank`` holds of one of gpt-oss's stacked expert tensors, in the checkpoint's
+    layout (``gate_up_proj`` ``[experts, hidden, 2 * inter]`` with gate and up interleaved column
+    by column, its bias ``[experts, 2 * inter]``, ``down_proj`` ``[experts, inter, hidden]``, its
+    bias ``[experts, hidden]``). A rank's intermediate slice ``[rank * n, (rank + 1) * n)`` is the
+    contiguous run of columns ``[2 * rank * n, 2 * (rank + 1) * n)`` of the interleaved tensors;
+    the down projection's bias is added once to the block's sum, so only rank 0 keeps it."""
+    if size == 1:
+        return tensor
+    if part == "down_proj_bias":
+        return tensor if rank == 0 else tensor.new_zeros(tensor.shape)
+    if part == "down_proj":
+        n = tensor.shape[1] // size
+        return tensor[:, rank * n : (rank + 1) * n]
+    n = tensor.shape[-1] // size  # 2 * (inter // size): whole gate/up pairs
+    return tensor[..., rank * n : (rank + 1) * n]
