@@ -39,7 +39,8 @@ with the reason. Rows already written before a crash are kept.
   transformers' (or the dense reference of ``engine_core_cuda.reference_model``);
 - conformance: ``engine_core.testing.check_backend`` on the GPU;
 - tp: tensor parallelism's sharded path in bfloat16 with two ranks on the same device (gloo,
-  since NCCL cannot put two ranks on one GPU): teacher-forced per-position logprobs of TP=2
+  since NCCL cannot put two ranks on one GPU), for each tiny dense model and a tiny gpt-oss
+  (sinks and stacked biased experts sharded): teacher-forced per-position logprobs of TP=2
   against TP=1 within 0.05 (95th percentile; the maximum is printed), top-1 agreement >= 95%,
   and TP=2's greedy tokens with async scheduling equal to synchronous steps';
 - overlap: decode throughput of the 8B-shaped model through the engine core (real scheduler,
@@ -489,11 +490,19 @@ def sharpen(backend: Any, seed: int) -> None:
     from engine_core_cuda._loader import checkpoint_tensors
 
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    model = backend.runner.model
+    views = checkpoint_tensors(model)
+    covered = {id(t if t._base is None else t._base) for t in views.values()}
+    # gpt-oss's stacked experts are no views of checkpoint tensors: sharpened as parameters.
+    rest = {name: p for name, p in model.named_parameters()
+            if id(p) not in covered and p.dtype.is_floating_point}  # fmt: skip
+    # Norms scale by their weight, Gemma's by 1 + weight: centred on a scale of 1 either way.
+    norm = 0.0 if model.config.is_gemma else 1.0
     with torch.no_grad():
-        for name, tensor in sorted(checkpoint_tensors(backend.runner.model).items()):
-            std = 0.25 if name.endswith("bias") else 0.12
+        for name, tensor in sorted({**views, **rest}.items()):
+            std = 0.25 if name.endswith(("bias", "b13", "b2")) else 0.12
             values = torch.randn(tensor.shape, generator=gen) * (0.1 if "norm" in name else std)
-            tensor.copy_(values + (1.0 if "norm" in name else 0.0))
+            tensor.copy_(values + (norm if "norm" in name else 0.0))
 
 
 def release(backend: Any) -> None:
@@ -908,21 +917,24 @@ def check_tp(table: Table, args: argparse.Namespace, root: Path) -> None:
     GPU): teacher-forced per-position logprobs within 0.05 (p95), top-1 agreement >= 95%; and
     TP=2's greedy tokens with async scheduling (the sampled ids broadcast on the device, the
     step's handle watching for worker deaths) equal to synchronous steps'."""
-    from engine_core_cuda._loader import checkpoint_tensors
+    from engine_core_cuda._loader import checkpoint_tensors, stacked_checkpoint_tensors
     from safetensors.torch import save_file
 
     rng = random.Random(11)
     sequences = {f"s{i}": [rng.randrange(2, 512) for _ in range(n)]
                  for i, n in enumerate((24, 64, 96, 128))}  # fmt: skip
     kernels = {"kernels": "torch"} if args.device == "cpu" else {}
-    for kind, extra in TINY.items():
-        model_dir = write_config(root, f"tp-{kind}", {**_TINY_COMMON, **extra,
-                                                      "torch_dtype": "bfloat16"})  # fmt: skip
+    # gpt-oss: sinks split by heads, stacked biased experts by their intermediate dimension.
+    configs = {kind: {**_TINY_COMMON, **extra} for kind, extra in TINY.items()}
+    configs["gpt-oss"] = TOY_GPT_OSS
+    for kind, config in configs.items():
+        model_dir = write_config(root, f"tp-{kind}", {**config, "torch_dtype": "bfloat16"})
         backend = make_backend(model_dir, args.device, dtype="bfloat16", max_model_len=256)
         try:
             sharpen(backend, seed=len(kind))
-            weights = {k: v.detach().to("cpu").contiguous().clone()
-                       for k, v in checkpoint_tensors(backend.runner.model).items()}  # fmt: skip
+            model = backend.runner.model
+            tensors = {**checkpoint_tensors(model), **stacked_checkpoint_tensors(model)}
+            weights = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
         finally:
             release(backend)
         save_file(weights, str(model_dir / "model.safetensors"))

@@ -214,3 +214,15 @@ def test_cpu_window_row(tmp_path: Path) -> None:
             assert rows[f"window: decode b={b} ctx=96 {label}"]["value"].endswith("TFLOP/s")
         assert rows[f"window: speedup of window 16 b={b} ctx=96"]["value"].startswith("x")
     assert "16 keys per layer" in rows["window: decode b=1 ctx=96 window 16"]["detail"][0]
+
+
+@pytest.mark.timeout(300)
+def test_cpu_tp_rows(tmp_path: Path) -> None:
+    """TP=2 on one device against TP=1 in bfloat16, every tiny model and gpt-oss: the rows pass
+    on the CPU too (the same sharding, gloo, torch kernels)."""
+    result = _run("--device", "cpu", "--out", str(tmp_path), "--only", "tp", timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {r["check"]: r for r in json.loads((tmp_path / "summary.json").read_text())}
+    for kind in ("llama", "gemma2", "gemma3", "gpt-oss"):
+        assert rows[f"tp/{kind} bf16 TP=2 (gloo, one device) vs TP=1"]["ok"] is True
+    assert rows["tp/llama bf16 TP=2 greedy: async scheduling vs sync"]["ok"] is True
