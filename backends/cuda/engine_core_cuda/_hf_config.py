@@ -307,10 +307,16 @@ def load_model_config(model_dir: str | Path, quantization: str | None = None) ->
     gemma3 = architecture == "Gemma3ForCausalLM"
     layer_types, window, chunk = _layer_types(hf, architecture, num_layers, path)
     mxfp4 = _mxfp4_experts(hf, architecture, path)
-    if gpt_oss and quantization is not None:
+    quant = quant_config_of(
+        {k: v for k, v in hf.items() if k != "quantization_config"} if mxfp4 else hf,
+        path,
+        quantization,
+    )
+    if gpt_oss and quant is not None and quant.source != "dynamic":
         raise ValueError(
-            f"model: quantization={quantization!r} is not served for {architecture} (its experts "
-            "load as bf16/fp32, MXFP4 checkpoints dequantised); supported: None"
+            f"model: {path} is an FP8 checkpoint of {architecture}, which the cuda backend does "
+            "not serve (its bf16 and MXFP4 checkpoints load, and quantization='fp8' quantises "
+            "them as they load)"
         )
     return ModelConfig(
         architecture=architecture,
@@ -341,11 +347,7 @@ def load_model_config(model_dir: str | Path, quantization: str | None = None) ->
             if architecture in MOE_ARCHITECTURES
             else None
         ),
-        quantization=quant_config_of(
-            {k: v for k, v in hf.items() if k != "quantization_config"} if mxfp4 else hf,
-            path,
-            quantization,
-        ),
+        quantization=quant,
         attention_sinks=gpt_oss,
         mxfp4_experts=mxfp4,
     )

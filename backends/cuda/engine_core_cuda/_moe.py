@@ -13,7 +13,8 @@ Checkpoints name the experts one by one (``…mlp.experts.E.gate_proj.weight``, 
 name into its slot of the stacked weights for the loader. gpt-oss stores them stacked
 (``…mlp.experts.gate_up_proj`` ``[experts, hidden, 2 * inter]``, gate and up interleaved column
 by column, ``…down_proj`` ``[experts, inter, hidden]``, each with a ``_bias``; its router is
-``…mlp.router``): :meth:`SparseMoeBlock.stacked_loaders` rearranges them into ``w13``/``w2``.
+``…mlp.router``): :meth:`SparseMoeBlock.stacked_loaders` rearranges them into ``w13``/``w2``
+(quantised per row as they are stored when the experts hold FP8, ``quantization="fp8"``).
 
 Under tensor parallelism every rank holds every expert with a slice of its intermediate
 dimension (and of the shared expert's): the partial outputs are summed by one all-reduce at the
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_core_cuda._fp8 import FP8_DTYPE, quantize_rows
 from engine_core_cuda._hf_config import ModelConfig
 from engine_core_cuda._kernel_ops import KernelOps
 from engine_core_cuda._layers import MLP
@@ -103,6 +105,18 @@ def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
         )
     with torch.no_grad():
         param.copy_(tensor)
+
+
+def _store(experts: Experts, attr: str, tensor: torch.Tensor, name: str) -> None:
+    """``tensor`` into the experts' matrix ``attr`` (``w13``, ``w2``): FP8 storage
+    (``quantization="fp8"``) gets it quantised per row, with its scales."""
+    param = getattr(experts, attr)
+    if param.dtype == FP8_DTYPE:
+        scale = getattr(experts, f"{attr}_scale")
+        assert scale is not None
+        tensor, rows = quantize_rows(tensor)
+        _copy(scale, rows, f"{name} (its per-row scales)")
+    _copy(param, tensor, name)
 
 
 def _deinterleave(tensor: torch.Tensor) -> torch.Tensor:
@@ -181,7 +195,7 @@ class SparseMoeBlock(nn.Module):
             return {}
         ex = self.experts
         assert ex.b13 is not None and ex.b2 is not None
-        w13, b13, w2, b2 = ex.w13, ex.b13, ex.w2, ex.b2
+        b13, b2 = ex.b13, ex.b2
         rank, size = self.rank, self.size
         parent = f"{name.rpartition('.')[0]}.{self.moe.prefix}.experts"
         gate_up, down = f"{parent}.gate_up_proj", f"{parent}.down_proj"
@@ -190,13 +204,13 @@ class SparseMoeBlock(nn.Module):
             return stacked_expert_part(kind, tensor, rank, size)
 
         return {
-            gate_up: lambda t: _copy(
-                w13, _deinterleave(part("gate_up_proj", t).transpose(1, 2)), gate_up
+            gate_up: lambda t: _store(
+                ex, "w13", _deinterleave(part("gate_up_proj", t).transpose(1, 2)), gate_up
             ),
             f"{gate_up}_bias": lambda t: _copy(
                 b13, _deinterleave(part("gate_up_proj_bias", t)), f"{gate_up}_bias"
             ),
-            down: lambda t: _copy(w2, part("down_proj", t).transpose(1, 2), down),
+            down: lambda t: _store(ex, "w2", part("down_proj", t).transpose(1, 2), down),
             f"{down}_bias": lambda t: _copy(b2, part("down_proj_bias", t), f"{down}_bias"),
         }
 

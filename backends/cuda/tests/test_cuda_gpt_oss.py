@@ -181,11 +181,74 @@ def test_the_model_writes_back_the_checkpoint_it_loaded(tiny: dict[str, TinyMode
         assert torch.equal(written[name], tensor), name
 
 
-def test_refusals(tiny: dict[str, TinyModel]) -> None:
+def test_an_fp8_checkpoint_is_refused(tiny: dict[str, TinyModel], tmp_path: Path) -> None:
     from engine_core_cuda._hf_config import load_model_config
+    from tiny_models import edited_copy
 
-    with pytest.raises(ValueError, match="quantization='fp8' is not served for GptOss"):
-        load_model_config(tiny["gpt_oss"].path, quantization="fp8")
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    path = edited_copy(tiny["gpt_oss"].path, tmp_path / "fp8", {"quantization_config": fp8})
+    with pytest.raises(ValueError, match="an FP8 checkpoint of GptOssForCausalLM"):
+        load_model_config(path)
+    assert load_model_config(tiny["gpt_oss"].path, quantization="fp8").quantization is not None
+
+
+def _fp8_logits(
+    path: Path, quantization: str | None
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """The last-position logits of a prefill of four prompts (the same inputs either way: a
+    decode step would feed each model its own greedy choice), and the first layer's experts
+    (copies)."""
+    from engine_core_cuda import CudaBackend
+    from test_cuda_tp import CPU, _steps
+
+    from engine_core.config import EngineConfig
+
+    config = EngineConfig(model=str(path), backend="cuda", backend_options=CPU, dtype="float32",
+                          max_model_len=256, quantization=quantization)  # fmt: skip
+    prompts = [[5 + i, 40 + 3 * i, 7, 100 + i, 9, 60 - i, 11][: 3 + i] for i in range(4)]
+    backend = CudaBackend(config)
+    try:
+        backend.initialize_kv_cache(16)
+        found = []
+        for out in _steps([[i * 4 + b for b in range(4)] for i in range(4)], prompts, 0):
+            backend.execute_model(out)
+            forward = backend.runner._forward
+            assert forward is not None and forward.logits is not None
+            found.append(forward.logits.clone())
+            backend.sample_tokens(None)
+        experts = backend.runner.model.model.layers[0].mlp.experts
+        return found, {name: p.detach().clone() for name, p in experts.named_parameters()}
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("source", ["float32", "mxfp4"])
+def test_fp8_experts_follow_the_unquantised_model(
+    tiny: dict[str, TinyModel], tmp_path: Path, source: str
+) -> None:
+    """``quantization="fp8"``: the stacked experts (from float32, or MXFP4 dequantised first)
+    are quantised per row as they load, with their biases and the sinks kept; the logits stay
+    within cosine 0.99 of the unquantised model's (its matrices halved, as in ``test_cuda_fp8``:
+    the tiny models' gain amplifies FP8's rounding)."""
+    from engine_core_cuda._fp8 import FP8_DTYPE, quantize_rows
+    from test_cuda_fp8 import _halved
+
+    path = _halved(tiny["gpt_oss"], tmp_path / "halved")
+    if source == "mxfp4":
+        halved = TinyModel.__new__(TinyModel)
+        halved.kind, halved.path, halved.hf = "gpt_oss", path, tiny["gpt_oss"].hf
+        path = tmp_path / "gpt_oss_mxfp4"
+        _mxfp4_checkpoint(halved, path)
+    plain, reference = _fp8_logits(path, None)
+    quantised, experts = _fp8_logits(path, "fp8")
+    assert experts["w13"].dtype == experts["w2"].dtype == FP8_DTYPE
+    assert torch.equal(experts["b13"], reference["b13"]) and experts["b13"].abs().sum() > 0
+    for name in ("w13", "w2"):  # the same rows, quantised as they load
+        codes, scales = quantize_rows(reference[name])
+        assert torch.equal(experts[name].view(torch.uint8), codes.view(torch.uint8))
+        assert torch.equal(experts[f"{name}_scale"], scales)
+    for a, b in zip(plain, quantised, strict=True):
+        assert min(torch.nn.functional.cosine_similarity(a, b, dim=-1).tolist()) >= 0.99
 
 
 def test_the_sinks_matter(tiny: dict[str, TinyModel], tmp_path: Path) -> None:

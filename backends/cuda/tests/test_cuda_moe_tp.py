@@ -133,12 +133,13 @@ def _logits(config: EngineConfig, outputs: list[SchedulerOutput]) -> list[torch.
         backend.close()
 
 
-def test_tp2_fp8_experts_on_gloo_follow_tp1(tiny: dict[str, TinyModel]) -> None:
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_tp2_fp8_experts_on_gloo_follow_tp1(tiny: dict[str, TinyModel], kind: str) -> None:
     """``quantization="fp8"`` under TP=2 over gloo: each rank quantises its rows of the weights
     and experts (per-row scales: TP=1's codes) and its slice of the activations (per token and
     shard, so the row-parallel products round differently from TP=1's): logits within cosine
     0.99 of TP=1's."""
-    model = tiny["qwen3_moe"]
+    model = tiny[kind]
     prompts = [[5 + i, 40 + 3 * i, 7, 100 + i, 9][: 2 + i] for i in range(3)]
     outputs = _steps([[i * 4 + b for b in range(4)] for i in range(3)], prompts, 2)
     config = EngineConfig(model=str(model.path), backend="cuda", backend_options=CPU,
