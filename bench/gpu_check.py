@@ -64,8 +64,8 @@ with the reason. Rows already written before a crash are kept.
   (>= 1.7x the step speed; FP8 weights and KV: information);
 - gpt_oss: decode of a gpt-oss-20b-shaped model (24 alternating window-128/full layers with
   sinks, 32 experts top-4 with biases and the clamped SwiGLU, bf16 weights as MXFP4
-  checkpoints load) at batch 1, 64 and 256 against the roofline of the experts a batch touches
-  (information);
+  checkpoints load, then the same with ``quantization="fp8"``) at batch 1, 64 and 256 against
+  the roofline of the experts a batch touches (information);
 - lora: the LoRA shrink/expand Triton kernels against the torch reference (bfloat16, 8 slots,
   rank 16, 1 and 64 tokens in segments of mixed adapters and the base model, the 8B shape's
   q and gate_up projections), and decode of the 8B shape at batch 64 (graphs on) with 8 random
@@ -126,7 +126,7 @@ CHECK_SUMMARIES = {
     "spec": "speculative decoding: verify-cost curve, ngram and draft model vs none (info)",
     "moe": "fused MoE kernel vs torch and vs a per-expert loop; Qwen3-30B-A3B decode roofline",
     "fp8": "FP8 linear and KV write vs torch; FP8 KV blocks; FP8 8B decode at batch 1 vs bf16",
-    "gpt_oss": "gpt-oss-20b-shaped decode (sinks, windows, biased experts) vs its roofline (info)",
+    "gpt_oss": "gpt-oss-20b-shaped decode (sinks, windows, biased experts), bf16 and fp8 (info)",
     "lora": "LoRA shrink/expand vs torch; 8B decode b=64 with 8 rank-16 adapters vs the base",
     "offload": "host KV tier: host<->device block copy GB/s (batched vs per block); TTFT from host",
     "pd_ipc": "KV pages copied from another process's cache over CUDA IPC (GB/s, exact)",
@@ -136,7 +136,7 @@ CHECKS = tuple(CHECK_SUMMARIES)
 TIMEOUTS_S = {"preflight": 90, "kernels": 120, "startup": 150, "throughput": 180, "sampling": 120,
               "longctx": 120, "window": 150, "prefill": 100, "profile": 120, "parity": 150,
               "conformance": 150, "tp": 150, "overlap": 150, "spec": 180, "moe": 240,
-              "fp8": 180, "gpt_oss": 180, "lora": 180, "offload": 150, "pd_ipc": 90}  # fmt: skip
+              "fp8": 180, "gpt_oss": 300, "lora": 180, "offload": 150, "pd_ipc": 90}  # fmt: skip
 """Each check's time limit (seconds, scaled by ``--timeout-scale``); typical runs take a fraction."""
 MIN_CHECK_S = 15
 """A check is not started with less of the ``--budget`` left."""
@@ -495,7 +495,8 @@ def sharpen(backend: Any, seed: int) -> None:
     covered = {id(t if t._base is None else t._base) for t in views.values()}
     # gpt-oss's stacked experts are no views of checkpoint tensors: sharpened as parameters.
     rest = {name: p for name, p in model.named_parameters()
-            if id(p) not in covered and p.dtype.is_floating_point}  # fmt: skip
+            if id(p) not in covered and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and not name.endswith("_scale")}  # fmt: skip
     # Norms scale by their weight, Gemma's by 1 + weight: centred on a scale of 1 either way.
     norm = 0.0 if model.config.is_gemma else 1.0
     with torch.no_grad():
@@ -1651,20 +1652,25 @@ def moe_shape(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def moe_decode_roofline(config: dict[str, Any], batch: int, mean_context: float,
-                        bandwidth: float, peak_flops: float,
-                        dtype_bytes: int = 2) -> Roofline:  # fmt: skip
+                        bandwidth: float, peak_flops: float, dtype_bytes: int = 2,
+                        weight_bytes: int | None = None) -> Roofline:  # fmt: skip
     """One MoE decode step: the attention, router, norm and LM-head weights, the experts the
     batch touches (:func:`experts_touched`) and every sequence's KV are read once; each token
     multiplies the dense weights and its ``top_k`` experts, and attends to its context (a window
-    layer's: at most ``sliding_window`` positions)."""
+    layer's: at most ``sliding_window`` positions). ``weight_bytes``: per parameter of the
+    attention projections and the experts (FP8: 1; default ``dtype_bytes``, which the router,
+    the LM head and the KV keep); the FLOPs are counted against one ``peak_flops``."""
     h, layers, e, k = (config["hidden_size"], config["num_hidden_layers"],
                        config["num_experts"], config["num_experts_per_tok"])  # fmt: skip
     heads, kv_heads, d = (config["num_attention_heads"], config["num_key_value_heads"],
                           config["head_dim"])  # fmt: skip
     expert = 3 * h * config["moe_intermediate_size"]
-    attention = h * (heads + 2 * kv_heads) * d + heads * d * h + e * h
+    projections, router = h * (heads + 2 * kv_heads) * d + heads * d * h, e * h
+    attention = projections + router
     head = h * config["vocab_size"]
-    weights = (layers * (attention + experts_touched(e, k, batch) * expert) + head) * dtype_bytes
+    stored = dtype_bytes if weight_bytes is None else weight_bytes
+    quantised = layers * (projections + experts_touched(e, k, batch) * expert) * stored
+    weights = quantised + (layers * router + head) * dtype_bytes
     # Window layers (``layer_types``) read at most ``sliding_window`` keys per sequence.
     window = config.get("sliding_window")
     keys = sum(min(mean_context, window) if kind == "sliding_attention" and window else mean_context
@@ -1729,10 +1735,11 @@ def check_moe(table: Table, args: argparse.Namespace, root: Path) -> None:
 
 
 def _moe_decode_rows(table: Table, args: argparse.Namespace, root: Path, config: dict[str, Any],
-                     directory: str, check: str, label: str,
-                     targets: dict[int, float]) -> None:  # fmt: skip
+                     directory: str, check: str, label: str, targets: dict[int, float],
+                     quantization: str | None = None) -> None:  # fmt: skip
     """Decode of a MoE-shaped model (random weights, graphs on) at batch 1, 64, 256 against
-    :func:`moe_decode_roofline`; ``targets``: the least roofline ratio per batch size."""
+    :func:`moe_decode_roofline`; ``targets``: the least roofline ratio per batch size;
+    ``quantization="fp8"``: FP8 experts and attention projections (one byte each)."""
     batch_sizes = [1, 64, 256] if args.gpu else [1, 2]
     context, steps, warmup = (args.context, args.steps, 3) if args.gpu else (24, 1, 0)
     roof_config = moe_shape(config)
@@ -1740,8 +1747,11 @@ def _moe_decode_rows(table: Table, args: argparse.Namespace, root: Path, config:
     backend = make_backend(
         model_dir, args.device, dtype="bfloat16" if args.gpu else "float32",
         max_model_len=context + warmup + steps + 64, max_num_seqs=max(batch_sizes),
-        options={"max_graph_batch_size": max(batch_sizes)},
+        options={"max_graph_batch_size": max(batch_sizes)}, quantization=quantization,
     )  # fmt: skip
+    dtype_bytes = 2 if args.gpu else 4
+    weight_bytes = 1 if quantization == "fp8" else None
+    suffix = f", {quantization} weights" if quantization else ""
     e, k = roof_config["num_experts"], roof_config["num_experts_per_tok"]
     try:
         backend.available_kv_cache_memory()
@@ -1750,10 +1760,10 @@ def _moe_decode_rows(table: Table, args: argparse.Namespace, root: Path, config:
             seconds, _, mean_ctx = _decode_run(backend, b, context, warmup, steps,
                                                config["vocab_size"])  # fmt: skip
             roof = moe_decode_roofline(roof_config, b, mean_ctx, args.bandwidth, args.peak_flops,
-                                       2 if args.gpu else 4)  # fmt: skip
+                                       dtype_bytes, weight_bytes)  # fmt: skip
             ratio = roof.seconds / seconds
             target = targets.get(b) if args.gpu else None
-            table.add(f"{check}: decode b={b} ctx={context} ({label} shape)",
+            table.add(f"{check}: decode b={b} ctx={context} ({label} shape{suffix})",
                       f"{seconds * 1e3:.2f} ms {b / seconds:,.0f} tok/s {roof.describe(seconds)}",
                       f"{ratio:.2f}" + (f">={target:.2f}" if target else ""),
                       (ratio >= target) if target else None,
@@ -1788,6 +1798,9 @@ def check_gpt_oss(table: Table, args: argparse.Namespace, root: Path) -> None:
     information only."""
     config = GPT_OSS_20B if args.gpu else TOY_GPT_OSS
     _moe_decode_rows(table, args, root, config, "gpt-oss-20b-shaped", "gpt_oss", "gpt-oss-20b", {})
+    # quantization="fp8": the experts and attention in one byte (about half the weight reads).
+    _moe_decode_rows(table, args, root, config, "gpt-oss-20b-shaped", "gpt_oss", "gpt-oss-20b",
+                     {}, quantization="fp8")  # fmt: skip
 
 
 def check_pd_ipc(table: Table, args: argparse.Namespace, root: Path) -> None:

@@ -31,6 +31,13 @@ def test_moe_roofline_counts_the_experts_a_batch_touches() -> None:
     skipped = gc.moe_decode_roofline(full, 256, 4096, 4.8e12, 989e12).bytes - gc.moe_decode_roofline(
         oss, 256, 4096, 4.8e12, 989e12).bytes  # fmt: skip
     assert skipped == pytest.approx(12 * kv_per_layer)
+    # FP8 weights: one byte per parameter of the attention projections and the experts touched.
+    bf16 = gc.moe_decode_roofline(oss, 1, 4096, 4.8e12, 989e12)
+    fp8 = gc.moe_decode_roofline(oss, 1, 4096, 4.8e12, 989e12, 2, 1)
+    projections = 2880 * (64 + 2 * 8) * 64 + 64 * 64 * 2880
+    touched = gc.experts_touched(32, 4, 1) * 3 * 2880 * 2880
+    assert bf16.bytes - fp8.bytes == pytest.approx(24 * (projections + touched))
+    assert bf16.flops == fp8.flops
 
 
 @pytest.mark.parametrize("check", ["moe", "fp8", "gpt_oss"])
@@ -47,7 +54,9 @@ def test_cpu_smoke_rows(tmp_path: Path, check: str) -> None:
         assert "moe: decode b=1 ctx=24 (Qwen3-30B-A3B shape)" in names
     elif check == "gpt_oss":
         assert names == ["gpt_oss: decode b=1 ctx=24 (gpt-oss-20b shape)",
-                         "gpt_oss: decode b=2 ctx=24 (gpt-oss-20b shape)"]  # fmt: skip
+                         "gpt_oss: decode b=2 ctx=24 (gpt-oss-20b shape)",
+                         "gpt_oss: decode b=1 ctx=24 (gpt-oss-20b shape, fp8 weights)",
+                         "gpt_oss: decode b=2 ctx=24 (gpt-oss-20b shape, fp8 weights)"]  # fmt: skip
     else:
         assert "fp8: KV blocks in 8 GiB, fp8 vs bf16" in names
         assert "fp8: decode b=1 ctx=24 fp8 weights (8B shape)" in names
