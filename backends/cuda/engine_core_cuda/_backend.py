@@ -93,6 +93,12 @@ class CudaBackend(Backend):
         size = config.tensor_parallel_size
         # A field that does not divide fails here, before any process starts.
         shard_model_config(self.model_config, size)
+        spec = config.speculative_config
+        if size > 1 and spec is not None and spec.method == "draft_model":
+            raise ValueError(
+                "speculative_config: a draft model is not served under tensor parallelism "
+                f"(tensor_parallel_size={size}); use method 'ngram'"
+            )
         self.tp: Coordinator | None = None
         parallel: TensorParallel | None = None
         if size > 1 and tp_rank == 0:
@@ -252,10 +258,8 @@ class CudaBackend(Backend):
 
     def spec_support(self) -> SpecSupport | None:
         """Verification of drafts, exact (seeded sampling gives the tokens it gives without
-        speculation); not under tensor parallelism, whose workers take one sampled id per
-        request from rank 0."""
-        if self.config.tensor_parallel_size > 1:
-            return None
+        speculation); under tensor parallelism rank 0 verifies and broadcasts the outcome
+        (prompt lookup only: no draft model there)."""
         if self.runner.drafter is None:
             return SpecSupport(exact_verification=True)
         # The draft model writes one KV slot past the verified window per draft it proposes.

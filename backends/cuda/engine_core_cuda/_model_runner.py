@@ -59,7 +59,7 @@ from engine_core_cuda._model import CausalLM
 from engine_core_cuda._options import CudaOptions
 from engine_core_cuda._sampler import compute_logprobs, sample
 from engine_core_cuda._sampling_inputs import build_sampling_batch
-from engine_core_cuda._spec_step import sample_with_drafts
+from engine_core_cuda._spec_step import receive_verified, sample_with_drafts
 from engine_core_cuda._step_inputs import StepInputs, apply_scheduler_output, build_step_inputs
 
 if TYPE_CHECKING:
@@ -420,8 +420,9 @@ class ModelRunner:
         logprobs: list[list[TokenLogprobs] | None] | None = None
         picks = [i for i, s in enumerate(step.samples) if s]
         if picks and step.draft_rows is not None:
+            broadcast = self.parallel.broadcast if self.parallel is not None else None
             sampled, logprobs = sample_with_drafts(
-                self.batch, step, forward.logits, picks, grammar_bitmask, self.ops.impl
+                self.batch, step, forward.logits, picks, grammar_bitmask, self.ops.impl, broadcast
             )
         elif picks:
             tokens = self._sample(step, forward.logits, picks, grammar_bitmask)
@@ -580,6 +581,9 @@ class ModelRunner:
         if not picks:
             return  # rank 0 sampled nothing, hence broadcast nothing
         assert self.parallel is not None
+        if step.draft_rows is not None:  # rank 0 verified drafts (sample_with_drafts)
+            receive_verified(self.batch, step, picks, self.parallel.broadcast)
+            return
         tokens = torch.empty(len(picks), dtype=torch.int64, device=self.device)
         self.parallel.broadcast(tokens)
         index = torch.tensor(picks, dtype=torch.int64).to(self.device)

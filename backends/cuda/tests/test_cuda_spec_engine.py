@@ -173,3 +173,27 @@ def test_prompt_logprobs_when_the_last_prefill_chunk_is_drafted(
         assert got is not None and got.keys() == expected.keys()
         for token, lp in expected.items():
             assert got[token].logprob == pytest.approx(lp.logprob, abs=1e-3)
+
+
+@pytest.mark.timeout(300)
+def test_ngram_speculation_under_tensor_parallelism(tiny: dict[str, TinyModel]) -> None:
+    """TP=2 over gloo: rank 0 verifies the drafts and broadcasts the outcome, rank 1 writes the
+    same tokens into its batch; greedy and seeded outputs (and logprobs) equal TP=2 without
+    speculation, with chunked prefill and preemption in the way."""
+    model = tiny["qwen3"]
+    prompts = _prompts()
+    tp = {"tensor_parallel_size": 2, "multiprocess": False, **SMALL}
+    with model.llm(**tp) as llm:
+        plain = _outputs(llm.generate(prompts, PARAMS, use_tqdm=False))
+    with model.llm(speculative_config=NGRAM, **tp) as llm:
+        spec = _outputs(llm.generate(prompts, PARAMS, use_tqdm=False))
+        stats = _stats(llm)
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+        assert llm.get_stats().num_preemptions > 0
+    _assert_same(spec, plain)
+
+
+def test_a_draft_model_under_tensor_parallelism_is_refused(tiny: dict[str, TinyModel]) -> None:
+    draft = {"method": "draft_model", "model": str(tiny["llama"].path), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="draft model is not served under tensor parallelism"):
+        tiny["llama"].llm(tensor_parallel_size=2, multiprocess=False, speculative_config=draft)
