@@ -71,7 +71,8 @@ with the reason. Rows already written before a crash are kept.
   rank 16, 1 and 64 tokens in segments of mixed adapters and the base model, the 8B shape's
   q and gate_up projections), and decode of the 8B shape at batch 64 (graphs on) with 8 random
   rank-16 adapters on every projection, the requests' adapters interleaved, against the base
-  model without LoRA: at least ``--lora-target`` (0.85) of its throughput;
+  model without LoRA: at least ``--lora-target`` (0.85) of its throughput; then the same pair
+  with FP8 base weights (``quantization="fp8"``, information);
 - offload: the host KV tier's block copier (``engine_core_cuda._kv_offload``) on the 8B
   shape's pages (32 layers, K and V, 16 tokens: 2 MiB per block in bf16): saves and loads of
   256 blocks scattered over the device cache into contiguous pinned host slots, batched (one
@@ -128,7 +129,7 @@ CHECK_SUMMARIES = {
     "moe": "fused MoE kernel vs torch and vs a per-expert loop; Qwen3-30B-A3B decode roofline",
     "fp8": "FP8 linear and KV write vs torch; FP8 KV blocks; FP8 8B decode at batch 1 vs bf16",
     "gpt_oss": "gpt-oss-20b-shaped decode (sinks, windows, biased experts), bf16 and fp8 (info)",
-    "lora": "LoRA shrink/expand vs torch; 8B decode b=64 with 8 rank-16 adapters vs the base",
+    "lora": "LoRA shrink/expand vs torch; 8B decode b=64, 8 rank-16 adapters vs base (+ fp8)",
     "offload": "host KV tier: host<->device block copy GB/s (batched vs per block); TTFT from host",
     "pd_ipc": "KV pages copied from another process's cache over CUDA IPC (GB/s, exact)",
 }
@@ -137,7 +138,7 @@ CHECKS = tuple(CHECK_SUMMARIES)
 TIMEOUTS_S = {"preflight": 90, "kernels": 120, "startup": 150, "throughput": 180, "sampling": 120,
               "longctx": 120, "window": 150, "prefill": 100, "profile": 120, "parity": 150,
               "conformance": 150, "tp": 150, "overlap": 150, "spec": 180, "moe": 240,
-              "fp8": 180, "gpt_oss": 300, "lora": 180, "offload": 150, "pd_ipc": 90}  # fmt: skip
+              "fp8": 180, "gpt_oss": 300, "lora": 300, "offload": 150, "pd_ipc": 90}  # fmt: skip
 """Each check's time limit (seconds, scaled by ``--timeout-scale``); typical runs take a fraction."""
 MIN_CHECK_S = 15
 """A check is not started with less of the ``--budget`` left."""
@@ -2115,29 +2116,37 @@ def check_lora(table: Table, args: argparse.Namespace, root: Path) -> None:
                       f"max rel error {error:.2e}", f"<= {tol:g}", error <= tol)  # fmt: skip
     batch = 64 if args.gpu else 4
     context, steps, warmup = (args.context, args.steps, 3) if args.gpu else (24, 3, 1)
-    seconds: dict[bool, float] = {}
-    for lora in (False, True):
-        fields: dict[str, Any] = (
-            {"enable_lora": True, "max_loras": slots, "max_lora_rank": rank} if lora else {}
-        )
-        backend = big_backend(args, root, max_len=context + warmup + steps + 64,
-                              max_seqs=batch, graphs=args.gpu,
-                              num_blocks=_blocks_for(batch, context), **fields)  # fmt: skip
-        try:
-            if lora:
-                runner_lora = backend.runner.lora
-                for i in range(slots):
-                    runner_lora.add_host(random_adapter(i + 1, backend.model_config, rank, seed=i))
-            vocab = backend.model_config.vocab_size
-            seconds[lora], _, _ = _decode_run(backend, batch, context, warmup, steps, vocab,
-                                              loras=slots if lora else 0)  # fmt: skip
-        finally:
-            release(backend)
-    ratio = seconds[False] / seconds[True]
-    table.add(f"lora: decode b={batch} ctx={context}, {slots} rank-{rank} adapters vs base",
-              f"{batch / seconds[True]:,.0f} vs {batch / seconds[False]:,.0f} tok/s: "
-              f"x{ratio:.2f}", f">= {args.lora_target}" if args.gpu else "",
-              (ratio >= args.lora_target) if args.gpu else None)  # fmt: skip
+    # The base model's weights in the model dtype (the target), then in FP8 (information).
+    for quantization in (None, "fp8"):
+        seconds: dict[bool, float] = {}
+        for lora in (False, True):
+            fields: dict[str, Any] = (
+                {"enable_lora": True, "max_loras": slots, "max_lora_rank": rank} if lora else {}
+            )
+            backend = big_backend(args, root, max_len=context + warmup + steps + 64,
+                                  max_seqs=batch, graphs=args.gpu,
+                                  num_blocks=_blocks_for(batch, context),
+                                  quantization=quantization, **fields)  # fmt: skip
+            try:
+                if lora:
+                    runner_lora = backend.runner.lora
+                    for i in range(slots):
+                        runner_lora.add_host(
+                            random_adapter(i + 1, backend.model_config, rank, seed=i)
+                        )
+                vocab = backend.model_config.vocab_size
+                seconds[lora], _, _ = _decode_run(backend, batch, context, warmup, steps, vocab,
+                                                  loras=slots if lora else 0)  # fmt: skip
+            finally:
+                release(backend)
+        ratio = seconds[False] / seconds[True]
+        weights = ", fp8 weights" if quantization else ""
+        target = args.gpu and quantization is None
+        table.add(f"lora: decode b={batch} ctx={context}, {slots} rank-{rank} adapters vs base"
+                  f"{weights}",
+                  f"{batch / seconds[True]:,.0f} vs {batch / seconds[False]:,.0f} tok/s: "
+                  f"x{ratio:.2f}", f">= {args.lora_target}" if target else "",
+                  (ratio >= args.lora_target) if target else None)  # fmt: skip
 
 
 CHECK_FUNCTIONS: dict[str, Callable[[Table, argparse.Namespace, Path], None]] = {

@@ -269,9 +269,8 @@ class CudaBackend(Backend):
 
     def lora_support(self) -> LoRASupport | None:
         """PEFT LoRA adapters up to ``max_lora_rank`` on the attention projections, and on
-        the MLP's of a dense model (``docs/cuda_lora.md``); not on FP8 weights."""
-        if self.model_config.quantization is not None:
-            return None
+        the MLP's of a dense model (``docs/cuda_lora.md``); on FP8 weights too (the adapters
+        stay in the model dtype)."""
         return LoRASupport(
             max_rank=self.config.max_lora_rank, target_modules=served_modules(self.model_config)
         )

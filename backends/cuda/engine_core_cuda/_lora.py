@@ -377,7 +377,7 @@ class LoRAModel:
             for projection in {p for p, _ in _FUSED.values()}:
                 block, attr = projection.split(".")
                 linear = getattr(getattr(layer, block, None), attr, None)
-                if not isinstance(linear, Linear) or linear.weight_scale is not None:
+                if not isinstance(linear, Linear):
                     continue
                 lora = LoRALinear(self, linear, num_slots, max_rank, dtype, device)
                 linear.lora = lora

@@ -243,8 +243,6 @@ class ModelRunner:
             pack_cpu_linears(self.modules(), max(1, min(self.config.max_num_seqs, 64)))
 
     def _make_lora(self) -> LoRAModel:
-        if self.quantization is not None:
-            raise ValueError("LoRA adapters are not served on FP8 weights")
         slicer = None
         if self.parallel is not None:
             from engine_core_cuda._tp.shard import slice_of

@@ -73,4 +73,5 @@ def test_lora_cpu_smoke_rows(tmp_path: Path) -> None:
     names = [r.check for r in table.rows]
     assert names == ["lora: shrink/expand vs torch, qkv 5 tokens",
                      "lora: shrink/expand vs torch, gate_up 5 tokens",
-                     "lora: decode b=4 ctx=24, 8 rank-16 adapters vs base"]  # fmt: skip
+                     "lora: decode b=4 ctx=24, 8 rank-16 adapters vs base",
+                     "lora: decode b=4 ctx=24, 8 rank-16 adapters vs base, fp8 weights"]  # fmt: skip

@@ -23,7 +23,7 @@ from tiny_models import VOCAB_SIZE, TinyModel
 
 from engine_core import LoRAError, LoRARequest
 from engine_core._core.request import Request
-from engine_core.abc import SchedulerOutput
+from engine_core.abc import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams
 from engine_core.testing.harness import Harness
@@ -509,3 +509,51 @@ def test_sleep_frees_the_slots_and_wake_up_reloads_them(
         assert _check(harness, {0: model.hf, 1: ads[1].merged}, prompts) < 1e-4
     finally:
         backend.close()
+
+
+def _adapter_logits(path: Path, lora: LoRARequest, prompts: list[list[int]], **fields: Any) -> Any:
+    """Each prompt's last-position logits under ``lora`` (one prefill step) and under the base
+    model (a second one), from a fresh backend with ``fields``."""
+    from test_cuda_fp8 import _backend as plain_backend
+    from test_cuda_fp8 import _last_logits
+
+    backend = plain_backend(path, enable_lora=True, max_loras=2, max_lora_rank=8, **fields)
+    try:
+        backend.add_lora(lora)
+        news = [NewRequestData(f"a{i}", p, SamplingParams(temperature=0.0), [2 * i, 2 * i + 1],
+                               0, len(p), lora_int_id=1) for i, p in enumerate(prompts)]  # fmt: skip
+        backend.execute_model(SchedulerOutput(news, CachedRequestData(), sum(map(len, prompts)),
+                                              lora_ids=(1,)))  # fmt: skip
+        forward = backend.runner._forward
+        assert forward is not None and forward.logits is not None
+        adapted = forward.logits.clone()
+        backend.sample_tokens(None)
+        finished = [f"a{i}" for i in range(len(prompts))]
+        backend.execute_model(
+            SchedulerOutput([], CachedRequestData(), 0, finished_req_ids=finished)
+        )
+        backend.sample_tokens(None)
+        base = _last_logits(backend, prompts)
+        return adapted, base
+    finally:
+        backend.close()
+
+
+def test_adapters_on_fp8_weights(
+    tiny: dict[str, TinyModel], adapters: dict[str, list[Adapter]], tmp_path: Path
+) -> None:
+    """``quantization="fp8"`` with LoRA: the FP8 projections get the adapter's low-rank update
+    (in the model dtype) as the unquantised ones do: the adapter moves the FP8 model's logits as
+    it moves the float32 model's, within FP8's rounding (the matrices halved, as in
+    ``test_cuda_fp8``: the tiny models' gain amplifies FP8's rounding)."""
+    from test_cuda_fp8 import _cosines, _halved
+
+    model = tiny["llama"]
+    path = _halved(model, tmp_path / "halved")
+    lora = LoRARequest(adapters["llama"][0].name, 1, str(adapters["llama"][0].path))
+    prompts = [_prompt(i, 9 + 4 * i) for i in range(3)]
+    full_adapted, full_base = _adapter_logits(path, lora, prompts)
+    fp8_adapted, fp8_base = _adapter_logits(path, lora, prompts, quantization="fp8")
+    assert min(_cosines(full_adapted, fp8_adapted)) >= 0.99
+    assert min(_cosines(full_adapted - full_base, fp8_adapted - fp8_base)) >= 0.95
+    assert max(_cosines(fp8_adapted, fp8_base)) < 0.99  # the adapter matters
