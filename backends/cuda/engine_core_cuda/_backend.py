@@ -93,12 +93,6 @@ class CudaBackend(Backend):
         size = config.tensor_parallel_size
         # A field that does not divide fails here, before any process starts.
         shard_model_config(self.model_config, size)
-        spec = config.speculative_config
-        if size > 1 and spec is not None and spec.method == "draft_model":
-            raise ValueError(
-                "speculative_config: a draft model is not served under tensor parallelism "
-                f"(tensor_parallel_size={size}); use method 'ngram'"
-            )
         self.tp: Coordinator | None = None
         parallel: TensorParallel | None = None
         if size > 1 and tp_rank == 0:
@@ -196,6 +190,12 @@ class CudaBackend(Backend):
             return memory * own // (own + drafter.block_bytes(block_size))
         with self.tp.on_every_rank("available_kv_cache_memory") as others:
             own = available_kv_cache_memory(self.runner, self.config.kv_cache_memory_fraction)
+        drafter = self.runner.drafter
+        if drafter is not None:  # rank 0's draft blocks share its memory (same block ids)
+            spec = self.kv_cache_spec()
+            assert isinstance(spec, KVCacheSpec)
+            block = spec.bytes_per_block(self.config.block_size)
+            own = own * block // (block + drafter.block_bytes(self.config.block_size))
         return min(own, *(v for v in others if isinstance(v, int)))
 
     def initialize_kv_cache(
@@ -258,8 +258,8 @@ class CudaBackend(Backend):
 
     def spec_support(self) -> SpecSupport | None:
         """Verification of drafts, exact (seeded sampling gives the tokens it gives without
-        speculation); under tensor parallelism rank 0 verifies and broadcasts the outcome
-        (prompt lookup only: no draft model there)."""
+        speculation); under tensor parallelism rank 0 verifies and broadcasts the outcome, and
+        a draft model runs whole on rank 0 alone."""
         if self.runner.drafter is None:
             return SpecSupport(exact_verification=True)
         # The draft model writes one KV slot past the verified window per draft it proposes.

@@ -202,7 +202,15 @@ class ModelRunner:
         """Timing event recorded where the last step's forward pass starts (CUDA only)."""
         self.graphs: DecodeGraphs | None = None
         spec = config.speculative_config
-        if spec is not None and spec.method == "draft_model" and spec.model is not None:
+        # Under tensor parallelism the draft model runs whole on rank 0, which proposes: its
+        # passes take no collective, and the other ranks only verify what rank 0 sends.
+        on_rank0 = parallel is None or parallel.rank == 0
+        if (
+            spec is not None
+            and spec.method == "draft_model"
+            and spec.model is not None
+            and on_rank0
+        ):
             self.drafter = DraftModel(self, spec.model)
         self._spans = sorted(
             {span for i in range(model_config.num_layers)

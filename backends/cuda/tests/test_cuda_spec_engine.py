@@ -193,7 +193,21 @@ def test_ngram_speculation_under_tensor_parallelism(tiny: dict[str, TinyModel]) 
     _assert_same(spec, plain)
 
 
-def test_a_draft_model_under_tensor_parallelism_is_refused(tiny: dict[str, TinyModel]) -> None:
-    draft = {"method": "draft_model", "model": str(tiny["llama"].path), "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="draft model is not served under tensor parallelism"):
-        tiny["llama"].llm(tensor_parallel_size=2, multiprocess=False, speculative_config=draft)
+@pytest.mark.timeout(300)
+def test_a_draft_model_under_tensor_parallelism(tiny: dict[str, TinyModel]) -> None:
+    """TP=2 over gloo with a draft model (another tiny model), which runs whole on rank 0: the
+    outputs equal TP=2's without speculation."""
+    model = tiny["qwen3"]
+    draft = {"method": "draft_model", "model": str(tiny["qwen2"].path),
+             "num_speculative_tokens": 3, "dynamic": False}  # fmt: skip
+    prompts = _prompts()
+    tp = {"tensor_parallel_size": 2, "multiprocess": False, **SMALL}
+    with model.llm(**tp) as llm:
+        plain = _outputs(llm.generate(prompts, PARAMS, use_tqdm=False))
+    with model.llm(speculative_config=draft, **tp) as llm:
+        runner = llm._client.engine_core.backend.runner
+        assert runner.drafter is not None and runner.parallel.rank == 0
+        spec = _outputs(llm.generate(prompts, PARAMS, use_tqdm=False))
+        stats = _stats(llm)
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    _assert_same(spec, plain)
