@@ -43,7 +43,7 @@ with the reason. Rows already written before a crash are kept.
   (sinks and stacked biased experts sharded): teacher-forced per-position logprobs of TP=2
   against TP=1 within 0.05 (95th percentile; the maximum is printed), top-1 agreement >= 95%,
   and TP=2's greedy tokens with async scheduling equal to synchronous steps' (and, reported,
-  with prompt-lookup speculation);
+  with prompt-lookup and draft-model speculation);
 - overlap: decode throughput of the 8B-shaped model through the engine core (real scheduler,
   CUDA graphs on) with async scheduling off and on, at each batch size (information only);
 - spec: speculative decoding (information only): the verify-cost curve, step time of the
@@ -972,13 +972,18 @@ def check_tp(table: Table, args: argparse.Namespace, root: Path) -> None:
             # differently: reported, not asserted.
             repeated = {f"r{i}": ([rng.randrange(2, 512) for _ in range(n)] * 8)[:40]
                         for i, n in enumerate((3, 5, 7, 4))}  # fmt: skip
-            ngram = {"method": "ngram", "num_speculative_tokens": 3, "dynamic": False}
             plain = _tp_greedy(model_dir, args.device, repeated, gloo, async_scheduling=False)
-            spec = _tp_greedy(model_dir, args.device, repeated, gloo, async_scheduling=False,
-                              speculative_config=ngram)  # fmt: skip
-            same = sum(a == b for a, b in zip(plain, spec, strict=True))
-            table.add(f"tp/{kind} bf16 TP=2 greedy: ngram speculation vs none",
-                      f"{same}/{len(plain)} sequences identical", "info", None)  # fmt: skip
+            # The target as its own draft model (whole, on rank 0 alone).
+            for method, spec_config in (
+                ("ngram", {"method": "ngram", "num_speculative_tokens": 3, "dynamic": False}),
+                ("draft model", {"method": "draft_model", "model": str(model_dir),
+                                 "num_speculative_tokens": 3, "dynamic": False}),
+            ):  # fmt: skip
+                spec = _tp_greedy(model_dir, args.device, repeated, gloo, async_scheduling=False,
+                                  speculative_config=spec_config)  # fmt: skip
+                same = sum(a == b for a, b in zip(plain, spec, strict=True))
+                table.add(f"tp/{kind} bf16 TP=2 greedy: {method} speculation vs none",
+                          f"{same}/{len(plain)} sequences identical", "info", None)  # fmt: skip
 
 
 # -- 3. conformance ---------------------------------------------------------------------------

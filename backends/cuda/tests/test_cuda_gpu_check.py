@@ -226,5 +226,6 @@ def test_cpu_tp_rows(tmp_path: Path) -> None:
     for kind in ("llama", "gemma2", "gemma3", "gpt-oss"):
         assert rows[f"tp/{kind} bf16 TP=2 (gloo, one device) vs TP=1"]["ok"] is True
     assert rows["tp/llama bf16 TP=2 greedy: async scheduling vs sync"]["ok"] is True
-    ngram = rows["tp/llama bf16 TP=2 greedy: ngram speculation vs none"]
-    assert ngram["value"].endswith("/4 sequences identical")  # bf16: reported, not asserted
+    for method in ("ngram", "draft model"):
+        row = rows[f"tp/llama bf16 TP=2 greedy: {method} speculation vs none"]
+        assert row["value"].endswith("/4 sequences identical")  # bf16: reported, not asserted
