@@ -557,3 +557,23 @@ def test_adapters_on_fp8_weights(
     assert min(_cosines(full_adapted, fp8_adapted)) >= 0.99
     assert min(_cosines(full_adapted - full_base, fp8_adapted - fp8_base)) >= 0.95
     assert max(_cosines(fp8_adapted, fp8_base)) < 0.99  # the adapter matters
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_mixture_of_experts_adapters_on_attention_equal_the_merged_model(
+    tiny: dict[str, TinyModel], tmp_path: Path, kind: str
+) -> None:
+    """A mixture-of-experts model (gpt-oss: sinks, window layers, biased projections) with an
+    adapter on its attention projections, beside the base model."""
+    from engine_core import SamplingParams as Params
+
+    model = tiny[kind]
+    adapter = build_adapter(model.hf, "attn", tmp_path / f"{kind}-attn", seed=5)
+    lora = LoRARequest(f"{kind}-attn", 1, str(adapter.path))
+    prompts = [{"prompt_token_ids": _prompt(6, 21)}] * 2
+    params = Params(temperature=0.0, max_tokens=5, ignore_eos=True)
+    with model.llm(block_size=4, enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=[None, lora])
+    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids
+    for out, reference in zip(outputs, [model.hf, adapter.merged], strict=True):
+        assert out.outputs[0].token_ids == greedy(reference, out.prompt_token_ids, 5)
