@@ -967,13 +967,13 @@ def check_tp(table: Table, args: argparse.Namespace, root: Path) -> None:
             same = sum(a == b for a, b in zip(sync, on, strict=True))
             table.add(f"tp/{kind} bf16 TP=2 greedy: async scheduling vs sync",
                       f"{same}/{len(sync)} sequences identical", "all", same == len(sync))  # fmt: skip
-            # Prompt lookup under TP=2 (rank 0 verifies, broadcasts the accepted tokens): prompts
-            # that repeat a phrase, so drafts are found. bf16 verify and decode passes may round
-            # differently: reported, not asserted.
+            # Speculation under TP=2 (rank 0 verifies and broadcasts the accepted tokens): prompt
+            # lookup over prompts that repeat a phrase, and the target as its own draft model
+            # (whole, on rank 0 alone). bf16 verify and decode passes may round differently:
+            # reported, not asserted.
             repeated = {f"r{i}": ([rng.randrange(2, 512) for _ in range(n)] * 8)[:40]
                         for i, n in enumerate((3, 5, 7, 4))}  # fmt: skip
             plain = _tp_greedy(model_dir, args.device, repeated, gloo, async_scheduling=False)
-            # The target as its own draft model (whole, on rank 0 alone).
             for method, spec_config in (
                 ("ngram", {"method": "ngram", "num_speculative_tokens": 3, "dynamic": False}),
                 ("draft model", {"method": "draft_model", "model": str(model_dir),
@@ -1814,12 +1814,12 @@ TOY_GPT_OSS = {**GPT_OSS_20B, "vocab_size": 512, "hidden_size": 64, "intermediat
 
 def check_gpt_oss(table: Table, args: argparse.Namespace, root: Path) -> None:
     """Decode of a gpt-oss-20b-shaped model (window/full layers with sinks, clamped-SwiGLU
-    experts with biases; bf16 weights, as MXFP4 checkpoints load) against the roofline of the
-    experts a batch touches and the KV its layers read (a window layer: at most 128 positions);
-    information only."""
+    experts with biases; bf16 weights, as MXFP4 checkpoints load, then ``quantization="fp8"``:
+    the experts and attention in one byte, about half the weight reads) against the roofline of
+    the experts a batch touches and the KV its layers read (a window layer: at most 128
+    positions); information only."""
     config = GPT_OSS_20B if args.gpu else TOY_GPT_OSS
     _moe_decode_rows(table, args, root, config, "gpt-oss-20b-shaped", "gpt_oss", "gpt-oss-20b", {})
-    # quantization="fp8": the experts and attention in one byte (about half the weight reads).
     _moe_decode_rows(table, args, root, config, "gpt-oss-20b-shaped", "gpt_oss", "gpt-oss-20b",
                      {}, quantization="fp8")  # fmt: skip
 
