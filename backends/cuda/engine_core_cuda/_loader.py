@@ -117,8 +117,9 @@ def checkpoint_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
 
 
 def stacked_checkpoint_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
-    """gpt-oss's stacked experts of an unsharded model under their checkpoint names, in the
-    checkpoint's layout (copies): with :func:`checkpoint_tensors`, a checkpoint of the model."""
+    """gpt-oss's stacked experts of an unsharded model in its dtype (not FP8) under their
+    checkpoint names, in the checkpoint's layout (copies): with :func:`checkpoint_tensors`, a
+    checkpoint of the model."""
     tensors: dict[str, torch.Tensor] = {}
     for module_name, module in model.named_modules():
         if isinstance(module, SparseMoeBlock):

@@ -216,7 +216,8 @@ class SparseMoeBlock(nn.Module):
 
     def stacked_checkpoint(self, name: str) -> dict[str, torch.Tensor]:
         """gpt-oss: the stacked experts in the checkpoint's layout (copies; the inverse of
-        :meth:`stacked_loaders` for an unsharded block), under their checkpoint names."""
+        :meth:`stacked_loaders` for an unsharded block in the model dtype), under their
+        checkpoint names."""
         if not self.moe.stacked:
             return {}
         ex = self.experts
