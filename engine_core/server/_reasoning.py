@@ -5,6 +5,12 @@
   the block never closes); any other output is content.
 - ``deepseek_r1``: the template opens the block in the prompt, so the output thinks from its
   start (a leading ``<think>`` is dropped) until ``</think>``, all of it when that never comes.
+- ``gpt_oss``: gpt-oss's harmony format (its markers are special tokens, which the text then keeps,
+  without spaces around them): a message on the ``analysis`` channel
+  (``<|channel|>analysis<|message|>…<|end|>``) is the thinking; the ``final`` channel's header
+  (``<|start|>assistant<|channel|>final<|message|>``) and the end marker (``<|return|>``) are left
+  out of the content; tool calls on the ``commentary`` channel are the ``openai`` tool parser's.
+  Grammars are not applied after its thinking (a request with one is refused).
 """
 
 from __future__ import annotations
@@ -42,24 +48,54 @@ class ReasoningParser:
     name: str
     implicit_start: bool
     """The output thinks from its start, without a ``<think>`` of its own."""
+    start: str = START
+    end: str = END
+    content_headers: tuple[str, ...] = ()
+    """Markers that may open the content (left out of it): the first that starts it."""
+    content_end: str | None = None
+    """A marker that may close the content (left out of it)."""
+    keeps_special_tokens: bool = False
+    """The markers are special tokens, which the text must keep (without spaces around
+    them)."""
+    grammars: bool = True
+    """Whether :meth:`constrain` can apply a grammar after the thinking."""
 
     def split(self, text: str, final: bool) -> tuple[str, str, bool]:
         """(reasoning, content, whether the thinking ended) of the text so far; while it is
         not ``final``, text that could begin a marker is held back from both."""
+        start, end = self.start, self.end
         stripped = text.lstrip()
-        if stripped.startswith(START):
-            body = stripped[len(START) :]
+        if stripped.startswith(start):
+            body = stripped[len(start) :]
         elif self.implicit_start:
             body = text
-        elif not final and START.startswith(stripped):
+        elif not final and start.startswith(stripped):
             return "", "", False  # the output may yet open a block
         else:
-            return "", text, True
-        end = body.find(END)
-        if end < 0:
-            keep = 0 if final else held_back(body, END)
+            return "", self.content(text, final), True
+        at = body.find(end)
+        if at < 0:
+            keep = 0 if final else held_back(body, end)
             return body[: len(body) - keep], "", False
-        return body[:end], body[end + len(END) :].lstrip(), True
+        return body[:at], self.content(body[at + len(end) :].lstrip(), final), True
+
+    def content(self, text: str, final: bool) -> str:
+        """The content of ``text`` (all that follows the thinking): less a header that opens
+        it and a marker that closes it; while not ``final``, less a head that could begin a
+        header or a tail that could begin the closing marker."""
+        for header in self.content_headers:
+            if text.startswith(header):
+                text = text[len(header) :]
+                break
+            if not final and header.startswith(text):
+                return ""
+        closing = self.content_end
+        if closing is not None:
+            if text.endswith(closing):
+                return text[: -len(closing)]
+            if not final:
+                return text[: len(text) - held_back(text, closing)]
+        return text
 
     def reasoning_tokens(self, tokenizer: Tokenizer, token_ids: Sequence[int]) -> int:
         """How many of ``token_ids`` (a whole output) are thinking: up to and with the one
@@ -70,12 +106,12 @@ class ReasoningParser:
             return 0
         if not ended:
             return len(token_ids)
-        if END not in text:  # no thinking at all
+        if self.end not in text:  # no thinking at all
             return 0
         low, high = 1, len(token_ids)
         while low < high:  # the shortest prefix whose text holds the end marker
             middle = (low + high) // 2
-            if END in tokenizer.decode(token_ids[:middle], skip_special_tokens=False):
+            if self.end in tokenizer.decode(token_ids[:middle], skip_special_tokens=False):
                 high = middle
             else:
                 low = middle + 1
@@ -92,7 +128,14 @@ class ReasoningParser:
         first (``compact``: JSON without whitespace, as ``disable_any_whitespace`` asks), at
         most ``max_thought_chars`` characters before the grammar closes the block (None: no
         limit; 0: no thought at all). Regexes and grammars given as such are kept as they are
-        (they constrain the whole output)."""
+        (they constrain the whole output). ``ValueError`` for a parser without
+        :attr:`grammars`."""
+        if not self.grammars:
+            raise ValueError(
+                f"grammars (response_format, structured_outputs, a required or named "
+                f"tool_choice) are not applied after the thinking of the {self.name!r} "
+                "reasoning parser"
+            )
         compact = compact or params.disable_any_whitespace
         if params.json is not None or params.json_object:
             schema: Any = {"type": "object"}
@@ -134,6 +177,19 @@ class ReasoningParser:
 REASONING_PARSERS = {
     "qwen3": ReasoningParser("qwen3", implicit_start=False),
     "deepseek_r1": ReasoningParser("deepseek_r1", implicit_start=True),
+    "gpt_oss": ReasoningParser(
+        "gpt_oss",
+        implicit_start=False,
+        start="<|channel|>analysis<|message|>",
+        end="<|end|>",
+        content_headers=(
+            "<|start|>assistant<|channel|>final<|message|>",
+            "<|channel|>final<|message|>",
+        ),
+        content_end="<|return|>",
+        keeps_special_tokens=True,
+        grammars=False,
+    ),
 }
 
 
@@ -159,47 +215,77 @@ class ReasoningStream:
         self._phase = "start"
         """``start`` (whether the output thinks is not known yet), ``thinking``, ``content``."""
         self._pending = ""
-        """Text held back: the start of the output, or a tail that could begin ``</think>``."""
+        """Text held back: the start of the output, or a tail that could begin the end marker."""
         self._content_started = False
-        """Leading white space of the content after the block is dropped until this is set."""
+        """Until set, the content's leading white space (after the block) is dropped and a
+        header that opens it looked for."""
+        self._strip_space = True
+        self._head = ""
+        """The content's first text, held while it could begin a header."""
+        self._tail = ""
+        """The content's last text, held while it could begin (or is) the closing marker."""
 
     def feed(self, piece: str, token_ids: Sequence[int], final: bool) -> tuple[str, str]:
         """The new (reasoning, content) once ``piece`` (of ``token_ids``) is added."""
+        parser = self.parser
+        start_marker, end_marker = parser.start, parser.end
         phase = self._phase
         if phase == "content":
-            return "", self._content(piece)
+            return "", self._content(piece, final)
         text = self._pending + piece
         self._pending = ""
         if phase == "start":
             stripped = text.lstrip()
-            if stripped.startswith(START):
-                text = stripped[len(START) :]
-            elif not final and START.startswith(stripped):
+            if stripped.startswith(start_marker):
+                text = stripped[len(start_marker) :]
+            elif not final and start_marker.startswith(stripped):
                 self._pending = text  # the output may yet open a block
                 self.reasoning_tokens += len(token_ids)
                 return "", ""
-            elif not self.parser.implicit_start:
+            elif not parser.implicit_start:
                 self._phase = "content"
-                self._content_started = True
+                self._strip_space = False
                 self.reasoning_tokens = 0  # it does not think
-                return "", text
+                return "", self._content(text, final)
             self._phase = "thinking"
-        end = text.find(END)
+        end = text.find(end_marker)
         if end < 0:
-            kept = 0 if final else held_back(text, END)
+            kept = 0 if final else held_back(text, end_marker)
             self._pending = text[len(text) - kept :]
             self.reasoning_tokens += len(token_ids)
             return text[: len(text) - kept], ""
         self._phase = "content"
-        after = text[end + len(END) :]  # all of it from this piece
+        after = text[end + len(end_marker) :]  # all of it from this piece
         self.reasoning_tokens += self._tokens_to_end(len(piece) - len(after), token_ids)
-        return text[:end], self._content(after)
+        return text[:end], self._content(after, final)
 
-    def _content(self, text: str) -> str:
+    def _content(self, text: str, final: bool) -> str:
+        """As :meth:`ReasoningParser.content` reads the content whole, piece by piece."""
         if not self._content_started:
-            text = text.lstrip()
-            self._content_started = bool(text)
-        return text
+            text = self._head + text
+            self._head = ""
+            if self._strip_space:
+                text = text.lstrip()
+                if not text:
+                    return ""
+            for header in self.parser.content_headers:
+                if text.startswith(header):
+                    text = text[len(header) :]
+                    break
+                if not final and header.startswith(text):
+                    self._head = text
+                    return ""
+            self._content_started = True
+        closing = self.parser.content_end
+        if closing is None:
+            return text
+        text = self._tail + text
+        if text.endswith(closing):
+            self._tail = "" if final else closing
+            return text[: -len(closing)]
+        keep = 0 if final else held_back(text, closing)
+        self._tail = text[len(text) - keep :]
+        return text[: len(text) - keep]
 
     def _tokens_to_end(self, needed: int, token_ids: Sequence[int]) -> int:
         """How many of a piece's tokens write its first ``needed`` characters (up to the end
