@@ -38,6 +38,16 @@ MARKERS = [
     "<|python_tag|>",
     "<think>",
     "</think>",
+    # gpt-oss's harmony format
+    "<|channel|>analysis<|message|>",
+    "<|end|>",
+    "<|start|>assistant<|channel|>final<|message|>",
+    "<|channel|>final<|message|>",
+    "<|return|>",
+    "<|start|>assistant",
+    "<|channel|>commentary to=functions.f <|constrain|>json<|message|>",
+    "<|call|>",
+    "<|",
     '{"name": "f", "arguments": {',
     "}",
     "]",
@@ -63,6 +73,12 @@ def _format(parser: str, calls: list[tuple[str, dict[str, Any]]]) -> str:
         )
     if parser == "llama3_json":
         return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
+    if parser == "openai":
+        return "".join(
+            f"<|start|>assistant<|channel|>commentary to=functions.{n} <|constrain|>json"
+            f"<|message|>{json.dumps(a)}<|call|>"
+            for n, a in calls
+        )
     return "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in calls])
 
 
@@ -85,7 +101,7 @@ def stream(parser: ToolParser, text: str, cuts: list[int]) -> tuple[str, list[tu
     return content, [(name, args) for name, args in (calls[i] for i in sorted(calls))]
 
 
-@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "openai"])
 @settings(max_examples=60, deadline=None)
 @given(calls=CALLS, cuts=st.lists(st.integers(0, 10_000), max_size=6))
 def test_well_formed_calls_read_back_whole_and_streamed(
@@ -99,6 +115,18 @@ def test_well_formed_calls_read_back_whole_and_streamed(
     streamed_content, streamed = stream(parser, text, cuts)
     assert streamed_content.strip() == ""
     assert streamed == [(c.name, c.arguments) for c in found]
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "openai"])
+def test_calls_streamed_a_character_at_a_time_read_as_whole(name: str) -> None:
+    """Every cut of the text, at once: a call is never sent and then read again (as a parser
+    that took back a call it had read would make the stream do)."""
+    parser = get_tool_parser(name)
+    text = _format(name, [("get_weather", {"city": "Paris"}), ("f", {})])
+    _, found = extract_tool_calls(parser, text)
+    content, streamed = stream(parser, text, list(range(len(text))))
+    assert content.strip() == ""
+    assert streamed == [(c.name, c.arguments) for c in found] and len(found) == 2
 
 
 @pytest.mark.parametrize("parser", PARSERS, ids=lambda p: type(p).__name__)
@@ -118,9 +146,9 @@ def test_any_text_reads_without_raising_and_streams_as_it_reads_whole(
 
 
 def test_unknown_parsers_are_named_with_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral, openai"):
         get_tool_parser("nope")
-    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="deepseek_r1, gpt_oss, qwen3"):
         get_reasoning_parser("nope")
 
 

@@ -16,7 +16,7 @@ __all__ = ["ToolParser", "get_tool_parser", "register_tool_parser", "tool_parser
 
 P = TypeVar("P", bound="type[ToolParser]")
 
-_BUILTIN_MODULES = ("hermes", "llama3_json", "mistral")
+_BUILTIN_MODULES = ("hermes", "llama3_json", "mistral", "openai")
 _PARSERS: dict[str, type[ToolParser]] = {}
 
 
@@ -33,6 +33,9 @@ class ToolParser:
     name: ClassVar[str]
     keeps_special_tokens: ClassVar[bool] = False
     """The format's markers are special tokens, which the text must keep."""
+    spaces_around_special_tokens: ClassVar[bool] = True
+    """Whether the format reads kept special tokens with spaces written around them (the
+    detokenizer's default, ``spaces_between_special_tokens``)."""
     markers: ClassVar[tuple[str, ...]] = ()
     """Strings that open the calls' markup (none: it may start anywhere)."""
 
