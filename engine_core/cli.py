@@ -434,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tool-call-parser",
-        choices=["hermes", "llama3_json", "mistral"],
+        choices=["hermes", "llama3_json", "mistral", "openai"],
         default=None,
         help="the format the model writes tool calls in, read for tool_choice 'auto'",
     )
@@ -445,9 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--reasoning-parser",
-        choices=["qwen3", "deepseek_r1"],
+        choices=["qwen3", "deepseek_r1", "gpt_oss"],
         default=None,
-        help="put the model's <think>...</think> text in reasoning_content",
+        help="put the model's thinking (<think>...</think>; gpt_oss: its analysis channel) in "
+        "reasoning_content",
     )
     p.add_argument(
         "--max-forced-reasoning-chars",

@@ -249,6 +249,16 @@ def test_backend_hints_take_the_command_lines_form(
     assert COMMAND_LINE_ENV not in os.environ  # main() leaves the environment as it found it
 
 
+def test_the_parser_flags_offer_every_registered_parser() -> None:
+    from engine_core.server._reasoning import REASONING_PARSERS
+    from engine_core.server.tools import tool_parser_names
+
+    serve = dict(_commands(build_parser()))[("serve",)]
+    choices = {a.dest: a.choices for a in serve._actions if a.choices is not None}
+    assert sorted(choices["tool_call_parser"]) == tool_parser_names()
+    assert sorted(choices["reasoning_parser"]) == sorted(REASONING_PARSERS)
+
+
 def test_the_forced_reasoning_bound_is_a_serve_flag() -> None:
     from engine_core.server import ServerSettings
 

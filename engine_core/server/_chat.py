@@ -268,6 +268,14 @@ def _constraint(
         constraint = tools
     constraint = constraint or body.structured_outputs
     if constraint is not None and state.reasoning is not None:
+        if not state.reasoning.grammars:
+            raise APIError(
+                400,
+                f"the server reads reasoning with the {state.reasoning.name!r} parser, after "
+                "whose thinking no grammar is applied: response_format, structured_outputs "
+                'and a "required" or named tool_choice are not served',
+                param="tool_choice" if tools is not None else _fields(body).grammar,
+            )
         # A forced call's thinking is bounded, so that the call always comes.
         bound = state.max_forced_reasoning_chars if tools is not None else None
         constraint = state.reasoning.constrain(
@@ -318,9 +326,19 @@ def chat_params(
         compact_json=state.disable_any_whitespace,
         tokenizer=state.tokenizer,
     )
-    parser = state.tool_parser
-    if choice.mode == "auto" and parser is not None and parser.keeps_special_tokens:
-        params = msgspec.structs.replace(params, skip_special_tokens=False)
+    # Formats whose markers are special tokens read them in the text: kept, and (harmony's)
+    # without the spaces the detokenizer writes around them by default.
+    reasoning = state.reasoning
+    parser = state.tool_parser if choice.mode == "auto" else None
+    keep, spaces = False, True
+    if reasoning is not None and reasoning.keeps_special_tokens:
+        keep, spaces = True, False
+    if parser is not None and parser.keeps_special_tokens:
+        keep, spaces = True, spaces and parser.spaces_around_special_tokens
+    if keep:
+        params = msgspec.structs.replace(
+            params, skip_special_tokens=False, spaces_between_special_tokens=spaces
+        )
     return params
 
 

@@ -103,6 +103,19 @@ REPLIES = [
     },
     {"match": r"user: json think", "text": '<think>It wants JSON.</think>\n{"answer": 4}'},
     {"match": r"user: agent", "text": _HERMES_WEATHER},
+    # gpt-oss's harmony format (the byte tokenizer spells its special tokens out).
+    {
+        "match": r"user: harmony think",
+        "text": "<|channel|>analysis<|message|>The user asks 2+2.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>The answer is 4.<|return|>",
+    },
+    {
+        "match": r"user: harmony weather",
+        "text": "<|channel|>analysis<|message|>The weather is needed.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        f"<|message|>{json.dumps(WEATHER_ARGS)}<|call|>",
+    },
+    {"match": r"user: harmony plain", "text": "<|channel|>final<|message|>Hello there.<|return|>"},
 ]
 
 TEMPLATE = (
@@ -129,6 +142,11 @@ SERVERS: dict[str, dict[str, Any]] = {
     "deepseek_r1": {
         "reasoning_parser": "deepseek_r1",
         "max_forced_reasoning_chars": FORCED_REASONING_CHARS,
+    },
+    "gpt_oss": {
+        "tool_call_parser": "openai",
+        "enable_auto_tool_choice": True,
+        "reasoning_parser": "gpt_oss",
     },
     "plain": {},
 }
