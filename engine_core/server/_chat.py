@@ -336,9 +336,9 @@ def chat_params(
     if parser is not None and parser.keeps_special_tokens:
         keep, spaces = True, spaces and parser.spaces_around_special_tokens
     if keep:
-        params = msgspec.structs.replace(
-            params, skip_special_tokens=False, spaces_between_special_tokens=spaces
-        )
+        params = msgspec.structs.replace(params, skip_special_tokens=False)
+    if not spaces:
+        params = msgspec.structs.replace(params, spaces_between_special_tokens=False)
     return params
 
 
