@@ -116,6 +116,13 @@ REPLIES = [
         f"<|message|>{json.dumps(WEATHER_ARGS)}<|call|>",
     },
     {"match": r"user: harmony plain", "text": "<|channel|>final<|message|>Hello there.<|return|>"},
+    {
+        "match": r"user: harmony preamble",
+        "text": "<|channel|>analysis<|message|>The weather is needed.<|end|>"
+        "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        f"<|message|>{json.dumps(WEATHER_ARGS)}<|call|>",
+    },
 ]
 
 TEMPLATE = (

@@ -47,6 +47,16 @@ async def test_a_commentary_message_to_a_function_is_a_tool_call(servers: ToolSe
     assert json.loads(call.function.arguments) == WEATHER_ARGS
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_commentary_preamble_before_a_call_is_content(
+    servers: ToolServers, stream: bool
+) -> None:
+    reasoning, content, _, _ = await reply(
+        servers, "gpt_oss", "harmony preamble", stream, temperature=0, tools=TOOLS
+    )
+    assert (reasoning, content) == ("The weather is needed.", "Let me check.")
+
+
 async def test_the_tool_call_streams(servers: ToolServers) -> None:
     _, content, _, chunks = await reply(
         servers, "gpt_oss", "harmony weather", True, temperature=0, tools=TOOLS

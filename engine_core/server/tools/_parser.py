@@ -42,6 +42,15 @@ class ToolParser:
     def parse(self, text: str, final: bool) -> Parsed:
         raise NotImplementedError
 
+    rewrites_content: ClassVar[bool] = False
+    """The content is not the text as written (the format frames its messages): see
+    :meth:`plain`."""
+
+    def plain(self, text: str) -> str:
+        """The content of ``text`` when it holds no call: the text as written, or (a format
+        that :attr:`rewrites_content`) the text without its framing."""
+        return text
+
     def markup_start(self, text: str, start: int) -> int | None:
         """Where markup could begin in ``text``, searching from ``start`` (before which none
         does): the first marker, or a tail that could begin one; None when nothing can, so

@@ -104,7 +104,12 @@ class ToolCallStream:
         if parsed.ended:
             self._ended = True
             self._text = ""
-        elif not parsed.calls and text.startswith(parsed.content) and parsed.content:
+        elif (
+            not parsed.calls
+            and parsed.content
+            and not self.parser.rewrites_content
+            and text.startswith(parsed.content)
+        ):
             # No markup after all where it seemed to start (a tail that could have begun a
             # marker did not): look for it afresh past that content.
             self._text = text[len(parsed.content) :]
