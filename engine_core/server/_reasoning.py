@@ -10,12 +10,13 @@
   (``<|channel|>analysis<|message|>…<|end|>``) is the thinking; the ``final`` channel's header
   (``<|start|>assistant<|channel|>final<|message|>``) and the end marker (``<|return|>``) are left
   out of the content; tool calls on the ``commentary`` channel are the ``openai`` tool parser's.
-  Grammars are not applied after its thinking (a request with one is refused).
+  A grammar applies to the ``final`` message, after the header it writes.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,8 +58,6 @@ class ReasoningParser:
     keeps_special_tokens: bool = False
     """The markers are special tokens, which the text must keep (without spaces around
     them)."""
-    grammars: bool = True
-    """Whether :meth:`constrain` can apply a grammar after the thinking."""
 
     def split(self, text: str, final: bool) -> tuple[str, str, bool]:
         """(reasoning, content, whether the thinking ended) of the text so far; while it is
@@ -123,19 +122,15 @@ class ReasoningParser:
         *,
         compact: bool = False,
         max_thought_chars: int | None = None,
+        special_tokens: bool = False,
     ) -> StructuredOutputsParams:
         """``params`` applied after the thinking: a Lark grammar that lets the output think
         first (``compact``: JSON without whitespace, as ``disable_any_whitespace`` asks), at
         most ``max_thought_chars`` characters before the grammar closes the block (None: no
         limit; 0: no thought at all). Regexes and grammars given as such are kept as they are
-        (they constrain the whole output). ``ValueError`` for a parser without
-        :attr:`grammars`."""
-        if not self.grammars:
-            raise ValueError(
-                f"grammars (response_format, structured_outputs, a required or named "
-                f"tool_choice) are not applied after the thinking of the {self.name!r} "
-                "reasoning parser"
-            )
+        (they constrain the whole output). ``special_tokens``: the tokenizer has the markers
+        of a parser that :attr:`keeps_special_tokens` as special tokens (the grammar then
+        names them as such; else it spells them out)."""
         compact = compact or params.disable_any_whitespace
         if params.json is not None or params.json_object:
             schema: Any = {"type": "object"}
@@ -154,6 +149,10 @@ class ReasoningParser:
             body = " | ".join(json.dumps(choice) for choice in params.choice)
         else:
             return params
+        if self.content_headers:
+            return StructuredOutputsParams(
+                grammar=self._channel_grammar(body, max_thought_chars, special_tokens)
+            )
         # An output that thinks from its start must end the thinking (all of it is thinking
         # until the marker); any other may write its answer at once, or open the block first.
         start = f"(?:{START})?" if self.implicit_start else START
@@ -173,6 +172,31 @@ class ReasoningParser:
         grammar = f"start: {block} body\n{thought}\nbody: {body}\n"
         return StructuredOutputsParams(grammar=grammar)
 
+    def _channel_grammar(self, body: str, max_thought_chars: int | None, special: bool) -> str:
+        """gpt-oss's: an optional thinking message, then the content's header (the one after
+        a thinking message, or the one alone: :attr:`content_headers`) and ``body``."""
+        after, alone = self.content_headers
+        if special:  # the markers are tokens of their own: named as such
+            start, end = _spelled(self.start, True), _spelled(self.end, True)
+            header_after, header_alone = _spelled(after, True), _spelled(alone, True)
+            bound = "*" if max_thought_chars is None else f"{{0,{max_thought_chars}}}"
+            thought = f"thought: {start} THOUGHT {end}\nTHOUGHT: /(?s:.{bound})/"
+        else:  # the markers are text: the thinking lexeme ends at the end marker
+            header_after, header_alone = json.dumps(after), json.dumps(alone)
+            start, end = re.escape(self.start), re.escape(self.end)
+            if max_thought_chars is None:
+                thought = f"thought[suffix={json.dumps(self.end)}]: /(?s:{start}.*)/"
+            else:
+                thought = (
+                    f"thought: THOUGHT\nTHOUGHT: /(?s:{start}.{{0,{max_thought_chars}}}){end}/"
+                )
+                thought += f" & ~/(?s:.*{end}.+)/"
+        if max_thought_chars == 0:
+            return f"start: {header_alone} body\nbody: {body}\n"
+        return (
+            f"start: thought {header_after} body | {header_alone} body\n{thought}\nbody: {body}\n"
+        )
+
 
 REASONING_PARSERS = {
     "qwen3": ReasoningParser("qwen3", implicit_start=False),
@@ -188,9 +212,26 @@ REASONING_PARSERS = {
         ),
         content_end="<|return|>",
         keeps_special_tokens=True,
-        grammars=False,
     ),
 }
+
+
+_SPECIAL = re.compile(r"<\|[a-z_]+\|>")
+
+
+def _spelled(markers: str, special: bool) -> str:
+    """``markers`` in a Lark grammar: its special tokens named (``<|channel|>``), the text
+    between them quoted."""
+    parts = []
+    pos = 0
+    for found in _SPECIAL.finditer(markers):
+        if found.start() > pos:
+            parts.append(json.dumps(markers[pos : found.start()]))
+        parts.append(found.group() if special else json.dumps(found.group()))
+        pos = found.end()
+    if pos < len(markers):
+        parts.append(json.dumps(markers[pos:]))
+    return " ".join(parts)
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:

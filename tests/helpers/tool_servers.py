@@ -117,6 +117,17 @@ REPLIES = [
     },
     {"match": r"user: harmony plain", "text": "<|channel|>final<|message|>Hello there.<|return|>"},
     {
+        "match": r"user: harmony json",
+        "text": "<|channel|>analysis<|message|>It wants JSON.<|end|>"
+        '<|start|>assistant<|channel|>final<|message|>{"answer": 4}',
+    },
+    {
+        "match": r"user: harmony forced",
+        "text": "<|channel|>analysis<|message|>The weather is needed.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>"
+        + json.dumps([{"name": "get_weather", "parameters": WEATHER_ARGS}]),
+    },
+    {
         "match": r"user: harmony preamble",
         "text": "<|channel|>analysis<|message|>The weather is needed.<|end|>"
         "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>"
@@ -154,6 +165,7 @@ SERVERS: dict[str, dict[str, Any]] = {
         "tool_call_parser": "openai",
         "enable_auto_tool_choice": True,
         "reasoning_parser": "gpt_oss",
+        "max_forced_reasoning_chars": FORCED_REASONING_CHARS,
     },
     "plain": {},
 }

@@ -1,8 +1,8 @@
 """gpt-oss's harmony format through the official ``openai`` client (``--reasoning-parser
 gpt_oss --tool-call-parser openai``), whole and streamed, under asyncio and trio: the
 ``analysis`` channel is ``reasoning_content``, the ``final`` channel the content (its header and
-end marker left out), a ``commentary`` message to a function a tool call; grammars after its
-thinking are refused."""
+end marker left out), a ``commentary`` message to a function a tool call; grammars apply to the
+``final`` message, the markers spelled out (the byte tokenizer) or named as special tokens."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ from typing import Any
 
 import openai
 import pytest
-from helpers.tool_servers import MODEL, TOOLS, WEATHER_ARGS, ToolServers, in_thread
+from helpers.tool_servers import (
+    FORCED_REASONING_CHARS,
+    MODEL,
+    TOOLS,
+    WEATHER_ARGS,
+    ToolServers,
+    in_thread,
+)
 from test_reasoning import reply
 
 pytestmark = pytest.mark.anyio
@@ -74,22 +81,46 @@ async def test_the_tool_call_streams(servers: ToolServers) -> None:
     assert reasons == ["tool_calls"]
 
 
-@pytest.mark.parametrize(
-    ("fields", "param"),
-    [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ],
-)
-async def test_grammars_after_its_thinking_are_refused(
-    servers: ToolServers, fields: dict[str, Any], param: str
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"answer": {"type": "integer"}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_json_schema_applies_to_the_final_message(
+    servers: ToolServers, stream: bool
 ) -> None:
-    client = servers.client("gpt_oss")
-    messages: Any = [{"role": "user", "content": "harmony think"}]
-    with pytest.raises(openai.BadRequestError) as info:
-        await in_thread(client.chat.completions.create, model=MODEL, messages=messages, **fields)
-    body: Any = info.value.body
-    assert body["param"] == param and "'gpt_oss'" in body["message"]
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    reasoning, content, _, _ = await reply(
+        servers, "gpt_oss", "harmony json", stream, temperature=0, response_format=response_format
+    )
+    assert reasoning == "It wants JSON."
+    assert content is not None and json.loads(content) == {"answer": 4}
+
+
+async def test_a_required_tool_choice_thinks_then_calls(servers: ToolServers) -> None:
+    reasoning, _, _, choice = await reply(
+        servers, "gpt_oss", "harmony forced", False, temperature=0, tools=TOOLS,
+        tool_choice="required",
+    )  # fmt: skip
+    assert reasoning == "The weather is needed."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == WEATHER_ARGS
+
+
+async def test_a_forced_call_bounds_the_thinking(servers: ToolServers) -> None:
+    """Without a scripted reply the mock would think on: the grammar ends the thinking after
+    the bound and writes the final header, and the call comes."""
+    reasoning, _, _, choice = await reply(
+        servers, "gpt_oss", "hi", False, temperature=0, tools=TOOLS, tool_choice="required",
+        max_tokens=400,
+    )  # fmt: skip
+    assert reasoning is not None and len(reasoning) <= FORCED_REASONING_CHARS
+    assert choice.message.tool_calls and choice.finish_reason == "tool_calls"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -117,7 +148,8 @@ HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|const
 async def test_the_markers_as_special_tokens_stay_in_the_text(tmp_path: Any) -> None:
     """With a tokenizer whose harmony markers are special tokens (gpt-oss's), the server keeps
     them in the text it reads (``skip_special_tokens`` off for the request), so the channels
-    still split; the end marker is the EOS token."""
+    still split, and a grammar names them as special tokens; the end marker is the EOS
+    token."""
     import contextlib
 
     import anyio
@@ -132,7 +164,9 @@ async def test_the_markers_as_special_tokens_stay_in_the_text(tmp_path: Any) -> 
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|return|>"}))
     text = ("<|channel|>analysis<|message|>The user asks 2+2.<|end|>"
             "<|start|>assistant<|channel|>final<|message|>The answer is 4.")  # fmt: skip
-    replies = [{"match": "user: 2", "text": text}]
+    json_text = ("<|channel|>analysis<|message|>It wants JSON.<|end|>"
+                 '<|start|>assistant<|channel|>final<|message|>{"answer": 4}')  # fmt: skip
+    replies = [{"match": "user: 2", "text": text}, {"match": "user: 3", "text": json_text}]
     settings = ServerSettings(port=0, served_model_names=(MODEL,), chat_template=TEMPLATE,
                               reasoning_parser="gpt_oss", tool_call_parser="openai",
                               enable_auto_tool_choice=True)  # fmt: skip
@@ -159,6 +193,17 @@ async def test_the_markers_as_special_tokens_stay_in_the_text(tmp_path: Any) -> 
                 messages=[{"role": "user", "content": "2"}],
                 temperature=0,
             )
+            # The grammar names the markers as special tokens: the reply's tokens pass it.
+            constrained = await in_thread(
+                client.chat.completions.create,
+                model=MODEL,
+                messages=[{"role": "user", "content": "3"}],
+                temperature=0,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": SCHEMA},
+                },
+            )
         stop.set()
     message: Any = result.choices[0].message
     assert (message.reasoning_content, message.content) == (
@@ -171,3 +216,6 @@ async def test_the_markers_as_special_tokens_stay_in_the_text(tmp_path: Any) -> 
     thinking = HFTokenizer(path).encode("<|channel|>analysis<|message|>The user asks 2+2.<|end|>")
     details = result.usage.completion_tokens_details if result.usage else None
     assert details is not None and details.reasoning_tokens == len(thinking)
+    answer: Any = constrained.choices[0].message
+    assert answer.reasoning_content == "It wants JSON."
+    assert json.loads(answer.content) == {"answer": 4}
