@@ -468,21 +468,29 @@ def test_tensor_parallel_adapters_equal_merged_models(
         assert out.outputs[0].token_ids == greedy(reference, out.prompt_token_ids, 6)
 
 
-def test_gemma2_adapter_equals_its_merged_model(tiny: dict[str, TinyModel], tmp_path: Path) -> None:
-    """Gemma 2 (window and full layers, soft caps, its own decoder layer) with an adapter on
-    every served module, beside the base model."""
+def _assert_adapter_beside_the_base(
+    model: TinyModel, adapter: Adapter, prompt: list[int], max_tokens: int = 5
+) -> None:
+    """One prompt under the base model and under ``adapter`` in one batch: the adapter changes
+    the tokens, and each equals its reference's greedy tokens (the merged model's)."""
     from engine_core import SamplingParams as Params
 
-    model = tiny["gemma2"]
-    adapter = build_adapter(model.hf, "all", tmp_path / "gemma2-all", seed=3)
-    lora = LoRARequest("gemma2-all", 1, str(adapter.path))
-    prompts = [{"prompt_token_ids": _prompt(4, 17)}] * 2
-    params = Params(temperature=0.0, max_tokens=5, ignore_eos=True)
+    lora = LoRARequest(adapter.name, 1, str(adapter.path))
+    prompts = [{"prompt_token_ids": prompt}] * 2
+    params = Params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     with model.llm(block_size=4, enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=[None, lora])
     assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids
     for out, reference in zip(outputs, [model.hf, adapter.merged], strict=True):
-        assert out.outputs[0].token_ids == greedy(reference, out.prompt_token_ids, 5)
+        assert out.outputs[0].token_ids == greedy(reference, out.prompt_token_ids, max_tokens)
+
+
+def test_gemma2_adapter_equals_its_merged_model(tiny: dict[str, TinyModel], tmp_path: Path) -> None:
+    """Gemma 2 (window and full layers, soft caps, its own decoder layer) with an adapter on
+    every served module, beside the base model."""
+    model = tiny["gemma2"]
+    adapter = build_adapter(model.hf, "all", tmp_path / "gemma2-all", seed=3)
+    _assert_adapter_beside_the_base(model, adapter, _prompt(4, 17))
 
 
 def test_sleep_frees_the_slots_and_wake_up_reloads_them(
@@ -565,15 +573,6 @@ def test_mixture_of_experts_adapters_on_attention_equal_the_merged_model(
 ) -> None:
     """A mixture-of-experts model (gpt-oss: sinks, window layers, biased projections) with an
     adapter on its attention projections, beside the base model."""
-    from engine_core import SamplingParams as Params
-
     model = tiny[kind]
     adapter = build_adapter(model.hf, "attn", tmp_path / f"{kind}-attn", seed=5)
-    lora = LoRARequest(f"{kind}-attn", 1, str(adapter.path))
-    prompts = [{"prompt_token_ids": _prompt(6, 21)}] * 2
-    params = Params(temperature=0.0, max_tokens=5, ignore_eos=True)
-    with model.llm(block_size=4, enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
-        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=[None, lora])
-    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids
-    for out, reference in zip(outputs, [model.hf, adapter.merged], strict=True):
-        assert out.outputs[0].token_ids == greedy(reference, out.prompt_token_ids, 5)
+    _assert_adapter_beside_the_base(model, adapter, _prompt(6, 21))
