@@ -48,6 +48,13 @@ TOOLS: list[Any] = [
     {"type": "function", "function": {"name": "get_time", "parameters": TIME_SCHEMA}},
 ]
 SCHEMAS = {"get_weather": WEATHER_SCHEMA, "get_time": TIME_SCHEMA}
+ANSWER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"answer": {"type": "integer"}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+"""The JSON schema the replies that think before answering JSON (``{"answer": 4}``) meet."""
 
 
 def _call(name: str, args: dict[str, Any], key: str = "arguments") -> str:

@@ -12,6 +12,7 @@ from typing import Any
 import openai
 import pytest
 from helpers.tool_servers import (
+    ANSWER_SCHEMA,
     FORCED_REASONING_CHARS,
     MODEL,
     TOOLS,
@@ -81,19 +82,14 @@ async def test_the_tool_call_streams(servers: ToolServers) -> None:
     assert reasons == ["tool_calls"]
 
 
-SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"answer": {"type": "integer"}},
-    "required": ["answer"],
-    "additionalProperties": False,
-}
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 async def test_a_json_schema_applies_to_the_final_message(
     servers: ToolServers, stream: bool
 ) -> None:
-    response_format: Any = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    response_format: Any = {
+        "type": "json_schema",
+        "json_schema": {"name": "a", "schema": ANSWER_SCHEMA},
+    }
     reasoning, content, _, _ = await reply(
         servers, "gpt_oss", "harmony json", stream, temperature=0, response_format=response_format
     )
@@ -201,7 +197,7 @@ async def test_the_markers_as_special_tokens_stay_in_the_text(tmp_path: Any) -> 
                 temperature=0,
                 response_format={
                     "type": "json_schema",
-                    "json_schema": {"name": "a", "schema": SCHEMA},
+                    "json_schema": {"name": "a", "schema": ANSWER_SCHEMA},
                 },
             )
         stop.set()

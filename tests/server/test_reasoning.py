@@ -10,6 +10,7 @@ from typing import Any
 import jsonschema
 import pytest
 from helpers.tool_servers import (
+    ANSWER_SCHEMA,
     FORCED_REASONING_CHARS,
     MODEL,
     SCHEMAS,
@@ -112,12 +113,7 @@ async def test_deepseek_r1_output_that_never_ends_thinking_is_all_reasoning(
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 async def test_a_json_schema_applies_after_the_thinking(servers: ToolServers, stream: bool) -> None:
-    schema = {
-        "type": "object",
-        "properties": {"answer": {"type": "integer"}},
-        "required": ["answer"],
-        "additionalProperties": False,
-    }
+    schema = ANSWER_SCHEMA
     response_format: Any = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
     reasoning, content, _, _ = await reply(
         servers, "hermes", "json think", stream, temperature=0, response_format=response_format

@@ -10,6 +10,7 @@ from typing import Any
 import openai
 import pytest
 from helpers.tool_servers import (
+    ANSWER_SCHEMA,
     BROKEN,
     MODEL,
     TIME_SCHEMA,
@@ -112,12 +113,7 @@ async def test_a_function_tool_gives_a_function_call_item(
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 async def test_reasoning_and_a_json_schema(servers: ToolServers, stream: bool) -> None:
-    schema = {
-        "type": "object",
-        "properties": {"answer": {"type": "integer"}},
-        "required": ["answer"],
-        "additionalProperties": False,
-    }
+    schema = ANSWER_SCHEMA
     kwargs = {
         "input": "json think",
         "temperature": 0,
