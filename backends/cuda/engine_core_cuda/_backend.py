@@ -176,27 +176,23 @@ class CudaBackend(Backend):
         return specs
 
     def available_kv_cache_memory(self) -> int:
-        """The minimum over the ranks under tensor parallelism. With a draft model, the share
-        of the target's cache: the draft's blocks take the rest (same block ids)."""
+        """The minimum over the ranks under tensor parallelism. With a draft model (on rank 0
+        alone), that rank's share of the target's cache: the draft's blocks take the rest (same
+        block ids)."""
+        others: list[Any] = []
         if self.tp is None:
-            memory = available_kv_cache_memory(self.runner, self.config.kv_cache_memory_fraction)
-            drafter = self.runner.drafter
-            if drafter is None:
-                return memory
+            own = available_kv_cache_memory(self.runner, self.config.kv_cache_memory_fraction)
+        else:
+            with self.tp.on_every_rank("available_kv_cache_memory") as others:
+                own = available_kv_cache_memory(self.runner, self.config.kv_cache_memory_fraction)
+        drafter = self.runner.drafter
+        if drafter is not None:
             block_size = self.config.block_size
             spec = self.kv_cache_spec()  # one group with a draft model
             assert isinstance(spec, KVCacheSpec)
-            own = spec.bytes_per_block(block_size)
-            return memory * own // (own + drafter.block_bytes(block_size))
-        with self.tp.on_every_rank("available_kv_cache_memory") as others:
-            own = available_kv_cache_memory(self.runner, self.config.kv_cache_memory_fraction)
-        drafter = self.runner.drafter
-        if drafter is not None:  # rank 0's draft blocks share its memory (same block ids)
-            spec = self.kv_cache_spec()
-            assert isinstance(spec, KVCacheSpec)
-            block = spec.bytes_per_block(self.config.block_size)
-            own = own * block // (block + drafter.block_bytes(self.config.block_size))
-        return min(own, *(v for v in others if isinstance(v, int)))
+            block = spec.bytes_per_block(block_size)
+            own = own * block // (block + drafter.block_bytes(block_size))
+        return min([own, *(v for v in others if isinstance(v, int))])
 
     def initialize_kv_cache(
         self, num_blocks: int, kv_groups: Sequence[Sequence[int]] | None = None
