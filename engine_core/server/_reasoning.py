@@ -155,18 +155,14 @@ class ReasoningParser:
             )
         # An output that thinks from its start must end the thinking (all of it is thinking
         # until the marker); any other may write its answer at once, or open the block first.
-        start = f"(?:{START})?" if self.implicit_start else START
-        if max_thought_chars is None:  # ends where the model writes the marker
-            thought = f'thought[suffix="{END}"]: /(?s:{start}.*)/'
+        # (With a bound, a <think> of its own that an output thinking from its start writes
+        # counts among the characters: llguidance's lexer gives up on such a bound after an
+        # optional <think>.)
+        if max_thought_chars is None:
+            start = f"(?:{START})?" if self.implicit_start else START
         else:
-            # One lexeme: at most that many characters without the marker, then the marker,
-            # which the grammar forces once the characters are spent. (A <think> of its own
-            # that an output thinking from its start writes counts among them: llguidance's
-            # lexer gives up on such a bound after an optional <think>.)
             start = "" if self.implicit_start else START
-            end = END.replace("/", "\\/")
-            thought = f"thought: THOUGHT\nTHOUGHT: /(?s:{start}.{{0,{max_thought_chars}}}){end}/"
-            thought += f" & ~/(?s:.*{end}.+)/"
+        thought = _thought_rule(start, END.replace("/", "\\/"), END, max_thought_chars)
         space = "/[ \\t\\r\\n]*/"
         block = f"thought {space}" if self.implicit_start else f"(thought {space})?"
         grammar = f"start: {block} body\n{thought}\nbody: {body}\n"
@@ -177,20 +173,15 @@ class ReasoningParser:
         a thinking message, or the one alone: :attr:`content_headers`) and ``body``."""
         after, alone = self.content_headers
         if special:  # the markers are tokens of their own: named as such
-            start, end = _spelled(self.start, True), _spelled(self.end, True)
-            header_after, header_alone = _spelled(after, True), _spelled(alone, True)
+            start, end = _named(self.start), _named(self.end)
+            header_after, header_alone = _named(after), _named(alone)
             bound = "*" if max_thought_chars is None else f"{{0,{max_thought_chars}}}"
             thought = f"thought: {start} THOUGHT {end}\nTHOUGHT: /(?s:.{bound})/"
         else:  # the markers are text: the thinking lexeme ends at the end marker
             header_after, header_alone = json.dumps(after), json.dumps(alone)
-            start, end = re.escape(self.start), re.escape(self.end)
-            if max_thought_chars is None:
-                thought = f"thought[suffix={json.dumps(self.end)}]: /(?s:{start}.*)/"
-            else:
-                thought = (
-                    f"thought: THOUGHT\nTHOUGHT: /(?s:{start}.{{0,{max_thought_chars}}}){end}/"
-                )
-                thought += f" & ~/(?s:.*{end}.+)/"
+            thought = _thought_rule(
+                re.escape(self.start), re.escape(self.end), self.end, max_thought_chars
+            )
         if max_thought_chars == 0:
             return f"start: {header_alone} body\nbody: {body}\n"
         return (
@@ -219,7 +210,7 @@ REASONING_PARSERS = {
 _SPECIAL = re.compile(r"<\|[a-z_]+\|>")
 
 
-def _spelled(markers: str, special: bool) -> str:
+def _named(markers: str) -> str:
     """``markers`` in a Lark grammar: its special tokens named (``<|channel|>``), the text
     between them quoted."""
     parts = []
@@ -227,11 +218,22 @@ def _spelled(markers: str, special: bool) -> str:
     for found in _SPECIAL.finditer(markers):
         if found.start() > pos:
             parts.append(json.dumps(markers[pos : found.start()]))
-        parts.append(found.group() if special else json.dumps(found.group()))
+        parts.append(found.group())
         pos = found.end()
     if pos < len(markers):
         parts.append(json.dumps(markers[pos:]))
     return " ".join(parts)
+
+
+def _thought_rule(start: str, end: str, end_text: str, bound: int | None) -> str:
+    """The Lark rule ``thought`` of a thinking block whose markers are text: ``start`` (a
+    regex), then the thinking up to the marker ``end_text`` (``end``: it as a regex). With a
+    ``bound``, one lexeme of at most that many characters without the marker, then the marker,
+    which the grammar forces once the characters are spent; without, it ends where the model
+    writes the marker."""
+    if bound is None:
+        return f"thought[suffix={json.dumps(end_text)}]: /(?s:{start}.*)/"
+    return f"thought: THOUGHT\nTHOUGHT: /(?s:{start}.{{0,{bound}}}){end}/ & ~/(?s:.*{end}.+)/"
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
