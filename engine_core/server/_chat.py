@@ -12,7 +12,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine_core._core.checks import show
-from engine_core._core.tokenizer import Tokenizer
 from engine_core.outputs import RequestOutput
 from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 from engine_core.server._chat_output import ChatReader
@@ -272,21 +271,13 @@ def _constraint(
     if constraint is not None and reasoning is not None:
         # A forced call's thinking is bounded, so that the call always comes.
         bound = state.max_forced_reasoning_chars if tools is not None else None
-        special = reasoning.keeps_special_tokens and _is_special(state.tokenizer, reasoning.end)
         constraint = reasoning.constrain(
             constraint,
             compact=state.disable_any_whitespace,
             max_thought_chars=bound,
-            special_tokens=special,
+            special_tokens=state.reasoning_markers_special,
         )
     return constraint
-
-
-def _is_special(tokenizer: Tokenizer, marker: str) -> bool:
-    """Whether ``marker`` is one special token of ``tokenizer`` (a token that decoding with
-    ``skip_special_tokens`` leaves out)."""
-    ids = tokenizer.encode(marker, add_special_tokens=False)
-    return len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == ""
 
 
 def tool_choice_of(state: ServerState, body: ChatCompletionRequest) -> ToolChoice:

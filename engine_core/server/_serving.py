@@ -10,6 +10,7 @@ sequences than the engine's running batch and queue hold together.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 import time
@@ -92,6 +93,17 @@ class ServerState:
     """LoRA adapters by the name a request's ``model`` gives (``--lora-modules``, and those
     loaded at run time)."""
     _lora_ids: int = 0
+
+    @functools.cached_property
+    def reasoning_markers_special(self) -> bool:
+        """Whether the reasoning parser's end marker is one special token of the tokenizer (a
+        token that decoding with ``skip_special_tokens`` leaves out): its grammars then name
+        the markers as special tokens."""
+        reasoning = self.reasoning
+        if reasoning is None or not reasoning.keeps_special_tokens:
+            return False
+        ids = self.tokenizer.encode(reasoning.end, add_special_tokens=False)
+        return len(ids) == 1 and self.tokenizer.decode(ids, skip_special_tokens=True) == ""
 
     def next_lora_id(self) -> int:
         """An adapter id no adapter of this server had."""
